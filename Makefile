@@ -1,0 +1,30 @@
+# Two commands on a fresh machine: `make run` (main job) and `make test` (the tests).
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+CONFIG ?= configs/toy.yaml
+
+.PHONY: setup run test lint clean
+
+$(BIN)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	# torch first and pinned: the CPU build from the local wheel, never a CUDA build from a resolver
+	$(BIN)/pip install --quiet "torch==2.13.0"
+	$(BIN)/pip install --quiet -e ".[dev]" "torch==2.13.0"
+	touch $@
+
+setup: $(BIN)/.installed
+
+run: setup
+	$(BIN)/distillgates run $(CONFIG)
+
+test: setup
+	$(BIN)/ruff check .
+	$(BIN)/python -m pytest -q
+
+lint: setup
+	$(BIN)/ruff check .
+	$(BIN)/mypy src/distillgates
+
+clean:
+	rm -rf $(VENV) runs .pytest_cache

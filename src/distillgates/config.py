@@ -1,0 +1,475 @@
+"""Dataclass configs loaded from YAML with validation.
+
+Every YAML in ``configs/`` is a (partial) :class:`Config`: a mapping of named sections
+(``student``, ``drafter``, ``teacher``, ``data``, ``shapes``, ``train``, ``export``,
+``speed``, ``gates``, ...). ``hardware_profiles.yaml`` has its own schema
+(:mod:`distillgates.hardware`).
+
+Design choices:
+- One loader (:func:`from_dict`) turns nested mappings into nested dataclasses using the
+  type hints; an unknown key, a wrong type or a failed ``__post_init__`` check raises
+  :class:`ConfigError` naming the file, the line and the dotted field path.
+- Impossible combinations are checked in ``__post_init__`` (litgpt ``args.py`` style), so a
+  config built in Python is validated exactly like one read from YAML.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+
+class ConfigError(ValueError):
+    """A config value is missing, unknown, of the wrong type or inconsistent."""
+
+
+# --------------------------------------------------------------------------------------
+# Model
+
+
+@dataclass
+class RopeScaling:
+    """Optional RoPE frequency scaling (Llama-3 style or plain linear)."""
+
+    kind: str = "llama3"  # "linear" or "llama3"
+    factor: float = 8.0  # context extension factor
+    low_freq_factor: float = 1.0  # llama3 only
+    high_freq_factor: float = 4.0  # llama3 only
+    original_max_seq_len: int = 8192  # llama3 only: context the base model was trained on
+
+    def __post_init__(self) -> None:
+        if self.kind not in ("linear", "llama3"):
+            raise ValueError(f"kind must be 'linear' or 'llama3', got {self.kind!r}")
+        if self.factor <= 0:
+            raise ValueError(f"factor must be > 0, got {self.factor}")
+
+
+@dataclass
+class ModelConfig:
+    """Llama-style decoder with grouped-query attention."""
+
+    vocab_size: int
+    d_model: int  # residual width
+    n_layers: int
+    n_heads: int  # query heads
+    n_kv_heads: int  # key/value heads (GQA: n_heads % n_kv_heads == 0)
+    ffn_hidden: int  # SwiGLU hidden width
+    max_seq_len: int  # KV cache length and RoPE table size
+    head_dim: int | None = None  # defaults to d_model // n_heads; must satisfy d_model == n_heads * head_dim
+    rope_theta: float = 10000.0
+    rope_scaling: RopeScaling | None = None
+    norm_eps: float = 1e-5  # RMSNorm epsilon (fp16-safe: not below 1e-6)
+    tie_embeddings: bool = True  # share token embedding and LM head
+    gradient_checkpointing: bool = False  # recompute blocks in backward (torch.utils.checkpoint)
+
+    def __post_init__(self) -> None:
+        for name in ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "ffn_hidden", "max_seq_len"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+        if self.n_heads % self.n_kv_heads != 0:
+            raise ValueError(f"n_heads ({self.n_heads}) must be divisible by n_kv_heads ({self.n_kv_heads})")
+        if self.head_dim is None:
+            if self.d_model % self.n_heads != 0:
+                raise ValueError(f"d_model ({self.d_model}) must be divisible by n_heads ({self.n_heads})")
+            self.head_dim = self.d_model // self.n_heads
+        if self.d_model != self.n_heads * self.head_dim:
+            raise ValueError(
+                f"d_model ({self.d_model}) must equal n_heads * head_dim ({self.n_heads} * {self.head_dim})"
+            )
+        if self.head_dim % 2 != 0:
+            raise ValueError(f"head_dim must be even for RoPE, got {self.head_dim}")
+
+    @property
+    def n_params(self) -> int:
+        """Parameter count computed from the shape (no allocation)."""
+        hd = self.head_dim or self.d_model // self.n_heads
+        attn = self.d_model * hd * (self.n_heads * 2 + self.n_kv_heads * 2)
+        mlp = 3 * self.d_model * self.ffn_hidden
+        per_layer = attn + mlp + 2 * self.d_model
+        head = 0 if self.tie_embeddings else self.vocab_size * self.d_model
+        return self.vocab_size * self.d_model + self.n_layers * per_layer + self.d_model + head
+
+    def kv_cache_bytes(self, seq_len: int, bytes_per_elem: int = 2, batch: int = 1) -> int:
+        """KV bytes = 2 (K and V) * layers * kv_heads * head_dim * seq_len * bytes * batch."""
+        return 2 * self.n_layers * self.n_kv_heads * (self.head_dim or 0) * seq_len * bytes_per_elem * batch
+
+
+# --------------------------------------------------------------------------------------
+# Pipeline sections
+
+
+@dataclass
+class TokenizerConfig:
+    """Byte-level BPE trained on the toy corpus."""
+
+    vocab_size: int = 1024
+    min_frequency: int = 2
+
+
+@dataclass
+class ShapesConfig:
+    """Enumerated sequence shapes shared by data bucketing, training, export and eval slices."""
+
+    lengths: list[int] = field(default_factory=lambda: [512, 1024, 2048, 4096])
+    mix: list[float] = field(default_factory=lambda: [0.4, 0.4, 0.15, 0.05])  # production share per length
+
+    def __post_init__(self) -> None:
+        if not self.lengths:
+            raise ValueError("lengths must not be empty")
+        if sorted(set(self.lengths)) != list(self.lengths):
+            raise ValueError(f"lengths must be strictly increasing, got {self.lengths}")
+        if len(self.mix) != len(self.lengths):
+            raise ValueError(f"mix has {len(self.mix)} entries but lengths has {len(self.lengths)}")
+        if any(p < 0 for p in self.mix) or abs(sum(self.mix) - 1.0) > 1e-6:
+            raise ValueError(f"mix must be non-negative and sum to 1, got {self.mix}")
+
+
+@dataclass
+class DataConfig:
+    """Toy tool-calling dataset generation."""
+
+    seed: int = 0
+    n_train: int = 2000
+    n_eval: int = 200
+    locales: list[str] = field(default_factory=lambda: ["en", "de"])
+
+
+@dataclass
+class TeacherConfig:
+    """The teacher: a local Hugging Face model (trained for the toy task) or an HTTP API."""
+
+    kind: str = "local"  # "local" (AutoModelForCausalLM dir) or "openai" (chat completions)
+    path: str | None = None  # local: model directory (None: the pipeline trains the toy teacher)
+    model: ModelConfig | None = None  # local toy teacher architecture (trained from scratch)
+    train_steps: int = 600  # toy teacher training steps
+    batch_size: int = 16
+    lr: float = 3e-3
+    top_k: int = 20  # top-k log-probs kept per position in the KD set
+    temperature: float = 0.0
+    base_url: str | None = None  # openai: e.g. http://127.0.0.1:8000/v1
+    model_name: str | None = None  # openai: served model name
+    api_key_env: str = "DISTILLGATES_API_KEY"  # name of the env var holding the key (never the key)
+    timeout_s: float = 60.0
+    max_retries: int = 5
+    rate_limit_rps: float = 0.0  # 0: unlimited
+    determinism: bool = False  # temperature 0, top_p 1, no retries; any retry is an error
+    budget_tokens: int = 0  # 0: unlimited
+    budget_usd: float = 0.0  # 0: unlimited
+
+    def __post_init__(self) -> None:
+        if self.kind not in ("local", "openai"):
+            raise ValueError(f"kind must be 'local' or 'openai', got {self.kind!r}")
+        if self.kind == "openai" and not self.base_url:
+            raise ValueError("base_url is required when kind is 'openai'")
+        if self.top_k <= 0:
+            raise ValueError(f"top_k must be > 0, got {self.top_k}")
+
+
+@dataclass
+class KDLossConfig:
+    kind: str = "forward"  # "forward" KL, "reverse" KL or "jsd"
+    temperature: float = 2.0
+    weight: float = 1.0
+
+    def __post_init__(self) -> None:
+        if self.kind not in ("forward", "reverse", "jsd"):
+            raise ValueError(f"kind must be forward/reverse/jsd, got {self.kind!r}")
+        if self.temperature <= 0:
+            raise ValueError(f"temperature must be > 0, got {self.temperature}")
+
+
+@dataclass
+class LengthLossConfig:
+    weight: float = 0.0
+    hinge: float = 0.15  # relative excess length tolerated before the penalty starts
+
+
+@dataclass
+class EarlyToolLossConfig:
+    weight: float = 0.0  # target weight after the ramp
+    ramp_epochs: float = 1.0  # ramp 0 -> weight over this many epochs
+    first_n_tokens: int = 32  # CE toward the teacher's tool-call prefix within the first N tokens
+
+
+@dataclass
+class QATConfig:
+    enabled: bool = False
+    start_fraction: float = 0.8  # QAT runs for the last (1 - start_fraction) of steps
+    lr_scale: float = 0.1
+    ema: float = 0.0  # 0: no EMA of weights during QAT
+
+    def __post_init__(self) -> None:
+        if not 0.0 < self.start_fraction < 1.0:
+            raise ValueError(f"start_fraction must be in (0, 1), got {self.start_fraction}")
+
+
+@dataclass
+class TrainConfig:
+    """Distillation recipe."""
+
+    steps: int = 400
+    batch_size: int = 16  # global batch (split across ranks under torchrun)
+    grad_accum: int = 1
+    lr: float = 3e-3
+    min_lr_ratio: float = 0.1
+    warmup_steps: int = 20
+    weight_decay: float = 0.01
+    clip_grad: float = 1.0
+    seed: int = 0
+    deterministic: bool = True
+    mixed_precision: str = "no"  # "no", "bf16", "fp16" (where the device supports it)
+    teacher_mode: str = "offline"  # "offline" (KD set) or "online" (teacher forward per batch)
+    ce_weight: float = 1.0
+    process_weight: float = 0.0
+    kd: KDLossConfig = field(default_factory=KDLossConfig)
+    length: LengthLossConfig = field(default_factory=LengthLossConfig)
+    early_tool: EarlyToolLossConfig = field(default_factory=EarlyToolLossConfig)
+    qat: QATConfig = field(default_factory=QATConfig)
+    ckpt_every: int = 100
+    eval_every: int = 100
+    log_every: int = 10
+    fsdp: bool = False
+
+    def __post_init__(self) -> None:
+        if self.mixed_precision not in ("no", "bf16", "fp16"):
+            raise ValueError(f"mixed_precision must be no/bf16/fp16, got {self.mixed_precision!r}")
+        if self.teacher_mode not in ("offline", "online"):
+            raise ValueError(f"teacher_mode must be offline/online, got {self.teacher_mode!r}")
+        if self.warmup_steps >= self.steps:
+            raise ValueError(f"warmup_steps ({self.warmup_steps}) must be < steps ({self.steps})")
+        if self.grad_accum <= 0 or self.batch_size <= 0:
+            raise ValueError("batch_size and grad_accum must be > 0")
+
+
+@dataclass
+class ExportConfig:
+    """Core ML export."""
+
+    compute_precision: str = "fp16"  # "fp16" or "fp32"
+    quantize: str = "none"  # "none", "int8", "palettize4", "palettize6", "palettize8"
+    layout: str = "standard"  # "standard" or "ane" ((B, C, 1, S) tensors, 1x1 convs)
+    minimum_deployment_target: str = "macOS15"  # stateful KV cache needs macOS 15
+    compute_units: str = "ALL"
+
+    def __post_init__(self) -> None:
+        if self.compute_precision not in ("fp16", "fp32"):
+            raise ValueError(f"compute_precision must be fp16/fp32, got {self.compute_precision!r}")
+        if self.quantize not in ("none", "int8", "palettize4", "palettize6", "palettize8"):
+            raise ValueError(f"quantize must be none/int8/palettize4/palettize6/palettize8, got {self.quantize!r}")
+        if self.layout not in ("standard", "ane"):
+            raise ValueError(f"layout must be standard/ane, got {self.layout!r}")
+
+
+@dataclass
+class SpeedConfig:
+    """Speed harness settings."""
+
+    n_prompts: int = 8
+    warmup: int = 2
+    repeats: int = 3
+    max_new_tokens: int = 48
+    engine: str = "torch"  # "torch" or "coreml"
+
+    def __post_init__(self) -> None:
+        if self.engine not in ("torch", "coreml"):
+            raise ValueError(f"engine must be torch/coreml, got {self.engine!r}")
+
+
+@dataclass
+class GatesConfig:
+    """Gate thresholds (defaults from DESIGN.md; a config may tighten them)."""
+
+    f1_lax_min: float = 0.90
+    tool_selection_min: float = 0.90
+    json_validity_min: float = 0.98
+    fixture_hit_rate_min: float = 0.95
+    f1_drift_min: float = -0.01  # ΔF1 (lax and strict) vs baseline must be >= this
+    privacy_ok_rate_min: float = 1.0
+    controls_with_integration_max: int = 0
+    median_tokens_ratio_max: float = 0.85  # student / teacher
+    shape_drift_max: float = 0.01
+    qat_cosine_min: float = 0.999
+    export_cosine_min: float = 0.999
+    ane_residency_min: float = 0.80
+    ane_residency_drop_max: float = 0.10
+    coreml_cosine_min: float = 0.999
+    speed_regression_max: float = 0.05
+    ttfa_p95_tokens_max: float = 25.0
+    prompt_cache_ttft_reduction_min: float = 0.30
+    prompt_cache_hit_rate_min: float = 0.95
+    speculative_speedup_min: float = 1.0
+    speculative_acceptance_min: float = 0.3
+    significance_alpha: float = 0.05
+
+
+@dataclass
+class Config:
+    """A pipeline config: every section optional so partial YAMLs (one model) load too."""
+
+    name: str = "unnamed"
+    seed: int = 0
+    student: ModelConfig | None = None
+    drafter: ModelConfig | None = None
+    judge: ModelConfig | None = None
+    teacher: TeacherConfig | None = None
+    tokenizer: TokenizerConfig = field(default_factory=TokenizerConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    shapes: ShapesConfig = field(default_factory=ShapesConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    drafter_train: TrainConfig | None = None
+    export: ExportConfig = field(default_factory=ExportConfig)
+    speed: SpeedConfig = field(default_factory=SpeedConfig)
+    gates: GatesConfig = field(default_factory=GatesConfig)
+
+    def __post_init__(self) -> None:
+        for role in ("student", "drafter"):
+            model = getattr(self, role)
+            if model is not None and model.max_seq_len < max(self.shapes.lengths):
+                raise ValueError(
+                    f"{role}.max_seq_len ({model.max_seq_len}) is below the largest enumerated shape "
+                    f"({max(self.shapes.lengths)})"
+                )
+        if self.student and self.drafter and self.student.vocab_size != self.drafter.vocab_size:
+            raise ValueError("drafter.vocab_size must equal student.vocab_size (speculative decoding)")
+
+    def fingerprint(self) -> str:
+        """sha256 of the canonical JSON of this config (cache key for pipeline steps)."""
+        return sha256_json(to_dict(self))
+
+
+# --------------------------------------------------------------------------------------
+# Loading
+
+
+class _LineLoader(yaml.SafeLoader):
+    """SafeLoader that remembers the line of every mapping key (``__lines__``)."""
+
+
+def _construct_mapping(loader: _LineLoader, node: yaml.MappingNode) -> dict[str, Any]:
+    mapping = loader.construct_mapping(node, deep=True)
+    mapping["__lines__"] = {k.value: k.start_mark.line + 1 for k, _ in node.value}  # 1-based
+    return mapping
+
+
+_LineLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _construct_mapping)
+
+
+def _strip_lines(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {k: _strip_lines(v) for k, v in value.items() if k != "__lines__"}
+    if isinstance(value, list):
+        return [_strip_lines(v) for v in value]
+    return value
+
+
+def _where(source: str, path: str, line: int | None) -> str:
+    return f"{source}:{line}: {path}" if line else f"{source}: {path}"
+
+
+def _check_type(value: Any, hint: Any, source: str, path: str, line: int | None) -> Any:
+    origin = typing.get_origin(hint)
+    args = typing.get_args(hint)
+    if origin in (typing.Union, types.UnionType):
+        if value is None and type(None) in args:
+            return None
+        inner = [a for a in args if a is not type(None)]
+        return _check_type(value, inner[0], source, path, line)
+    if dataclasses.is_dataclass(hint):
+        return from_dict(hint, value, source, path, line)
+    if origin is list:
+        if not isinstance(value, list):
+            raise ConfigError(f"{_where(source, path, line)}: expected a list, got {type(value).__name__} {value!r}")
+        return [_check_type(v, args[0], source, f"{path}[{i}]", line) for i, v in enumerate(value)]
+    if origin is dict:
+        if not isinstance(value, dict):
+            raise ConfigError(f"{_where(source, path, line)}: expected a mapping, got {type(value).__name__}")
+        return _strip_lines(value)
+    if hint is Any:
+        return _strip_lines(value)
+    if hint is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if hint in (int, float) and isinstance(value, bool) or not isinstance(value, hint):
+        raise ConfigError(
+            f"{_where(source, path, line)}: expected {hint.__name__}, got {type(value).__name__} {value!r}"
+        )
+    return value
+
+
+def from_dict(cls: type, data: Any, source: str = "<dict>", path: str = "", line: int | None = None) -> Any:
+    """Build dataclass ``cls`` from a mapping, validating keys and types.
+
+    Raises:
+        ConfigError: naming ``source`` (file), the line and the dotted field path.
+    """
+    prefix = f"{path}." if path else ""
+    if not isinstance(data, dict):
+        raise ConfigError(f"{_where(source, path or '<root>', line)}: expected a mapping, got {type(data).__name__}")
+    lines = data.get("__lines__", {})
+    hints = typing.get_type_hints(cls)
+    names = {f.name for f in dataclasses.fields(cls)}
+    kwargs = {}
+    for key, value in data.items():
+        if key == "__lines__":
+            continue
+        key_line = lines.get(key, line)
+        if key not in names:
+            raise ConfigError(
+                f"{_where(source, prefix + str(key), key_line)}: unknown key "
+                f"(expected one of: {', '.join(sorted(names))})"
+            )
+        kwargs[key] = _check_type(value, hints[key], source, prefix + key, key_line)
+    missing = [
+        f.name
+        for f in dataclasses.fields(cls)
+        if f.name not in kwargs and f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
+    ]
+    if missing:
+        raise ConfigError(f"{_where(source, path or '<root>', line)}: missing required field(s): {', '.join(missing)}")
+    try:
+        return cls(**kwargs)
+    except ConfigError:
+        raise
+    except (ValueError, TypeError) as err:
+        raise ConfigError(f"{_where(source, path or cls.__name__, line)}: {err}") from err
+
+
+def read_yaml(path: str | Path) -> Any:
+    """Parse a YAML file keeping key line numbers; a syntax error names the file and line."""
+    path = Path(path)
+    try:
+        return yaml.load(path.read_text(), Loader=_LineLoader)  # noqa: S506 - SafeLoader subclass
+    except yaml.YAMLError as err:
+        raise ConfigError(f"{path}: invalid YAML: {err}") from err
+
+
+def load_config(path: str | Path) -> Config:
+    """Load and validate a pipeline config YAML."""
+    data = read_yaml(path)
+    return from_dict(Config, data if data is not None else {}, source=str(path))
+
+
+def load_model_config(path: str | Path, role: str = "student") -> ModelConfig:
+    """Load one model section (``student``/``drafter``/``judge``) from a YAML file."""
+    model = getattr(load_config(path), role)
+    if model is None:
+        raise ConfigError(f"{path}: {role}: section is missing")
+    return model
+
+
+def to_dict(obj: Any) -> Any:
+    """Dataclass -> plain JSON-able dict (recursively)."""
+    return dataclasses.asdict(obj) if dataclasses.is_dataclass(obj) else obj
+
+
+def sha256_json(obj: Any) -> str:
+    """sha256 of canonical JSON (sorted keys, no whitespace)."""
+    blob = json.dumps(obj, sort_keys=True, separators=(",", ":"), default=str).encode()
+    return hashlib.sha256(blob).hexdigest()
