@@ -199,10 +199,8 @@ class Transformer(nn.Module):
 
     def _mask(self, T: int, input_pos: Tensor | None, attention_mask: Tensor | None) -> Tensor:
         """Boolean mask (B or 1, 1, T, S): True where the query may attend the key."""
-        if input_pos is None:
-            mask = self.causal_mask[:T, :T]  # (T, T)
-        else:
-            mask = self.causal_mask[input_pos]  # (T, S_max)
+        # (T, T) without cache; (T, S_max) rows of the query positions with it
+        mask = self.causal_mask[:T, :T] if input_pos is None else self.causal_mask[input_pos]
         mask = mask[None, None]  # (1, 1, T, S)
         if attention_mask is not None:
             keys = attention_mask.bool()[:, None, None, :]  # (B, 1, 1, S)

@@ -1,0 +1,73 @@
+"""The ``distillgates`` command.
+
+``distillgates run`` runs the whole pipeline; the other subcommands run one step of it with
+the same config and run directory (``data``, ``teacher``, ``kd``, ``train``, ``export``,
+``speed``, ``eval``), render a report (``report``) or show the hardware profile
+(``profile``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+
+from distillgates.config import ConfigError
+
+DEFAULT_CONFIG = "configs/toy.yaml"
+
+
+def _add_common(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("config", nargs="?", default=DEFAULT_CONFIG, help=f"pipeline YAML (default {DEFAULT_CONFIG})")
+    parser.add_argument(
+        "--run-dir", default=None, help="where artifacts go (default runs/<config name>); reused across steps"
+    )
+    parser.add_argument("--force", action="store_true", help="redo the step(s) even if cached results are fresh")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from distillgates import pipeline
+
+    parser = argparse.ArgumentParser(
+        prog="distillgates",
+        description="Distill a teacher LLM into a small, fast student for Apple silicon and gate it.",
+    )
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    run = sub.add_parser(
+        "run",
+        help="run the whole pipeline: data, teacher, KD set, student, drafter, export, speed, eval, report",
+        description="Run every step on a config (default: the embedded toy task). Finished steps whose inputs "
+        "did not change are skipped; --force redoes them.",
+    )
+    _add_common(run)
+    run.set_defaults(func=pipeline.cli_run)
+
+    for step in pipeline.STEPS:
+        step_parser = sub.add_parser(step.name, help=step.help, description=step.help)
+        _add_common(step_parser)
+        step_parser.set_defaults(func=pipeline.cli_step, step=step.name)
+
+    report = sub.add_parser("report", help="render a report.json as a table (and Markdown with --markdown)")
+    report.add_argument("path", help="path to report.json (e.g. runs/toy/reports/report.json)")
+    report.add_argument("--markdown", default=None, help="also write the Markdown summary here")
+    report.set_defaults(func=pipeline.cli_report)
+
+    profile = sub.add_parser("profile", help="detect this machine and show the matching hardware profile")
+    profile.add_argument("--profiles", default="configs/hardware_profiles.yaml", help="hardware profiles YAML")
+    profile.add_argument("--hw-profile", default=None, help="check this profile key against the detected machine")
+    profile.set_defaults(func=pipeline.cli_profile)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return int(args.func(args) or 0)
+    except (ConfigError, FileNotFoundError) as err:
+        print(f"distillgates: error: {err}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,95 @@
+"""Every YAML in configs/ loads; bad input names the file, line and field."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from distillgates.config import Config, ConfigError, ModelConfig, load_config, load_model_config
+from distillgates.model import Transformer
+
+CONFIGS = Path(__file__).resolve().parents[1] / "configs"
+PIPELINE_YAMLS = sorted(p for p in CONFIGS.glob("*.yaml") if p.name != "hardware_profiles.yaml")
+
+
+@pytest.mark.parametrize("path", PIPELINE_YAMLS, ids=lambda p: p.name)
+def test_every_config_yaml_loads_and_validates(path: Path) -> None:
+    assert isinstance(load_config(path), Config)
+
+
+def test_hardware_profiles_yaml_is_validated_by_its_own_loader() -> None:
+    from distillgates import hardware
+
+    profiles = hardware.load_profiles(CONFIGS / "hardware_profiles.yaml")
+    assert len(profiles) >= 11
+
+
+@pytest.mark.parametrize(
+    ("name", "role", "billions"),
+    [
+        ("student_7b_gqa", "student", 7),
+        ("student_8b_gqa", "student", 8),
+        ("student_9b_gqa", "student", 9),
+        ("drafter_4b", "drafter", 4),
+        ("judge_4b", "judge", 4),
+    ],
+)
+def test_big_configs_have_the_parameter_count_of_their_name(name: str, role: str, billions: int) -> None:
+    cfg = load_model_config(CONFIGS / f"{name}.yaml", role)
+    with torch.device("meta"):
+        model = Transformer(cfg)
+    n_params = sum(p.numel() for p in model.parameters())  # tied weights counted once
+    assert abs(n_params / (billions * 1e9) - 1) <= 0.05, f"{name}: {n_params / 1e9:.2f}B"
+    assert n_params == cfg.n_params
+
+
+def test_toy_student_is_half_to_one_million_params() -> None:
+    cfg = load_config(CONFIGS / "toy.yaml")
+    assert cfg.student is not None and 0.5e6 <= cfg.student.n_params <= 1e6
+
+
+def _write(tmp_path: Path, text: str) -> Path:
+    path = tmp_path / "bad.yaml"
+    path.write_text(text)
+    return path
+
+
+MODEL = "student:\n  vocab_size: 64\n  d_model: 32\n  n_layers: 1\n  n_heads: 4\n  n_kv_heads: 2\n  ffn_hidden: 64\n"
+
+
+@pytest.mark.parametrize(
+    ("text", "fragment"),
+    [
+        (MODEL + "  max_seq_len: 512\n  n_experts: 4\n", "bad.yaml:9: student.n_experts: unknown key"),
+        (MODEL + "  max_seq_len: long\n", "bad.yaml:8: student.max_seq_len: expected int, got str"),
+        (MODEL.replace("n_kv_heads: 2", "n_kv_heads: 3") + "  max_seq_len: 512\n", "divisible by n_kv_heads"),
+        (MODEL + "  max_seq_len: 512\n  head_dim: 16\n", "d_model (32) must equal n_heads * head_dim"),
+        (MODEL + "  max_seq_len: 64\n", "student.max_seq_len (64) is below the largest enumerated shape"),
+        ("train:\n  kd:\n    kind: mse\n", "bad.yaml:2: train.kd"),
+        ("shapes:\n  lengths: [128, 256]\n  mix: [1.0]\n", "mix has 1 entries"),
+        ("student: [1, 2]\n", "student: expected a mapping"),
+        (MODEL.replace("  ffn_hidden: 64\n", "") + "  max_seq_len: 512\n", "missing required field(s): ffn_hidden"),
+        ("speed:\n  repeats: true\n", "speed.repeats: expected int, got bool"),
+        ("name: [unclosed\n", "invalid YAML"),
+    ],
+)
+def test_bad_config_names_file_line_and_field(tmp_path: Path, text: str, fragment: str) -> None:
+    with pytest.raises(ConfigError) as err:
+        load_config(_write(tmp_path, text))
+    assert fragment in str(err.value)
+    assert "bad.yaml" in str(err.value)
+
+
+def test_model_config_checks_hold_in_python_too() -> None:
+    with pytest.raises(ValueError, match="divisible by n_kv_heads"):
+        ModelConfig(vocab_size=8, d_model=32, n_layers=1, n_heads=4, n_kv_heads=3, ffn_hidden=8, max_seq_len=8)
+
+
+def test_fingerprint_changes_with_any_field() -> None:
+    cfg = load_config(CONFIGS / "toy.yaml")
+    other = load_config(CONFIGS / "toy.yaml")
+    assert cfg.fingerprint() == other.fingerprint()
+    other.train.lr *= 2
+    assert cfg.fingerprint() != other.fingerprint()
