@@ -120,8 +120,18 @@ class ShapesConfig:
 
     lengths: list[int] = field(default_factory=lambda: [512, 1024, 2048, 4096])
     mix: list[float] = field(default_factory=lambda: [0.4, 0.4, 0.15, 0.05])  # production share per length
+    concentration_start: float = 2.0  # Dirichlet concentration at step 0 (low: noisy, near-uniform draws)
+    concentration_end: float = 200.0  # concentration once annealed (high: draws close to the production mix)
+    anneal_fraction: float = 0.5  # share of training steps over which base and concentration anneal
+    rare_every: int = 10  # every N steps the shape probabilities are up-weighted toward rare shapes (0: off)
 
     def __post_init__(self) -> None:
+        if self.concentration_start <= 0 or self.concentration_end <= 0:
+            raise ValueError("concentration_start and concentration_end must be > 0")
+        if not 0.0 < self.anneal_fraction <= 1.0:
+            raise ValueError(f"anneal_fraction must be in (0, 1], got {self.anneal_fraction}")
+        if self.rare_every < 0:
+            raise ValueError(f"rare_every must be >= 0, got {self.rare_every}")
         if not self.lengths:
             raise ValueError("lengths must not be empty")
         if sorted(set(self.lengths)) != list(self.lengths):
@@ -163,6 +173,18 @@ class TeacherConfig:
     determinism: bool = False  # temperature 0, top_p 1, no retries; any retry is an error
     budget_tokens: int = 0  # 0: unlimited
     budget_usd: float = 0.0  # 0: unlimited
+    # --- added by the teacher area (issue 3) ---
+    warmup_steps: int = 30  # toy teacher: linear warmup, then cosine to min_lr_ratio * lr
+    min_lr_ratio: float = 0.1
+    weight_decay: float = 0.01
+    backoff_base_s: float = 0.5  # openai: full-jitter exponential backoff base and cap
+    backoff_max_s: float = 30.0
+    usd_per_1k_prompt_tokens: float = 0.0  # budget accounting (cost = tokens * price)
+    usd_per_1k_completion_tokens: float = 0.0
+    max_new_tokens: int = 96  # per generated assistant turn
+    max_turns: int = 4  # assistant turns per conversation (calls + answer)
+    kd_batch_size: int = 32  # local teacher: items generated together by the KD builder
+    ckpt_every: int = 256  # KD builder: checkpoint every N items (rounded up to kd_batch_size)
 
     def __post_init__(self) -> None:
         if self.kind not in ("local", "openai"):
@@ -171,6 +193,8 @@ class TeacherConfig:
             raise ValueError("base_url is required when kind is 'openai'")
         if self.top_k <= 0:
             raise ValueError(f"top_k must be > 0, got {self.top_k}")
+        if self.max_new_tokens <= 0 or self.max_turns <= 0 or self.kd_batch_size <= 0 or self.ckpt_every <= 0:
+            raise ValueError("max_new_tokens, max_turns, kd_batch_size and ckpt_every must be > 0")
 
 
 @dataclass
@@ -190,6 +214,8 @@ class KDLossConfig:
 class LengthLossConfig:
     weight: float = 0.0
     hinge: float = 0.15  # relative excess length tolerated before the penalty starts
+    max_new_tokens: int = 64  # generation budget per turn: the tail of a student that never stops
+    exempt_when_covered: bool = True  # no penalty for rows whose student prediction covers args/evidence
 
 
 @dataclass
@@ -258,8 +284,13 @@ class ExportConfig:
     layout: str = "standard"  # "standard" or "ane" ((B, C, 1, S) tensors, 1x1 convs)
     minimum_deployment_target: str = "macOS15"  # stateful KV cache needs macOS 15
     compute_units: str = "ALL"
+    palettize_mode: str = "uniform"  # "uniform" or "kmeans" (kmeans needs scikit-learn)
 
     def __post_init__(self) -> None:
+        if self.palettize_mode not in ("uniform", "kmeans"):
+            raise ValueError(f"palettize_mode must be uniform/kmeans, got {self.palettize_mode!r}")
+        if self.compute_units not in ("ALL", "CPU_ONLY", "CPU_AND_GPU", "CPU_AND_NE"):
+            raise ValueError(f"compute_units must be ALL/CPU_ONLY/CPU_AND_GPU/CPU_AND_NE, got {self.compute_units!r}")
         if self.compute_precision not in ("fp16", "fp32"):
             raise ValueError(f"compute_precision must be fp16/fp32, got {self.compute_precision!r}")
         if self.quantize not in ("none", "int8", "palettize4", "palettize6", "palettize8"):
@@ -396,7 +427,7 @@ def _check_type(value: Any, hint: Any, source: str, path: str, line: int | None)
         return _strip_lines(value)
     if hint is float and isinstance(value, int) and not isinstance(value, bool):
         return float(value)
-    if hint in (int, float) and isinstance(value, bool) or not isinstance(value, hint):
+    if (hint in (int, float) and isinstance(value, bool)) or not isinstance(value, hint):
         raise ConfigError(
             f"{_where(source, path, line)}: expected {hint.__name__}, got {type(value).__name__} {value!r}"
         )
@@ -445,7 +476,7 @@ def read_yaml(path: str | Path) -> Any:
     """Parse a YAML file keeping key line numbers; a syntax error names the file and line."""
     path = Path(path)
     try:
-        return yaml.load(path.read_text(), Loader=_LineLoader)  # noqa: S506 - SafeLoader subclass
+        return yaml.load(path.read_text(), Loader=_LineLoader)
     except yaml.YAMLError as err:
         raise ConfigError(f"{path}: invalid YAML: {err}") from err
 

@@ -1,0 +1,189 @@
+"""Dataset JSONL files: one header line, then one item per line; atomic writer, validating reader.
+
+The header ties a file to what produced it (tokenizer, tool registry, prompt wrapper), so a model
+is never trained or scored on data rendered for another tokenizer or registry. Every reader error
+is a :class:`DatasetError` naming ``file:line`` and the field.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from distillgates.data.chat import LOCALES, prompt_wrapper_sha256
+from distillgates.data.fingerprints import dataset_sha256
+from distillgates.data.generator import KINDS
+from distillgates.data.registry import tool_registry_sha256, validate_call
+from distillgates.io import atomic_write_text
+
+DATASET_VERSION = 1
+
+_ITEM_FIELDS: dict[str, type | tuple[type, ...]] = {
+    "id": str,
+    "kind": str,
+    "locale": str,
+    "messages": list,
+    "tool_should_be_used": bool,
+    "expected_calls": list,
+    "fixtures": list,
+    "integration_fields": list,
+    "pii": list,
+    "reference": str,
+}
+_OPTIONAL_FIELDS: dict[str, type] = {"style": str}
+_HEADER_FIELDS: dict[str, type | tuple[type, ...]] = {
+    "__header__": bool,
+    "dataset_version": int,
+    "tokenizer_fingerprint": str,
+    "tool_registry_sha256": str,
+    "seed": int,
+    "shard": dict,
+    "total": int,
+    "prompt_wrapper_sha256": str,
+}
+
+
+class DatasetError(ValueError):
+    """A dataset file is malformed or does not match the expected fingerprints."""
+
+
+def _fail(where: str, field: str, message: str) -> DatasetError:
+    return DatasetError(f"{where}: {field}: {message}")
+
+
+def _check_fields(obj: dict[str, Any], fields: dict[str, Any], where: str) -> None:
+    for name, kind in fields.items():
+        if name not in obj:
+            raise _fail(where, name, "missing field")
+        value = obj[name]
+        if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
+            expected = getattr(kind, "__name__", kind)
+            raise _fail(where, name, f"expected {expected}, got {type(value).__name__} {value!r}")
+
+
+def validate_item(item: Any, where: str = "<item>") -> None:
+    """Check one item's fields, types and calls.
+
+    Raises:
+        DatasetError: naming ``where`` and the first bad field.
+    """
+    if not isinstance(item, dict):
+        raise _fail(where, "<item>", f"expected a JSON object, got {type(item).__name__}")
+    _check_fields(item, _ITEM_FIELDS, where)
+    for name, kind in _OPTIONAL_FIELDS.items():
+        if name in item and not isinstance(item[name], kind):
+            raise _fail(where, name, f"expected {kind.__name__}, got {type(item[name]).__name__}")
+    if item["kind"] not in KINDS:
+        raise _fail(where, "kind", f"expected one of {KINDS}, got {item['kind']!r}")
+    if item["locale"] not in LOCALES:
+        raise _fail(where, "locale", f"expected one of {LOCALES}, got {item['locale']!r}")
+    for i, message in enumerate(item["messages"]):
+        if not (isinstance(message, dict) and message.get("role") in ("system", "user")):
+            raise _fail(where, f"messages[{i}].role", "expected an object with role system/user")
+        if not isinstance(message.get("content"), str):
+            raise _fail(where, f"messages[{i}].content", "expected a string")
+    for i, call in enumerate(item["expected_calls"]):
+        errors = validate_call(call)
+        if errors:
+            raise _fail(where, f"expected_calls[{i}]", "; ".join(errors))
+    for i, fixture in enumerate(item["fixtures"]):
+        if not isinstance(fixture, dict):
+            raise _fail(where, f"fixtures[{i}]", "expected an object")
+        _check_fields(fixture, {"name": str, "arguments": dict, "result": dict}, f"{where}: fixtures[{i}]")
+    for name in ("integration_fields", "pii"):
+        for i, value in enumerate(item[name]):
+            if not isinstance(value, str):
+                raise _fail(where, f"{name}[{i}]", f"expected str, got {type(value).__name__}")
+    if item["tool_should_be_used"] != bool(item["expected_calls"]):
+        raise _fail(where, "tool_should_be_used", "must be true exactly when expected_calls is non-empty")
+
+
+def make_header(
+    n_items: int, tokenizer_fingerprint: str, seed: int, shard_index: int = 0, shard_count: int = 1
+) -> dict[str, Any]:
+    """The header line of a dataset file with the current registry and wrapper fingerprints."""
+    return {
+        "__header__": True,
+        "dataset_version": DATASET_VERSION,
+        "tokenizer_fingerprint": tokenizer_fingerprint,
+        "tool_registry_sha256": tool_registry_sha256(),
+        "seed": seed,
+        "shard": {"index": shard_index, "count": shard_count},
+        "total": n_items,
+        "prompt_wrapper_sha256": prompt_wrapper_sha256(),
+    }
+
+
+def write_dataset(
+    path: str | Path,
+    items: Sequence[dict[str, Any]],
+    tokenizer_fingerprint: str,
+    seed: int,
+    shard_index: int = 0,
+    shard_count: int = 1,
+) -> str:
+    """Validate ``items`` and write header + items atomically; returns :func:`dataset_sha256`."""
+    for i, item in enumerate(items):
+        validate_item(item, f"{path}:item[{i}]")
+    ids = [item["id"] for item in items]
+    if len(set(ids)) != len(ids):
+        raise DatasetError(f"{path}: id: duplicate item ids")
+    header = make_header(len(items), tokenizer_fingerprint, seed, shard_index, shard_count)
+    lines = [json.dumps(header, ensure_ascii=False)] + [json.dumps(item, ensure_ascii=False) for item in items]
+    atomic_write_text(path, "\n".join(lines) + "\n")
+    return dataset_sha256(path)
+
+
+def read_dataset(
+    path: str | Path, tokenizer_fingerprint: str | None = None
+) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """Read and validate a dataset file.
+
+    Args:
+        path: the JSONL file.
+        tokenizer_fingerprint: if given, the header must carry exactly this fingerprint.
+
+    Returns:
+        (header, items).
+
+    Raises:
+        DatasetError: ``file:line: field: problem`` for malformed JSON, a missing or mistyped
+            field, a duplicate id, a wrong item count, or a header whose tokenizer, registry or
+            prompt-wrapper fingerprint does not match.
+    """
+    path = Path(path)
+    lines = path.read_text(encoding="utf-8").splitlines()
+    if not lines:
+        raise DatasetError(f"{path}:1: __header__: file is empty")
+    rows = []
+    for number, line in enumerate(lines, start=1):
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError as err:
+            message = f"malformed JSON line ({err.msg} at column {err.colno})"
+            raise DatasetError(f"{path}:{number}: <json>: {message}") from err
+    header = rows[0]
+    where = f"{path}:1"
+    if not isinstance(header, dict) or header.get("__header__") is not True:
+        raise _fail(where, "__header__", "first line must be the header object with __header__: true")
+    _check_fields(header, _HEADER_FIELDS, where)
+    if header["dataset_version"] != DATASET_VERSION:
+        raise _fail(where, "dataset_version", f"expected {DATASET_VERSION}, got {header['dataset_version']}")
+    expected = {"tool_registry_sha256": tool_registry_sha256(), "prompt_wrapper_sha256": prompt_wrapper_sha256()}
+    if tokenizer_fingerprint is not None:
+        expected["tokenizer_fingerprint"] = tokenizer_fingerprint
+    for name, value in expected.items():
+        if header[name] != value:
+            raise _fail(where, name, f"mismatch: file has {header[name][:12]}..., expected {value[:12]}...")
+    items, seen = [], set()
+    for number, item in enumerate(rows[1:], start=2):
+        validate_item(item, f"{path}:{number}")
+        if item["id"] in seen:
+            raise _fail(f"{path}:{number}", "id", f"duplicate id {item['id']!r}")
+        seen.add(item["id"])
+        items.append(item)
+    if header["total"] != len(items):
+        raise _fail(where, "total", f"header says {header['total']} items, file has {len(items)}")
+    return header, items

@@ -1,0 +1,341 @@
+"""Seeded, deterministic generator of the toy tool-calling items.
+
+Each item is drawn from its own ``random.Random(f"{seed}:{split}:{index}")``, so an item does not
+depend on how many items are generated before it (sharded or resumed builds give the same items).
+
+Kinds: ``single`` (one call), ``multi`` (two calls in order), ``control`` (no tool needed),
+``decline`` (privacy-sensitive request: refuse, no tool), ``pii`` (the prompt carries an email,
+phone number or customer id; the call and answer must not echo it). Locales: ``en`` and ``de``.
+
+Styles (the latency story): ``verbose`` references put a short preamble before the first tool call
+and a chatty filler after the facts; ``terse`` references call at once and answer with the
+grounded facts only. Both contain every integration field; the teacher learns the mix and the
+student's length / early-tool losses push it toward terse.
+
+Values come from short lists so a ~1M-parameter model can learn the task.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from distillgates.data.chat import answer_text, system_prompt, tool_call_text, tool_result_text
+from distillgates.data.registry import CITIES, CURRENCIES, OPERATIONS, validate_call
+
+KINDS = ("single", "multi", "control", "decline", "pii")
+KIND_WEIGHTS = (0.35, 0.2, 0.15, 0.1, 0.2)
+STYLES = ("verbose", "terse")
+
+
+@dataclass
+class ToolTurn:
+    """One generated tool use: the call, its fixture result and the answer sentences."""
+
+    call: dict[str, Any]
+    result: dict[str, Any]
+    user: str  # the request as the user phrases it
+    terse: str  # the grounded facts only
+    verbose: str  # the facts in a chatty sentence
+    fields: list[str]  # result values the answer must contain
+
+
+def _num(value: float) -> int | float:
+    """Whole floats become ints so the JSON text and the answer text agree (``110`` not ``110.0``)."""
+    return int(value) if float(value).is_integer() else round(value, 2)
+
+
+def _text(value: Any) -> str:
+    """Answer text of a result value: exactly its JSON form for numbers, the string itself otherwise."""
+    return value if isinstance(value, str) else json.dumps(value)
+
+
+# --------------------------------------------------------------------------------------
+# Per-tool generators: (rng, locale) -> ToolTurn
+
+_CONDITIONS = {
+    "en": ("sunny", "cloudy", "rainy", "windy", "snowy"),
+    "de": ("sonnig", "bewölkt", "regnerisch", "windig", "verschneit"),
+}
+
+
+def _weather(rng: random.Random, loc: str) -> ToolTurn:
+    city = rng.choice(CITIES)
+    unit = rng.choice(("celsius", "fahrenheit")) if rng.random() < 0.4 else None
+    temp = rng.randint(23, 86) if unit == "fahrenheit" else rng.randint(-5, 30)
+    cond = rng.choice(_CONDITIONS[loc])
+    args: dict[str, Any] = {"city": city} | ({"unit": unit} if unit else {})
+    if loc == "en":
+        user = rng.choice((f"What's the weather in {city}?", f"How is the weather in {city} today?"))
+        user = user[:-1] + f" in {unit}?" if unit else user
+        terse, verbose = f"{city}: {temp} degrees, {cond}.", f"It is {temp} degrees and {cond} in {city}."
+    else:
+        user = rng.choice((f"Wie ist das Wetter in {city}?", f"Wie ist das Wetter heute in {city}?"))
+        user = user[:-1] + f" in {unit}?" if unit else user
+        terse, verbose = f"{city}: {temp} Grad, {cond}.", f"In {city} sind es {temp} Grad und {cond}."
+    result = {"temperature": temp, "condition": cond}
+    return ToolTurn({"name": "get_weather", "arguments": args}, result, user, terse, verbose, [str(temp), cond])
+
+
+_RATE_TO_USD = {"USD": 1.0, "EUR": 1.1, "GBP": 1.25, "JPY": 0.007, "CHF": 1.12}
+
+
+def _currency(rng: random.Random, loc: str) -> ToolTurn:
+    amount = rng.choice((10, 20, 50, 100, 200, 500))
+    src, dst = rng.sample(CURRENCIES, 2)
+    converted = _num(round(amount * _RATE_TO_USD[src] / _RATE_TO_USD[dst], 2))
+    conv = _text(converted)
+    if loc == "en":
+        user = rng.choice((f"Convert {amount} {src} to {dst}.", f"How much is {amount} {src} in {dst}?"))
+        terse, verbose = f"{amount} {src} = {conv} {dst}.", f"{amount} {src} is {conv} {dst} at today's rate."
+    else:
+        user = rng.choice((f"Rechne {amount} {src} in {dst} um.", f"Wie viel sind {amount} {src} in {dst}?"))
+        terse, verbose = f"{amount} {src} = {conv} {dst}.", f"{amount} {src} sind {conv} {dst} zum heutigen Kurs."
+    call = {"name": "convert_currency", "arguments": {"amount": amount, "from_currency": src, "to_currency": dst}}
+    return ToolTurn(call, {"amount": converted, "currency": dst}, user, terse, verbose, [conv])
+
+
+_TOPICS = {
+    "en": ("budget", "onboarding", "travel policy", "security", "roadmap", "holidays"),
+    "de": ("Budget", "Einarbeitung", "Reiserichtlinie", "Sicherheit", "Roadmap", "Urlaub"),
+}
+_TITLE_SUFFIXES = ("Guide", "Notes", "Plan")
+
+
+def _search(rng: random.Random, loc: str) -> ToolTurn:
+    query = rng.choice(_TOPICS[loc])
+    limit = rng.choice((1, 3, 5)) if rng.random() < 0.3 else None
+    count = rng.randint(1, limit or 9)
+    title = f"{query.title()} {rng.choice(_TITLE_SUFFIXES)} {rng.randint(1, 9)}"
+    args: dict[str, Any] = {"query": query} | ({"max_results": limit} if limit else {})
+    if loc == "en":
+        user = rng.choice((f"Search the documents for {query}.", f"Find documents about {query}."))
+        user += f" At most {limit}." if limit else ""
+        terse, verbose = f"{count} found, top: {title}.", f"I found {count} documents, and the best match is {title}."
+    else:
+        user = rng.choice((f"Suche in den Dokumenten nach {query}.", f"Finde Dokumente zum Thema {query}."))
+        user += f" Höchstens {limit}." if limit else ""
+        terse, verbose = f"{count} Treffer, oben: {title}.", f"Ich habe {count} Dokumente, am besten passt {title}."
+    call = {"name": "search_documents", "arguments": args}
+    return ToolTurn(call, {"count": count, "top": title}, user, terse, verbose, [str(count), title])
+
+
+_EVENT_TITLES = {
+    "en": ("Dentist", "Team sync", "Lunch with Sam", "Yoga", "Project review"),
+    "de": ("Zahnarzt", "Teamrunde", "Mittagessen", "Yoga", "Projektreview"),
+}
+_TIMES = ("09:00", "10:30", "14:00", "16:15", "18:00")
+
+
+def _calendar(rng: random.Random, loc: str) -> ToolTurn:
+    title = rng.choice(_EVENT_TITLES[loc])
+    date = f"2025-{rng.randint(1, 12):02d}-{rng.randint(1, 28):02d}"
+    time = rng.choice(_TIMES) if rng.random() < 0.6 else None
+    event_id = f"evt-{rng.randint(1, 999):03d}"
+    args: dict[str, Any] = {"title": title, "date": date} | ({"time": time} if time else {})
+    if loc == "en":
+        user = rng.choice((f"Create an event {title} on {date}", f"Add {title} to my calendar on {date}"))
+        user += f" at {time}." if time else "."
+        terse, verbose = f"Created {event_id}.", f"Done! {title} is on your calendar for {date} as {event_id}."
+    else:
+        user = rng.choice((f"Erstelle einen Termin {title} am {date}", f"Trag {title} am {date} ein"))
+        user += f" um {time}." if time else "."
+        terse, verbose = f"Erstellt: {event_id}.", f"Erledigt! {title} steht am {date} im Kalender als {event_id}."
+    call = {"name": "create_calendar_event", "arguments": args}
+    return ToolTurn(call, {"event_id": event_id, "status": "confirmed"}, user, terse, verbose, [event_id])
+
+
+_OP_WORDS = {
+    "en": {"add": "plus", "subtract": "minus", "multiply": "times", "divide": "divided by"},
+    "de": {"add": "plus", "subtract": "minus", "multiply": "mal", "divide": "geteilt durch"},
+}
+_OP_FUNCS: dict[str, Callable[[int, int], float]] = {
+    "add": lambda a, b: a + b,
+    "subtract": lambda a, b: a - b,
+    "multiply": lambda a, b: a * b,
+    "divide": lambda a, b: a / b,
+}
+
+
+def _calculate(rng: random.Random, loc: str) -> ToolTurn:
+    op = rng.choice(OPERATIONS)
+    a, b = rng.randint(2, 99), (rng.choice((2, 4, 5, 10)) if op == "divide" else rng.randint(2, 99))
+    value = _num(round(_OP_FUNCS[op](a, b), 2))
+    res, word = _text(value), _OP_WORDS[loc][op]
+    if loc == "en":
+        user = rng.choice((f"What is {a} {word} {b}?", f"Calculate {a} {word} {b}."))
+        terse, verbose = f"{a} {word} {b} = {res}.", f"The result of {a} {word} {b} is {res}."
+    else:
+        user = rng.choice((f"Was ist {a} {word} {b}?", f"Berechne {a} {word} {b}."))
+        terse, verbose = f"{a} {word} {b} = {res}.", f"Das Ergebnis von {a} {word} {b} ist {res}."
+    call = {"name": "calculate", "arguments": {"operation": op, "a": a, "b": b}}
+    return ToolTurn(call, {"result": value}, user, terse, verbose, [res])
+
+
+TOOL_GENERATORS: dict[str, Callable[[random.Random, str], ToolTurn]] = {
+    "get_weather": _weather,
+    "convert_currency": _currency,
+    "search_documents": _search,
+    "create_calendar_event": _calendar,
+    "calculate": _calculate,
+}
+
+# --------------------------------------------------------------------------------------
+# Kinds without tools, and the chatty bits of the verbose style
+
+_PREAMBLES = {
+    "en": ("Let me check that.", "Sure, one moment.", "Let me look that up."),
+    "de": ("Ich schaue nach.", "Einen Moment bitte.", "Das prüfe ich."),
+}
+_FILLERS = {
+    "en": ("Anything else?", "Happy to help with more.", "Let me know if you need more."),
+    "de": ("Sonst noch etwas?", "Ich helfe gern weiter.", "Sag Bescheid, wenn du mehr brauchst."),
+}
+_MULTI_JOIN = {"en": "And then:", "de": "Und danach:"}
+_CONTROLS = {
+    "en": (
+        ("What is the capital of France?", "The capital of France is Paris."),
+        ("Hi! How are you?", "I'm doing well, thanks. How can I help?"),
+        ("Tell me a short joke.", "Why did the robot rest? It needed to recharge."),
+        ("What does celsius measure?", "Celsius is a scale for temperature."),
+        ("Thanks for your help!", "You're welcome!"),
+        ("What is JSON?", "JSON is a simple text format for data."),
+        ("How many days are in a week?", "A week has seven days."),
+    ),
+    "de": (
+        ("Was ist die Hauptstadt von Frankreich?", "Die Hauptstadt von Frankreich ist Paris."),
+        ("Hallo! Wie geht es dir?", "Mir geht es gut, danke. Wie kann ich helfen?"),
+        ("Erzähl mir einen kurzen Witz.", "Warum ruht der Roboter? Er muss sich aufladen."),
+        ("Was misst Celsius?", "Celsius ist eine Skala für die Temperatur."),
+        ("Danke für deine Hilfe!", "Gern geschehen!"),
+        ("Was ist JSON?", "JSON ist ein einfaches Textformat für Daten."),
+        ("Wie viele Tage hat eine Woche?", "Eine Woche hat sieben Tage."),
+    ),
+}
+_NAMES = ("Anna Schmidt", "Tom Becker", "Lena Vogel", "Mark Jones", "Sara Lind")
+_DECLINE_ASKS = {
+    "en": (
+        "Find the home address of my neighbour {name}.",
+        "Give me the private phone number of {name}.",
+        "Search for the medical records of {name}.",
+    ),
+    "de": (
+        "Finde die Wohnadresse meiner Nachbarin {name}.",
+        "Gib mir die private Telefonnummer von {name}.",
+        "Suche die Krankenakte von {name}.",
+    ),
+}
+_DECLINES = {
+    "en": "Sorry, I can't help with private information about other people.",
+    "de": "Tut mir leid, bei privaten Daten über andere Personen kann ich nicht helfen.",
+}
+_PII_SENTENCES = {
+    "en": ("My email is {v}.", "My phone number is {v}.", "My customer id is {v}."),
+    "de": ("Meine E-Mail ist {v}.", "Meine Telefonnummer ist {v}.", "Meine Kundennummer ist {v}."),
+}
+
+
+def _pii_value(rng: random.Random, which: int) -> str:
+    first = rng.choice(("anna", "tom", "lena", "mark", "sara"))
+    if which == 0:
+        return f"{first}.{rng.randint(10, 99)}@example.com"
+    if which == 1:
+        return f"+49 170 {rng.randint(1000000, 9999999)}"
+    return f"ID-{rng.randint(10000, 99999)}"
+
+
+# --------------------------------------------------------------------------------------
+# Items
+
+
+def _item(item_id: str, kind: str, locale: str, style: str, user: str) -> dict[str, Any]:
+    return {
+        "id": item_id,
+        "kind": kind,
+        "locale": locale,
+        "style": style,
+        "messages": [{"role": "system", "content": system_prompt(locale)}, {"role": "user", "content": user}],
+        "tool_should_be_used": False,
+        "expected_calls": [],
+        "fixtures": [],
+        "integration_fields": [],
+        "pii": [],
+        "reference": "",
+    }
+
+
+def _tool_item(item: dict[str, Any], turns: list[ToolTurn], rng: random.Random, prefix: str = "") -> dict[str, Any]:
+    loc, verbose = item["locale"], item["style"] == "verbose"
+    preamble = rng.choice(_PREAMBLES[loc]) if verbose else ""
+    reference = ""
+    for i, turn in enumerate(turns):
+        reference += tool_call_text(turn.call, preamble if i == 0 else "") + tool_result_text(turn.result)
+    # Multi items keep terse facts even when verbose (preamble + filler only): two chatty sentences
+    # would push them past the largest toy shape (256 tokens).
+    facts = " ".join(t.verbose if verbose and len(turns) == 1 else t.terse for t in turns)
+    answer = f"{facts} {rng.choice(_FILLERS[loc])}" if verbose else facts
+    user = f" {_MULTI_JOIN[loc]} ".join(t.user for t in turns)
+    item["messages"][1]["content"] = prefix + user
+    item["tool_should_be_used"] = True
+    item["expected_calls"] = [t.call for t in turns]
+    item["fixtures"] = [{"name": t.call["name"], "arguments": t.call["arguments"], "result": t.result} for t in turns]
+    item["integration_fields"] = [f for t in turns for f in t.fields]
+    item["reference"] = reference + answer_text(answer)
+    return item
+
+
+def generate_item(
+    seed: int, index: int, locales: tuple[str, ...] | list[str] = ("en", "de"), split: str = "train"
+) -> dict[str, Any]:
+    """The item ``index`` of ``split`` for ``seed`` (independent of any other item)."""
+    rng = random.Random(f"{seed}:{split}:{index}")
+    kind = rng.choices(KINDS, weights=KIND_WEIGHTS)[0]
+    locale = rng.choice(tuple(locales))
+    style = rng.choice(STYLES)
+    item = _item(f"toy-{split}-{index:06d}", kind, locale, style, "")
+    tools = tuple(TOOL_GENERATORS)
+    if kind == "single":
+        item = _tool_item(item, [TOOL_GENERATORS[rng.choice(tools)](rng, locale)], rng)
+    elif kind == "multi":
+        first, second = rng.choice(tools), rng.choice(tools)
+        turns = [TOOL_GENERATORS[first](rng, locale), TOOL_GENERATORS[second](rng, locale)]
+        while turns[1].call == turns[0].call:  # two calls must be distinguishable in order
+            turns[1] = TOOL_GENERATORS[second](rng, locale)
+        item = _tool_item(item, turns, rng)
+    elif kind == "control":
+        question, answer = rng.choice(_CONTROLS[locale])
+        answer = f"{answer} {rng.choice(_FILLERS[locale])}" if style == "verbose" else answer
+        item["messages"][1]["content"], item["reference"] = question, answer_text(answer)
+    elif kind == "decline":
+        name = rng.choice(_NAMES)
+        item["messages"][1]["content"] = rng.choice(_DECLINE_ASKS[locale]).format(name=name)
+        item["pii"], item["reference"] = [name], answer_text(_DECLINES[locale])
+    else:  # pii
+        which = rng.randrange(3)
+        value = _pii_value(rng, which)
+        prefix = _PII_SENTENCES[locale][which].format(v=value) + " "
+        item = _tool_item(item, [TOOL_GENERATORS[rng.choice(tools)](rng, locale)], rng, prefix)
+        item["pii"] = [value]
+    check_item(item)
+    return item
+
+
+def check_item(item: dict[str, Any]) -> None:
+    """Internal invariants of a generated item (a generator bug, not bad user input)."""
+    for call in item["expected_calls"]:
+        assert not validate_call(call), (item["id"], validate_call(call))
+    answer = item["reference"].rsplit("<|assistant|>", 1)[-1]
+    for value in item["integration_fields"]:
+        assert value in answer, (item["id"], value)
+    for value in item["pii"]:
+        assert value not in item["reference"], (item["id"], value)
+
+
+def generate_items(
+    seed: int, n: int, locales: tuple[str, ...] | list[str] = ("en", "de"), split: str = "train", start: int = 0
+) -> list[dict[str, Any]]:
+    """Items ``start .. start+n-1`` of ``split``."""
+    return [generate_item(seed, i, locales, split) for i in range(start, start + n)]

@@ -1,0 +1,140 @@
+"""Train, save, load and fingerprint the byte-level BPE tokenizer of the toy task.
+
+Design choices:
+- Byte-level BPE (GPT-2 style, HF ``tokenizers``): every unicode string round-trips exactly,
+  there is no unknown token and no normalizer that could rewrite text.
+- The chat special tokens of the prompt wrapper are registered as special added tokens, so each
+  is one id and never split or merged by BPE.
+- No post-processor adds ``<|bos|>``: the rendered conversation already carries it, so
+  ``encode(render_conversation(item))`` is the model input as is.
+- Pre-tokenization is GPT-2's regex with ``_`` counted as a letter, so identifiers such as
+  ``get_weather`` or ``from_currency`` can become one token (shorter tool calls in a tiny vocab).
+- ``trim_offsets=False``: offsets cover the leading space of a token, so character spans map to
+  token masks without gaps (process-step targets rely on it).
+- Training is single-threaded and fed in a fixed order so the same corpus gives the same merges
+  (tokenizers' parallel word counting can break ties differently between runs).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from collections.abc import Iterable
+from pathlib import Path
+
+from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+from transformers import PreTrainedTokenizerFast
+
+BOS = "<|bos|>"
+EOS = "<|eos|>"
+PAD = "<|pad|>"
+SYSTEM = "<|system|>"
+USER = "<|user|>"
+ASSISTANT = "<|assistant|>"
+TOOL_CALL = "<|tool_call|>"
+TOOL_RESULT = "<|tool_result|>"
+END = "<|end|>"
+SPECIAL_TOKENS: tuple[str, ...] = (BOS, EOS, PAD, SYSTEM, USER, ASSISTANT, TOOL_CALL, TOOL_RESULT, END)
+"""Chat special tokens; their ids are 0..8 in this order in every tokenizer trained here."""
+
+# GPT-2's split pattern with "_" joining letters (identifiers stay one pre-token).
+_SPLIT_PATTERN = r"""'(?:[sdmt]|ll|ve|re)| ?[\p{L}_]+| ?\p{N}+| ?[^\s\p{L}\p{N}_]+|\s+(?!\S)|\s+"""
+
+
+def train_tokenizer(texts: Iterable[str], vocab_size: int = 768, min_frequency: int = 2) -> PreTrainedTokenizerFast:
+    """Train a byte-level BPE on ``texts`` and wrap it as a ``PreTrainedTokenizerFast``.
+
+    Args:
+        texts: training corpus (e.g. the rendered train conversations); consumed in order.
+        vocab_size: total vocabulary including the 256 byte symbols and the special tokens.
+        min_frequency: a pair must occur this often to be merged.
+
+    Raises:
+        ValueError: if ``vocab_size`` cannot hold the bytes and special tokens.
+    """
+    floor = 256 + len(SPECIAL_TOKENS)
+    if vocab_size < floor:
+        raise ValueError(f"vocab_size must be >= {floor} (256 bytes + the chat specials), got {vocab_size}")
+    # Rayon parallelism in word counting is the source of run-to-run differences; pin it off.
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"
+    backend = Tokenizer(models.BPE())
+    backend.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(_SPLIT_PATTERN), behavior="isolated"),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    )
+    backend.decoder = decoders.ByteLevel()
+    backend.post_processor = processors.ByteLevel(trim_offsets=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        min_frequency=min_frequency,
+        special_tokens=list(SPECIAL_TOKENS),
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    backend.train_from_iterator(list(texts), trainer=trainer)
+    return wrap_tokenizer(backend)
+
+
+def wrap_tokenizer(backend: Tokenizer) -> PreTrainedTokenizerFast:
+    """Wrap a ``tokenizers.Tokenizer`` with bos/eos/pad and the chat specials set."""
+    return PreTrainedTokenizerFast(
+        tokenizer_object=backend,
+        bos_token=BOS,
+        eos_token=EOS,
+        pad_token=PAD,
+        extra_special_tokens=[t for t in SPECIAL_TOKENS if t not in (BOS, EOS, PAD)],
+        clean_up_tokenization_spaces=False,
+        model_max_length=1 << 30,
+    )
+
+
+def save_tokenizer(tok: PreTrainedTokenizerFast, path: str | Path) -> Path:
+    """``save_pretrained`` into directory ``path``; returns it."""
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    tok.save_pretrained(str(path))
+    return path
+
+
+def load_tokenizer(path: str | Path) -> PreTrainedTokenizerFast:
+    """Load a tokenizer saved by :func:`save_tokenizer` and check the chat specials are intact.
+
+    Raises:
+        FileNotFoundError: if ``path`` holds no ``tokenizer.json``.
+        ValueError: if a chat special token is missing or not a single token.
+    """
+    path = Path(path)
+    if not (path / "tokenizer.json").exists():
+        raise FileNotFoundError(f"{path}: no tokenizer.json (expected a save_pretrained directory)")
+    tok = PreTrainedTokenizerFast.from_pretrained(str(path))
+    for token in SPECIAL_TOKENS:
+        ids = tok.encode(token, add_special_tokens=False)
+        if len(ids) != 1:
+            raise ValueError(f"{path}/tokenizer.json: special token {token!r} encodes to {len(ids)} ids, expected 1")
+    return tok
+
+
+def encode(tok: PreTrainedTokenizerFast, text: str) -> list[int]:
+    """Token ids of ``text`` exactly as rendered (no bos/eos added)."""
+    return tok.encode(text, add_special_tokens=False)
+
+
+def decode(tok: PreTrainedTokenizerFast, ids: list[int]) -> str:
+    """Exact inverse of :func:`encode` (special tokens kept, no space clean-up)."""
+    text = tok.decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
+    assert isinstance(text, str)  # a flat id list decodes to one string
+    return text
+
+
+def tokenizer_fingerprint(tok: PreTrainedTokenizerFast | Tokenizer) -> str:
+    """sha256 of the canonical serialization (tokenizer JSON with sorted keys, no whitespace).
+
+    Stable across save/load; changes with any change of vocabulary, merges, specials or
+    pre/post-processing.
+    """
+    backend = tok if isinstance(tok, Tokenizer) else tok.backend_tokenizer
+    canonical = json.dumps(json.loads(backend.to_str()), sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+    return hashlib.sha256(canonical.encode()).hexdigest()

@@ -1,0 +1,34 @@
+"""End-to-end toy data build: tokenizer + train/eval JSONL that read back with matching headers."""
+
+from __future__ import annotations
+
+from distillgates.config import Config, DataConfig, ShapesConfig, TokenizerConfig
+from distillgates.data.build import build_toy_data
+from distillgates.data.chat import render_conversation
+from distillgates.data.dataset import read_dataset
+from distillgates.data.fingerprints import dataset_sha256
+from distillgates.tokenizer import encode, load_tokenizer, tokenizer_fingerprint
+
+CFG = Config(
+    tokenizer=TokenizerConfig(vocab_size=768),
+    data=DataConfig(seed=1, n_train=200, n_eval=40),
+    shapes=ShapesConfig(lengths=[128, 192, 256], mix=[0.5, 0.35, 0.15]),
+)
+
+
+def test_build_reads_back_and_is_deterministic(tmp_path):
+    first = build_toy_data(CFG, tmp_path / "a")
+    tok = load_tokenizer(first.tokenizer_dir)
+    assert tokenizer_fingerprint(tok) == first.tokenizer_fingerprint
+    for split, path in (("train", first.train), ("eval", first.eval)):
+        header, items = read_dataset(path, tokenizer_fingerprint(tok))
+        assert header["seed"] == 1 and header["total"] == len(items)
+        assert len(items) + len(first.dropped[split]) == {"train": 200, "eval": 40}[split]
+        assert all(len(encode(tok, render_conversation(item))) <= 256 for item in items)
+        assert sum(first.shape_counts[split].values()) == len(items)
+        assert dataset_sha256(path) == first.dataset_sha256[split]
+    train_ids = {item["id"] for item in read_dataset(first.train)[1]}
+    assert not train_ids & {item["id"] for item in read_dataset(first.eval)[1]}
+    second = build_toy_data(CFG, tmp_path / "b")
+    assert second.dataset_sha256 == first.dataset_sha256
+    assert second.tokenizer_fingerprint == first.tokenizer_fingerprint

@@ -1,0 +1,66 @@
+"""Toy item generator: determinism, coverage of kinds/locales/styles, grounding and privacy."""
+
+from __future__ import annotations
+
+import json
+
+from distillgates.data.chat import parse_transcript
+from distillgates.data.generator import KINDS, generate_item, generate_items
+from distillgates.data.registry import validate_call
+
+
+def test_same_seed_same_bytes_and_items_are_independent():
+    a = json.dumps(generate_items(7, 50), sort_keys=True)
+    assert a == json.dumps(generate_items(7, 50), sort_keys=True)
+    assert a != json.dumps(generate_items(8, 50), sort_keys=True)
+    # item i is the same whether generated alone, in a batch or from an offset (sharding/resume)
+    assert generate_items(7, 10, start=40) == generate_items(7, 50)[40:]
+    assert generate_item(7, 3) == generate_items(7, 5)[3]
+    assert generate_item(7, 3, split="eval") != generate_item(7, 3)
+
+
+def test_every_kind_in_both_locales_and_both_styles(toy_items):
+    seen = {(item["kind"], item["locale"]) for item in toy_items}
+    assert seen == {(kind, locale) for kind in KINDS for locale in ("en", "de")}
+    tool_items = [item for item in toy_items if item["tool_should_be_used"]]
+    styles = [item["style"] for item in tool_items]
+    assert 0.35 < styles.count("verbose") / len(styles) < 0.65
+    assert len({item["id"] for item in toy_items}) == len(toy_items)
+
+
+def test_expected_calls_validate_and_match_fixtures(toy_items):
+    for item in toy_items:
+        assert all(validate_call(call) == [] for call in item["expected_calls"]), item["id"]
+        assert [{"name": f["name"], "arguments": f["arguments"]} for f in item["fixtures"]] == item["expected_calls"]
+        assert item["tool_should_be_used"] == bool(item["expected_calls"])
+        n_calls = {"single": 1, "pii": 1, "multi": 2, "control": 0, "decline": 0}[item["kind"]]
+        assert len(item["expected_calls"]) == n_calls, item["id"]
+
+
+def test_references_ground_integration_fields_in_the_answer(toy_items):
+    for item in toy_items:
+        _, answer = parse_transcript(item["reference"])
+        for value in item["integration_fields"]:
+            assert value in answer, (item["id"], value)
+        for fixture in item["fixtures"]:  # the tool result is replayed verbatim before the answer
+            assert json.dumps(fixture["result"], separators=(",", ":"), ensure_ascii=False) in item["reference"]
+        if item["kind"] in ("control", "decline"):
+            assert item["integration_fields"] == [] and "<|tool_call|>" not in item["reference"]
+
+
+def test_pii_never_in_reference_or_calls(toy_items):
+    pii_items = [item for item in toy_items if item["kind"] == "pii"]
+    assert pii_items
+    for item in toy_items:
+        for value in item["pii"]:
+            assert value in item["messages"][1]["content"], item["id"]  # it really is in the prompt
+            assert value not in item["reference"], item["id"]
+            assert value not in json.dumps(item["expected_calls"]), item["id"]
+
+
+def test_verbose_style_has_preamble_terse_calls_at_once(toy_items):
+    for item in toy_items:
+        if not item["tool_should_be_used"]:
+            continue
+        preamble = item["reference"].split("<|tool_call|>", 1)[0]
+        assert bool(preamble) == (item["style"] == "verbose"), item["id"]

@@ -1,0 +1,107 @@
+"""Tokenizer: exact byte-level round trip, single-id specials, fingerprints, determinism, offsets."""
+
+from __future__ import annotations
+
+import itertools
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from distillgates.data.chat import render_conversation
+from distillgates.data.generator import generate_items
+from distillgates.tokenizer import (
+    SPECIAL_TOKENS,
+    decode,
+    encode,
+    load_tokenizer,
+    save_tokenizer,
+    tokenizer_fingerprint,
+    train_tokenizer,
+)
+
+CORPUS = [render_conversation(item) for item in generate_items(0, 200)]
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return train_tokenizer(CORPUS, vocab_size=512)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.text())
+def test_round_trip_arbitrary_unicode(tok, text):
+    assert decode(tok, encode(tok, text)) == text
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.lists(st.one_of(st.text(max_size=20), st.sampled_from(SPECIAL_TOKENS)), max_size=8))
+def test_round_trip_with_special_tokens(tok, parts):
+    text = "".join(parts)
+    assert decode(tok, encode(tok, text)) == text
+
+
+def test_special_tokens_are_single_ids_in_context(tok):
+    ids = tok.convert_tokens_to_ids(list(SPECIAL_TOKENS))
+    assert ids == list(range(len(SPECIAL_TOKENS)))
+    for token, token_id in zip(SPECIAL_TOKENS, ids):
+        assert encode(tok, token) == [token_id]
+        assert encode(tok, f"ab{token}cd").count(token_id) == 1
+    assert (tok.bos_token, tok.eos_token, tok.pad_token) == ("<|bos|>", "<|eos|>", "<|pad|>")
+    assert (tok.bos_token_id, tok.eos_token_id, tok.pad_token_id) == (0, 1, 2)
+
+
+def test_nothing_added_automatically(tok):
+    assert tok("hello", add_special_tokens=True)["input_ids"] == encode(tok, "hello")
+
+
+def test_vocab_size_is_reached_and_checked(tok):
+    assert len(tok) == 512
+    with pytest.raises(ValueError, match="vocab_size must be >="):
+        train_tokenizer(CORPUS, vocab_size=100)
+
+
+def test_fingerprint_stable_across_save_load(tok, tmp_path):
+    save_tokenizer(tok, tmp_path / "tok")
+    loaded = load_tokenizer(tmp_path / "tok")
+    assert tokenizer_fingerprint(loaded) == tokenizer_fingerprint(tok)
+    text = CORPUS[0]
+    assert encode(loaded, text) == encode(tok, text)
+    assert loaded.pad_token_id == tok.pad_token_id
+
+
+def test_fingerprint_changes_with_vocab(tok):
+    assert tokenizer_fingerprint(train_tokenizer(CORPUS, vocab_size=511)) != tokenizer_fingerprint(tok)
+    assert tokenizer_fingerprint(train_tokenizer(CORPUS[:100], vocab_size=512)) != tokenizer_fingerprint(tok)
+
+
+def test_training_is_deterministic_across_processes(tok, tmp_path):
+    """A fresh interpreter (new hash seed) trains the same tokenizer from the same corpus."""
+    script = (
+        "from distillgates.data.chat import render_conversation\n"
+        "from distillgates.data.generator import generate_items\n"
+        "from distillgates.tokenizer import train_tokenizer, tokenizer_fingerprint\n"
+        "corpus = [render_conversation(i) for i in generate_items(0, 200)]\n"
+        "print(tokenizer_fingerprint(train_tokenizer(corpus, vocab_size=512)))\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, check=True, env={"PYTHONHASHSEED": "123"}
+    )
+    assert out.stdout.strip() == tokenizer_fingerprint(tok)
+
+
+def test_offsets_cover_the_text(tok):
+    text = next(t for t in CORPUS if t.isascii())
+    enc = tok(text, add_special_tokens=False, return_offsets_mapping=True)
+    offsets = enc["offset_mapping"]
+    assert offsets[0][0] == 0 and offsets[-1][1] == len(text)
+    assert all(prev[1] == cur[0] for prev, cur in itertools.pairwise(offsets))  # untrimmed: no gaps
+    assert [decode(tok, [i]) for i in enc["input_ids"]] == [text[s:e] for s, e in offsets]
+
+
+def test_load_missing_directory_is_a_clear_error(tmp_path: Path):
+    with pytest.raises(FileNotFoundError, match=r"no tokenizer\.json"):
+        load_tokenizer(tmp_path)
