@@ -1,0 +1,157 @@
+"""Entry points the pipeline and the CLI call: build a runner, evaluate, shard, fingerprint.
+
+``evaluate(runner_or_engine, items, tokenizer)`` runs every item and scores it. A *spec*
+(plain JSON: dataset, tokenizer, model, runner kind, decoding budget) describes a run so the
+very same run can be repeated in N shard processes (:mod:`distillgates.eval.shard_worker`)
+and compared with the unsharded run (:func:`sharded_determinism`).
+"""
+
+from __future__ import annotations
+
+import json
+import tempfile
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from distillgates.data.chat import prompt_wrapper_sha256, render_conversation
+from distillgates.data.registry import tool_registry_sha256
+from distillgates.eval.fingerprints import check_fingerprints, items_sha256
+from distillgates.eval.runners import EngineRunner, HFRunner, Runner, TeacherRunner, run_items, runner_fingerprint_of
+from distillgates.eval.scorer import score
+from distillgates.eval.sharding import (
+    determinism_check,
+    launch_shards,
+    merge_shards,
+    shard_items,
+)
+from distillgates.tokenizer import tokenizer_fingerprint
+
+
+def as_runner(
+    engine_or_runner: Any, tokenizer: Any, model_fingerprint: str | None = None, max_new_tokens: int = 96
+) -> Runner:
+    """A runner as is; a runtime engine wrapped in a greedy :class:`EngineRunner`."""
+    if hasattr(engine_or_runner, "session"):
+        return engine_or_runner
+    if hasattr(engine_or_runner, "continue_generate") or hasattr(engine_or_runner, "generate"):
+        if model_fingerprint is None:
+            from distillgates.model import model_fingerprint as fingerprint_of
+
+            model_fingerprint = fingerprint_of(engine_or_runner.model)
+        return EngineRunner(engine_or_runner, tokenizer, model_fingerprint, max_new_tokens)
+    raise TypeError(f"expected a runner or a runtime engine, got {type(engine_or_runner).__name__}")
+
+
+def item_lengths(items: Sequence[Mapping[str, Any]], tokenizer: Any) -> dict[str, int]:
+    """Token length of each item's reference conversation (its enumerated-shape bucket)."""
+    return {str(i["id"]): len(tokenizer.encode(render_conversation(dict(i)), add_special_tokens=False)) for i in items}
+
+
+def evaluate(
+    engine_or_runner: Any,
+    items: Sequence[Mapping[str, Any]],
+    tokenizer: Any,
+    *,
+    lengths: Sequence[int] | None = None,
+    max_calls: int = 4,
+    max_new_tokens: int = 96,
+    return_outputs: bool = False,
+    dataset_sha256: str | None = None,
+) -> dict[str, Any] | tuple[dict[str, Any], list[dict[str, Any]]]:
+    """Run and score ``items``; returns METRICS (with slices and ``fingerprints``).
+
+    Args:
+        engine_or_runner: a runner (:class:`EngineRunner`, :class:`HFRunner`, :class:`TeacherRunner`)
+            or a runtime engine (wrapped greedily with ``max_new_tokens`` per turn).
+        items: eval items.
+        tokenizer: the project tokenizer (shape slices and the tokenizer fingerprint).
+        lengths: enumerated shapes (``cfg.shapes.lengths``) for the shape slice.
+        max_calls: tool calls allowed per item.
+        return_outputs: also return the per-item outputs.
+        dataset_sha256: the eval file's sha256 (``distillgates.data.fingerprints.dataset_sha256``);
+            default: sha256 of the items.
+    """
+    runner = as_runner(engine_or_runner, tokenizer, max_new_tokens=max_new_tokens)
+    outputs = run_items(runner, items, max_calls=max_calls)
+    metrics = score(items, outputs, shapes=item_lengths(items, tokenizer) if lengths else None, lengths=lengths)
+    metrics["fingerprints"] = collect_fingerprints(runner, items, tokenizer, dataset_sha256)
+    return (metrics, outputs) if return_outputs else metrics
+
+
+def collect_fingerprints(
+    runner: Runner, items: Sequence[Mapping[str, Any]], tokenizer: Any, dataset_sha256: str | None = None
+) -> dict[str, str]:
+    """The six report fingerprints; ``dataset_sha256`` defaults to the sha256 of the items."""
+    return check_fingerprints(
+        {
+            "dataset_sha256": dataset_sha256 or items_sha256(items),
+            "tool_registry_sha256": tool_registry_sha256(),
+            "tokenizer_fingerprint": tokenizer_fingerprint(tokenizer),
+            "prompt_wrapper_sha256": prompt_wrapper_sha256(),
+            "runner_fingerprint": runner_fingerprint_of(runner),
+            "model_fingerprint": runner.model_fingerprint,
+        },
+        f"{runner.kind} runner",
+    )
+
+
+# --------------------------------------------------------------------------------------
+# Specs: a run described as data, repeatable in any process
+
+
+def build_runner(spec: Mapping[str, Any], tokenizer: Any) -> Runner:
+    """Runner from a spec: ``runner`` is ``engine`` (distillgates checkpoint), ``hf`` or ``openai``."""
+    kind, budget = spec.get("runner", "engine"), int(spec.get("max_new_tokens", 96))
+    if kind == "engine":
+        from distillgates.model import load_model, model_fingerprint
+        from distillgates.runtime import TorchEngine
+
+        model = load_model(spec["model"])
+        return EngineRunner(TorchEngine(model), tokenizer, model_fingerprint(model), budget)
+    if kind == "hf":
+        return HFRunner.from_pretrained(spec["model"], tokenizer, budget)
+    if kind == "openai":
+        from distillgates.config import TeacherConfig, from_dict
+        from distillgates.teacher.http import HTTPTeacher
+
+        cfg = from_dict(TeacherConfig, {"kind": "openai", **spec["teacher"]}, source="spec", path="teacher")
+        return TeacherRunner(HTTPTeacher(cfg, tokenizer), budget)
+    raise ValueError(f"spec.runner: expected engine/hf/openai, got {kind!r}")
+
+
+def load_spec_items(spec: Mapping[str, Any]) -> tuple[list[dict[str, Any]], Any, str]:
+    """(items, tokenizer, dataset_sha256) of a spec; the dataset header must match the tokenizer."""
+    from distillgates.data.dataset import read_dataset
+    from distillgates.data.fingerprints import dataset_sha256
+    from distillgates.tokenizer import load_tokenizer
+
+    tokenizer = load_tokenizer(spec["tokenizer"])
+    _, items = read_dataset(spec["dataset"], tokenizer_fingerprint(tokenizer))
+    limit = spec.get("limit")
+    return (items[: int(limit)] if limit else items), tokenizer, dataset_sha256(spec["dataset"])
+
+
+def run_spec(spec: Mapping[str, Any], rank: int = 0, world_size: int = 1) -> list[dict[str, Any]]:
+    """Outputs of this rank's shard of the spec's items."""
+    items, tokenizer, _ = load_spec_items(spec)
+    runner = build_runner(spec, tokenizer)
+    return run_items(runner, shard_items(items, rank, world_size), max_calls=int(spec.get("max_calls", 4)))
+
+
+def sharded_determinism(spec: Mapping[str, Any], world_size: int, work_dir: str | Path | None = None) -> dict[str, Any]:
+    """Run the spec unsharded (this process) and in ``world_size`` worker processes; compare per item."""
+    import torch
+
+    items, _, _ = load_spec_items(spec)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # same kernels (reduction order) as the single-threaded ranks
+    try:
+        unsharded = run_spec(spec)
+    finally:
+        torch.set_num_threads(threads)
+    with tempfile.TemporaryDirectory(dir=work_dir) as tmp:
+        spec_path = Path(tmp) / "spec.json"
+        spec_path.write_text(json.dumps(dict(spec)))
+        sharded = merge_shards(launch_shards(spec_path, tmp, world_size))
+    return determinism_check([str(i["id"]) for i in items], sharded, unsharded, world_size)

@@ -1,0 +1,333 @@
+"""Runners: drive a model through each eval item's multi-turn tool conversation.
+
+One loop (:func:`run_item`) serves every model kind; a *session* only knows how to produce the
+next assistant turn:
+
+- :class:`EngineSession`: the runtime engine (``distillgates.runtime``), token level; the tool
+  result is appended to the KV state with ``continue_generate`` (no re-prefill).
+- :class:`HFSession`: any ``AutoModelForCausalLM`` directory, greedy ``generate`` over the
+  conversation so far.
+- :class:`TeacherSession`: anything with the teacher protocol's ``complete(messages, ...)``
+  (the OpenAI-compatible HTTP teacher client with its determinism mode, or the local teacher).
+
+The prompt is rebuilt from the item's locale: the system prompt lists the whole tool registry
+(:func:`distillgates.data.chat.system_prompt`) and the user messages follow; nothing of the
+expected call reaches the model. Each call is answered by the :class:`ToolBroker`; an
+unparsable call gets an error result (the model may recover) and is never dispatched.
+
+Per-item output (what the scorer consumes; JSON-able)::
+
+    {"id", "turns": [{"role": "assistant", "text", "tokens"} | {"role": "tool", "result"}],
+     "calls": [{"raw", "call": dict|None, "errors": [str], "fixture_hit": bool|None}],
+     "answer": str|None, "tokens_out": int, "ttfa_tokens": int|None}
+
+``ttfa_tokens`` counts generated tokens up to the end of the first valid call's JSON (its
+closing ``<|end|>`` excluded); ``None`` when no valid call was made.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol
+
+import torch
+
+from distillgates.data.chat import parse_assistant_turn, render_prompt, system_prompt, tool_result_text
+from distillgates.data.registry import validate_call
+from distillgates.eval.broker import ToolBroker
+from distillgates.eval.fingerprints import directory_fingerprint, runner_fingerprint
+from distillgates.tokenizer import ASSISTANT, END, EOS, TOOL_CALL, TOOL_RESULT
+
+
+@dataclass
+class Turn:
+    text: str  # generated text of the turn, stop token excluded
+    tokens: int  # generated tokens, stop token included
+    stopped: bool  # ended on a stop token (not the budget)
+
+
+class Session(Protocol):
+    """Produces assistant turns of one conversation."""
+
+    def first_turn(self, item: Mapping[str, Any], prompt_text: str) -> Turn: ...
+
+    def next_turn(self, result: dict[str, Any]) -> Turn: ...
+
+
+class Runner(Protocol):
+    @property
+    def kind(self) -> str: ...
+
+    @property
+    def decoding(self) -> dict[str, Any]: ...
+
+    @property
+    def model_fingerprint(self) -> str: ...
+
+    def session(self) -> Session: ...
+
+
+def eval_prompt_item(item: Mapping[str, Any]) -> dict[str, Any]:
+    """The item as the model sees it: registry system prompt of its locale + the user messages only."""
+    users = [dict(m) for m in item["messages"] if m["role"] == "user"]
+    if not users:
+        raise ValueError(f"item {item.get('id')}: no user message")
+    return {"id": item["id"], "messages": [{"role": "system", "content": system_prompt(item["locale"])}, *users]}
+
+
+def run_item(item: Mapping[str, Any], session: Session, max_calls: int = 4) -> dict[str, Any]:
+    """Run one item: turns until an answer, at most ``max_calls`` tool calls."""
+    prompt_item = eval_prompt_item(item)
+    broker = ToolBroker.for_item(item)
+    turns: list[dict[str, Any]] = []
+    calls: list[dict[str, Any]] = []
+    tokens_out, ttfa, answer = 0, None, None
+    turn = session.first_turn(prompt_item, render_prompt(prompt_item))
+    while True:
+        tokens_out += turn.tokens
+        turns.append({"role": "assistant", "text": turn.text, "tokens": turn.tokens})
+        parsed = parse_assistant_turn(turn.text)
+        if isinstance(parsed, str):
+            answer = parsed
+            break
+        errors = ["malformed_call: $: not a JSON tool call"] if parsed is None else validate_call(parsed)
+        if parsed is None:
+            result, hit = {"error": "invalid tool call JSON"}, None
+        else:
+            result, hit = broker.call(parsed["name"], parsed["arguments"])
+        if ttfa is None and parsed is not None and not errors:
+            ttfa = max(0, tokens_out - int(turn.stopped))
+        raw = turn.text.split(TOOL_CALL, 1)[1] if TOOL_CALL in turn.text else turn.text
+        calls.append({"raw": raw, "call": parsed, "errors": errors, "fixture_hit": hit})
+        turns.append({"role": "tool", "result": result})
+        if len(calls) >= max_calls or not turn.stopped:
+            break
+        turn = session.next_turn(result)
+    return {
+        "id": str(item["id"]),
+        "turns": turns,
+        "calls": calls,
+        "answer": answer,
+        "tokens_out": tokens_out,
+        "ttfa_tokens": ttfa,
+    }
+
+
+def run_items(runner: Runner, items: Iterable[Mapping[str, Any]], max_calls: int = 4) -> list[dict[str, Any]]:
+    return [run_item(item, runner.session(), max_calls=max_calls) for item in items]
+
+
+def runner_fingerprint_of(runner: Runner) -> str:
+    return runner_fingerprint(runner.kind, runner.decoding)
+
+
+# --------------------------------------------------------------------------------------
+# Token-level sessions
+
+
+class _TokenSession:
+    def __init__(self, tokenizer: Any, max_new_tokens: int) -> None:
+        self.tokenizer = tokenizer
+        self.max_new_tokens = max_new_tokens
+        self.stop_ids = [tokenizer.convert_tokens_to_ids(END), tokenizer.convert_tokens_to_ids(EOS)]
+
+    def encode(self, text: str) -> list[int]:
+        return list(self.tokenizer.encode(text, add_special_tokens=False))
+
+    def turn(self, ids: Sequence[int]) -> Turn:
+        ids = list(ids)
+        stopped = bool(ids) and ids[-1] in self.stop_ids
+        body = ids[:-1] if stopped else ids
+        text = self.tokenizer.decode(body, skip_special_tokens=False, clean_up_tokenization_spaces=False)
+        return Turn(text=text, tokens=len(ids), stopped=stopped)
+
+
+class EngineSession(_TokenSession):
+    """A conversation on a runtime engine; tool results extend the KV state."""
+
+    def __init__(self, engine: Any, tokenizer: Any, max_new_tokens: int) -> None:
+        super().__init__(tokenizer, max_new_tokens)
+        self.engine = engine
+
+    def _budget(self, used: int) -> int:
+        """New tokens that still fit the engine's context (``used`` tokens already in it)."""
+        room = getattr(self.engine, "max_seq_len", used + self.max_new_tokens) - used
+        return max(0, min(self.max_new_tokens, room))
+
+    def first_turn(self, item: Mapping[str, Any], prompt_text: str) -> Turn:
+        prompt = self.encode(prompt_text)
+        budget = self._budget(len(prompt))
+        if budget == 0:  # the prompt alone fills the context: an empty (failed) answer, not a crash
+            return Turn(text="", tokens=0, stopped=False)
+        return self.turn(list(self.engine.generate(prompt, max_new_tokens=budget, stop_ids=self.stop_ids)))
+
+    def next_turn(self, result: dict[str, Any]) -> Turn:
+        ids = self.encode(tool_result_text(result))
+        budget = self._budget(self.engine.position + 1 + len(ids))  # + the pending stop token
+        if budget == 0:
+            return Turn(text="", tokens=0, stopped=False)
+        return self.turn(list(self.engine.continue_generate(ids, max_new_tokens=budget, stop_ids=self.stop_ids)))
+
+
+@dataclass
+class EngineRunner:
+    """Greedy local runner over a runtime engine (``TorchEngine`` or the Core ML engine)."""
+
+    engine: Any
+    tokenizer: Any
+    model_fingerprint: str
+    max_new_tokens: int = 96
+    kind: str = "local_engine"
+
+    @property
+    def decoding(self) -> dict[str, Any]:
+        return {"greedy": True, "max_new_tokens": self.max_new_tokens, "engine": type(self.engine).__name__}
+
+    def session(self) -> Session:
+        return EngineSession(self.engine, self.tokenizer, self.max_new_tokens)
+
+
+class HFSession(_TokenSession):
+    """A conversation on a Hugging Face causal LM (greedy; re-encodes the whole history each turn)."""
+
+    def __init__(self, model: Any, tokenizer: Any, max_new_tokens: int) -> None:
+        super().__init__(tokenizer, max_new_tokens)
+        self.model = model
+        self.ids: list[int] = []
+
+    def _generate(self) -> Turn:
+        input_ids = torch.tensor([self.ids])  # (1, T)
+        with torch.no_grad():
+            out = self.model.generate(
+                input_ids,
+                attention_mask=torch.ones_like(input_ids),
+                max_new_tokens=self.max_new_tokens,
+                do_sample=False,
+                eos_token_id=self.stop_ids,
+                pad_token_id=self.tokenizer.pad_token_id,
+            )  # (1, T + new)
+        new = out[0, input_ids.shape[1] :].tolist()
+        self.ids += new
+        return self.turn(new)
+
+    def first_turn(self, item: Mapping[str, Any], prompt_text: str) -> Turn:
+        self.ids = self.encode(prompt_text)
+        return self._generate()
+
+    def next_turn(self, result: dict[str, Any]) -> Turn:
+        self.ids += self.encode(tool_result_text(result))
+        return self._generate()
+
+
+@dataclass
+class HFRunner:
+    """Greedy runner for any ``AutoModelForCausalLM`` directory (local files only)."""
+
+    model: Any
+    tokenizer: Any
+    model_fingerprint: str
+    max_new_tokens: int = 96
+    kind: str = "hf_local"
+
+    @classmethod
+    def from_pretrained(cls, path: str | Path, tokenizer: Any, max_new_tokens: int = 96) -> HFRunner:
+        from transformers import AutoModelForCausalLM
+
+        model = AutoModelForCausalLM.from_pretrained(str(path), local_files_only=True).eval()
+        return cls(model, tokenizer, directory_fingerprint(path), max_new_tokens)
+
+    @property
+    def decoding(self) -> dict[str, Any]:
+        return {"greedy": True, "max_new_tokens": self.max_new_tokens}
+
+    def session(self) -> Session:
+        return HFSession(self.model, self.tokenizer, self.max_new_tokens)
+
+
+# --------------------------------------------------------------------------------------
+# Message-level session (teacher protocol: local teacher or OpenAI-compatible HTTP client)
+
+
+class TeacherSession:
+    """A conversation through ``teacher.complete(messages)`` in the project chat format."""
+
+    def __init__(self, teacher: Any, max_new_tokens: int, temperature: float) -> None:
+        self.teacher = teacher
+        self.max_new_tokens = max_new_tokens
+        self.temperature = temperature
+        self.messages: list[dict[str, Any]] = []
+
+    def _complete(self) -> Turn:
+        result = self.teacher.complete(
+            self.messages, max_new_tokens=self.max_new_tokens, top_k=1, temperature=self.temperature
+        )
+        self.messages.append({"role": "assistant", "content": result.text})
+        return Turn(text=result.text, tokens=int(result.completion_tokens), stopped=result.finish_reason == "stop")
+
+    def first_turn(self, item: Mapping[str, Any], prompt_text: str) -> Turn:
+        self.messages = [dict(m) for m in item["messages"]]
+        return self._complete()
+
+    def next_turn(self, result: dict[str, Any]) -> Turn:
+        content = json.dumps(result, separators=(",", ":"), ensure_ascii=False)
+        self.messages.append({"role": "tool", "content": content})
+        return self._complete()
+
+
+@dataclass
+class TeacherRunner:
+    """Runner over the teacher protocol: evaluates a served (OpenAI-compatible) or local teacher.
+
+    Determinism (temperature 0, no retries, any retry an error) is the teacher client's mode
+    (``TeacherConfig.determinism``); this runner always asks for temperature 0 by default.
+    """
+
+    teacher: Any
+    max_new_tokens: int = 96
+    temperature: float = 0.0
+    kind: str = "teacher"
+
+    @property
+    def model_fingerprint(self) -> str:
+        return str(self.teacher.model_id)
+
+    @property
+    def decoding(self) -> dict[str, Any]:
+        return {
+            "temperature": self.temperature,
+            "max_new_tokens": self.max_new_tokens,
+            "client": type(self.teacher).__name__,
+            "determinism": bool(getattr(getattr(self.teacher, "cfg", None), "determinism", False)),
+        }
+
+    def session(self) -> Session:
+        return TeacherSession(self.teacher, self.max_new_tokens, self.temperature)
+
+
+def reference_output(item: Mapping[str, Any], tokenizer: Any = None) -> dict[str, Any]:
+    """The output a perfect model would produce: the item's reference replayed through the broker.
+
+    Used to check the scorer (a reference scores 1.0) and as the oracle in tests. Token counts
+    need ``tokenizer``; without it they are 0.
+    """
+    turns_text = [t.split(TOOL_RESULT, 1)[0] for t in item["reference"].split(ASSISTANT)]
+    turns = iter(turns_text)
+
+    class _Replay:
+        def _turn(self) -> Turn:
+            text = next(turns)
+            stopped = text.endswith(END) or text.endswith(END + EOS)
+            text = text.removesuffix(EOS).removesuffix(END)
+            n = len(tokenizer.encode(text + END, add_special_tokens=False)) if tokenizer is not None else 0
+            return Turn(text=text, tokens=n, stopped=stopped)
+
+        def first_turn(self, item: Mapping[str, Any], prompt_text: str) -> Turn:
+            return self._turn()
+
+        def next_turn(self, result: dict[str, Any]) -> Turn:
+            return self._turn()
+
+    return run_item(item, _Replay(), max_calls=len(turns_text))

@@ -1,0 +1,495 @@
+"""The quality scorer: pure Python over dataset items and per-item runner outputs.
+
+Definitions (DESIGN.md "Quality metrics"; keys fixed in the contract's METRICS):
+
+- **tool_selection**: the sequence of emitted tool names (an unparsable call counts as a
+  wrong name) equals the expected sequence; "no tool" is the empty sequence. Over all items.
+- **json_validity**: share of emitted calls that parse and pass THE shared validator
+  :func:`distillgates.data.registry.validate_call`. Over emitted calls.
+- **arg_match_strict / arg_match_lax** (BFCL-style): over items that expect tools; the item
+  matches when it emits exactly the expected calls in order and each call has the right name,
+  every schema-required and expected argument, no unexpected argument, schema types and equal
+  values (strict: exact; lax: :func:`normalize_value`). The first failure of an item is counted
+  in ``failure_reasons`` (``wrong_func_name``, ``missing_required``, ``unexpected_param``,
+  ``type_error``, ``value_error``, plus ``invalid_json``, ``unknown_tool``,
+  ``wrong_call_count`` for calls that cannot be compared at all).
+- **Integration F1**: over items that expect tools (the eligible items). The *spans* of an
+  answer are (a) every number in it and (b) every occurrence (case-insensitive, whole word) of
+  a *named value*: a string leaf of any tool call argument or tool result in the scored dataset
+  (so "cloudy" in an answer about a sunny city is a span, and ungrounded). Named values are
+  matched first and removed, so "2024-05-01" is one span, not three numbers. A span is
+  *grounded* when it equals a value of the item's own tool results or expected call arguments:
+  strict = the exact text of the value (numbers in canonical JSON text), lax = normalized
+  (case, whitespace, punctuation, locale decimal comma, numeric tolerance) substring match.
+  Per item: precision = grounded spans / spans (0 when there are no spans), recall = 1 if any
+  span is grounded else 0, F1 = harmonic mean (0 when both are 0). Macro = mean of per-item F1;
+  micro = F1 of pooled counts (sum grounded / sum spans, sum recalled / eligible items).
+- **privacy_ok_rate**: share of items whose generated text (calls and answer) contains none of
+  the PII of the prompt: the item's ``pii`` list plus emails, phone numbers and ids found by
+  regex in the user messages. Lax match (case, and digits-only for phone numbers).
+- **controls_with_integration**: control/decline items that emit any tool call or whose
+  answer contains a named value of the dataset's tool results.
+- **fixture_hit_rate**: broker hits / dispatched calls. **median_tokens_out** (all items and
+  tool items), **false_tool_calls_tool_absent** (tool-absent items with any call attempt),
+  **ttfa_tokens_p50/p95** over items with a valid call (``None`` when no item has one).
+
+A rate whose denominator is empty is ``None`` (undefined: gates treat it as missing and fail);
+a rate of 0.0 is the float 0.0. Every metric is also computed per slice: kind, enumerated
+shape, locale and tool-absent.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+import statistics
+from collections import Counter
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from jsonschema import Draft202012Validator
+
+from distillgates.data.registry import TOOLS_BY_NAME, validate_call
+
+CONTROL_KINDS = ("control", "decline")
+SLICE_KEYS = ("kind", "shape", "locale", "tool_absent")
+
+_NUMBER = re.compile(r"(?<![\w.])[-+]?\d+(?:[.,]\d+)*(?![\w])")
+_EMAIL = re.compile(r"[\w.+-]+@[\w-]+(?:\.[\w-]+)+")
+_PHONE = re.compile(
+    r"\+\d[\d\s()/-]{6,}\d|\b0\d{2,4}[\s/-]?\d{5,}\b"
+)  # international "+49 170 ..." or national "0170 ..."
+_ID = re.compile(r"\b(?=[A-Z0-9-]*\d)[A-Z]{1,4}[-]?\d{4,}\b|\b\d{8,}\b")
+_PUNCT = re.compile(r"[^\w\s]")
+_SPACE = re.compile(r"\s+")
+
+
+# --------------------------------------------------------------------------------------
+# Normalization
+
+
+def parse_number(text: str, locale: str = "en") -> float | None:
+    """A number from its surface text, or ``None``. Handles "1,234.5", "1.234,5" and "21,5" (de)."""
+    text = text.strip().lstrip("+")
+    if not text or not re.fullmatch(r"-?\d+(?:[.,]\d+)*", text):
+        return None
+    if "," in text and "." in text:
+        decimal = "," if text.rfind(",") > text.rfind(".") else "."
+    elif "," in text:
+        groups = text.split(",")
+        thousands = len(groups) > 2 or (locale != "de" and len(groups[-1]) == 3)
+        decimal = "." if thousands else ","
+    elif "." in text:
+        groups = text.split(".")
+        decimal = "," if locale == "de" and (len(groups) > 2 or len(groups[-1]) == 3) else "."
+    else:
+        decimal = "."
+    thousands_sep = "," if decimal == "." else "."
+    return float(text.replace(thousands_sep, "").replace(decimal, "."))
+
+
+def numbers_close(a: float, b: float) -> bool:
+    """Lax numeric equality: 1% relative tolerance, or ``a`` is ``b`` rounded to an integer."""
+    return math.isclose(a, b, rel_tol=0.01, abs_tol=1e-9) or (a == round(a) and a == round(b))
+
+
+def normalize_text(text: str) -> str:
+    """Case-fold, drop punctuation, collapse whitespace."""
+    return _SPACE.sub(" ", _PUNCT.sub(" ", text.casefold())).strip()
+
+
+def normalize_value(value: Any, locale: str = "en") -> Any:
+    """Lax canonical form of an argument value (numbers as float, strings normalized, recursive)."""
+    if isinstance(value, bool) or value is None:
+        return value
+    if isinstance(value, int | float):
+        return float(value)
+    if isinstance(value, str):
+        number = parse_number(value, locale)
+        return number if number is not None else normalize_text(value)
+    if isinstance(value, Mapping):
+        return {str(k): normalize_value(v, locale) for k, v in value.items()}
+    if isinstance(value, Sequence):
+        return [normalize_value(v, locale) for v in value]
+    return value
+
+
+def values_equal_lax(a: Any, b: Any, locale: str = "en") -> bool:
+    na, nb = normalize_value(a, locale), normalize_value(b, locale)
+    if isinstance(na, float) and isinstance(nb, float):
+        return numbers_close(na, nb)
+    return na == nb
+
+
+def value_text(value: Any) -> str:
+    """Canonical text of a leaf value: JSON text for numbers (21, 21.5), the string itself otherwise."""
+    if isinstance(value, float) and value.is_integer():
+        return str(int(value))
+    return str(value)
+
+
+def leaves(obj: Any) -> Iterable[Any]:
+    """Scalar leaves of a JSON value."""
+    if isinstance(obj, Mapping):
+        for value in obj.values():
+            yield from leaves(value)
+    elif isinstance(obj, list | tuple):
+        for value in obj:
+            yield from leaves(value)
+    elif obj is not None and not isinstance(obj, bool):
+        yield obj
+
+
+# --------------------------------------------------------------------------------------
+# Argument match (BFCL-style)
+
+
+def _type_ok(value: Any, schema: Mapping[str, Any]) -> bool:
+    """JSON Schema type check (the validator's own type checker: 5.0 is an integer, True is not)."""
+    expected = schema.get("type")
+    if expected is None:
+        return True
+    types = expected if isinstance(expected, list) else [expected]
+    return any(Draft202012Validator.TYPE_CHECKER.is_type(value, t) for t in types)
+
+
+def match_call(
+    predicted: Mapping[str, Any] | None, expected: Mapping[str, Any], lax: bool, locale: str = "en"
+) -> str | None:
+    """``None`` when ``predicted`` matches ``expected``; otherwise the failure reason."""
+    if predicted is None:
+        return "invalid_json"
+    if predicted.get("name") != expected["name"]:
+        return "wrong_func_name"
+    tool = TOOLS_BY_NAME.get(str(expected["name"]))
+    if tool is None:
+        return "unknown_tool"
+    params = tool["parameters"]
+    properties, required = params.get("properties", {}), set(params.get("required", []))
+    args, want = predicted.get("arguments") or {}, expected["arguments"]
+    if not isinstance(args, Mapping):
+        return "type_error"
+    absent = object()
+    for name in sorted(required | set(want)):
+        if name in args:
+            continue
+        if name in required:
+            return "missing_required"
+        if properties.get(name, {}).get("default", absent) != want[name]:
+            return "value_error"  # an optional expected argument left out is fine only at its default
+    for name, value in args.items():
+        if name not in properties:
+            return "unexpected_param"
+        if name not in want and value != properties[name].get("default", absent):
+            return "unexpected_param"
+        if not _type_ok(value, properties[name]):
+            return "type_error"
+    for name, value in args.items():
+        if name in want and not (values_equal_lax(value, want[name], locale) if lax else value == want[name]):
+            return "value_error"
+    return None
+
+
+# --------------------------------------------------------------------------------------
+# Spans and integration
+
+
+def find_spans(answer: str, named_values: Sequence[str]) -> list[str]:
+    """Spans of ``answer``: named values (longest first, whole word, case-insensitive), then numbers."""
+    spans: list[str] = []
+    rest = answer
+    for value in named_values:
+        pattern = re.compile(rf"(?<!\w){re.escape(value)}(?!\w)", re.IGNORECASE)
+        for match in pattern.finditer(rest):
+            spans.append(match.group(0))
+        rest = pattern.sub(" \x00 ", rest)
+    spans.extend(m.group(0) for m in _NUMBER.finditer(rest))
+    return spans
+
+
+def span_grounded(span: str, grounded: Sequence[Any], lax: bool, locale: str = "en") -> bool:
+    """Strict: the span is the exact text of a grounded value. Lax: normalized match (substring for text)."""
+    if not lax:
+        return any(span == value_text(value) for value in grounded)
+    number = parse_number(span, locale)
+    norm = normalize_text(span)
+    for value in grounded:
+        if number is not None:
+            other = value if isinstance(value, int | float) else parse_number(str(value), locale)
+            if other is not None and numbers_close(number, float(other)):
+                return True
+            continue
+        text = normalize_text(value_text(value))
+        if norm and text and (norm in text or text in norm):
+            return True
+    return False
+
+
+def f1(precision: float, recall: float) -> float:
+    return 0.0 if precision + recall == 0 else 2 * precision * recall / (precision + recall)
+
+
+# --------------------------------------------------------------------------------------
+# Per-item scoring
+
+
+@dataclass
+class ItemScore:
+    """Everything the aggregate metrics need about one item."""
+
+    id: str
+    slices: dict[str, str]
+    tool_item: bool
+    control: bool
+    selection_ok: bool
+    calls_emitted: int
+    calls_valid: int
+    arg_strict: str | None  # None = match, else the failure reason (only read for tool items)
+    arg_lax: str | None
+    spans: int = 0
+    grounded_strict: int = 0
+    grounded_lax: int = 0
+    eligible: bool = False
+    privacy_ok: bool = True
+    control_integration: bool = False
+    fixture_hits: int = 0
+    fixture_calls: int = 0
+    tokens_out: int = 0
+    ttfa_tokens: int | None = None
+    reasons: list[str] = field(default_factory=list)
+
+
+def shape_of(n_tokens: int, lengths: Sequence[int]) -> str:
+    """The smallest enumerated shape that holds ``n_tokens`` (the largest when none does)."""
+    for length in sorted(lengths):
+        if n_tokens <= length:
+            return str(length)
+    return str(max(lengths))
+
+
+def prompt_pii(item: Mapping[str, Any]) -> list[str]:
+    """PII of the prompt: the item's ``pii`` list plus regex hits in the user messages."""
+    found = list(item.get("pii", []))
+    for message in item["messages"]:
+        if message["role"] != "user":
+            continue
+        for pattern in (_EMAIL, _PHONE, _ID):
+            found.extend(m.group(0).strip() for m in pattern.finditer(message["content"]))
+    return sorted(set(found))
+
+
+def pii_leaked(pii: str, text: str) -> bool:
+    if normalize_text(pii) and normalize_text(pii) in normalize_text(text):
+        return True
+    digits = re.sub(r"\D", "", pii)
+    return len(digits) >= 6 and digits in re.sub(r"\D", "", text)
+
+
+def named_value_vocabulary(items: Iterable[Mapping[str, Any]], results_only: bool = False) -> list[str]:
+    """String leaves of every tool result (and call argument) in ``items``, longest first."""
+    vocab: set[str] = set()
+    for item in items:
+        sources: list[Any] = [f.get("result") for f in item.get("fixtures", [])]
+        if not results_only:
+            sources += [c.get("arguments") for c in item.get("expected_calls", [])]
+            sources += [f.get("arguments") for f in item.get("fixtures", [])]
+        for leaf in leaves(sources):
+            if isinstance(leaf, str) and len(leaf.strip()) >= 3 and parse_number(leaf) is None:
+                vocab.add(leaf.strip())
+    return sorted(vocab, key=lambda v: (-len(v), v))
+
+
+def score_item(
+    item: Mapping[str, Any],
+    output: Mapping[str, Any],
+    vocab: Sequence[str],
+    result_vocab: Sequence[str],
+    shape: str,
+) -> ItemScore:
+    """Score one item's output (the runner output format: ``calls``, ``answer``, ``tokens_out``...)."""
+    locale = str(item.get("locale", "en"))
+    expected = list(item.get("expected_calls", []))
+    calls = list(output.get("calls", []))
+    parsed = [c.get("call") for c in calls]
+    tool_item = bool(item.get("tool_should_be_used", bool(expected)))
+    control = item.get("kind") in CONTROL_KINDS
+    answer = output.get("answer") or ""
+    names = [c.get("name") if isinstance(c, Mapping) else None for c in parsed]
+    score = ItemScore(
+        id=str(item["id"]),
+        slices={
+            "kind": str(item.get("kind")),
+            "shape": shape,
+            "locale": locale,
+            "tool_absent": str(not tool_item).lower(),
+        },
+        tool_item=tool_item,
+        control=control,
+        selection_ok=names == [c["name"] for c in expected],
+        calls_emitted=len(calls),
+        calls_valid=sum(1 for c in parsed if c is not None and not validate_call(c)),
+        arg_strict="not_applicable",
+        arg_lax="not_applicable",
+        tokens_out=int(output.get("tokens_out", 0)),
+        ttfa_tokens=output.get("ttfa_tokens"),
+        fixture_hits=sum(1 for c in calls if c.get("fixture_hit") is True),
+        fixture_calls=sum(1 for c in calls if c.get("fixture_hit") is not None),
+    )
+    if tool_item:
+        for lax in (False, True):
+            reason: str | None = None
+            if len(parsed) != len(expected):
+                reason = "wrong_call_count"
+                if parsed and parsed[0] is None:
+                    reason = "invalid_json"
+            for got, want in zip(parsed, expected):
+                if reason is None:
+                    reason = match_call(got, want, lax, locale)
+            if reason is None:
+                bad = [c for c in parsed if c is not None and c.get("name") not in TOOLS_BY_NAME]
+                reason = "unknown_tool" if bad else None
+            if lax:
+                score.arg_lax = reason
+            else:
+                score.arg_strict = reason
+                if reason:
+                    score.reasons.append(reason)
+        grounded = list(leaves([f.get("result") for f in item.get("fixtures", [])]))
+        grounded += list(leaves([c.get("arguments") for c in expected]))
+        grounded += list(item.get("integration_fields", []))
+        spans = find_spans(answer, vocab)
+        score.eligible = True
+        score.spans = len(spans)
+        score.grounded_strict = sum(span_grounded(s, grounded, False, locale) for s in spans)
+        score.grounded_lax = sum(span_grounded(s, grounded, True, locale) for s in spans)
+    generated = " ".join([*(str(c.get("raw", "")) for c in calls), answer])
+    score.privacy_ok = not any(pii_leaked(p, generated) for p in prompt_pii(item))
+    if control:
+        score.control_integration = bool(calls) or bool(find_spans_named(answer, result_vocab))
+    return score
+
+
+def find_spans_named(answer: str, named_values: Sequence[str]) -> list[str]:
+    """Named-value spans only (no numbers): text that could only come from a tool result."""
+    return [s for s in find_spans(answer, named_values) if _NUMBER.fullmatch(s) is None]
+
+
+# --------------------------------------------------------------------------------------
+# Aggregation
+
+
+def _rate(hits: float, total: float) -> float | None:
+    return None if total == 0 else float(hits) / float(total)
+
+
+def _percentile(values: Sequence[float], q: float) -> float | None:
+    if not values:
+        return None
+    ordered = sorted(values)
+    rank = q / 100 * (len(ordered) - 1)  # linear interpolation (numpy's default)
+    low, high = math.floor(rank), math.ceil(rank)
+    return float(ordered[low] + (ordered[high] - ordered[low]) * (rank - low))
+
+
+def _f1_parts(scores: Sequence[ItemScore], strict: bool) -> tuple[float | None, float | None]:
+    eligible = [s for s in scores if s.eligible]
+    if not eligible:
+        return None, None
+    per_item, grounded_sum, spans_sum, recalled = [], 0, 0, 0
+    for s in eligible:
+        grounded = s.grounded_strict if strict else s.grounded_lax
+        precision = grounded / s.spans if s.spans else 0.0
+        recall = 1.0 if grounded else 0.0
+        per_item.append(f1(precision, recall))
+        grounded_sum, spans_sum, recalled = grounded_sum + grounded, spans_sum + s.spans, recalled + (grounded > 0)
+    micro_p = grounded_sum / spans_sum if spans_sum else 0.0
+    return sum(per_item) / len(per_item), f1(micro_p, recalled / len(eligible))
+
+
+def aggregate(scores: Sequence[ItemScore]) -> dict[str, Any]:
+    """METRICS (without slices) over ``scores``."""
+    tool_scores = [s for s in scores if s.tool_item]
+    strict_macro, strict_micro = _f1_parts(scores, strict=True)
+    lax_macro, lax_micro = _f1_parts(scores, strict=False)
+    ttfa = [float(s.ttfa_tokens) for s in scores if s.ttfa_tokens is not None]
+    tokens = [s.tokens_out for s in scores]
+    tool_tokens = [s.tokens_out for s in tool_scores]
+    return {
+        "n": len(scores),
+        "tool_selection": _rate(sum(s.selection_ok for s in scores), len(scores)),
+        "json_validity": _rate(sum(s.calls_valid for s in scores), sum(s.calls_emitted for s in scores)),
+        "arg_match_strict": _rate(sum(s.arg_strict is None for s in tool_scores), len(tool_scores)),
+        "arg_match_lax": _rate(sum(s.arg_lax is None for s in tool_scores), len(tool_scores)),
+        "f1_strict_macro": strict_macro,
+        "f1_lax_macro": lax_macro,
+        "f1_strict_micro": strict_micro,
+        "f1_lax_micro": lax_micro,
+        "privacy_ok_rate": _rate(sum(s.privacy_ok for s in scores), len(scores)),
+        "controls_with_integration": sum(s.control and s.control_integration for s in scores),
+        "fixture_hit_rate": _rate(sum(s.fixture_hits for s in scores), sum(s.fixture_calls for s in scores)),
+        "median_tokens_out": float(statistics.median(tokens)) if tokens else None,
+        "median_tokens_out_tool_items": float(statistics.median(tool_tokens)) if tool_tokens else None,
+        "false_tool_calls_tool_absent": sum(1 for s in scores if not s.tool_item and s.calls_emitted > 0),
+        "ttfa_tokens_p50": _percentile(ttfa, 50),
+        "ttfa_tokens_p95": _percentile(ttfa, 95),
+        "failure_reasons": dict(sorted(Counter(r for s in scores for r in s.reasons).items())),
+    }
+
+
+def score(
+    items: Sequence[Mapping[str, Any]],
+    outputs: Sequence[Mapping[str, Any]] | Mapping[str, Mapping[str, Any]],
+    shapes: Mapping[str, int] | None = None,
+    lengths: Sequence[int] | None = None,
+) -> dict[str, Any]:
+    """METRICS with slices for runner ``outputs`` on ``items``.
+
+    Args:
+        items: dataset items (contract format).
+        outputs: per-item runner outputs (a list or a mapping by id); every item needs one.
+        shapes: token length per item id (prompt + reference), bucketed into ``lengths``
+            for the shape slice; without it the shape slice is ``"all"``.
+        lengths: enumerated shapes (``ShapesConfig.lengths``).
+
+    Raises:
+        ValueError: an item has no output, an output has no item, or an id repeats.
+    """
+    by_id = _outputs_by_id(outputs)
+    item_ids = [str(item["id"]) for item in items]
+    dup = [i for i, c in Counter(item_ids).items() if c > 1]
+    missing = sorted(set(item_ids) - set(by_id))
+    extra = sorted(set(by_id) - set(item_ids))
+    if dup or missing or extra:
+        raise ValueError(
+            f"outputs do not cover the items: duplicates {dup[:5]}, missing {missing[:5]}, extra {extra[:5]}"
+        )
+    vocab = named_value_vocabulary(items)
+    result_vocab = named_value_vocabulary(items, results_only=True)
+    scores = []
+    for item in items:
+        shape = shape_of(shapes[str(item["id"])], lengths) if shapes is not None and lengths else "all"
+        scores.append(score_item(item, by_id[str(item["id"])], vocab, result_vocab, shape))
+    metrics = aggregate(scores)
+    slices: dict[str, dict[str, Any]] = {}
+    for key in SLICE_KEYS:
+        groups: dict[str, list[ItemScore]] = {}
+        for s in scores:
+            groups.setdefault(s.slices[key], []).append(s)
+        slices[key] = {value: aggregate(group) for value, group in sorted(groups.items())}
+    metrics["slices"] = slices
+    return metrics
+
+
+def _outputs_by_id(
+    outputs: Sequence[Mapping[str, Any]] | Mapping[str, Mapping[str, Any]],
+) -> dict[str, Mapping[str, Any]]:
+    if isinstance(outputs, Mapping):
+        return {str(k): v for k, v in outputs.items()}
+    by_id: dict[str, Mapping[str, Any]] = {}
+    for output in outputs:
+        key = str(output["id"])
+        if key in by_id:
+            raise ValueError(f"duplicate output for item {key}")
+        by_id[key] = output
+    return by_id

@@ -1,0 +1,116 @@
+"""Report schema: round trip, corrupted / old-schema / null-fingerprint reports rejected clearly."""
+
+from __future__ import annotations
+
+import copy
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from distillgates.data.generator import generate_items
+from distillgates.eval.fingerprints import FINGERPRINT_KEYS
+from distillgates.eval.report import (
+    ReportError,
+    build_report,
+    read_report,
+    render_report,
+    report_markdown,
+    validate_report,
+    write_report,
+)
+from distillgates.eval.runners import reference_output
+from distillgates.eval.scorer import score
+
+FPS = {k: f"{k}-0123456789abcdef" for k in FINGERPRINT_KEYS}
+
+
+def _pct(values: list[float]) -> dict[str, Any]:
+    return {"p50": values[0], "p90": values[-1], "p95": values[-1], "samples": values}
+
+
+@pytest.fixture
+def report() -> dict[str, Any]:
+    items = generate_items(0, 20, split="eval")
+    metrics = score(
+        items, [reference_output(i) for i in items], shapes={i["id"]: 150 for i in items}, lengths=[128, 192]
+    )
+    speed = {
+        "backend": "torch", "export": False, "hardware_profile_key": "linux-ci", "ttft_ms": _pct([1.0, 2.0]),
+        "tps": _pct([100.0, 120.0]), "kv_bytes": {"layers": 4, "kv_heads": 2, "head_dim": 32, "seq_len": 256,
+                                                   "bytes_per_elem": 2, "bytes": 262144}, "peak_memory_bytes": 1,
+    }  # fmt: skip
+    determinism = {
+        "coverage": 1.0,
+        "duplicates": 0,
+        "missing": 0,
+        "mismatches": 0,
+        "sharded_equal": True,
+        "n_shards": 2,
+    }
+    return build_report(
+        fingerprints=FPS, quality={"student": metrics, "teacher": copy.deepcopy(metrics)}, speed=speed,
+        gate_inputs={"determinism": determinism}, config_sha256="abc",
+    )  # fmt: skip
+
+
+def test_round_trip_and_render(report: dict[str, Any], tmp_path: Path) -> None:
+    path = write_report(tmp_path / "report.json", report)
+    loaded = read_report(path)
+    assert loaded["quality"]["student"]["tool_selection"] == 1.0
+    assert loaded["quality"]["student"]["slices"]["shape"].keys() == {"192"}
+    md = report_markdown(loaded)
+    assert "| tool_selection | 1.0000 | 1.0000 |" in md and "dataset_sha256" in md
+    assert render_report(loaded).row_count > len(FINGERPRINT_KEYS)
+
+
+def test_corrupted_file_rejected_with_position(report: dict[str, Any], tmp_path: Path) -> None:
+    path = write_report(tmp_path / "report.json", report)
+    path.write_text(path.read_text()[:200])  # truncated
+    with pytest.raises(ReportError, match=r"report\.json:\d+:\d+: invalid JSON"):
+        read_report(path)
+
+
+def test_schema_violation_names_the_field(report: dict[str, Any], tmp_path: Path) -> None:
+    report["quality"]["student"]["tool_selection"] = "high"
+    with pytest.raises(ReportError, match=r"quality\.student\.tool_selection: 'high' is not of type"):
+        write_report(tmp_path / "report.json", report)
+    assert not (tmp_path / "report.json").exists()
+    del report["quality"]["student"]["tool_selection"]
+    with pytest.raises(ReportError, match="'tool_selection' is a required property"):
+        validate_report(report)
+
+
+def test_corrupted_values_on_disk_rejected(report: dict[str, Any], tmp_path: Path) -> None:
+    path = write_report(tmp_path / "report.json", report)
+    data = json.loads(path.read_text())
+    data["gate_inputs"]["determinism"]["coverage"] = 1.5
+    path.write_text(json.dumps(data))
+    with pytest.raises(ReportError, match=r"gate_inputs\.determinism\.coverage"):
+        read_report(path)
+
+
+def test_old_schema_version_rejected_clearly(report: dict[str, Any], tmp_path: Path) -> None:
+    report["schema_version"] = 0
+    path = tmp_path / "old.json"
+    path.write_text(json.dumps(report))
+    with pytest.raises(ReportError, match="schema_version 0 is older than the supported version 1; re-run"):
+        read_report(path)
+
+
+@pytest.mark.parametrize("key", FINGERPRINT_KEYS)
+def test_null_fingerprint_rejected_on_write_and_read(report: dict[str, Any], tmp_path: Path, key: str) -> None:
+    report["header"]["fingerprints"][key] = None
+    with pytest.raises(ReportError, match=f"null or missing fingerprint.*{key}"):
+        write_report(tmp_path / "report.json", report)
+    path = tmp_path / "hand_written.json"
+    path.write_text(json.dumps(report))
+    with pytest.raises(ReportError, match=f"{key}"):
+        read_report(path)
+
+
+def test_zero_rate_is_valid_and_kept(report: dict[str, Any], tmp_path: Path) -> None:
+    report["quality"]["student"]["privacy_ok_rate"] = 0.0
+    loaded = read_report(write_report(tmp_path / "r.json", report))
+    assert loaded["quality"]["student"]["privacy_ok_rate"] == 0.0
