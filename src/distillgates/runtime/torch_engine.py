@@ -1,0 +1,221 @@
+"""PyTorch engine over :class:`distillgates.model.Transformer` with its static KV cache.
+
+Design choices (gpt-fast style):
+- The KV cache is allocated once (``model.setup_caches``); resetting a conversation only moves
+  the position back to 0. Slots past the position hold stale values that the causal mask never
+  lets a query see, so no zeroing is needed, and rollback (speculative decoding) is free.
+- The decode path reuses pre-allocated ``(1, 1)`` token and ``(1,)`` position tensors (filled in
+  place) and slices of a pre-built ``arange``; nothing is allocated per token outside the model.
+- Small batches use left padding and an attention mask over cache slots (``(B, S_max)``,
+  True = real token), which ``Transformer.forward`` supports. RoPE is relative, so a row shifted
+  right by its padding attends exactly as it would alone.
+- ``torch.compile`` of the decode step is optional (``compile=True``) and off by default: the
+  benchmark ``benchmarks/bench_decode_vs_hf.py --compile`` measures whether it pays.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor
+
+from distillgates.model import Transformer
+from distillgates.runtime.base import EngineBase, make_generator, sample_token
+
+
+class TorchEngine(EngineBase):
+    """Batch-1 engine (the protocol) plus small-batch helpers (``prefill_batch``/``decode_batch``).
+
+    Args:
+        model: the transformer; put in eval mode and given a static cache of ``max_batch_size``.
+        max_batch_size: rows of the static cache (1 for interactive use, 2-4 offline).
+        cache_dtype: KV cache dtype (default: the weights' dtype).
+        compile: ``torch.compile`` the one-token decode forward.
+    """
+
+    def __init__(
+        self,
+        model: Transformer,
+        max_batch_size: int = 1,
+        cache_dtype: torch.dtype | None = None,
+        compile: bool = False,
+    ) -> None:
+        if max_batch_size < 1:
+            raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
+        self.model = model.eval()
+        self.config = model.config
+        self.max_seq_len = model.config.max_seq_len
+        self.max_batch_size = max_batch_size
+        self.device = model.embed.weight.device
+        model.setup_caches(max_batch_size, cache_dtype)
+        self._positions = torch.arange(self.max_seq_len, device=self.device)  # (S_max,) sliced, never rebuilt
+        self._token = torch.zeros(1, 1, dtype=torch.long, device=self.device)  # (1, 1) decode input
+        self._pos = torch.zeros(1, dtype=torch.long, device=self.device)  # (1,) decode position
+        self._batch_tokens = torch.zeros(max_batch_size, 1, dtype=torch.long, device=self.device)  # (B, 1)
+        self._batch_mask = torch.ones(max_batch_size, self.max_seq_len, dtype=torch.bool, device=self.device)
+        self._batch_rows = 0
+        self._decode = torch.compile(self._decode_forward, dynamic=False) if compile else self._decode_forward
+        self.tokens: list[int] = []  # token ids in the KV state (batch-1 conversation)
+        self.pending = None
+
+    # ---- batch 1: the Engine protocol ------------------------------------------------
+
+    @property
+    def position(self) -> int:
+        """Number of tokens in the KV state (the next write position)."""
+        return len(self.tokens)
+
+    def _decode_forward(self, token: Tensor, pos: Tensor) -> Tensor:
+        return self.model(token, pos)[:, -1]  # (1, V)
+
+    def _check_room(self, n: int) -> None:
+        if self.position + n > self.max_seq_len:
+            raise ValueError(f"sequence of {self.position + n} tokens exceeds max_seq_len {self.max_seq_len}")
+
+    @torch.inference_mode()
+    def _write(self, token_ids: Sequence[int]) -> Tensor:
+        """Write ``token_ids`` at the current position; logits ``(T, V)``."""
+        if len(token_ids) == 0:
+            raise ValueError("need at least one token to write")
+        self._check_room(len(token_ids))
+        start = self.position
+        idx = torch.tensor([list(token_ids)], dtype=torch.long, device=self.device)  # (1, T)
+        logits = self.model(idx, self._positions[start : start + len(token_ids)])[0]  # (T, V)
+        self.tokens.extend(int(t) for t in token_ids)
+        return logits
+
+    def prefill(self, prompt_ids: Sequence[int]) -> Tensor:
+        """Reset the conversation and write the prompt; logits ``(V,)`` of the last prompt position."""
+        self.tokens = []
+        self.pending = None
+        return self._write(prompt_ids)[-1]
+
+    @torch.inference_mode()
+    def decode_step(self, token: int) -> Tensor:
+        """Write one token; logits ``(V,)`` for the next one."""
+        if self.pending is not None and token != self.pending:
+            raise ValueError(f"token {self.pending} is pending (not in the KV state); extend() writes it")
+        self.pending = None
+        self._check_room(1)
+        self._token.fill_(token)
+        self._pos.fill_(self.position)
+        logits = self._decode(self._token, self._pos)[0]  # (V,)
+        self.tokens.append(int(token))
+        return logits
+
+    def extend_all(self, token_ids: Sequence[int]) -> Tensor:
+        """Write the pending token (if any) then ``token_ids`` in one forward; logits ``(T, V)`` for every
+        written token. Speculative verification uses the rows; multi-turn continuation the last."""
+        ids = ([self.pending] if self.pending is not None else []) + [int(t) for t in token_ids]
+        self.pending = None
+        return self._write(ids)
+
+    def extend(self, token_ids: Sequence[int]) -> Tensor:
+        """Append tokens (e.g. a tool result) to the conversation; logits ``(V,)`` of the last one."""
+        return self.extend_all(token_ids)[-1]
+
+    def rollback(self, position: int) -> None:
+        """Forget every token at or after ``position`` (static cache: only the position moves)."""
+        if not 0 <= position <= self.position:
+            raise ValueError(f"rollback position {position} outside [0, {self.position}]")
+        del self.tokens[position:]
+        self.pending = None
+
+    # ---- KV state access (prompt cache) ----------------------------------------------
+
+    def read_kv(self, length: int) -> list[tuple[Tensor, Tensor]]:
+        """Copies of the first ``length`` cache slots per layer: ``[(k, v)]`` each ``(n_kv, length, hd)``."""
+        if length > self.position:
+            raise ValueError(f"only {self.position} tokens in the KV state, asked for {length}")
+        out = []
+        for layer in self.model.layers:
+            cache = layer.attn.kv_cache
+            out.append((cache.k_cache[0, :, :length].clone(), cache.v_cache[0, :, :length].clone()))
+        return out
+
+    def write_kv(self, token_ids: Sequence[int], kv: Sequence[tuple[Tensor, Tensor]]) -> None:
+        """Reset the conversation to ``token_ids`` whose K/V (from :meth:`read_kv`) are copied in."""
+        length = len(token_ids)
+        if len(kv) != len(self.model.layers) or any(k.shape[1] != length for k, _ in kv):
+            raise ValueError(f"KV slices do not match {len(self.model.layers)} layers x {length} tokens")
+        if length > self.max_seq_len:
+            raise ValueError(f"{length} cached tokens exceed max_seq_len {self.max_seq_len}")
+        for layer, (k, v) in zip(self.model.layers, kv, strict=True):
+            cache = layer.attn.kv_cache
+            cache.k_cache[0, :, :length].copy_(k)
+            cache.v_cache[0, :, :length].copy_(v)
+        self.tokens = [int(t) for t in token_ids]
+        self.pending = None
+
+    # ---- small batches (offline) -------------------------------------------------------
+
+    @torch.inference_mode()
+    def prefill_batch(self, prompts: Sequence[Sequence[int]]) -> Tensor:
+        """Left-pad ``prompts`` to one length and prefill them together; logits ``(B, V)``.
+
+        Resets the batch-1 conversation too (they share the cache rows).
+        """
+        rows = len(prompts)
+        if not 1 <= rows <= self.max_batch_size:
+            raise ValueError(f"batch of {rows} prompts, engine has max_batch_size {self.max_batch_size}")
+        if any(len(p) == 0 for p in prompts):
+            raise ValueError("every prompt needs at least one token")
+        length = max(len(p) for p in prompts)
+        if length > self.max_seq_len:
+            raise ValueError(f"prompt of {length} tokens exceeds max_seq_len {self.max_seq_len}")
+        idx = torch.zeros(rows, length, dtype=torch.long, device=self.device)  # (B, L) pad id 0, never attended
+        self._batch_mask.fill_(True)
+        for row, prompt in enumerate(prompts):
+            pad = length - len(prompt)
+            idx[row, pad:] = torch.tensor(list(prompt), dtype=torch.long)
+            self._batch_mask[row, :pad] = False
+        self.tokens, self.pending = [], None
+        self._batch_rows, self._batch_len = rows, length
+        mask = self._batch_mask[:rows]  # (B, S_max)
+        return self.model(idx, self._positions[:length], mask)[:, -1]  # (B, V)
+
+    @torch.inference_mode()
+    def decode_batch(self, tokens: Sequence[int]) -> Tensor:
+        """One step for every row of the current batch; logits ``(B, V)``."""
+        rows = self._batch_rows
+        if len(tokens) != rows:
+            raise ValueError(f"expected {rows} tokens (one per row), got {len(tokens)}")
+        if self._batch_len + 1 > self.max_seq_len:
+            raise ValueError(f"batch sequence exceeds max_seq_len {self.max_seq_len}")
+        for row, token in enumerate(tokens):
+            self._batch_tokens[row, 0] = token
+        self._pos.fill_(self._batch_len)
+        logits = self.model(self._batch_tokens[:rows], self._pos, self._batch_mask[:rows])[:, -1]  # (B, V)
+        self._batch_len += 1
+        return logits
+
+    def generate_batch(
+        self,
+        prompts: Sequence[Sequence[int]],
+        *,
+        max_new_tokens: int,
+        stop_ids: Sequence[int] = (),
+        temperature: float = 0.0,
+        top_p: float = 1.0,
+        seed: int | None = None,
+    ) -> list[list[int]]:
+        """Generate for up to ``max_batch_size`` prompts at once (offline). A row stops at its first stop
+        id (included); finished rows keep stepping (their tokens are dropped) until all are done."""
+        stops = frozenset(int(s) for s in stop_ids)
+        generator = make_generator(seed, self.device) if temperature > 0 else None
+        logits = self.prefill_batch(prompts)  # (B, V)
+        outputs: list[list[int]] = [[] for _ in prompts]
+        done = [False] * len(prompts)
+        for step in range(max_new_tokens):
+            tokens = []
+            for row in range(len(prompts)):
+                token = sample_token(logits[row], temperature, top_p, generator)
+                if not done[row]:
+                    outputs[row].append(token)
+                    done[row] = token in stops
+                tokens.append(token)
+            if all(done) or step == max_new_tokens - 1:
+                break
+            logits = self.decode_batch(tokens)
+        return outputs

@@ -1,0 +1,370 @@
+"""Speed harness: TTFT (tokenizer + first step), steady-state TPS, TTFA, KV bytes, peak memory.
+
+Definitions (DESIGN.md "Speed metrics"), per prompt at batch 1 after warm-up:
+- ``tokenizer_ms``: text -> ids. ``first_step_ms``: prefill + sampling of the first token (the
+  generator's first ``next``). ``ttft_ms`` = their sum.
+- ``tps``: (tokens - 1) / (time of the last token - time of the first token): steady-state
+  decode, the first token excluded. Prompts that emit fewer than 2 tokens give no TPS sample.
+- ``ttfa_tokens`` / ``ttfa_ms``: tokens (and ms since the text arrived) until the first complete,
+  schema-valid tool-call JSON (``distillgates.data.registry``). Computed after the run from the
+  per-token timestamps, so the check does not slow the timed decode loop. Absent when no call.
+- Percentiles p50/p90/p95 over prompts x repeats; the raw samples are kept for the gates'
+  significance tests.
+- ``peak_memory_bytes``: the process's peak resident set size, ``resource.getrusage(RUSAGE_SELF)
+  .ru_maxrss`` (KiB on Linux, bytes on macOS) — whole-process, model and framework included;
+  ``peak_memory_source`` says so in the report.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import resource
+import sys
+import time
+from collections.abc import Callable, Sequence
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+import jsonschema
+import numpy as np
+import torch
+
+from distillgates.config import Config, ModelConfig, SpeedConfig, load_config
+from distillgates.data.registry import parse_tool_call, validate_call
+from distillgates.io import atomic_write_json
+from distillgates.runtime.base import EngineBase
+from distillgates.runtime.prompt_cache import PromptCache, PromptCachedEngine
+from distillgates.runtime.speculative import SpeculativeDecoder
+from distillgates.runtime.torch_engine import TorchEngine
+
+SCHEMA_VERSION = 1
+TOOL_CALL, END = "<|tool_call|>", "<|end|>"
+
+
+def percentiles(samples: Sequence[float]) -> dict[str, Any]:
+    """``{"p50", "p90", "p95", "samples"}``; percentiles are None without samples."""
+    values = [float(s) for s in samples]
+    if not values:
+        return {"p50": None, "p90": None, "p95": None, "samples": []}
+    p50, p90, p95 = np.percentile(values, [50, 90, 95]).tolist()
+    return {"p50": p50, "p90": p90, "p95": p95, "samples": values}
+
+
+def kv_bytes(cfg: ModelConfig, seq_len: int, bytes_per_elem: int) -> dict[str, int]:
+    """K and V of every layer for ``seq_len`` positions at batch 1."""
+    return {
+        "layers": cfg.n_layers, "kv_heads": cfg.n_kv_heads, "head_dim": int(cfg.head_dim or 0), "seq_len": seq_len,
+        "bytes_per_elem": bytes_per_elem, "bytes": cfg.kv_cache_bytes(seq_len, bytes_per_elem),
+    }  # fmt: skip
+
+
+def peak_memory_bytes() -> int:
+    """Peak RSS of this process (``ru_maxrss``: KiB on Linux, bytes on macOS)."""
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return int(rss if sys.platform == "darwin" else rss * 1024)
+
+
+def first_valid_call(texts: Sequence[str]) -> int | None:
+    """Index of the first cumulative text holding a complete, schema-valid tool-call JSON."""
+    for i, text in enumerate(texts):
+        if TOOL_CALL not in text:
+            continue
+        body = text.split(TOOL_CALL, 1)[1].split(END, 1)[0]
+        call = parse_tool_call(body)
+        if call is not None and not validate_call(call):
+            return i
+    return None
+
+
+def _one_run(engine: EngineBase, tokenizer: Any, prompt: str, max_new_tokens: int, stop_ids: Sequence[int]) -> dict:
+    start = time.perf_counter()
+    ids = tokenizer.encode(prompt, add_special_tokens=False)
+    encoded = time.perf_counter()
+    stamps: list[float] = []
+    tokens: list[int] = []
+    for token in engine.generate(ids, max_new_tokens=max_new_tokens, stop_ids=stop_ids):
+        stamps.append(time.perf_counter())
+        tokens.append(token)
+    sample: dict[str, Any] = {
+        "tokenizer_ms": (encoded - start) * 1e3,
+        "first_step_ms": (stamps[0] - encoded) * 1e3,
+        "tps": (len(tokens) - 1) / (stamps[-1] - stamps[0]) if len(tokens) > 1 and stamps[-1] > stamps[0] else None,
+    }
+    texts = [tokenizer.decode(tokens[: i + 1], skip_special_tokens=False) for i in range(len(tokens))]
+    hit = first_valid_call(texts)
+    if hit is not None:
+        sample["ttfa_tokens"] = hit + 1
+        sample["ttfa_ms"] = (stamps[hit] - start) * 1e3
+    return sample
+
+
+def measure_speed(
+    engine: EngineBase,
+    tokenizer: Any,
+    prompts: Sequence[str],
+    cfg: SpeedConfig,
+    *,
+    model_config: ModelConfig,
+    backend: str = "torch",
+    export: bool = False,
+    hardware_profile_key: str = "unknown",
+    stop_ids: Sequence[int] = (),
+    kv_bytes_per_elem: int | None = None,
+) -> dict[str, Any]:
+    """The SPEED section (contract.md): warm-up, then every prompt x ``cfg.repeats`` at batch 1.
+
+    Args:
+        engine: any engine (``TorchEngine``, ``CoreMLEngine``, wrappers).
+        tokenizer: a ``PreTrainedTokenizerFast`` (``encode``/``decode``).
+        prompts: rendered prompt texts; the first ``cfg.n_prompts`` are used.
+        model_config: the model's config (KV bytes at ``max_seq_len``: the static cache's size).
+        kv_bytes_per_elem: cache element size (default: 4 for fp32 torch weights, 2 for coreml fp16).
+    """
+    if backend not in ("torch", "coreml"):
+        raise ValueError(f"backend must be 'torch' or 'coreml', got {backend!r}")
+    chosen = list(prompts[: cfg.n_prompts])
+    if not chosen:
+        raise ValueError("measure_speed needs at least one prompt")
+    for i in range(cfg.warmup):
+        _one_run(engine, tokenizer, chosen[i % len(chosen)], cfg.max_new_tokens, stop_ids)
+    runs = [
+        _one_run(engine, tokenizer, prompt, cfg.max_new_tokens, stop_ids)
+        for _ in range(cfg.repeats)
+        for prompt in chosen
+    ]
+
+    def collect(key: str) -> dict[str, Any]:
+        return percentiles([r[key] for r in runs if r.get(key) is not None])
+
+    ttft = [r["tokenizer_ms"] + r["first_step_ms"] for r in runs]
+    if kv_bytes_per_elem is None:
+        kv_bytes_per_elem = 2 if backend == "coreml" else _cache_elem_size(engine)
+    return {
+        "backend": backend,
+        "export": export,
+        "hardware_profile_key": hardware_profile_key,
+        "n_prompts": len(chosen),
+        "repeats": cfg.repeats,
+        "max_new_tokens": cfg.max_new_tokens,
+        "ttft_ms": percentiles(ttft),
+        "tokenizer_ms": collect("tokenizer_ms"),
+        "first_step_ms": collect("first_step_ms"),
+        "tps": collect("tps"),
+        "ttfa_tokens": collect("ttfa_tokens"),
+        "ttfa_ms": collect("ttfa_ms"),
+        "kv_bytes": kv_bytes(model_config, model_config.max_seq_len, kv_bytes_per_elem),
+        "peak_memory_bytes": peak_memory_bytes(),
+        "peak_memory_source": "resource.getrusage(RUSAGE_SELF).ru_maxrss",
+    }
+
+
+def _cache_elem_size(engine: EngineBase) -> int:
+    inner = getattr(engine, "engine", engine)  # PromptCachedEngine wraps a TorchEngine
+    if isinstance(inner, TorchEngine):
+        return inner.model.layers[0].attn.kv_cache.k_cache.element_size()
+    return 4
+
+
+def measure_prompt_cache(
+    engine: TorchEngine,
+    prompts: Sequence[Sequence[int]],
+    prefix_len: Callable[[Sequence[int]], int],
+    *,
+    repeats: int = 3,
+    max_bytes: int = 256 * 2**20,
+) -> dict[str, Any]:
+    """gate_inputs.prompt_cache: TTFT (prefill + first token) cold vs on a cache hit, and the hit rate.
+
+    Every distinct prefix is inserted once before timing (a server warms its system prompts), so
+    ``hit_rate`` counts the timed requests only: below 1 means eviction or prefix mismatch.
+    """
+    cache = PromptCache(max_bytes)
+    cached = PromptCachedEngine(engine, cache, prefix_len)
+    for prompt in prompts:  # warm-up: fills the cache and warms both paths
+        engine.prefill(prompt)
+        cached.prefill(prompt)
+    cache.stats.hits = cache.stats.misses = 0
+    cold, hit = [], []
+    for _ in range(repeats):
+        for prompt in prompts:
+            t0 = time.perf_counter()
+            int(torch.argmax(engine.prefill(prompt)))
+            t1 = time.perf_counter()
+            int(torch.argmax(cached.prefill(prompt)))
+            t2 = time.perf_counter()
+            cold.append((t1 - t0) * 1e3)
+            hit.append((t2 - t1) * 1e3)
+    return {
+        "ttft_cold_ms": cold,
+        "ttft_hit_ms": hit,
+        "hit_rate": cache.stats.hit_rate,
+        "ttft_reduction_p50": 1.0 - float(np.median(hit)) / float(np.median(cold)),
+        "entries": len(cache.entries),
+        "cache_bytes": cache.nbytes,
+    }
+
+
+def measure_speculative(
+    worker: TorchEngine,
+    drafter: TorchEngine,
+    prompts: Sequence[Sequence[int]],
+    *,
+    max_new_tokens: int,
+    stop_ids: Sequence[int] = (),
+    k: int = 4,
+    repeats: int = 1,
+) -> dict[str, Any]:
+    """gate_inputs.speculative: identical greedy output, speedup in tokens/s, acceptance statistics."""
+    decoder = SpeculativeDecoder(worker, drafter, k=k)
+    identical = True
+    greedy_s = spec_s = 0.0
+    greedy_tokens = spec_tokens = 0
+    list(worker.generate(prompts[0], max_new_tokens=4))  # warm-up
+    list(decoder.generate(prompts[0], max_new_tokens=4))
+    decoder.stats = type(decoder.stats)()
+    for _ in range(repeats):
+        for prompt in prompts:
+            t0 = time.perf_counter()
+            reference = list(worker.generate(prompt, max_new_tokens=max_new_tokens, stop_ids=stop_ids))
+            t1 = time.perf_counter()
+            output = list(decoder.generate(prompt, max_new_tokens=max_new_tokens, stop_ids=stop_ids))
+            t2 = time.perf_counter()
+            identical &= output == reference
+            greedy_s, spec_s = greedy_s + t1 - t0, spec_s + t2 - t1
+            greedy_tokens, spec_tokens = greedy_tokens + len(reference), spec_tokens + len(output)
+    stats = decoder.stats
+    return {
+        "identical": identical,
+        "speedup": (spec_tokens / spec_s) / (greedy_tokens / greedy_s),
+        "acceptance_rate": stats.acceptance_rate,
+        "tokens_per_worker_step": stats.tokens_per_worker_step,
+        "rollback_rate": stats.rollback_rate,
+        "final_k": decoder.k,
+    }
+
+
+# --------------------------------------------------------------------------------------
+# Report
+
+
+def load_schema() -> dict[str, Any]:
+    text = resources.files("distillgates.schemas").joinpath("speed_report.schema.json").read_text()
+    return json.loads(text)
+
+
+def validate_report(report: dict[str, Any]) -> None:
+    """Raise ``jsonschema.ValidationError`` naming the failing field."""
+    jsonschema.validate(report, load_schema())
+
+
+def speed_report(
+    hardware: dict[str, Any],
+    speed: dict[str, Any],
+    prompt_cache: dict[str, Any] | None = None,
+    speculative: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    report = {"schema_version": SCHEMA_VERSION, "hardware": hardware, "speed": speed}
+    if prompt_cache is not None:
+        report["prompt_cache"] = prompt_cache
+    if speculative is not None:
+        report["speculative"] = speculative
+    validate_report(report)
+    return report
+
+
+def write_report(path: str | Path, report: dict[str, Any]) -> None:
+    validate_report(report)
+    atomic_write_json(path, report)
+
+
+# --------------------------------------------------------------------------------------
+# The ``distillgates speed`` step
+
+
+def _read_items(path: Path) -> list[dict[str, Any]]:
+    items = []
+    with path.open(encoding="utf-8") as fh:
+        for line_no, line in enumerate(fh, 1):
+            if not line.strip():
+                continue
+            try:
+                obj = json.loads(line)
+            except json.JSONDecodeError as err:
+                raise ValueError(f"{path}:{line_no}: not JSON: {err.msg}") from err
+            if not obj.get("__header__"):
+                items.append(obj)
+    return items
+
+
+def run_speed(
+    cfg: Config, run_dir: str | Path, *, engine: str | None = None, out: str | Path | None = None,
+    hw_profile: str | None = None,
+) -> dict[str, Any]:  # fmt: skip
+    """Measure the trained student of ``run_dir`` (SPEED + prompt cache + speculative when a drafter
+    exists) and write ``reports/speed.json``. Returns the validated report."""
+    from distillgates.data.chat import render_prompt
+    from distillgates.hardware import hardware_header
+    from distillgates.model import load_model
+    from distillgates.runtime.prompt_cache import prefix_until
+    from distillgates.tokenizer import END as END_TOKEN
+    from distillgates.tokenizer import EOS, load_tokenizer
+
+    run_dir = Path(run_dir)
+    backend = engine or cfg.speed.engine
+    tokenizer = load_tokenizer(run_dir / "data" / "tokenizer")
+    prompts = [render_prompt(item) for item in _read_items(run_dir / "data" / "eval.jsonl")]
+    end_id, eos_id = tokenizer.convert_tokens_to_ids(END_TOKEN), tokenizer.convert_tokens_to_ids(EOS)
+    model = load_model(run_dir / "student" / "model.pt")
+    export_dir = run_dir / "export"
+    if backend == "coreml":
+        from distillgates.runtime.coreml_engine import CoreMLEngine
+
+        speed_engine: EngineBase = CoreMLEngine.from_export_dir(export_dir)
+    else:
+        speed_engine = TorchEngine(model)
+    hardware = hardware_header(export_path=str(export_dir) if backend == "coreml" else None, profile_key=hw_profile)
+    speed = measure_speed(
+        speed_engine, tokenizer, prompts, cfg.speed, model_config=model.config, backend=backend,
+        export=backend == "coreml", hardware_profile_key=hardware["hardware_profile_key"], stop_ids=(end_id, eos_id),
+    )  # fmt: skip
+    torch_engine = speed_engine if isinstance(speed_engine, TorchEngine) else TorchEngine(model)
+    ids = [tokenizer.encode(p, add_special_tokens=False) for p in prompts[: cfg.speed.n_prompts]]
+    prompt_cache = measure_prompt_cache(torch_engine, ids, prefix_until(end_id), repeats=cfg.speed.repeats)
+    speculative = None
+    if (run_dir / "drafter" / "model.pt").exists():
+        drafter = TorchEngine(load_model(run_dir / "drafter" / "model.pt"))
+        speculative = measure_speculative(
+            torch_engine, drafter, ids, max_new_tokens=cfg.speed.max_new_tokens, stop_ids=(end_id, eos_id)
+        )
+    report = speed_report(hardware, speed, prompt_cache, speculative)
+    write_report(out or run_dir / "reports" / "speed.json", report)
+    return report
+
+
+def add_parser(subparsers: Any) -> argparse.ArgumentParser:
+    """Register ``distillgates speed``."""
+    parser = subparsers.add_parser(
+        "speed", help="measure TTFT/TPS/TTFA, prompt cache and speculative decoding of the trained student",
+        description="Speed harness at batch 1 after warm-up; writes a schema-validated reports/speed.json.",
+    )  # fmt: skip
+    parser.add_argument("config", nargs="?", default="configs/toy.yaml", help="pipeline YAML")
+    parser.add_argument("--run-dir", default=None, help="run directory (default runs/<config name>)")
+    parser.add_argument("--engine", choices=("torch", "coreml"), default=None, help="default: speed.engine")
+    parser.add_argument("--out", default=None, help="report path (default <run-dir>/reports/speed.json)")
+    parser.add_argument("--hw-profile", default=None, help="hardware profile key to record")
+    parser.set_defaults(func=run)
+    return parser
+
+
+def run(args: argparse.Namespace) -> int:
+    cfg = load_config(args.config)
+    run_dir = Path(args.run_dir) if args.run_dir else Path("runs") / cfg.name
+    report = run_speed(cfg, run_dir, engine=args.engine, out=args.out, hw_profile=args.hw_profile)
+    speed = report["speed"]
+    print(
+        f"ttft p50 {speed['ttft_ms']['p50']:.2f} ms  tps p50 {speed['tps']['p50'] or 0:.1f}  "
+        f"ttfa p95 {speed['ttfa_tokens']['p95']} tokens  -> {args.out or run_dir / 'reports' / 'speed.json'}"
+    )
+    return 0

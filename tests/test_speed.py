@@ -1,0 +1,138 @@
+from __future__ import annotations
+
+import copy
+
+import jsonschema
+import pytest
+import torch
+
+from distillgates.config import ModelConfig, SpeedConfig
+from distillgates.data.chat import system_prompt, tool_call_text
+from distillgates.model import Transformer
+from distillgates.runtime import EngineBase, TorchEngine, prefix_until
+from distillgates.speed import (
+    first_valid_call,
+    kv_bytes,
+    measure_prompt_cache,
+    measure_speculative,
+    measure_speed,
+    percentiles,
+    speed_report,
+    validate_report,
+)
+from distillgates.tokenizer import END, train_tokenizer
+
+CALL = {"name": "get_weather", "arguments": {"city": "Paris"}}
+HARDWARE = {
+    "soc": "x86_64", "os": "Linux", "ram_gb": 8.0, "torch_version": torch.__version__, "coremltools_version": "9.0",
+    "export_path": None, "hardware_profile_key": "linux-test",
+}  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    texts = [system_prompt("en") + tool_call_text(CALL), "What is the weather in Paris?"] * 3
+    return train_tokenizer(texts, vocab_size=300, min_frequency=1)
+
+
+@pytest.fixture(scope="module")
+def model(tokenizer):
+    torch.manual_seed(0)
+    cfg = ModelConfig(vocab_size=len(tokenizer), d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_hidden=64,
+                      max_seq_len=512)  # fmt: skip
+    return Transformer(cfg).eval()
+
+
+class ScriptedEngine(EngineBase):
+    """Test double for the harness's TTFA path: emits a fixed token script (one-hot logits)."""
+
+    def __init__(self, script: list[int], vocab_size: int) -> None:
+        self.script, self.vocab_size, self.step = script, vocab_size, 0
+
+    def _next(self) -> torch.Tensor:
+        logits = torch.zeros(self.vocab_size)
+        logits[self.script[min(self.step, len(self.script) - 1)]] = 1.0
+        self.step += 1
+        return logits
+
+    def prefill(self, prompt_ids):
+        self.step = 0
+        return self._next()
+
+    def decode_step(self, token):
+        return self._next()
+
+
+def test_percentiles_keep_raw_samples():
+    out = percentiles([4.0, 1.0, 3.0, 2.0])
+    assert out["samples"] == [4.0, 1.0, 3.0, 2.0] and out["p50"] == 2.5
+    assert percentiles([]) == {"p50": None, "p90": None, "p95": None, "samples": []}
+
+
+def test_kv_bytes_formula():
+    cfg = ModelConfig(vocab_size=10, d_model=32, n_layers=3, n_heads=4, n_kv_heads=2, ffn_hidden=8, max_seq_len=64)
+    assert kv_bytes(cfg, 100, 2) == {
+        "layers": 3, "kv_heads": 2, "head_dim": 8, "seq_len": 100, "bytes_per_elem": 2, "bytes": 2 * 3 * 2 * 8 * 100 * 2
+    }  # fmt: skip
+
+
+def test_first_valid_call_needs_complete_schema_valid_json():
+    body = tool_call_text(CALL)  # <|tool_call|>{...}<|end|>
+    cut = body.index("}}") + 2
+    texts = ["Sure. ", "Sure. " + body[: cut - 1], "Sure. " + body[:cut], "Sure. " + body]
+    assert first_valid_call(texts) == 2
+    assert first_valid_call(['<|tool_call|>{"name":"get_weather","arguments":{"town":"Paris"}}']) is None
+    assert first_valid_call(["no call here"]) is None
+
+
+def test_ttfa_from_a_scripted_tool_call(tokenizer):
+    script = tokenizer.encode(tool_call_text(CALL), add_special_tokens=False)
+    engine = ScriptedEngine(script, len(tokenizer))
+    cfg = SpeedConfig(n_prompts=2, warmup=1, repeats=2, max_new_tokens=len(script) + 3)
+    mcfg = ModelConfig(vocab_size=len(tokenizer), d_model=32, n_layers=1, n_heads=4, n_kv_heads=2, ffn_hidden=8,
+                       max_seq_len=64)  # fmt: skip
+    end_id = tokenizer.convert_tokens_to_ids(END)
+    speed = measure_speed(engine, tokenizer, ["hi", "there"], cfg, model_config=mcfg, stop_ids=[end_id])
+    # the JSON is complete on the token holding the closing braces, one before <|end|>
+    assert speed["ttfa_tokens"]["samples"] == [len(script) - 1] * 4
+    assert all(ms > 0 for ms in speed["ttfa_ms"]["samples"])
+
+
+def test_measure_speed_report_validates(tokenizer, model):
+    torch.set_num_threads(1)
+    cfg = SpeedConfig(n_prompts=3, warmup=1, repeats=2, max_new_tokens=6)
+    prompts = [system_prompt("en") + f"question {i}" for i in range(5)]
+    speed = measure_speed(TorchEngine(model), tokenizer, prompts, cfg, model_config=model.config,
+                          hardware_profile_key="linux-test")  # fmt: skip
+    assert len(speed["ttft_ms"]["samples"]) == 6 and len(speed["tps"]["samples"]) == 6
+    for a, b, total in zip(
+        speed["tokenizer_ms"]["samples"], speed["first_step_ms"]["samples"], speed["ttft_ms"]["samples"], strict=True
+    ):
+        assert a + b == pytest.approx(total)
+    assert speed["kv_bytes"]["bytes"] == model.config.kv_cache_bytes(512, 4)
+    assert speed["ttfa_tokens"]["samples"] == []  # a random model emits no valid call
+    assert speed["peak_memory_bytes"] > 10 * 2**20
+    report = speed_report(HARDWARE, speed)
+    broken = copy.deepcopy(report)
+    del broken["speed"]["tps"]
+    with pytest.raises(jsonschema.ValidationError, match="tps"):
+        validate_report(broken)
+    broken = copy.deepcopy(report)
+    broken["speed"]["backend"] = "mlx"
+    with pytest.raises(jsonschema.ValidationError):
+        validate_report(broken)
+
+
+def test_prompt_cache_and_speculative_gate_inputs(tokenizer, model):
+    torch.set_num_threads(1)
+    end_id = tokenizer.convert_tokens_to_ids(END)
+    ids = [tokenizer.encode(system_prompt("en") + f"<|end|><|user|>q{i}", add_special_tokens=False) for i in range(3)]
+    engine = TorchEngine(model)
+    cache = measure_prompt_cache(engine, ids, prefix_until(end_id), repeats=2)
+    assert len(cache["ttft_cold_ms"]) == len(cache["ttft_hit_ms"]) == 6 and cache["hit_rate"] == 1.0
+    drafter = TorchEngine(Transformer(model.config).eval())
+    spec = measure_speculative(engine, drafter, ids, max_new_tokens=8)
+    assert spec["identical"] is True and spec["speedup"] > 0 and 0 <= spec["acceptance_rate"] <= 1
+    speed = measure_speed(engine, tokenizer, ["x"], SpeedConfig(n_prompts=1, warmup=0, repeats=1, max_new_tokens=3),
+                          model_config=model.config)  # fmt: skip
+    validate_report(speed_report(HARDWARE, speed, cache, spec))
