@@ -216,6 +216,15 @@ class LengthLossConfig:
     hinge: float = 0.15  # relative excess length tolerated before the penalty starts
     max_new_tokens: int = 64  # generation budget per turn: the tail of a student that never stops
     exempt_when_covered: bool = True  # no penalty for rows whose student prediction covers args/evidence
+    # "teacher": target = the teacher's length (spec default); "evidence": target = the reference up to its last
+    # required evidence value, and only positions after that evidence get the stop gradient (cuts filler only)
+    target: str = "teacher"
+
+    def __post_init__(self) -> None:
+        if self.target not in ("teacher", "evidence"):
+            raise ValueError(f"target must be teacher/evidence, got {self.target!r}")
+        if self.max_new_tokens <= 0:
+            raise ValueError(f"max_new_tokens must be > 0, got {self.max_new_tokens}")
 
 
 @dataclass

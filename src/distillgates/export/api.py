@@ -1,0 +1,204 @@
+"""``export_model``: checkpoint -> prefill/decode ``.mlpackage`` + contract, lints, ANE report, parity.
+
+Run-directory layout (contract.md): ``export/prefill.mlpackage``, ``export/decode.mlpackage``,
+``export/contract.json`` (one contract for both packages, which share one KV state layout) and
+``export/ane_report.json``.
+
+Two packages, not one multifunction package: each is a plain stateful model a runtime loads
+on its own; the decode model continues from a prefill by copying the state buffers
+(``MLState.read_state``/``write_state``, same names and shapes in both).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import coremltools as ct
+import torch
+
+from distillgates.config import Config, ExportConfig, load_config, to_dict
+from distillgates.export.contract import (
+    CONTRACT_VERSION,
+    LOGITS_SEMANTICS,
+    describe_package,
+    kv_layout,
+    verify_contract,
+)
+from distillgates.export.convert import ExportError, attach_qat_grids, compress, convert_program, export_program
+from distillgates.export.layout import build_layout
+from distillgates.export.lint import ane_report, run_lints
+from distillgates.export.parity import exported_parity
+from distillgates.export.wrappers import DecodeModule, PrefillModule
+from distillgates.io import atomic_write_json
+from distillgates.model import Transformer, load_model, model_fingerprint
+
+KINDS = ("prefill", "decode")
+
+
+@dataclasses.dataclass
+class ExportResult:
+    """Everything the pipeline and the gates need from one export."""
+
+    out_dir: Path
+    packages: dict[str, Path]  # "prefill"/"decode" -> .mlpackage
+    contract_path: Path
+    ane_report_path: Path
+    contract: dict[str, Any]
+    lint: dict[str, list[str]]  # lint name -> messages (all empty: clean)
+    ane: dict[str, Any]  # gate_inputs.ane
+    parity: dict[str, Any]  # exported vs eager (cosine_by_shape, decode_cosine)
+    qat_exact: list[str]  # weights exported on their own int8 grid (no re-quantization)
+    errors: list[str]  # every reason the export fails (lints, parity, contract)
+
+    @property
+    def gate_inputs(self) -> dict[str, Any]:
+        """``gate_inputs.export`` and ``gate_inputs.ane`` of report.json."""
+        return {
+            "export": {
+                "cosine_by_shape": self.parity["cosine_by_shape"],
+                "int64_on_attention": self.lint["int64_on_attention"],
+                "lint_errors": [m for name, msgs in self.lint.items() for m in msgs if name != "int64_on_attention"],
+                "contract_ok": self.contract["ok"],
+            },
+            "ane": {k: self.ane[k] for k in ("source", "estimated_share", "by_op_type")},
+        }
+
+
+def _save_package(mlmodel: ct.models.MLModel, path: Path) -> None:
+    """Save next to ``path`` then swap in: a reader never sees half a package."""
+    tmp = Path(tempfile.mkdtemp(dir=path.parent, prefix=f".{path.name}."))
+    try:
+        mlmodel.save(str(tmp / path.name))
+        if path.exists():
+            shutil.rmtree(path)
+        (tmp / path.name).rename(path)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def export_transformer(
+    model: Transformer,
+    export_cfg: ExportConfig,
+    lengths: list[int],
+    out_dir: str | Path,
+    tokenizer_fingerprint: str,
+    cosine_min: float = 0.999,
+    raise_on_error: bool = True,
+) -> ExportResult:
+    """Export an in-memory model (``export_model`` loads it from a checkpoint first).
+
+    Raises:
+        ExportError: a lint fired, the parity is below ``cosine_min`` or the contract does not
+            hold (after writing the contract and ANE report, so they can be inspected).
+    """
+    cfg = model.config
+    lengths = sorted(lengths)
+    too_long = [n for n in lengths if n > cfg.max_seq_len]
+    if too_long:
+        raise ExportError(f"shapes.lengths {too_long} exceed the model's max_seq_len {cfg.max_seq_len} (KV cache size)")
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    model = model.eval()
+    fingerprint = model_fingerprint(model)  # before compression-info buffers are attached
+    core = build_layout(model, export_cfg.layout).eval()
+    qat_exact = attach_qat_grids(core) if export_cfg.quantize == "int8" else []
+    modules = {"prefill": PrefillModule(core), "decode": DecodeModule(core)}
+    eps = {kind: export_program(modules[kind], kind, lengths) for kind in KINDS}
+    parity = exported_parity(eps, model, lengths)
+    packages: dict[str, Path] = {}
+    programs: dict[str, Any] = {}
+    for kind in KINDS:
+        mlmodel = convert_program(eps[kind], kind, lengths, export_cfg)
+        mlmodel = compress(mlmodel, export_cfg.quantize, export_cfg.palettize_mode)
+        mlmodel.short_description = f"distillgates {kind} ({export_cfg.layout} layout, {export_cfg.quantize})"
+        programs[kind] = mlmodel._mil_program
+        packages[kind] = out / f"{kind}.mlpackage"
+        _save_package(mlmodel, packages[kind])
+    described = {kind: describe_package(path) for kind, path in packages.items()}  # read back from disk
+    lint = run_lints(eps, programs, ct.utils.load_spec(str(packages["prefill"])), lengths, cfg.max_seq_len)
+    contract: dict[str, Any] = {
+        "contract_version": CONTRACT_VERSION,
+        "packages": {
+            kind: {"path": path.name, **described[kind], "logits": LOGITS_SEMANTICS[kind]}
+            for kind, path in packages.items()
+        },
+        "enumerated_lengths": lengths,
+        "kv": kv_layout(cfg),
+        "model_config": to_dict(cfg),
+        "model_fingerprint": fingerprint,
+        "tokenizer_fingerprint": tokenizer_fingerprint,
+        "export": to_dict(export_cfg),
+        "qat_exact_weights": qat_exact,
+        "versions": {"coremltools": ct.__version__, "torch": torch.__version__},
+    }
+    contract_errors = verify_contract(contract, cfg, lengths)
+    contract["ok"] = not contract_errors
+    static = ane_report(programs, symbol_size=max(lengths))
+    ane = static
+    if sys.platform == "darwin":
+        from distillgates.export.compute_plan import ane_residency
+
+        ane = ane_residency(packages["prefill"], export_cfg.compute_units)
+        ane["static_estimate"] = static
+    contract_path, ane_path = out / "contract.json", out / "ane_report.json"
+    atomic_write_json(contract_path, contract)
+    atomic_write_json(ane_path, ane)
+    low = {shape: c for shape, c in parity["cosine_by_shape"].items() if c < cosine_min}
+    errors = [m for msgs in lint.values() for m in msgs] + [f"contract: {m}" for m in contract_errors]
+    if low:
+        errors.append(f"exported vs eager cosine below {cosine_min} for shapes {low}")
+    if min(parity["decode_cosine"], default=1.0) < cosine_min:
+        errors.append(f"exported decode vs eager cosine below {cosine_min}: {min(parity['decode_cosine']):.6f}")
+    result = ExportResult(out, packages, contract_path, ane_path, contract, lint, ane, parity, qat_exact, errors)
+    if errors and raise_on_error:
+        raise ExportError("export failed:\n  " + "\n  ".join(errors))
+    return result
+
+
+def export_model(
+    ckpt_path: str | Path, cfg: Config, out_dir: str | Path, tokenizer_fingerprint: str, raise_on_error: bool = True
+) -> ExportResult:
+    """Export the checkpoint at ``ckpt_path`` (its own model config) with ``cfg.export``/``cfg.shapes``."""
+    model = load_model(ckpt_path)
+    return export_transformer(
+        model, cfg.export, list(cfg.shapes.lengths), out_dir, tokenizer_fingerprint,
+        cosine_min=cfg.gates.export_cosine_min, raise_on_error=raise_on_error,
+    )  # fmt: skip
+
+
+# --------------------------------------------------------------------------------------
+# CLI: distillgates export
+
+
+def add_parser(subparsers: Any) -> argparse.ArgumentParser:
+    parser = subparsers.add_parser("export", help="export a checkpoint to Core ML (prefill + stateful decode)")
+    parser.add_argument("--config", required=True, help="pipeline YAML (export, shapes and gates sections)")
+    parser.add_argument("--ckpt", required=True, help="model checkpoint (config travels with the weights)")
+    parser.add_argument("--out", required=True, help="output directory for the .mlpackage files and contract")
+    parser.add_argument("--tokenizer-fingerprint", required=True, help="fingerprint of the tokenizer used in training")
+    parser.add_argument("--quantize", choices=["none", "int8", "palettize4", "palettize6", "palettize8"])
+    parser.add_argument("--layout", choices=["standard", "ane"])
+    parser.set_defaults(func=run)
+    return parser
+
+
+def run(args: argparse.Namespace) -> int:
+    cfg = load_config(args.config)
+    overrides = {k: v for k, v in (("quantize", args.quantize), ("layout", args.layout)) if v is not None}
+    if overrides:
+        cfg = dataclasses.replace(cfg, export=dataclasses.replace(cfg.export, **overrides))
+    try:
+        result = export_model(args.ckpt, cfg, args.out, args.tokenizer_fingerprint)
+    except ExportError as err:
+        print(f"distillgates export: {err}", file=sys.stderr)
+        return 1
+    shares = ", ".join(f"{k}: {v:.5f}" for k, v in result.parity["cosine_by_shape"].items())
+    print(f"exported {', '.join(str(p) for p in result.packages.values())}")
+    print(f"cosine by shape: {shares}; ANE share ({result.ane['source']}): {result.ane['estimated_share']:.3f}")
+    return 0

@@ -1,0 +1,52 @@
+"""ANE residency from ``MLComputePlan`` (macOS 14.4+): the measured counterpart of the static estimate.
+
+Core ML's compute plan gives, per MIL operation, the preferred compute device and an estimated
+relative cost. The residency is the share of estimated cost whose preferred device is the Neural
+Engine. Only runs on macOS (the plan needs the Core ML framework); elsewhere it raises.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Any
+
+
+def ane_residency(package: str | Path, compute_units: str = "ALL") -> dict[str, Any]:
+    """``gate_inputs.ane`` block measured by ``MLComputePlan`` for a saved ``.mlpackage``.
+
+    Raises:
+        RuntimeError: off macOS (Core ML is not available).
+    """
+    if sys.platform != "darwin":
+        raise RuntimeError("MLComputePlan needs macOS 14.4+ (Core ML framework); use the static estimate here")
+    import coremltools as ct
+    from coremltools.models.compute_device import MLNeuralEngineComputeDevice
+    from coremltools.models.compute_plan import MLComputePlan
+
+    model = ct.models.MLModel(str(package), compute_units=getattr(ct.ComputeUnit, compute_units))
+    plan = MLComputePlan.load_from_path(model.get_compiled_model_path(), compute_units=model.compute_unit)
+    program = plan.model_structure.program
+    if program is None:
+        raise ValueError(f"{package}: not an ML program")
+    by_op: dict[str, dict[str, Any]] = {}
+    ane_cost = total_cost = 0.0
+    for function in program.functions.values():
+        for op in function.block.operations:
+            if op.operator_name == "const":
+                continue
+            usage = plan.get_compute_device_usage_for_mlprogram_operation(op)
+            cost = plan.get_estimated_cost_for_mlprogram_operation(op)
+            weight = cost.weight if cost is not None else 0.0
+            on_ane = usage is not None and isinstance(usage.preferred_compute_device, MLNeuralEngineComputeDevice)
+            entry = by_op.setdefault(op.operator_name, {"eligible": True, "flops": 0.0, "ane_cost": 0.0})
+            entry["eligible"] = entry["eligible"] and on_ane
+            entry["flops"] += weight  # the plan's relative cost stands in for FLOPs
+            entry["ane_cost"] += weight if on_ane else 0.0
+            total_cost += weight
+            ane_cost += weight if on_ane else 0.0
+    return {
+        "source": "mlcomputeplan",
+        "estimated_share": ane_cost / total_cost if total_cost else 0.0,
+        "by_op_type": dict(sorted(by_op.items())),
+    }

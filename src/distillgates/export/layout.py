@@ -1,0 +1,195 @@
+"""Two layouts of the same checkpoint for export: standard ``(B, T, C)`` and ANE ``(B, C, 1, S)``.
+
+Design choices:
+- Both layouts expose the same four steps (embed, project q/k/v, finish a block, LM head) so the
+  export wrappers (:mod:`distillgates.export.wrappers`) own the KV-cache and attention logic once.
+- The ANE layout follows apple/ml-ane-transformers: activations are ``(B, C, 1, S)`` (the ANE's
+  native channels-first 4D layout, last axis contiguous), linears are 1x1 ``nn.Conv2d`` and
+  RMSNorm reduces over the channel axis. One checkpoint serves both layouts: a load-state-dict
+  pre-hook reshapes Linear weights ``(out, in) -> (out, in, 1, 1)``.
+- RMSNorm keeps the fp32 accumulation of :class:`distillgates.model.RMSNorm` so both layouts
+  are numerically equal in fp32.
+
+References: apple/ml-ane-transformers ``ane_transformers/reference``; "Deploying Transformers on
+the Apple Neural Engine" (Apple ML research, 2022).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from distillgates.config import ModelConfig
+from distillgates.model import Transformer, apply_rope, rope_tables
+
+
+class StandardLayout(nn.Module):
+    """Adapter over :class:`Transformer`: activations ``(1, T, d)``."""
+
+    def __init__(self, model: Transformer) -> None:
+        super().__init__()
+        self.model = model
+        self.config: ModelConfig = model.config
+
+    @property
+    def rope(self) -> tuple[Tensor, Tensor]:
+        return self.model.rope_cos, self.model.rope_sin  # (S_max, hd)
+
+    def embed_tokens(self, ids: Tensor) -> Tensor:
+        return self.model.embed(ids)  # (1, T, d)
+
+    def qkv(self, i: int, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        cfg, attn = self.config, self.model.layers[i].attn
+        h = self.model.layers[i].attn_norm(x)
+        # reshape with -1 (not a traced T) so no shape op reaches the Core ML program
+        q = attn.q_proj(h).view(1, -1, cfg.n_heads, cfg.head_dim).transpose(1, 2)  # (1, H, T, hd)
+        k = attn.k_proj(h).view(1, -1, cfg.n_kv_heads, cfg.head_dim).transpose(1, 2)  # (1, n_kv, T, hd)
+        v = attn.v_proj(h).view(1, -1, cfg.n_kv_heads, cfg.head_dim).transpose(1, 2)  # (1, n_kv, T, hd)
+        return q, k, v
+
+    def finish_block(self, i: int, x: Tensor, y: Tensor) -> Tensor:
+        layer = self.model.layers[i]
+        h = x + layer.attn.o_proj(y.transpose(1, 2).reshape(1, -1, self.config.d_model))  # (1, T, d)
+        return h + layer.mlp(layer.mlp_norm(h))
+
+    def select(self, x: Tensor, index: Tensor) -> Tensor:
+        return x.index_select(1, index)  # (1, 1, d)
+
+    def head(self, x: Tensor) -> Tensor:
+        """Logits ``(1, V)`` of a one-position activation."""
+        return self.model.lm_head(self.model.norm(x)).reshape(1, -1)
+
+
+class ANERMSNorm(nn.Module):
+    """RMSNorm over the channel axis of ``(B, C, 1, S)``; fp32 accumulation like the standard one."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps  # same eps as the checkpoint (the config keeps it >= 1e-6: fp16-safe)
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: Tensor) -> Tensor:
+        x32 = x.float()
+        normed = x32 * torch.rsqrt(x32.pow(2).mean(1, keepdim=True) + self.eps)  # (B, C, 1, S)
+        return self.weight[None, :, None, None] * normed.to(x.dtype)
+
+
+def _conv(cin: int, cout: int) -> nn.Conv2d:
+    return nn.Conv2d(cin, cout, kernel_size=1, bias=False)
+
+
+class _ANEAttention(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        hd = cfg.head_dim or 0
+        self.q_proj = _conv(cfg.d_model, cfg.n_heads * hd)
+        self.k_proj = _conv(cfg.d_model, cfg.n_kv_heads * hd)
+        self.v_proj = _conv(cfg.d_model, cfg.n_kv_heads * hd)
+        self.o_proj = _conv(cfg.n_heads * hd, cfg.d_model)
+
+
+class _ANEFeedForward(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.gate_proj = _conv(cfg.d_model, cfg.ffn_hidden)
+        self.up_proj = _conv(cfg.d_model, cfg.ffn_hidden)
+        self.down_proj = _conv(cfg.ffn_hidden, cfg.d_model)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class _ANEBlock(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.attn_norm = ANERMSNorm(cfg.d_model, cfg.norm_eps)
+        self.attn = _ANEAttention(cfg)
+        self.mlp_norm = ANERMSNorm(cfg.d_model, cfg.norm_eps)
+        self.mlp = _ANEFeedForward(cfg)
+
+
+def _linear_to_conv_hook(state_dict: dict[str, Any], prefix: str, *args: Any) -> None:
+    """Reshape standard Linear weights ``(out, in)`` to 1x1 conv weights ``(out, in, 1, 1)``."""
+    for key, value in list(state_dict.items()):
+        is_proj = key.endswith("_proj.weight") or key == f"{prefix}lm_head.weight"
+        if key.startswith(prefix) and is_proj and value.dim() == 2:
+            state_dict[key] = value[:, :, None, None]
+
+
+class ANETransformer(nn.Module):
+    """The :class:`Transformer` in ANE layout, loaded from the same state dict.
+
+    Module names match the standard model, so ``load_state_dict(standard.state_dict())`` works
+    through the pre-hook. Embedding and LM head are separate tensors here (a conv weight has a
+    different shape), so tying is not kept: the export stores both.
+    """
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.config = cfg
+        self.embed = nn.Embedding(cfg.vocab_size, cfg.d_model)
+        self.layers = nn.ModuleList(_ANEBlock(cfg) for _ in range(cfg.n_layers))
+        self.norm = ANERMSNorm(cfg.d_model, cfg.norm_eps)
+        self.lm_head = _conv(cfg.d_model, cfg.vocab_size)
+        cos, sin = rope_tables(cfg)
+        self.register_buffer("rope_cos", cos, persistent=False)  # (S_max, hd)
+        self.register_buffer("rope_sin", sin, persistent=False)  # (S_max, hd)
+        self._register_load_state_dict_pre_hook(_linear_to_conv_hook)
+
+    @classmethod
+    def from_standard(cls, model: Transformer) -> ANETransformer:
+        ane = cls(model.config)
+        ane.load_state_dict(model.state_dict())
+        return ane.to(model.embed.weight.dtype)
+
+    @property
+    def rope(self) -> tuple[Tensor, Tensor]:
+        return self.rope_cos, self.rope_sin
+
+    def embed_tokens(self, ids: Tensor) -> Tensor:
+        return self.embed(ids).transpose(1, 2).unsqueeze(2)  # (1, d, 1, T)
+
+    def qkv(self, i: int, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        cfg, layer = self.config, self.layers[i]
+        h = layer.attn_norm(x)  # (1, d, 1, T)
+        q = layer.attn.q_proj(h).view(1, cfg.n_heads, cfg.head_dim, -1).transpose(2, 3)  # (1, H, T, hd)
+        k = layer.attn.k_proj(h).view(1, cfg.n_kv_heads, cfg.head_dim, -1).transpose(2, 3)  # (1, n_kv, T, hd)
+        v = layer.attn.v_proj(h).view(1, cfg.n_kv_heads, cfg.head_dim, -1).transpose(2, 3)  # (1, n_kv, T, hd)
+        return q, k, v
+
+    def finish_block(self, i: int, x: Tensor, y: Tensor) -> Tensor:
+        layer = self.layers[i]
+        y = y.transpose(2, 3).reshape(1, self.config.d_model, 1, -1)  # (1, H*hd, 1, T)
+        h = x + layer.attn.o_proj(y)  # (1, d, 1, T)
+        return h + layer.mlp(layer.mlp_norm(h))
+
+    def select(self, x: Tensor, index: Tensor) -> Tensor:
+        return x.index_select(3, index)  # (1, d, 1, 1)
+
+    def head(self, x: Tensor) -> Tensor:
+        return self.lm_head(self.norm(x)).reshape(1, -1)  # (1, V)
+
+    def forward(self, idx: Tensor) -> Tensor:
+        """Cache-free logits ``(1, T, V)`` (batch 1), for parity with ``Transformer.forward``."""
+        T = idx.shape[1]
+        cos, sin = self.rope_cos[:T], self.rope_sin[:T]
+        x = self.embed_tokens(idx)
+        groups = self.config.n_heads // self.config.n_kv_heads
+        for i in range(self.config.n_layers):
+            q, k, v = self.qkv(i, x)
+            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+            k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)  # (1, H, T, hd)
+            x = self.finish_block(i, x, F.scaled_dot_product_attention(q, k, v, is_causal=True))
+        return self.lm_head(self.norm(x)).squeeze(2).transpose(1, 2)  # (1, T, V)
+
+
+def build_layout(model: Transformer, layout: str) -> StandardLayout | ANETransformer:
+    """The export adapter for ``layout`` ("standard" or "ane"), sharing ``model``'s weights."""
+    if layout == "standard":
+        return StandardLayout(model)
+    if layout == "ane":
+        return ANETransformer.from_standard(model)
+    raise ValueError(f"layout must be 'standard' or 'ane', got {layout!r}")

@@ -1,0 +1,102 @@
+"""Export modules: prefill (enumerated lengths) and one-token decode over a stateful KV cache.
+
+Design choices:
+- The KV cache is one fp32 buffer pair per layer, ``k_cache_{i}``/``v_cache_{i}`` of shape
+  ``(1, n_kv, S_max, hd)`` registered on the wrapper. torch.export sees them as mutated buffers
+  and coremltools turns each into a ``ct.StateType`` (stored fp16: Core ML states are fp16). Both
+  wrappers register the same names and shapes, so prefill and decode share one state layout.
+- Inputs are int32 and every index stays int32 (int64 has no ANE path and Core ML casts it).
+- Prefill pads the prompt to an enumerated length ``L``: positions are ``0..L-1``, keys at or past
+  ``length`` are masked out, so padded slots are never attended; the logits are those of the last
+  real token (``length - 1``), the only ones a runtime needs for the first generated token.
+  K/V are written with a one-hot matmul (``cache * keep + onehot^T @ k``): index_put with a vector
+  of positions lowers to ``scatter_nd`` (off the ANE, plus shape ops), the one-hot form is
+  elementwise + matmul and exact (one non-zero term per slot).
+- Decode writes one slot with ``cache[:, :, pos] = k`` (lowered to ``slice_update``) and attends
+  over the whole cache with ``slot <= position``: stale or padded slots beyond ``position`` are
+  never attended.
+- Every reshape uses ``-1`` instead of a traced length: a traced size would leave ``shape`` ops
+  in the Core ML program (see the dynamic-shape lint).
+- GQA without ``repeat_interleave``: queries of one KV group are adjacent heads, so
+  ``q.reshape(1, n_kv, G*T, hd)`` attends the un-repeated K/V with the mask tiled G times.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from distillgates.export.layout import ANETransformer, StandardLayout
+from distillgates.model import apply_rope
+
+Layout = StandardLayout | ANETransformer
+
+
+def state_names(n_layers: int) -> list[str]:
+    return [f"{kind}_cache_{i}" for i in range(n_layers) for kind in ("k", "v")]
+
+
+class _KVModule(nn.Module):
+    def __init__(self, core: Layout) -> None:
+        super().__init__()
+        self.core = core
+        cfg = core.config
+        self.n_layers, self.n_heads, self.n_kv_heads = cfg.n_layers, cfg.n_heads, cfg.n_kv_heads
+        self.head_dim = cfg.head_dim or 0
+        shape = (1, cfg.n_kv_heads, cfg.max_seq_len, self.head_dim)
+        for name in state_names(cfg.n_layers):
+            self.register_buffer(name, torch.zeros(shape), persistent=False)  # (1, n_kv, S_max, hd)
+        self.register_buffer("slots", torch.arange(cfg.max_seq_len, dtype=torch.int32), persistent=False)
+
+    def cache(self, kind: str, i: int) -> Tensor:
+        return getattr(self, f"{kind}_cache_{i}")
+
+    def attend(self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor) -> Tensor:
+        """q ``(1, H, T, hd)``, k/v ``(1, n_kv, S, hd)``, mask ``(T, S)`` bool -> ``(1, H, T, hd)``."""
+        groups = self.n_heads // self.n_kv_heads
+        qg = q.reshape(1, self.n_kv_heads, -1, self.head_dim)  # (1, n_kv, G*T, hd)
+        y = F.scaled_dot_product_attention(qg, k, v, attn_mask=mask.repeat(groups, 1))  # (1, n_kv, G*T, hd)
+        return y.reshape(1, self.n_heads, -1, self.head_dim)  # (1, H, T, hd)
+
+
+class PrefillModule(_KVModule):
+    """``(input_ids (1, L) int32, length (1,) int32) -> logits (1, V)``; writes slots ``0..L-1``."""
+
+    def forward(self, input_ids: Tensor, length: Tensor) -> Tensor:
+        ones = input_ids[0] * 0 + 1  # (L,) int32, elementwise: no fill/shape op
+        pos = torch.cumsum(ones, 0, dtype=torch.int32) - 1  # (L,)
+        cos_table, sin_table = self.core.rope
+        cos, sin = cos_table[pos], sin_table[pos]  # (L, hd)
+        causal = pos[None, :] <= pos[:, None]  # (L, L)
+        real_key = pos[None, :] < length[:, None]  # (1, L): padded keys are never attended
+        mask = torch.logical_and(causal, real_key)  # (L, L)
+        onehot = (pos[:, None] == self.slots[None, :]).float()  # (L, S_max)
+        keep = 1.0 - onehot.sum(0)[:, None]  # (S_max, 1)
+        x = self.core.embed_tokens(input_ids)
+        for i in range(self.n_layers):
+            q, k, v = self.core.qkv(i, x)
+            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)  # (1, H|n_kv, L, hd)
+            for kind, new in (("k", k), ("v", v)):
+                cache = self.cache(kind, i)
+                cache.copy_(cache * keep + torch.matmul(onehot.t(), new))  # (1, n_kv, S_max, hd)
+            x = self.core.finish_block(i, x, self.attend(q, k, v, mask))
+        return self.core.head(self.core.select(x, length - 1))  # (1, V)
+
+
+class DecodeModule(_KVModule):
+    """``(input_ids (1, 1) int32, position (1,) int32) -> logits (1, V)``; writes slot ``position``."""
+
+    def forward(self, input_ids: Tensor, position: Tensor) -> Tensor:
+        cos_table, sin_table = self.core.rope
+        cos, sin = cos_table[position], sin_table[position]  # (1, hd)
+        mask = self.slots[None, :] <= position[:, None]  # (1, S_max)
+        x = self.core.embed_tokens(input_ids)
+        for i in range(self.n_layers):
+            q, k, v = self.core.qkv(i, x)
+            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)  # (1, H|n_kv, 1, hd)
+            k_cache, v_cache = self.cache("k", i), self.cache("v", i)
+            k_cache[:, :, position] = k  # slice_update of one slot
+            v_cache[:, :, position] = v
+            x = self.core.finish_block(i, x, self.attend(q, k_cache, v_cache, mask))
+        return self.core.head(x)  # (1, V)

@@ -1,0 +1,401 @@
+"""Hardware detection and hardware-profile matching (``configs/hardware_profiles.yaml``).
+
+Speed numbers are only comparable on the same hardware, so every speed report carries a
+``hardware_profile_key`` and baselines live under ``baselines/<key>/``.
+
+Design choices:
+- Matching picks the **most specific** profile: among the profiles whose ``soc_regex``
+  matches the SoC brand string, the one with the largest ``min_ram_gb`` that the machine
+  has. Never the first that happens to match (an M3 Max with 128 GB is ``m3-max-96g``, not
+  ``m3-max-48g``).
+- A machine that matches no profile (any Linux CI box, or an Apple chip with less RAM than
+  every profile of its family) gets a generated key ``<system>-<arch>-<cpu-slug>-<cores>c``
+  so its baselines never mix with an Apple profile's.
+- ``--hw-profile`` (:func:`select_profile`) refuses a key that is not this machine's unless
+  cross-hardware comparison is explicitly allowed.
+- Profiles load through :func:`distillgates.config.from_dict`, so a bad field names the file,
+  line and field; duplicate keys (YAML or profile ``key``) and invalid regexes are errors.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import os
+import platform
+import re
+import subprocess
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from distillgates.config import ConfigError, ShapesConfig, from_dict, read_yaml
+
+DEFAULT_PROFILES_PATH = Path(__file__).resolve().parents[2] / "configs" / "hardware_profiles.yaml"
+
+
+class HardwareMismatchError(ValueError):
+    """The selected hardware profile is not the profile of the machine measuring."""
+
+
+# --------------------------------------------------------------------------------------
+# Profile schema
+
+
+def _check_range(name: str, band: list[float]) -> None:
+    if len(band) != 2 or band[0] > band[1] or band[0] < 0:
+        raise ValueError(f"{name} must be [lo, hi] with 0 <= lo <= hi, got {band}")
+
+
+@dataclass
+class SpeedBands:
+    """Informative acceptance ranges ``[lo, hi]`` for a 7-9B int8 student at batch 1 (not gates)."""
+
+    ttft_ms_p50: list[float]
+    ttft_ms_p95: list[float]
+    tps_p50: list[float]
+    tps_p95: list[float]
+
+    def __post_init__(self) -> None:
+        for name in ("ttft_ms_p50", "ttft_ms_p95", "tps_p50", "tps_p95"):
+            _check_range(name, getattr(self, name))
+
+
+@dataclass
+class GatingPolicy:
+    """Relative speed gating against the blessed baseline of the same profile."""
+
+    max_regression: float = 0.05  # relative regression (TTFT up / TPS down) tolerated
+    min_samples: int = 20  # raw samples per side before a significance test may decide
+    require_same_profile: bool = True  # refuse baselines of another profile unless --allow-cross-hw
+
+    def __post_init__(self) -> None:
+        if not 0.0 < self.max_regression < 1.0:
+            raise ValueError(f"max_regression must be in (0, 1), got {self.max_regression}")
+        if self.min_samples < 2:
+            raise ValueError(f"min_samples must be >= 2, got {self.min_samples}")
+
+
+@dataclass
+class BatchPolicy:
+    """Interactive inference at batch 1; offline batches only when they pay (DESIGN.md, Runtime)."""
+
+    interactive: int = 1
+    offline_max: int = 4
+    offline_min_tps_gain: float = 0.10  # offline batch b is used only if TPS improves by at least this
+    offline_max_p95_penalty: float = 0.10  # ... and p95 latency worsens by less than this
+
+    def __post_init__(self) -> None:
+        if self.interactive != 1:
+            raise ValueError(f"interactive batch must be 1 (p95 latency), got {self.interactive}")
+        if not 1 <= self.offline_max <= 4:
+            raise ValueError(f"offline_max must be in 1..4, got {self.offline_max}")
+
+
+@dataclass
+class KVPolicy:
+    precision: str = "fp16"  # KV-cache element type
+    max_context: int = 4096  # longest context gated on this profile (ANE efficiency drops beyond 4096)
+
+    def __post_init__(self) -> None:
+        if self.precision not in ("fp16", "fp32", "int8"):
+            raise ValueError(f"precision must be fp16/fp32/int8, got {self.precision!r}")
+        if self.max_context <= 0:
+            raise ValueError(f"max_context must be > 0, got {self.max_context}")
+
+    @property
+    def bytes_per_elem(self) -> int:
+        return {"fp16": 2, "fp32": 4, "int8": 1}[self.precision]
+
+
+@dataclass
+class QuantPolicy:
+    weights: str = "int8"  # the ANE's sweet spot: int8 weights ...
+    activations: str = "fp16"  # ... with fp16 activations
+    granularity: str = "per_channel"
+
+    def __post_init__(self) -> None:
+        if self.weights not in ("int8", "palettize4", "palettize6", "palettize8", "fp16"):
+            raise ValueError(f"weights must be int8/palettize4/palettize6/palettize8/fp16, got {self.weights!r}")
+        if self.activations not in ("fp16", "fp32"):
+            raise ValueError(f"activations must be fp16/fp32, got {self.activations!r}")
+        if self.granularity not in ("per_channel", "per_tensor", "per_block"):
+            raise ValueError(f"granularity must be per_channel/per_tensor/per_block, got {self.granularity!r}")
+
+
+@dataclass
+class HardwareProfile:
+    """One Apple-silicon tier: how to recognise it and how to measure and gate on it."""
+
+    key: str  # e.g. "m1-max-64g"; names the baselines folder
+    soc_regex: str  # matched (re.search) against the SoC brand string, e.g. "^Apple M1 Max$"
+    min_ram_gb: float  # the machine needs at least this much RAM
+    speed_bands: SpeedBands
+    shapes: ShapesConfig = field(default_factory=ShapesConfig)
+    gating: GatingPolicy = field(default_factory=GatingPolicy)
+    batch: BatchPolicy = field(default_factory=BatchPolicy)
+    kv: KVPolicy = field(default_factory=KVPolicy)
+    quant: QuantPolicy = field(default_factory=QuantPolicy)
+    description: str = ""
+
+    def __post_init__(self) -> None:
+        if not re.fullmatch(r"[a-z0-9][a-z0-9-]*", self.key):
+            raise ValueError(f"key must be lowercase letters, digits and '-', got {self.key!r}")
+        try:
+            re.compile(self.soc_regex)
+        except re.error as err:
+            raise ValueError(f"soc_regex {self.soc_regex!r} is not a valid regular expression: {err}") from err
+        if self.min_ram_gb <= 0:
+            raise ValueError(f"min_ram_gb must be > 0, got {self.min_ram_gb}")
+        if self.kv.max_context < max(self.shapes.lengths):
+            raise ValueError(
+                f"kv.max_context ({self.kv.max_context}) is below the largest shape ({max(self.shapes.lengths)})"
+            )
+
+    def matches(self, hw: DetectedHardware) -> bool:
+        """SoC regex matches and the machine has at least ``min_ram_gb``."""
+        return re.search(self.soc_regex, hw.soc) is not None and hw.ram_gb >= self.min_ram_gb
+
+
+# --------------------------------------------------------------------------------------
+# Loading
+
+
+def _duplicate_yaml_keys(text: str, source: str) -> None:
+    """PyYAML silently keeps the last of two equal keys; a duplicated field is a config bug."""
+    stack = [yaml.compose(text, Loader=yaml.SafeLoader)]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, yaml.MappingNode):
+            seen: dict[str, int] = {}
+            for key_node, value_node in node.value:
+                line = key_node.start_mark.line + 1
+                if key_node.value in seen:
+                    first = seen[key_node.value]
+                    raise ConfigError(
+                        f"{source}:{line}: {key_node.value}: duplicate key (first defined on line {first})"
+                    )
+                seen[key_node.value] = line
+                stack.append(value_node)
+        elif isinstance(node, yaml.SequenceNode):
+            stack.extend(node.value)
+
+
+def load_profiles(path: str | Path = DEFAULT_PROFILES_PATH) -> list[HardwareProfile]:
+    """Load and validate ``hardware_profiles.yaml``.
+
+    Raises:
+        ConfigError: naming the file, line and field of an unknown key, a wrong type, an
+            invalid regex, a duplicated YAML key or a duplicated profile ``key``.
+    """
+    path = Path(path)
+    source = str(path)
+    data = read_yaml(path)
+    try:
+        _duplicate_yaml_keys(path.read_text(), source)
+    except yaml.YAMLError as err:  # read_yaml already parsed it; kept for completeness
+        raise ConfigError(f"{source}: invalid YAML: {err}") from err
+    if not isinstance(data, dict):
+        raise ConfigError(f"{source}: <root>: expected a mapping with 'version' and 'profiles'")
+    lines = data.get("__lines__", {})
+    unknown = sorted(set(data) - {"version", "profiles", "__lines__"})
+    if unknown:
+        raise ConfigError(f"{source}:{lines.get(unknown[0])}: {unknown[0]}: unknown key (expected: profiles, version)")
+    if data.get("version", 1) != 1:
+        raise ConfigError(f"{source}:{lines.get('version')}: version: expected 1, got {data['version']!r}")
+    items = data.get("profiles")
+    if not isinstance(items, list) or not items:
+        raise ConfigError(f"{source}:{lines.get('profiles')}: profiles: expected a non-empty list of profiles")
+    profiles: list[HardwareProfile] = []
+    first_line: dict[str, int | None] = {}
+    for i, item in enumerate(items):
+        item_lines = item.get("__lines__", {}) if isinstance(item, dict) else {}
+        line = min(item_lines.values(), default=lines.get("profiles"))
+        if isinstance(item, dict) and isinstance(item.get("soc_regex"), str):
+            try:  # checked here too, for the exact line of the field
+                re.compile(item["soc_regex"])
+            except re.error as err:
+                raise ConfigError(
+                    f"{source}:{item_lines.get('soc_regex', line)}: profiles[{i}].soc_regex: "
+                    f"{item['soc_regex']!r} is not a valid regular expression: {err}"
+                ) from err
+        profile = from_dict(HardwareProfile, item, source, f"profiles[{i}]", line)
+        if profile.key in first_line:
+            raise ConfigError(
+                f"{source}:{item_lines.get('key', line)}: profiles[{i}].key: duplicate profile key "
+                f"{profile.key!r} (first defined on line {first_line[profile.key]})"
+            )
+        first_line[profile.key] = item_lines.get("key", line)
+        profiles.append(profile)
+    return profiles
+
+
+# --------------------------------------------------------------------------------------
+# Detection
+
+
+@dataclass(frozen=True)
+class DetectedHardware:
+    """What this machine is, as far as speed comparisons care."""
+
+    system: str  # "darwin" / "linux" / ...
+    machine: str  # "arm64" / "x86_64" / ...
+    soc: str  # macOS: machdep.cpu.brand_string ("Apple M3 Max"); Linux: /proc/cpuinfo model name
+    os: str  # "macOS 14.5" / "Linux 6.8.0-..."
+    ram_gb: float  # physical memory in GiB
+    cores: int  # logical CPU count
+
+    @property
+    def chip_family(self) -> str | None:
+        return chip_family(self.soc)
+
+
+_CHIP_RE = re.compile(r"\bApple\s+M(\d+)(?:\s+(Pro|Max|Ultra))?\b", re.IGNORECASE)
+
+
+def chip_family(soc: str) -> str | None:
+    """Normalised Apple chip family, e.g. ``"Apple M3 Max"`` -> ``"M3 Max"``; ``None`` if not Apple M."""
+    m = _CHIP_RE.search(soc)
+    if m is None:
+        return None
+    return f"M{m.group(1)}" + (f" {m.group(2).capitalize()}" if m.group(2) else "")
+
+
+def _sysctl(name: str) -> str:
+    return subprocess.run(["sysctl", "-n", name], check=True, capture_output=True, text=True, timeout=10).stdout.strip()
+
+
+def _linux_cpu_model(cpuinfo: str) -> str:
+    for key in ("model name", "Hardware", "Processor", "cpu model"):
+        for line in cpuinfo.splitlines():
+            name, _, value = line.partition(":")
+            if name.strip() == key and value.strip():
+                return value.strip()
+    return platform.processor() or platform.machine() or "unknown-cpu"
+
+
+def _linux_ram_gb(meminfo: str) -> float:
+    for line in meminfo.splitlines():
+        if line.startswith("MemTotal:"):
+            return int(line.split()[1]) * 1024 / 2**30  # kB -> GiB
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
+
+
+def detect_hardware() -> DetectedHardware:
+    """Detect SoC/CPU, OS, RAM and cores of this machine (macOS via sysctl, Linux via /proc)."""
+    machine = platform.machine().lower() or "unknown"
+    cores = os.cpu_count() or 1
+    if sys.platform == "darwin":
+        soc = _sysctl("machdep.cpu.brand_string")
+        ram_gb = int(_sysctl("hw.memsize")) / 2**30
+        os_name = f"macOS {platform.mac_ver()[0]}"
+        return DetectedHardware("darwin", machine, soc, os_name, round(ram_gb, 1), cores)
+    if sys.platform.startswith("linux"):
+        cpuinfo = Path("/proc/cpuinfo").read_text(errors="replace") if Path("/proc/cpuinfo").exists() else ""
+        meminfo = Path("/proc/meminfo").read_text() if Path("/proc/meminfo").exists() else ""
+        soc = _linux_cpu_model(cpuinfo)
+        return DetectedHardware(
+            "linux", machine, soc, f"Linux {platform.release()}", round(_linux_ram_gb(meminfo), 1), cores
+        )
+    soc = platform.processor() or machine
+    ram_gb = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30 if hasattr(os, "sysconf") else 0.0
+    return DetectedHardware(
+        sys.platform, machine, soc, f"{platform.system()} {platform.release()}", round(ram_gb, 1), cores
+    )
+
+
+# --------------------------------------------------------------------------------------
+# Matching and selection
+
+
+def match_profile(hw: DetectedHardware, profiles: list[HardwareProfile]) -> HardwareProfile | None:
+    """The most specific matching profile: regex match and the largest ``min_ram_gb`` that fits."""
+    candidates = [p for p in profiles if p.matches(hw)]
+    return max(candidates, key=lambda p: p.min_ram_gb, default=None)
+
+
+def _slug(text: str) -> str:
+    text = re.sub(r"\((r|tm|c)\)|\b(cpu|processor)\b|@.*$", " ", text.lower())
+    return re.sub(r"[^a-z0-9]+", "-", text).strip("-")[:40].strip("-") or "unknown-cpu"
+
+
+def generated_key(hw: DetectedHardware) -> str:
+    """Key of a machine without a profile: ``<system>-<arch>-<cpu-slug>-<cores>c``."""
+    return f"{hw.system}-{hw.machine}-{_slug(hw.soc)}-{hw.cores}c"
+
+
+def profile_key(hw: DetectedHardware, profiles: list[HardwareProfile] | None = None) -> str:
+    """The matched profile's key, or the generated key when no profile matches."""
+    profile = match_profile(hw, load_profiles() if profiles is None else profiles)
+    return profile.key if profile is not None else generated_key(hw)
+
+
+_profile_key_of = profile_key  # hardware_header's argument shadows the function name
+
+
+def _describe(hw: DetectedHardware) -> str:
+    return f"{hw.soc!r} ({hw.chip_family or 'not Apple M'}), {hw.ram_gb:g} GB RAM, {hw.cores} cores"
+
+
+def select_profile(
+    key: str | None,
+    detected: DetectedHardware | None = None,
+    allow_cross_hw: bool = False,
+    profiles: list[HardwareProfile] | None = None,
+) -> str:
+    """Resolve ``--hw-profile``: the key a measurement on ``detected`` is recorded and gated under.
+
+    ``key=None`` means auto-detect. An explicit key must be this machine's own key (matched
+    profile or generated key), unless ``allow_cross_hw``.
+
+    Raises:
+        HardwareMismatchError: naming the selected profile and the detected hardware/profile.
+    """
+    profiles = load_profiles() if profiles is None else profiles
+    detected = detect_hardware() if detected is None else detected
+    own = profile_key(detected, profiles)
+    if key is None or key == own or allow_cross_hw:
+        return own if key is None else key
+    known = {p.key: p for p in profiles}
+    if key in known:
+        p = known[key]
+        why = (
+            f"profile {key!r} needs soc_regex {p.soc_regex!r} and >= {p.min_ram_gb:g} GB RAM"
+            if not p.matches(detected)
+            else f"a more specific profile {own!r} matches"
+        )
+    else:
+        why = f"{key!r} is not a profile in the profiles file ({', '.join(known)}) nor this machine's generated key"
+    raise HardwareMismatchError(
+        f"--hw-profile {key!r} does not match this machine: detected {_describe(detected)} -> profile {own!r}; "
+        f"{why}. Measure on matching hardware or pass --allow-cross-hw."
+    )
+
+
+def _version(dist: str) -> str | None:
+    try:
+        return importlib.metadata.version(dist)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def hardware_header(export_path: str | Path | None = None, profile_key: str | None = None) -> dict[str, Any]:
+    """The ``hardware`` header of speed/eval reports (contract.md, report.json).
+
+    ``profile_key`` defaults to this machine's (matched or generated) key.
+    """
+    hw = detect_hardware()
+    if profile_key is None:
+        profile_key = _profile_key_of(hw)
+    return {
+        "soc": hw.soc,
+        "os": hw.os,
+        "ram_gb": hw.ram_gb,
+        "cores": hw.cores,
+        "torch_version": _version("torch"),
+        "coremltools_version": _version("coremltools"),
+        "export_path": None if export_path is None else str(export_path),
+        "hardware_profile_key": profile_key,
+    }

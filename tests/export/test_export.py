@@ -1,0 +1,315 @@
+"""Export to Core ML on Linux: every mode converts, contract read back from disk, lints fire, parity."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import coremltools as ct
+import numpy as np
+import pytest
+import torch
+from coremltools.converters.mil import Builder as mb
+from coremltools.converters.mil.frontend.milproto.load import load as milproto_load
+from coremltools.converters.mil.mil import types
+from coremltools.models.utils import _convert_model_spec_to_pymil_prog
+from torch import Tensor, nn
+
+from distillgates.config import ExportConfig
+from distillgates.export import (
+    ANETransformer,
+    ExportError,
+    PrefillModule,
+    add_parser,
+    ane_report,
+    build_layout,
+    export_transformer,
+    int8_grid_scale,
+    kv_layout,
+    lint_int64_attention,
+    lint_mil_ops,
+    lint_shapes,
+    run,
+    verify_contract,
+)
+from distillgates.export.convert import export_program
+from distillgates.model import load_model, model_fingerprint
+
+requires_macos = pytest.mark.skipif(sys.platform != "darwin", reason="requires macOS: Core ML prediction")
+
+
+def _program_from_disk(path: Path) -> Any:
+    """The MIL program of a saved package, rebuilt from the files on disk (not the in-memory model)."""
+    model = ct.models.MLModel(str(path), skip_model_load=True)
+    return _convert_model_spec_to_pymil_prog(model, model.get_spec().specificationVersion, milproto_load)
+
+
+def _op_types(prog: Any) -> set[str]:
+    return {op.op_type for f in prog.functions.values() for op in f.operations}
+
+
+# --------------------------------------------------------------------------------------
+# Conversion in every mode + contract
+
+
+def test_standard_export_contract_read_back(standard_export, tiny_ckpt, export_lengths) -> None:
+    contract = json.loads(standard_export.contract_path.read_text())
+    model = load_model(tiny_ckpt)
+    cfg = model.config
+    assert contract["model_fingerprint"] == model_fingerprint(model)
+    assert contract["tokenizer_fingerprint"] == "tok-fingerprint-test"
+    assert contract["enumerated_lengths"] == export_lengths
+    assert contract["ok"] is True and verify_contract(contract, cfg, export_lengths) == []
+    prefill, decode = contract["packages"]["prefill"], contract["packages"]["decode"]
+    assert [(f["name"], f["dtype"]) for f in prefill["inputs"]] == [("input_ids", "INT32"), ("length", "INT32")]
+    assert [(f["name"], f["dtype"]) for f in decode["inputs"]] == [("input_ids", "INT32"), ("position", "INT32")]
+    assert prefill["enumerated_lengths"] == export_lengths and decode["enumerated_lengths"] is None
+    # output names really set: read the saved package from disk
+    for kind in ("prefill", "decode"):
+        spec = ct.models.MLModel(str(standard_export.packages[kind]), skip_model_load=True).get_spec()
+        assert [o.name for o in spec.description.output] == ["logits"]
+        assert list(spec.description.output[0].type.multiArrayType.shape) == [1, cfg.vocab_size]
+        assert spec.specificationVersion >= 9  # macOS 15 (stateful models)
+    kv = kv_layout(cfg)
+    assert prefill["states"] == decode["states"]  # one state layout for both packages
+    assert [s["name"] for s in prefill["states"]] == kv["state_names"]
+    assert all(s["shape"] == [1, 2, 48, 8] and s["dtype"] == "FLOAT16" for s in prefill["states"])
+    assert contract["kv"]["bytes"] == 2 * cfg.n_layers * cfg.n_kv_heads * cfg.head_dim * cfg.max_seq_len * 2
+
+
+def test_verify_contract_catches_tampering(standard_export, tiny_ckpt, export_lengths) -> None:
+    contract = json.loads(standard_export.contract_path.read_text())
+    contract["packages"]["decode"]["outputs"][0]["name"] = "var_123"
+    contract["packages"]["prefill"]["enumerated_lengths"] = [16]
+    contract["tokenizer_fingerprint"] = ""
+    errors = verify_contract(contract, load_model(tiny_ckpt).config, export_lengths)
+    assert any("decode: outputs are ['var_123']" in e for e in errors)
+    assert any("enumerated lengths [16]" in e for e in errors)
+    assert any("tokenizer_fingerprint" in e for e in errors)
+
+
+def test_exported_parity_per_shape_and_decode(standard_export, export_lengths) -> None:
+    gate = standard_export.gate_inputs["export"]
+    assert sorted(gate["cosine_by_shape"]) == sorted(str(n) for n in export_lengths)
+    assert all(c >= 0.999 for c in gate["cosine_by_shape"].values())
+    assert len(standard_export.parity["decode_cosine"]) == 16
+    assert min(standard_export.parity["decode_cosine"]) >= 0.999
+    assert gate["int64_on_attention"] == [] and gate["lint_errors"] == [] and gate["contract_ok"] is True
+
+
+def test_stateful_decode_program(standard_export) -> None:
+    ops = _op_types(_program_from_disk(standard_export.packages["decode"]))
+    assert {"read_state", "coreml_update_state", "scaled_dot_product_attention"} <= ops
+    assert not ops & {"shape", "fill", "band_part", "scatter_nd"}
+
+
+def test_qat_int8_exports_without_drift(qat_int8_export, qat_ckpt) -> None:
+    path, qat_codes = qat_ckpt
+    model = load_model(path)
+    linears = {n: m for n, m in model.named_modules() if isinstance(m, nn.Linear) and n != "lm_head"}
+    assert sorted(qat_int8_export.qat_exact) == sorted(f"model.{n}.weight" for n in linears)
+    prog = _program_from_disk(qat_int8_export.packages["decode"])
+    quantized = [op for f in prog.functions.values() for op in f.operations if op.op_type.startswith("constexpr_")]
+    by_name = {op.name: op for op in quantized}
+    for name, module in linears.items():
+        op = by_name[f"p_core_model_{name.replace('.', '_')}_weight_cast_fp16"]
+        codes = op.inputs["data"].val.astype(np.float32)
+        assert np.array_equal(codes, qat_codes[name].numpy()), f"{name}: int8 codes differ from the QAT codes"
+        # Core ML dequantizes in fp16 (the scale is stored fp16): within 1 fp16 ulp of the fp16 weight
+        dequant = (codes * op.inputs["scale"].val.astype(np.float32)).astype(np.float16).astype(np.float32)
+        reference = module.weight.detach().numpy().astype(np.float16).astype(np.float32)
+        ulp = np.spacing(np.abs(reference).astype(np.float16)).astype(np.float32)
+        assert np.all(np.abs(dequant - reference) <= ulp), f"{name}: dequantized weights off by more than 1 fp16 ulp"
+    # RoPE tables are not weights: they stay uncompressed
+    assert not [op for op in quantized if "rope" in op.name]
+    # the check can fail: plain per-channel PTQ (scale max|w|/127) gives other codes for these weights
+    weight = next(iter(linears.values())).weight.detach()
+    ptq_codes = torch.round(weight / (weight.abs().amax(1, keepdim=True) / 127))
+    assert not torch.equal(ptq_codes, next(iter(qat_codes.values())))
+    assert all(c >= 0.999 for c in qat_int8_export.gate_inputs["export"]["cosine_by_shape"].values())
+
+
+def test_int8_grid_scale_detects_grids(fake_quant) -> None:
+    weight = torch.randn(24, 40)
+    on_grid, _ = fake_quant(weight)
+    found = int8_grid_scale(on_grid)
+    assert found is not None
+    torch.testing.assert_close(torch.round(on_grid / found) * found, on_grid, rtol=0, atol=1e-6)
+    assert int8_grid_scale(weight) is None  # plain float weights are not on a grid
+
+
+def test_ane_layout_palettized_export(ane_palettized_export, export_lengths) -> None:
+    prog = _program_from_disk(ane_palettized_export.packages["prefill"])
+    ops = _op_types(prog)
+    assert "conv" in ops and "linear" not in ops  # 1x1 convs in the ANE layout
+    assert "constexpr_lut_to_dense" in ops  # palettized weights
+    luts = [op for f in prog.functions.values() for op in f.operations if op.op_type == "constexpr_lut_to_dense"]
+    assert all(op.inputs["lut"].val.shape[-2] == 2**6 for op in luts)  # 6-bit palettes
+    assert ane_palettized_export.contract["ok"]
+    assert all(c >= 0.999 for c in ane_palettized_export.parity["cosine_by_shape"].values())
+
+
+def test_ane_layout_equals_standard_in_fp32(tiny_ckpt) -> None:
+    model = load_model(tiny_ckpt).eval()
+    ane = ANETransformer.from_standard(model).eval()
+    assert ane.layers[0].attn.q_proj.weight.shape == (32, 32, 1, 1)  # (out, in) -> (out, in, 1, 1) by the hook
+    ids = torch.randint(0, 64, (1, 20))
+    with torch.no_grad():
+        torch.testing.assert_close(ane(ids), model(ids), rtol=1e-5, atol=1e-5)
+
+
+# --------------------------------------------------------------------------------------
+# Lints
+
+
+class _Int64Prefill(PrefillModule):
+    """Violates the int64 lint: positions from an int64 cumsum feed RoPE, the mask and the KV write."""
+
+    def forward(self, input_ids: Tensor, length: Tensor) -> Tensor:
+        return super().forward(input_ids.long(), length.long())
+
+
+def test_int64_lint_fires_on_attention_path(tiny_ckpt, export_lengths) -> None:
+    core = build_layout(load_model(tiny_ckpt), "standard")
+    clean = export_program(PrefillModule(core), "prefill", export_lengths)
+    assert lint_int64_attention(clean) == []
+    bad = export_program(_Int64Prefill(core), "prefill", export_lengths)
+    errors = lint_int64_attention(bad)
+    assert errors and all("int64 on attention path" in e for e in errors)
+
+
+class _DynamicShape(nn.Module):
+    """Violates the dynamic-shape lint: a table sliced and a tensor filled with the traced length."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        return x + torch.ones(x.shape[1]) * torch.arange(x.shape[1]).float()  # fill + range from a dynamic dim
+
+
+class _Scatter(nn.Module):
+    """Violates the CPU-op lint: index_put with a vector of indices lowers to scatter_nd."""
+
+    def forward(self, x: Tensor, idx: Tensor) -> Tensor:
+        out = x.clone()
+        out[idx] = 0.0
+        return out
+
+
+def _convert(module: nn.Module, args: tuple[Tensor, ...], inputs: list[ct.TensorType], dynamic: Any = None) -> Any:
+    ep = torch.export.export(module.eval(), args, dynamic_shapes=dynamic).run_decompositions({})
+    return ct.convert(ep, convert_to="mlprogram", inputs=inputs, minimum_deployment_target=ct.target.macOS15,
+                      skip_model_load=True)  # fmt: skip
+
+
+def test_dynamic_shape_lint_fires() -> None:
+    shapes = ct.EnumeratedShapes(shapes=[(1, 4), (1, 8)], default=(1, 8))
+    mlmodel = _convert(_DynamicShape(), (torch.zeros(1, 8),), [ct.TensorType(name="x", shape=shapes)],
+                       dynamic=({1: torch.export.Dim.AUTO},))  # fmt: skip
+    errors = lint_mil_ops(mlmodel._mil_program)
+    assert any("dynamic-shape op" in e for e in errors), errors
+
+
+def test_cpu_forcing_op_lint_fires() -> None:
+    inputs = [ct.TensorType(name="x", shape=(6, 4)), ct.TensorType(name="idx", shape=(2,), dtype=np.int32)]
+    mlmodel = _convert(_Scatter(), (torch.zeros(6, 4), torch.tensor([1, 3], dtype=torch.int32)), inputs)
+    errors = lint_mil_ops(mlmodel._mil_program)
+    assert any("CPU-forcing op scatter" in e for e in errors), errors
+
+
+def test_shape_lint_fires_outside_enumerated_set(standard_export, export_lengths) -> None:
+    spec = ct.utils.load_spec(str(standard_export.packages["prefill"]))
+    assert lint_shapes(spec, export_lengths, 48) == []
+    assert any("outside the set: [32]" in e for e in lint_shapes(spec, [16], 48))
+    assert any("differ from the enumerated set [16, 24, 32]" in e for e in lint_shapes(spec, [16, 24, 32], 48))
+    assert any("outside the KV cache" in e for e in lint_shapes(spec, [16, 32, 64], 48))
+
+
+def test_export_refuses_lengths_beyond_the_cache(tiny_ckpt, tmp_path) -> None:
+    with pytest.raises(ExportError, match=r"\[64\] exceed the model's max_seq_len 48"):
+        export_transformer(load_model(tiny_ckpt), ExportConfig(), [16, 64], tmp_path, "tok")
+
+
+# --------------------------------------------------------------------------------------
+# ANE report
+
+
+def test_ane_report_of_the_export(standard_export) -> None:
+    ane = standard_export.gate_inputs["ane"]
+    assert ane["source"] == "static_mil_estimate"
+    assert 0.9 < ane["estimated_share"] <= 1.0  # fp16 linears/attention dominate the FLOPs
+    by_op = ane["by_op_type"]
+    assert by_op["linear"]["eligible"] and by_op["scaled_dot_product_attention"]["eligible"]
+    assert max(by_op, key=lambda k: by_op[k]["flops"]) == "linear"
+    assert not by_op["cumsum"]["eligible"]  # int32 position math stays on the CPU
+    on_disk = json.loads(standard_export.ane_report_path.read_text())
+    assert on_disk["estimated_share"] == pytest.approx(ane["estimated_share"])
+
+
+def test_ane_report_rules() -> None:
+    @mb.program(input_specs=[mb.TensorSpec(shape=(2, 64), dtype=types.fp16)], opset_version=ct.target.macOS15)
+    def fp16_prog(x: Any) -> Any:
+        return mb.linear(x=x, weight=np.ones((64, 64), dtype=np.float16))
+
+    @mb.program(input_specs=[mb.TensorSpec(shape=(2, 64), dtype=types.fp32)], opset_version=ct.target.macOS15)
+    def fp32_prog(x: Any) -> Any:
+        return mb.linear(x=x, weight=np.ones((64, 64), dtype=np.float32))
+
+    @mb.program(input_specs=[mb.TensorSpec(shape=(1, 1, 1, 1, 1, 2, 64), dtype=types.fp16)],
+                opset_version=ct.target.macOS15)  # fmt: skip
+    def rank7_prog(x: Any) -> Any:
+        return mb.relu(x=x)
+
+    good = ane_report({"p": fp16_prog}, symbol_size=1)
+    assert good["estimated_share"] == 1.0 and good["by_op_type"]["linear"]["flops"] == 2 * 2 * 64 * 64
+    fp32 = ane_report({"p": fp32_prog}, symbol_size=1)
+    assert fp32["estimated_share"] == 0.0
+    assert "fp32 output (ANE computes fp16)" in fp32["by_op_type"]["linear"]["reasons"]
+    rank = ane_report({"p": rank7_prog}, symbol_size=1)
+    assert not rank["by_op_type"]["relu"]["eligible"] and "rank 7 > 5" in rank["by_op_type"]["relu"]["reasons"]
+    both = ane_report({"a": fp16_prog, "b": fp32_prog}, symbol_size=1)
+    assert both["estimated_share"] == pytest.approx(0.5)
+
+
+# --------------------------------------------------------------------------------------
+# CLI
+
+
+def test_cli_reports_export_errors(tiny_ckpt, tmp_path, capsys) -> None:
+    config = tmp_path / "c.yaml"
+    config.write_text("shapes:\n  lengths: [16, 64]\n  mix: [0.5, 0.5]\nexport:\n  quantize: none\n")
+    parser = argparse.ArgumentParser()
+    add_parser(parser.add_subparsers())
+    args = parser.parse_args(["export", "--config", str(config), "--ckpt", str(tiny_ckpt), "--out",
+                              str(tmp_path / "out"), "--tokenizer-fingerprint", "t", "--layout", "ane"])  # fmt: skip
+    assert args.func is run and args.layout == "ane"
+    assert run(args) == 1
+    assert "exceed the model's max_seq_len 48" in capsys.readouterr().err
+
+
+# --------------------------------------------------------------------------------------
+# macOS only: Core ML prediction and MLComputePlan
+
+
+@requires_macos
+def test_coreml_parity_per_shape_and_16_decode_steps(standard_export, tiny_ckpt, export_lengths) -> None:
+    from distillgates.export import coreml_parity
+
+    parity = coreml_parity(
+        standard_export.packages["prefill"], standard_export.packages["decode"], load_model(tiny_ckpt),
+        export_lengths, decode_steps=16,
+    )  # fmt: skip
+    assert sorted(parity["cosine_by_shape"]) == sorted(str(n) for n in export_lengths)
+    assert all(c >= 0.999 for c in parity["cosine_by_shape"].values()), parity
+    assert len(parity["decode_cosine"]) == 16 and min(parity["decode_cosine"]) >= 0.999, parity
+
+
+@requires_macos
+def test_mlcomputeplan_residency(standard_export) -> None:
+    from distillgates.export import ane_residency
+
+    report = ane_residency(standard_export.packages["prefill"])
+    assert report["source"] == "mlcomputeplan"
+    assert 0.0 <= report["estimated_share"] <= 1.0
+    assert "linear" in report["by_op_type"]
