@@ -9,10 +9,9 @@ the same config and run directory (``data``, ``teacher``, ``kd``, ``train``, ``e
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from collections.abc import Sequence
-
-from distillgates.config import ConfigError
 
 DEFAULT_CONFIG = "configs/toy.yaml"
 
@@ -44,6 +43,8 @@ def build_parser() -> argparse.ArgumentParser:
     run.set_defaults(func=pipeline.cli_run)
 
     for step in pipeline.STEPS:
+        if step.name == "report":  # `distillgates report` renders a report; `run` writes it
+            continue
         step_parser = sub.add_parser(step.name, help=step.help, description=step.help)
         _add_common(step_parser)
         step_parser.set_defaults(func=pipeline.cli_step, step=step.name)
@@ -64,7 +65,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return int(args.func(args) or 0)
-    except (ConfigError, FileNotFoundError) as err:
+    except Exception as err:
+        # user-facing errors (bad config, dataset, checkpoint, export lint...) print one clear line;
+        # anything else is a bug and keeps its traceback
+        user_facing = isinstance(err, (ValueError, FileNotFoundError)) or type(err).__module__.startswith(
+            "distillgates."
+        )
+        if not user_facing or os.environ.get("DISTILLGATES_TRACEBACK"):
+            raise
         print(f"distillgates: error: {err}", file=sys.stderr)
         return 2
 

@@ -102,7 +102,123 @@ def run_pipeline(config_path: str | Path, run_dir: str | Path | None = None, for
     return run_dir
 
 
-STEPS: list[Step] = []
+# --------------------------------------------------------------------------------------
+# Steps
+
+
+def step_data(cfg: Config, run_dir: Path) -> dict[str, Any]:
+    from distillgates.data.build import build_toy_data
+
+    toy = build_toy_data(cfg, run_dir / "data")
+    return {
+        "tokenizer_fingerprint": toy.tokenizer_fingerprint,
+        "dataset_sha256": toy.dataset_sha256,
+        "dropped": {split: len(ids) for split, ids in toy.dropped.items()},
+        "shape_counts": {split: {str(k): v for k, v in c.items()} for split, c in toy.shape_counts.items()},
+    }
+
+
+def _tokenizer(run_dir: Path) -> Any:
+    from distillgates.tokenizer import load_tokenizer
+
+    return load_tokenizer(run_dir / "data" / "tokenizer")
+
+
+def _eval_items(run_dir: Path) -> list[dict[str, Any]]:
+    from distillgates.data.dataset import read_dataset
+
+    return read_dataset(run_dir / "data" / "eval.jsonl")[1]
+
+
+def step_export(cfg: Config, run_dir: Path) -> dict[str, Any]:
+    from distillgates.export import export_model
+    from distillgates.tokenizer import tokenizer_fingerprint
+
+    result = export_model(
+        run_dir / "student" / "model.pt", cfg, run_dir / "export", tokenizer_fingerprint(_tokenizer(run_dir))
+    )
+    atomic_write_json(run_dir / "export" / "gate_inputs.json", result.gate_inputs)
+    return {
+        "packages": {name: str(path) for name, path in result.packages.items()},
+        "ane_estimated_share": result.gate_inputs["ane"]["estimated_share"],
+        "cosine_by_shape": result.gate_inputs["export"]["cosine_by_shape"],
+    }
+
+
+def step_speed(cfg: Config, run_dir: Path) -> dict[str, Any]:
+    from distillgates.speed import run_speed
+
+    report = run_speed(cfg, run_dir)
+    speed = report["speed"]
+    return {"ttft_ms_p50": speed["ttft_ms"]["p50"], "tps_p50": speed["tps"]["p50"], "backend": speed["backend"]}
+
+
+def step_eval(cfg: Config, run_dir: Path) -> dict[str, Any]:
+    from distillgates.data.fingerprints import dataset_sha256
+    from distillgates.eval import evaluate
+    from distillgates.eval.evaluate import sharded_determinism
+    from distillgates.model import from_hf, load_model
+    from distillgates.runtime import TorchEngine
+    from distillgates.teacher.local import load_teacher_model
+
+    tokenizer, items = _tokenizer(run_dir), _eval_items(run_dir)
+    eval_sha = dataset_sha256(run_dir / "data" / "eval.jsonl")
+    quality = {}
+    for role, model in (
+        ("student", load_model(run_dir / "student" / "model.pt")),
+        # the teacher runs through the same engine and runner (identical weights via from_hf)
+        ("teacher", from_hf(load_teacher_model(run_dir / "teacher"))),
+    ):
+        quality[role] = evaluate(
+            TorchEngine(model.eval()), items, tokenizer, lengths=cfg.shapes.lengths, dataset_sha256=eval_sha
+        )
+    spec = {"dataset": str(run_dir / "data" / "eval.jsonl"), "tokenizer": str(run_dir / "data" / "tokenizer"),
+            "model": str(run_dir / "student" / "model.pt"), "runner": "engine", "max_new_tokens": 96}
+    determinism = sharded_determinism(spec, world_size=2, work_dir=run_dir / "eval" / "shards")
+    atomic_write_json(run_dir / "eval" / "quality.json", quality)
+    atomic_write_json(run_dir / "eval" / "determinism.json", determinism)
+    student = quality["student"]
+    return {key: student.get(key) for key in ("tool_selection", "json_validity", "f1_lax_macro", "privacy_ok_rate")}
+
+
+def step_report(cfg: Config, run_dir: Path) -> dict[str, Any]:
+    from distillgates.eval import build_report, write_report
+    from distillgates.hardware import hardware_header
+
+    quality = json.loads((run_dir / "eval" / "quality.json").read_text())
+    speed_report = json.loads((run_dir / "reports" / "speed.json").read_text())
+    export_inputs = json.loads((run_dir / "export" / "gate_inputs.json").read_text())
+    gate_inputs = {
+        "determinism": json.loads((run_dir / "eval" / "determinism.json").read_text()),
+        "qat": json.loads((run_dir / "student" / "qat_probe.json").read_text()),
+        **export_inputs,
+        "prompt_cache": speed_report["gate_inputs"]["prompt_cache"],
+    }
+    if speed_report["gate_inputs"].get("speculative") is not None:
+        gate_inputs["speculative"] = speed_report["gate_inputs"]["speculative"]
+    report = build_report(
+        fingerprints=quality["student"]["fingerprints"],
+        quality=quality,
+        speed=speed_report["speed"],
+        gate_inputs=gate_inputs,
+        hardware=hardware_header(export_path=str(run_dir / "export")),
+        config_sha256=cfg.fingerprint(),
+        config=to_dict(cfg),
+    )
+    path = write_report(run_dir / "reports" / "report.json", report)
+    return {"report": str(path)}
+
+
+STEPS: list[Step] = [
+    Step("data", "generate the toy dataset and train the tokenizer", ("data", "tokenizer", "shapes"), (), step_data),
+    Step("export", "export the student to Core ML (prefill + stateful decode), lint, parity",
+         ("export", "shapes", "gates"), ("student",), step_export),
+    Step("speed", "measure TTFT/TPS/TTFA, prompt cache and speculative decoding", ("speed",),
+         ("student", "drafter"), step_speed),
+    Step("eval", "evaluate student and teacher on held-out items; sharded determinism", ("shapes",),
+         ("student", "teacher"), step_eval),
+    Step("report", "write the validated report", (), ("eval", "speed", "export"), step_report),
+]
 
 
 # --------------------------------------------------------------------------------------
@@ -131,8 +247,31 @@ def cli_step(args: argparse.Namespace) -> int:
 
 
 def cli_report(args: argparse.Namespace) -> int:
-    raise SystemExit("report rendering is wired when distillgates.eval lands")
+    from distillgates.eval import read_report, render_report, report_markdown
+
+    report = read_report(args.path)
+    Console().print(render_report(report))
+    if args.markdown:
+        from distillgates.io import atomic_write_text
+
+        atomic_write_text(args.markdown, report_markdown(report))
+    return 0
 
 
 def cli_profile(args: argparse.Namespace) -> int:
-    raise SystemExit("profile is wired when distillgates.hardware lands")
+    from distillgates import hardware
+
+    profiles = hardware.load_profiles(args.profiles)
+    detected = hardware.detect_hardware()
+    matched = hardware.match_profile(detected, profiles)
+    Console().print_json(
+        data={
+            "detected": to_dict(detected),
+            "chip_family": detected.chip_family,
+            "hardware_profile_key": hardware.profile_key(detected, profiles),
+            "matched_profile": to_dict(matched) if matched else None,
+        }
+    )
+    if args.hw_profile:
+        hardware.select_profile(args.hw_profile, detected, allow_cross_hw=False, profiles=profiles)
+    return 0
