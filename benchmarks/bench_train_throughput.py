@@ -4,7 +4,7 @@ Both train on the same toy batches (same rows, same enumerated shapes, same top-
 signal), measured side by side and interleaved in chunks in one process, so machine noise
 hits both alike. Throughput = supervised (assistant-turn) tokens of the item rows per second
 of wall time; our recipe additionally pays for CE, process, length (with the coverage check)
-and early-tool rows, QAT bookkeeping off. Goal: ratio >= 0.9.
+and early-tool CE, QAT off. Goal: ratio >= 0.9.
 
     .venv/bin/python benchmarks/bench_train_throughput.py [--steps 30] [--chunk 5] [--config configs/toy.yaml]
 
@@ -66,7 +66,7 @@ def main() -> None:
     records = kd_records(items, tok, teacher, k=cfg.teacher.top_k if cfg.teacher else 20, max_len=lengths[-1])
 
     with tempfile.TemporaryDirectory() as tmp:
-        ours = Recipe(cfg.train, cfg.student, lengths, tok, items, [], tmp, kd_records=records, device="cpu",
+        ours = Recipe(cfg.train, cfg.student, cfg.shapes, tok, items, [], tmp, kd_records=records, device="cpu",
                       progress=False, speed_prompts=0, max_steps=0)
         ours.setup()
         from transformers import LlamaForCausalLM
@@ -80,20 +80,19 @@ def main() -> None:
             tokens = 0
             opt.zero_grad(set_to_none=True)
             for batch in ours._micro_batches(step):
-                n = batch.n_rows
-                logits = hf(input_ids=batch.input_ids[:n]).logits.float()  # (N, L, V)
-                logp = F.log_softmax(logits / temperature, -1).gather(-1, batch.kd_ids[:n])  # (N, L, k)
-                p_t = F.softmax(batch.kd_logprobs[:n] / temperature, -1)  # (N, L, k)
-                per_pos = (p_t * (p_t.clamp_min(1e-12).log() - logp)).sum(-1)  # (N, L)
-                loss = (per_pos * batch.kd_mask[:n]).sum() / batch.kd_mask[:n].sum().clamp_min(1)
+                logits = hf(input_ids=batch.input_ids).logits.float()  # (B, L, V)
+                logp = F.log_softmax(logits / temperature, -1).gather(-1, batch.kd_ids)  # (B, L, k)
+                p_t = F.softmax(batch.kd_logprobs / temperature, -1)  # (B, L, k)
+                per_pos = (p_t * (p_t.clamp_min(1e-12).log() - logp)).sum(-1)  # (B, L)
+                loss = (per_pos * batch.kd_mask).sum() / batch.kd_mask.sum().clamp_min(1)
                 loss.backward()
-                tokens += int(batch.ce_mask[:n].sum())
+                tokens += batch.n_tokens
             torch.nn.utils.clip_grad_norm_(hf.parameters(), 1.0)
             opt.step()
             return tokens
 
         def item_tokens(step: int) -> int:
-            return sum(int(b.ce_mask[: b.n_rows].sum()) for b in ours._micro_batches(step))
+            return sum(b.n_tokens for b in ours._micro_batches(step))
 
         # warm-up one chunk each (allocator, first-call overheads)
         ours.max_steps = args.chunk

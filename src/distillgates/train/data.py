@@ -1,0 +1,190 @@
+"""Training rows and KD records (batches come from :class:`distillgates.data.shapes.ShapeSampler`).
+
+A *row* is one item rendered as ``prompt + reference`` (token ids), padded to the smallest
+enumerated shape that holds it. Every loss reads the same row (one forward per batch):
+CE over the assistant turns, process-step CE over the call/argument/integration spans, KD
+where the teacher signal applies, the length loss over the assistant turns, and the early
+tool-call CE at the first completion positions whose prefix agrees with the tool-call target
+(:func:`distillgates.losses.early_tool_positions`).
+
+Offline KD records carry the teacher's top-k log-probs for *its own* completion. Position i
+of that completion is conditioned on ``prompt + completion[:i]``, which equals our row's
+prefix exactly while the completion agrees with the reference; KD is applied there and
+masked after the first disagreement (teacher-forced on a different prefix the teacher's
+distribution would be a different one).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from distillgates.losses import early_tool_positions, early_tool_target, turn_masks
+
+
+def read_kd_set(path: str | Path) -> dict[str, dict[str, Any]]:
+    """KD records by item id, read and validated by :func:`distillgates.teacher.kd.read_kd_set`
+    (which raises ``KDSetError`` naming file, line and field)."""
+    from distillgates.teacher.kd import read_kd_set as read_records
+
+    _, records = read_records(path)
+    return {rec["id"]: rec for rec in records}
+
+
+@dataclass
+class Row:
+    """One item's tensors before padding (lists; positions are prediction positions)."""
+
+    item: dict[str, Any]
+    ids: list[int]
+    prompt_len: int
+    shape: int
+    process: list[int]  # prediction positions whose target token lies in a process span
+    kd_ids: list[list[int]] = field(default_factory=list)  # per completion position (aligned prefix)
+    kd_logprobs: list[list[float]] = field(default_factory=list)
+    teacher_len: float = 0.0  # assistant-turn tokens the teacher emitted (0: unknown)
+    evidence_end: int = -1  # prediction position of the last required-evidence token of the answer (-1: none)
+    length: int = 0  # tokens of the full conversation before truncation (sampler bucketing)
+    early: list[int] = field(default_factory=list)  # tool-call prefix ids for the early-tool loss (may be empty)
+
+
+@dataclass
+class Batch:
+    """Padded tensors of one micro-batch (one row per item)."""
+
+    input_ids: Tensor  # (R, L)
+    targets: Tensor  # (R, L) next token (0 where padded)
+    ce_mask: Tensor  # (R, L) assistant-turn positions of item rows
+    turn_mask: Tensor  # (R, L) bool
+    turn_start: Tensor  # (R, L) bool
+    process_mask: Tensor  # (R, L)
+    kd_mask: Tensor  # (R, L)
+    kd_ids: Tensor | None  # (R, L, k)
+    kd_logprobs: Tensor | None  # (R, L, k)
+    teacher_len: Tensor  # (R,)
+    evidence_end: Tensor  # (R,) long, -1 where the item has no answer evidence
+    tool: Tensor  # (R,) bool: tool_should_be_used and a valid tool-call target exists
+    early_targets: Tensor  # (R, L) tool-call prefix tokens at the positions that should emit them
+    early_mask: Tensor  # (R, L) those positions
+    items: list[dict[str, Any]]
+    shape: int
+
+    @property
+    def n_tokens(self) -> int:
+        return int(self.ce_mask.sum())
+
+
+def shape_for(n_tokens: int, lengths: Sequence[int]) -> int:
+    """Smallest enumerated shape that holds ``n_tokens`` (the largest if none does)."""
+    return next((L for L in lengths if n_tokens <= L), lengths[-1])
+
+
+PROCESS_KINDS = ("tool_name", "arguments", "integration")  # span kinds of distillgates.data.targets
+
+
+def build_row(
+    item: dict[str, Any],
+    tokenizer: Any,
+    lengths: Sequence[int],
+    kd: Mapping[str, Any] | None = None,
+    early_first_n: int = 0,
+) -> Row:
+    """Tokenize one item (and align its KD record) into a :class:`Row`."""
+    from distillgates.data.targets import encode_item
+
+    enc = encode_item(tokenizer, item)  # ids of render_conversation(item) + per-kind token masks
+    p = enc.prompt_len
+    full = enc.input_ids
+    ids = full[: lengths[-1]]
+    prompt_ids, ref_ids = full[:p], full[p:]
+    # the position that predicts token j is j - 1
+    process = [j - 1 for j in range(1, len(ids)) if any(enc.masks[k][j] for k in PROCESS_KINDS)]
+    evidence = [j - 1 for j in range(1, len(ids)) if enc.masks["integration"][j]]
+    shape = shape_for(len(full), lengths)
+    row = Row(item=item, ids=ids, prompt_len=p, shape=shape, process=process, evidence_end=max(evidence, default=-1),
+              length=len(full))
+    if kd is not None:
+        completion = list(kd["completion_ids"])
+        agree = 0
+        while agree < min(len(completion), len(ref_ids)) and completion[agree] == ref_ids[agree]:
+            agree += 1
+        n = min(agree + 1, len(completion), len(ids) - p + 1)  # position `agree` still has the right prefix
+        row.kd_ids = [list(r) for r in kd["topk_ids"][:n]]
+        row.kd_logprobs = [list(r) for r in kd["topk_logprobs"][:n]]
+        asst = tokenizer.convert_tokens_to_ids("<|assistant|>")
+        end = tokenizer.convert_tokens_to_ids("<|end|>")
+        seq = torch.tensor([prompt_ids[-1:] + completion])
+        row.teacher_len = float(turn_masks(seq, asst, end)[0].sum())
+        teacher_text = kd.get("completion_text")
+    else:
+        teacher_text = None
+    if not row.teacher_len:
+        asst = tokenizer.convert_tokens_to_ids("<|assistant|>")
+        end = tokenizer.convert_tokens_to_ids("<|end|>")
+        row.teacher_len = float(turn_masks(torch.tensor([prompt_ids[-1:] + ref_ids]), asst, end)[0].sum())
+    if early_first_n > 0:
+        encode: Callable[[str], list[int]] = lambda text: tokenizer.encode(text, add_special_tokens=False)  # noqa: E731
+        target = early_tool_target(item, teacher_text, encode, early_first_n)
+        if target is not None:
+            row.early = target.ids
+    return row
+
+
+def collate(rows: Sequence[Row], pad_id: int, assistant_id: int, end_id: int) -> Batch:
+    """Pad rows (all of one shape) into one :class:`Batch`."""
+    L = max(r.shape for r in rows)
+    R = len(rows)
+    k = max((len(top) for r in rows for top in r.kd_ids), default=0)
+    input_ids = torch.full((R, L), pad_id, dtype=torch.long)
+    kd_mask = torch.zeros(R, L)
+    process_mask = torch.zeros(R, L)
+    early_mask = torch.zeros(R, L)
+    early_targets = torch.zeros(R, L, dtype=torch.long)
+    kd_ids = torch.zeros(R, L, k, dtype=torch.long) if k else None
+    kd_lp = torch.zeros(R, L, k) if k else None
+    teacher_len = torch.zeros(R)
+    evidence_end = torch.tensor([r.evidence_end for r in rows], dtype=torch.long)
+    tool = torch.zeros(R, dtype=torch.bool)
+    for i, r in enumerate(rows):
+        input_ids[i, : len(r.ids)] = torch.tensor(r.ids)
+        pos = [q for q in r.process if 0 <= q < L - 1]
+        process_mask[i, pos] = 1.0
+        teacher_len[i] = r.teacher_len
+        if r.kd_ids and kd_ids is not None and kd_lp is not None:
+            s = r.prompt_len - 1
+            for j, (top, lps) in enumerate(zip(r.kd_ids, r.kd_logprobs, strict=True)):
+                if s + j >= L or len(top) != k:  # [] = no teacher distribution (injected tool result, <|eos|>)
+                    continue
+                kd_ids[i, s + j] = torch.tensor(top)
+                kd_lp[i, s + j] = torch.tensor(lps)
+                kd_mask[i, s + j] = 1.0
+        if r.early:
+            tool[i] = True
+            for q, token in early_tool_positions(r.ids, r.prompt_len, r.early):
+                early_targets[i, q] = token
+                early_mask[i, q] = 1.0
+    targets = torch.cat([input_ids[:, 1:], torch.zeros(R, 1, dtype=torch.long)], 1)  # (R, L)
+    turn_mask, turn_start = turn_masks(input_ids, assistant_id, end_id)  # (R, L)
+    return Batch(
+        input_ids=input_ids,
+        targets=targets,
+        ce_mask=turn_mask.float(),
+        turn_mask=turn_mask,
+        turn_start=turn_start,
+        process_mask=process_mask * turn_mask.float(),
+        kd_mask=kd_mask * turn_mask.float(),  # KD only where the student generates
+        kd_ids=kd_ids,
+        kd_logprobs=kd_lp,
+        teacher_len=teacher_len,
+        evidence_end=evidence_end,
+        tool=tool,
+        early_targets=early_targets,
+        early_mask=early_mask,
+        items=[r.item for r in rows],
+        shape=L,
+    )

@@ -1,0 +1,175 @@
+"""Late quantization-aware training: int8 per-channel weights, float activations.
+
+Uses ``coremltools.optimize.torch.quantization.LinearQuantizer`` (prepare / step / finalize),
+the quantizer whose finalized modules the Core ML converter understands. Two details make it
+serve our :class:`~distillgates.model.Transformer`:
+
+- ``LinearQuantizer.prepare`` symbolically traces the module with ``torch.fx``. Tracing
+  ``Transformer.forward`` directly turns the optional ``input_pos``/``attention_mask``
+  arguments into graph inputs (so the KV-cache branch gets traced) and slices the RoPE tables
+  with a traced length (``rope_cos[:T]`` fails with a Proxy). :class:`TrainForward` is the
+  training forward written against the model's own submodules, with the two table slices as
+  ``torch.fx.wrap`` leaf functions, so the traced graph is exactly the no-cache training path
+  and shares every parameter with the model.
+- Embeddings are excluded (``module_type_configs: Embedding: None``): Core ML int8 export
+  quantizes linear weights, and a QAT embedding would also break the weight tying of
+  ``lm_head`` (it copies its weight). With tied embeddings the ``lm_head`` fake-quantizes the
+  shared matrix, and the snapped weights are written back to it, so the exported int8
+  ``lm_head`` and the embedding table hold the same grid values.
+
+Weights use a ``min_max`` observer (symmetric per output channel): the range only grows, so
+the final weights (EMA or not) are never clipped by a lagging moving average.
+After training, :func:`QAT.finalize` runs ``finalize`` and writes the dequantized int8 grid
+weights (``get_weight()`` of the reference modules) into a plain ``Transformer``; re-quantizing
+those with symmetric per-channel int8 at export is lossless.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from distillgates.model import Transformer
+
+
+@torch.fx.wrap
+def _rope_rows(table: Tensor, n: int) -> Tensor:
+    return table[:n]  # (T, hd)
+
+
+@torch.fx.wrap
+def _causal(table: Tensor, n: int) -> Tensor:
+    return table[:n, :n][None, None]  # (1, 1, T, T)
+
+
+class TrainForward(nn.Module):
+    """The no-cache training forward of a Transformer, fx-traceable (module docstring)."""
+
+    def __init__(self, model: Transformer) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, idx: Tensor) -> Tensor:
+        m = self.model
+        T = idx.shape[1]
+        cos, sin, mask = _rope_rows(m.rope_cos, T), _rope_rows(m.rope_sin, T), _causal(m.causal_mask, T)
+        x = m.embed(idx)  # (B, T, d)
+        for layer in m.layers:
+            x = layer(x, cos, sin, mask, None)
+        return m.lm_head(m.norm(x))  # (B, T, V)
+
+
+def quantizer_config() -> Any:
+    from coremltools.optimize.torch.quantization import LinearQuantizerConfig
+
+    return LinearQuantizerConfig.from_dict(
+        {
+            "global_config": {
+                "quantization_scheme": "symmetric",
+                "weight_dtype": "qint8",
+                "weight_per_channel": True,
+                "weight_observer": "min_max",
+                "activation_dtype": "float32",  # weights-only: activations stay float (fp16 on device)
+                "milestones": [0, 0, -1, -1],  # observers and fake quant on from the first QAT step
+            },
+            "module_type_configs": {"Embedding": None},
+        }
+    )
+
+
+class QAT:
+    """Prepared QAT graph sharing parameters with ``model``; optional EMA of the weights."""
+
+    def __init__(self, model: Transformer, ema: float = 0.0) -> None:
+        from coremltools.optimize.torch.quantization import LinearQuantizer
+
+        self.model = model
+        self.quantizer = LinearQuantizer(TrainForward(model), quantizer_config())
+        example = torch.zeros(1, 8, dtype=torch.long, device=model.embed.weight.device)
+        self.graph = self.quantizer.prepare(example_inputs=(example,), inplace=True)
+        self.quantizer.step()  # milestone 0: enable observers and fake quantization
+        self.ema_decay = ema
+        self.ema = {k: v.detach().clone() for k, v in model.named_parameters()} if ema > 0 else None
+        assert self.graph.get_submodule("model.layers.0.attn.q_proj").weight is model.layers[0].attn.q_proj.weight
+
+    def __call__(self, idx: Tensor) -> Tensor:
+        return self.graph(idx)
+
+    @torch.no_grad()
+    def step(self) -> None:
+        """After each optimizer step: advance the quantizer milestones and the EMA."""
+        self.quantizer.step()
+        if self.ema is not None:
+            for name, p in self.model.named_parameters():
+                self.ema[name].lerp_(p.detach(), 1.0 - self.ema_decay)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"graph": self.graph.state_dict(), "ema": self.ema, "step_count": self.quantizer._step_count}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.graph.load_state_dict(state["graph"])
+        self.ema = state["ema"]
+        self.quantizer._step_count = state["step_count"]  # milestones are step-counted
+
+    @torch.no_grad()
+    def finalize(self) -> tuple[Transformer, dict[str, Any]]:
+        """A plain Transformer holding the int8-grid weights, and per-module quantization metadata."""
+        if self.ema is not None:
+            for name, p in self.model.named_parameters():
+                p.copy_(self.ema[name])
+        final = self.quantizer.finalize(self.graph, inplace=False)
+        out = copy.deepcopy(self.model)
+        meta: dict[str, Any] = {"scheme": "int8_per_channel_symmetric", "activations": "float", "modules": {}}
+        for name, module in final.named_modules():
+            if hasattr(module, "get_weight") and name.startswith("model."):
+                target = out.get_submodule(name.removeprefix("model."))
+                target.weight.copy_(module.get_weight())  # dequantized int8 grid values
+                meta["modules"][name.removeprefix("model.")] = {"scale": module.weight_scale.detach().cpu().tolist()}
+        return out, meta
+
+
+def _module_outputs(model: Transformer, idx: Tensor) -> dict[str, Tensor]:
+    outputs: dict[str, Tensor] = {}
+    hooks = []
+    for i, layer in enumerate(model.layers):
+        for part in ("attn", "mlp"):
+            name = f"layers.{i}.{part}"
+            hook = getattr(layer, part).register_forward_hook(lambda _m, _a, y, n=name: outputs.__setitem__(n, y))
+            hooks.append(hook)
+    try:
+        with torch.no_grad():
+            logits = model(idx)
+    finally:
+        for h in hooks:
+            h.remove()
+    outputs["logits"] = logits
+    return outputs
+
+
+def probe(reference: Transformer, quantized: Transformer, batches: list[Tensor]) -> dict[str, Any]:
+    """Cosine similarity of every attention/MLP output (and the logits), reference vs quantized.
+
+    Each module's outputs over all probe tokens are flattened into one vector per model; NaNs
+    or infs anywhere in the quantized outputs set ``has_nan``.
+    """
+    ref_out: dict[str, list[Tensor]] = {}
+    q_out: dict[str, list[Tensor]] = {}
+    for idx in batches:
+        for store, model in ((ref_out, reference), (q_out, quantized)):
+            for name, y in _module_outputs(model.eval(), idx).items():
+                store.setdefault(name, []).append(y.float().flatten())
+    cosine, has_nan = {}, False
+    for name in ref_out:
+        a, b = torch.cat(ref_out[name]), torch.cat(q_out[name])
+        has_nan = has_nan or not bool(torch.isfinite(b).all())
+        cosine[name] = float(torch.nn.functional.cosine_similarity(a, b, dim=0))
+    modules = {k: v for k, v in cosine.items() if k != "logits"}
+    return {
+        "probe_cosine_min": min(modules.values()) if modules else float("nan"),
+        "probe_cosine": modules,
+        "logits_cosine": cosine.get("logits"),
+        "has_nan": has_nan,
+    }

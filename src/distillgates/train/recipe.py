@@ -1,0 +1,667 @@
+"""The distillation recipe (torchtune style: ``setup -> train -> cleanup``), YAML-driven.
+
+One recipe serves one CPU process and ``torchrun`` on many GPUs: under ``torchrun``
+(``WORLD_SIZE > 1``) it joins the process group (gloo on CPU, NCCL on CUDA), wraps the model
+in DDP (or FSDP2 ``fully_shard`` when ``train.fsdp``), and each rank takes its slice of every
+global batch, so the loss curve is the single-process one up to float reduction order.
+
+Design choices:
+- **Exact resume.** A step is a pure function of (weights, optimizer, scheduler, RNG, step):
+  the sampler derives the batch from the step, the LR schedule is a ``LambdaLR`` of the step,
+  QAT switches on at a step, and a checkpoint holds all of it (plus QAT observers and EMA),
+  written atomically with a checksum (:func:`distillgates.io.save_checksummed`). On CPU a run
+  killed and resumed ends bit-for-bit where an uninterrupted run does; the scalar log is cut
+  back to the checkpoint so no step appears twice.
+- **Teacher** offline (top-k KD set, :func:`distillgates.losses.kd_loss_topk`) or online
+  (a teacher forward per batch, dense :func:`~distillgates.losses.kd_loss_dense`).
+- **Latency losses.** The length loss needs to know whether the student *covers* the item; we
+  use its teacher-forced argmax predictions over the assistant turns as the proxy for its
+  output (no generation in the loop) and the scorer's coverage check.
+- **Late QAT** (:mod:`distillgates.train.qat`) for the last ``1 - start_fraction`` of steps at
+  ``lr * lr_scale``; a probe writes ``qat_probe.json``.
+- Validation every ``eval_every`` steps: CE/KD per enumerated shape plus TTFT/TPS proxies of
+  the PyTorch engine (``export=False``, tagged with the hardware key).
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import math
+import os
+import random
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from distillgates import losses
+from distillgates.config import Config, ModelConfig, ShapesConfig, SpeedConfig, TrainConfig, load_config, to_dict
+from distillgates.data.shapes import ShapeSampler
+from distillgates.io import atomic_write_json, atomic_write_text, load_checksummed, save_checksummed
+from distillgates.model import Transformer, save_model
+from distillgates.train.data import Batch, Row, build_row, collate, read_kd_set
+from distillgates.train.qat import QAT, probe
+
+CKPT_NAME = "checkpoint.pt"
+
+
+@dataclass
+class Dist:
+    rank: int = 0
+    world: int = 1
+    local_rank: int = 0
+
+    @property
+    def main(self) -> bool:
+        return self.rank == 0
+
+
+def init_distributed(device: str) -> Dist:
+    """Join the ``torchrun`` process group when ``WORLD_SIZE > 1`` (gloo on CPU, NCCL on CUDA)."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world <= 1:
+        return Dist()
+    if not dist.is_initialized():
+        dist.init_process_group("nccl" if device.startswith("cuda") else "gloo")
+    return Dist(rank=dist.get_rank(), world=dist.get_world_size(), local_rank=int(os.environ.get("LOCAL_RANK", "0")))
+
+
+def lr_lambda(cfg: TrainConfig) -> Any:
+    """Linear warm-up, cosine decay to ``min_lr_ratio``, times ``qat.lr_scale`` once QAT starts."""
+    qat_start = qat_start_step(cfg)
+
+    def factor(step: int) -> float:
+        if step < cfg.warmup_steps:
+            f = (step + 1) / cfg.warmup_steps
+        else:
+            progress = (step - cfg.warmup_steps) / max(1, cfg.steps - cfg.warmup_steps)
+            f = cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
+        if qat_start is not None and step >= qat_start:
+            f *= cfg.qat.lr_scale
+        return f
+
+    return factor
+
+
+def qat_start_step(cfg: TrainConfig) -> int | None:
+    return int(cfg.steps * cfg.qat.start_fraction) if cfg.qat.enabled else None
+
+
+def rng_state() -> dict[str, Any]:
+    state = {"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": np.random.get_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    torch.set_rng_state(state["torch"])
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def seed_everything(seed: int, deterministic: bool, device: str) -> None:
+    """Seed every RNG; in deterministic mode on CUDA also pin deterministic kernels.
+
+    CPU kernels used here are deterministic already, and ``use_deterministic_algorithms``
+    costs seconds of imports (it loads ``torch._dynamo``), so it is only switched on for CUDA.
+    """
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+    if deterministic and device.startswith("cuda"):
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        torch.use_deterministic_algorithms(True, warn_only=True)
+        torch.backends.cudnn.benchmark = False
+
+
+class Recipe:
+    """``setup() -> train() -> cleanup()``; see the module docstring.
+
+    Args:
+        train_cfg: the ``train:`` section (or ``drafter_train:``).
+        model_cfg: the student (or drafter) architecture.
+        shapes: enumerated shapes and production mix (drives the Dirichlet shape sampler).
+        tokenizer: ``PreTrainedTokenizerFast`` of the run.
+        train_items, eval_items: dataset items.
+        out_dir: where checkpoints, the log, the model and the QAT probe go.
+        kd_records: offline KD records by item id (``teacher_mode: offline``).
+        teacher: a callable ``input_ids (B, T) -> logits (B, T, V)`` (``teacher_mode: online``).
+        device: ``cpu``/``cuda``/``auto``.
+        max_steps: stop early after this many steps (tests, time-boxed runs); the schedule still
+            follows ``train_cfg.steps``.
+        progress: show a ``rich`` progress bar (rank 0).
+    """
+
+    def __init__(
+        self,
+        train_cfg: TrainConfig,
+        model_cfg: ModelConfig,
+        shapes: ShapesConfig,
+        tokenizer: Any,
+        train_items: list[dict[str, Any]],
+        eval_items: list[dict[str, Any]],
+        out_dir: str | Path,
+        kd_records: dict[str, dict[str, Any]] | None = None,
+        teacher: Any = None,
+        device: str = "auto",
+        max_steps: int | None = None,
+        progress: bool = True,
+        speed_prompts: int = 4,
+    ) -> None:
+        self.cfg, self.model_cfg, self.shapes = train_cfg, model_cfg, shapes
+        self.tokenizer, self.train_items, self.eval_items = tokenizer, train_items, eval_items
+        self.out_dir = Path(out_dir)
+        self.kd_records, self.teacher = kd_records, teacher
+        self.device = ("cuda" if torch.cuda.is_available() else "cpu") if device == "auto" else device
+        self.max_steps = max_steps
+        self.progress = progress
+        self.speed_prompts = speed_prompts
+        if train_cfg.teacher_mode == "offline" and kd_records is None and train_cfg.kd.weight > 0:
+            raise ValueError("teacher_mode 'offline' needs a KD set (kd_path); got none")
+        if train_cfg.teacher_mode == "online" and teacher is None and train_cfg.kd.weight > 0:
+            raise ValueError("teacher_mode 'online' needs a teacher; got none")
+
+    # ------------------------------------------------------------------ setup
+
+    def setup(self) -> None:
+        cfg = self.cfg
+        self.dist = init_distributed(self.device)
+        if self.device.startswith("cuda"):
+            self.device = f"cuda:{self.dist.local_rank}"
+            torch.cuda.set_device(self.device)
+        seed_everything(cfg.seed, cfg.deterministic, self.device)
+        tok = self.tokenizer
+        self.pad_id = tok.pad_token_id if tok.pad_token_id is not None else 0
+        self.assistant_id = tok.convert_tokens_to_ids("<|assistant|>")
+        self.end_id = tok.convert_tokens_to_ids("<|end|>")
+        early_n = cfg.early_tool.first_n_tokens if cfg.early_tool.weight > 0 else 0
+        kd = self.kd_records if cfg.teacher_mode == "offline" else None
+        self.rows = [
+            build_row(item, tok, self.shapes.lengths, (kd or {}).get(item["id"]), early_n) for item in self.train_items
+        ]
+        missing = sum(1 for item in self.train_items if kd is not None and item["id"] not in kd)
+        if kd is not None and missing == len(self.train_items):
+            raise ValueError("no training item has a KD record (ids of the KD set and the dataset differ)")
+        self.eval_rows = [build_row(item, tok, self.shapes.lengths) for item in self.eval_items]
+        per_step = self.dist.world * cfg.grad_accum
+        if cfg.batch_size % per_step:
+            raise ValueError(f"batch_size {cfg.batch_size} must be divisible by world_size*grad_accum = {per_step}")
+        # batch_at(step) is a pure function of (seed, step): the data position is the step itself
+        self.sampler = ShapeSampler([r.length for r in self.rows], self.shapes, cfg.batch_size, cfg.steps, cfg.seed)
+        self.model = Transformer(self.model_cfg).to(self.device)
+        self.optimizer = torch.optim.AdamW(
+            self.model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.95)
+        )
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda(cfg))
+        self.qat: QAT | None = None
+        self.qat_reference: Transformer | None = None
+        self.step = 0
+        self.log_path = self.out_dir / "train_log.jsonl"
+        self.ckpt_path = self.out_dir / CKPT_NAME
+        if self.ckpt_path.exists():
+            self._resume()
+        elif self.dist.main:
+            self.out_dir.mkdir(parents=True, exist_ok=True)
+            atomic_write_text(self.log_path, "")
+        self._wrap()
+
+    def _wrap(self) -> None:
+        """The module the training forward calls: QAT graph or model, under DDP/FSDP if distributed."""
+        module: Any = self.qat.graph if self.qat is not None else self.model
+        if self.dist.world > 1:
+            if self.cfg.fsdp:
+                from torch.distributed.fsdp import fully_shard
+
+                fully_shard(module)
+            else:
+                from torch.nn.parallel import DistributedDataParallel
+
+                ids = [self.dist.local_rank] if self.device != "cpu" else None
+                module = DistributedDataParallel(module, device_ids=ids)
+        self.forward_module = module
+
+    def _start_qat(self) -> None:
+        self.qat_reference = copy.deepcopy(self.model).eval()
+        self.qat = QAT(self.model, ema=self.cfg.qat.ema)
+
+    # ------------------------------------------------------------------ checkpoints
+
+    def _checkpoint(self) -> None:
+        if not self.dist.main:
+            return
+        state = {
+            "step": self.step,
+            "model": self.model.state_dict(),
+            "optimizer": self.optimizer.state_dict(),
+            "scheduler": self.scheduler.state_dict(),
+            "rng": rng_state(),
+            "qat": self.qat.state_dict() if self.qat is not None else None,
+            "qat_reference": self.qat_reference.state_dict() if self.qat_reference is not None else None,
+            "train_config": to_dict(self.cfg),
+            "model_config": to_dict(self.model_cfg),
+        }
+        save_checksummed(state, self.ckpt_path)
+
+    def _resume(self) -> None:
+        state = load_checksummed(self.ckpt_path, map_location=self.device)
+        if state["model_config"] != to_dict(self.model_cfg):
+            raise ValueError(f"{self.ckpt_path}: checkpoint was written for another model config")
+        self.model.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.scheduler.load_state_dict(state["scheduler"])
+        self.step = int(state["step"])
+        if state["qat"] is not None:
+            self.qat_reference = Transformer(self.model_cfg).to(self.device)
+            self.qat_reference.load_state_dict(state["qat_reference"])
+            self.qat_reference.eval()
+            self.qat = QAT(self.model, ema=self.cfg.qat.ema)
+            self.qat.load_state_dict(state["qat"])
+        set_rng_state(state["rng"])
+        if self.dist.main and self.log_path.exists():  # drop log lines of steps after the checkpoint
+            kept = [ln for ln in self.log_path.read_text().splitlines() if ln and json.loads(ln)["step"] <= self.step]
+            atomic_write_text(self.log_path, "".join(f"{ln}\n" for ln in kept))
+
+    # ------------------------------------------------------------------ losses
+
+    def _forward(self, input_ids: Tensor) -> Tensor:
+        amp = self.cfg.mixed_precision
+        dev = "cuda" if self.device.startswith("cuda") else "cpu"
+        if amp == "no" or (amp == "fp16" and dev == "cpu"):
+            return self.forward_module(input_ids)
+        dtype = torch.bfloat16 if amp == "bf16" else torch.float16
+        with torch.autocast(dev, dtype=dtype):
+            return self.forward_module(input_ids)
+
+    def _needs_length_penalty(self, logits: Tensor, batch: Batch) -> Tensor:
+        """Per row: the student's teacher-forced prediction misses required args/evidence."""
+        from distillgates.data.chat import parse_transcript
+
+        pred = logits.argmax(-1).cpu()  # (R, L)
+        out = torch.zeros(pred.shape[0], dtype=torch.bool)
+        for i, item in enumerate(batch.items):
+            turns: list[list[int]] = []
+            for t in batch.turn_mask[i].nonzero().flatten().tolist():
+                if batch.turn_start[i, t]:
+                    turns.append([])
+                turns[-1].append(int(pred[i, t]))
+            text = "".join("<|assistant|>" + self.tokenizer.decode(t) for t in turns)
+            calls, answer = parse_transcript(text)
+            out[i] = not losses.coverage_met(item, calls, answer)
+        return out
+
+    def compute_loss(self, batch: Batch, epoch: float) -> tuple[Tensor, dict[str, float]]:
+        """Weighted loss of one micro-batch and its logged components.
+
+        ``log_softmax`` over the vocabulary is computed once and shared by CE, process,
+        early-tool and the stop probability; KD at temperature T needs its own.
+        """
+        cfg = self.cfg
+        dev = self.device
+        input_ids = batch.input_ids.to(dev)
+        logits = self._forward(input_ids).float()  # (R, L, V)
+        log_probs = logits.log_softmax(-1)  # (R, L, V)
+        nll = losses.token_nll(log_probs, batch.targets.to(dev))  # (R, L)
+        comp: dict[str, Tensor] = {"ce": losses.masked_mean(nll, batch.ce_mask.to(dev))}
+        if cfg.process_weight > 0:
+            comp["process"] = losses.masked_mean(nll, batch.process_mask.to(dev))
+        if cfg.kd.weight > 0:
+            if cfg.teacher_mode == "online":
+                with torch.no_grad():
+                    t_logits = self.teacher(input_ids).float()  # (R, L, V)
+                mask = batch.ce_mask.to(dev)  # dense teacher on the same rows: every generated position
+                comp["kd"] = losses.kd_loss_dense(logits, t_logits, mask, cfg.kd.kind, cfg.kd.temperature)
+            elif batch.kd_ids is not None and batch.kd_logprobs is not None:
+                comp["kd"] = losses.kd_loss_topk(
+                    logits, batch.kd_ids.to(dev), batch.kd_logprobs.to(dev), batch.kd_mask.to(dev),
+                    cfg.kd.kind, cfg.kd.temperature,
+                )
+            else:
+                comp["kd"] = logits.sum() * 0.0  # no KD record in this batch
+        if cfg.length.weight > 0:
+            target_len, grad_mask = batch.teacher_len, None
+            if cfg.length.target == "evidence":
+                target_len, grad_mask = evidence_targets(batch)
+            if cfg.length.exempt_when_covered:
+                needs = self._needs_length_penalty(logits.detach(), batch)
+            else:
+                needs = torch.ones(batch.input_ids.shape[0], dtype=torch.bool)
+            comp["length"], expected_len = losses.length_loss(
+                losses.stop_probability(log_probs, [self.end_id]),
+                batch.turn_mask.to(dev),
+                batch.turn_start.to(dev),
+                target_len.to(dev),
+                needs.to(dev),
+                hinge=cfg.length.hinge,
+                max_new_tokens=cfg.length.max_new_tokens,
+                grad_mask=None if grad_mask is None else grad_mask.to(dev),
+            )
+        early_w = losses.ramp(cfg.early_tool.weight, epoch, cfg.early_tool.ramp_epochs)
+        if cfg.early_tool.weight > 0:
+            early_nll = losses.token_nll(log_probs, batch.early_targets.to(dev))  # (R, L)
+            comp["early_tool"] = losses.masked_mean(early_nll, batch.early_mask.to(dev) * batch.tool.to(dev)[:, None])
+        weights = {
+            "ce": cfg.ce_weight,
+            "process": cfg.process_weight,
+            "kd": cfg.kd.weight,
+            "length": cfg.length.weight,
+            "early_tool": early_w,
+        }
+        total, logged = losses.combine(comp, {k: v for k, v in weights.items() if k in comp})
+        logged["early_tool_weight"] = early_w
+        if cfg.length.weight > 0:
+            logged["expected_len"] = float(expected_len.mean())
+            logged["teacher_len"] = float(batch.teacher_len.mean())
+            logged["needs_length_penalty"] = float(needs.float().mean())
+        return total, logged
+
+    # ------------------------------------------------------------------ train
+
+    def _micro_batches(self, step: int) -> list[Batch]:
+        """This rank's micro-batches of global step ``step`` (rank r takes every world-th chunk)."""
+        indices = self.sampler.batch_at(step).indices
+        chunks = self.cfg.grad_accum * self.dist.world
+        size = len(indices) // chunks
+        mine = [indices[(a * self.dist.world + self.dist.rank) * size :][:size] for a in range(self.cfg.grad_accum)]
+        return [collate([self.rows[i] for i in idx], self.pad_id, self.assistant_id, self.end_id) for idx in mine]
+
+    def train(self) -> dict[str, Any]:
+        cfg = self.cfg
+        last = cfg.steps if self.max_steps is None else min(cfg.steps, self.max_steps)
+        qat_start = qat_start_step(cfg)
+        bar = _progress(self.progress and self.dist.main, last, self.step)
+        tokens, t0 = 0, time.perf_counter()
+        self.model.train()
+        while self.step < last:
+            if qat_start is not None and self.step >= qat_start and self.qat is None:
+                self._start_qat()
+                self._wrap()
+            epoch = self.step * cfg.batch_size / len(self.rows)
+            logged: dict[str, float] = {}
+            self.optimizer.zero_grad(set_to_none=True)
+            micro = self._micro_batches(self.step)
+            for j, batch in enumerate(micro):
+                sync = j == len(micro) - 1 or self.dist.world == 1
+                ctx = self.forward_module.no_sync() if not sync and hasattr(self.forward_module, "no_sync") else _null()
+                with ctx:
+                    loss, parts = self.compute_loss(batch, epoch)
+                    (loss / len(micro)).backward()
+                for k, v in parts.items():
+                    logged[k] = logged.get(k, 0.0) + v / len(micro)
+                tokens += batch.n_tokens
+            if not all(torch.isfinite(p.grad).all() for p in self.model.parameters() if p.grad is not None):
+                raise FloatingPointError(f"non-finite gradient at step {self.step}")
+            grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.clip_grad)
+            lr = self.scheduler.get_last_lr()[0]  # the LR this step uses
+            self.optimizer.step()
+            self.scheduler.step()
+            if self.qat is not None:
+                self.qat.step()
+            self.step += 1
+            if self.dist.world > 1:
+                logged = _all_reduce_mean(logged, self.device)
+            if self.dist.main:
+                record = {"step": self.step, "lr": lr, "grad_norm": float(grad_norm),
+                          "qat": self.qat is not None, "shape": micro[0].shape, **logged}
+                if self.step % cfg.log_every == 0 or self.step == last or self.step == 1:
+                    record["tokens_per_s"] = tokens / max(time.perf_counter() - t0, 1e-9)
+                with open(self.log_path, "a") as f:
+                    f.write(json.dumps(record) + "\n")
+                print(f"step {self.step} loss {logged['total']:.6f}", flush=True)
+            if bar is not None:
+                bar.update(1, loss=logged["total"])
+            if cfg.eval_every and self.step % cfg.eval_every == 0:
+                self.validate()
+            if cfg.ckpt_every and self.step % cfg.ckpt_every == 0:
+                self._checkpoint()
+        if bar is not None:
+            bar.close()
+        return {"steps": self.step, "tokens": tokens}
+
+    # ------------------------------------------------------------------ validation
+
+    @torch.no_grad()
+    def validate(self) -> dict[str, Any]:
+        """CE per enumerated shape on the eval rows and TTFT/TPS proxies (rank 0 writes the log)."""
+        model = self.model
+        was_training = model.training
+        model.eval()
+        by_shape: dict[str, list[float]] = {}
+        rows = self.eval_rows[:64]
+        for shape in sorted({r.shape for r in rows}):
+            group = [r for r in rows if r.shape == shape]
+            for b in range(0, len(group), 16):
+                batch = collate(group[b : b + 16], self.pad_id, self.assistant_id, self.end_id)
+                logits = model(batch.input_ids.to(self.device)).float()
+                ce = losses.ce_loss(logits, batch.targets.to(self.device), batch.ce_mask.to(self.device))
+                by_shape.setdefault(str(shape), []).append(float(ce))
+        result: dict[str, Any] = {
+            "step": self.step,
+            "val": {"ce_by_shape": {k: sum(v) / len(v) for k, v in by_shape.items()}},
+        }
+        if self.speed_prompts and self.eval_items and self.dist.main:
+            result["val"]["speed"] = self.speed_proxy()
+        model.train(was_training)
+        if self.dist.main:
+            with open(self.log_path, "a") as f:
+                f.write(json.dumps(result) + "\n")
+        return result
+
+    def speed_proxy(self) -> dict[str, Any]:
+        """TTFT/TPS of the PyTorch engine on a copy of the model (``export=False``, hardware key)."""
+        from distillgates.data.chat import render_prompt
+        from distillgates.hardware import detect_hardware, profile_key
+        from distillgates.runtime import TorchEngine
+        from distillgates.speed import measure_speed
+
+        engine = TorchEngine(copy.deepcopy(self.model).cpu())
+        prompts = [render_prompt(item) for item in self.eval_items[: self.speed_prompts]]
+        longest = max(len(self.tokenizer.encode(p, add_special_tokens=False)) for p in prompts)
+        budget = min(self.cfg.length.max_new_tokens, self.model_cfg.max_seq_len - longest - 1)  # fits the cache
+        speed_cfg = SpeedConfig(n_prompts=len(prompts), warmup=1, repeats=1, max_new_tokens=budget)
+        report = measure_speed(
+            engine, self.tokenizer, prompts, speed_cfg, model_config=self.model_cfg, export=False,
+            hardware_profile_key=profile_key(detect_hardware()), stop_ids=[self.end_id],
+        )
+        return {k: report[k] for k in ("backend", "export", "hardware_profile_key", "ttft_ms", "tps")}
+
+    # ------------------------------------------------------------------ cleanup
+
+    def cleanup(self) -> Path:
+        """Finalize QAT (+ probe), save the final model (config travels with weights)."""
+        final = self.model
+        extra: dict[str, Any] = {"train_config": to_dict(self.cfg), "steps": self.step}
+        if self.qat is not None and self.qat_reference is not None:
+            final, meta = self.qat.finalize()
+            extra["quantization"] = meta
+            if self.dist.main:
+                probe_rows, dev = (self.eval_rows or self.rows)[:16], self.device
+                batches = [
+                    collate(probe_rows[i : i + 8], self.pad_id, self.assistant_id, self.end_id).input_ids.to(dev)
+                    for i in range(0, len(probe_rows), 8)
+                ]
+                pre_post = probe(self.qat_reference, final, batches)  # model entering QAT vs int8 model leaving it
+                quant_only = probe(self.model, final, batches)  # same latent weights, float vs int8 grid
+                report = {**pre_post, "quantization_only": quant_only, "qat_start_step": qat_start_step(self.cfg),
+                          "steps": self.step}
+                atomic_write_json(self.out_dir / "qat_probe.json", report)
+        path = self.out_dir / "model.pt"
+        if self.dist.main:
+            save_model(path, final.cpu(), **extra)
+        if self.dist.world > 1 and dist.is_initialized():
+            dist.barrier()
+            dist.destroy_process_group()
+        return path
+
+
+def evidence_targets(batch: Batch) -> tuple[Tensor, Tensor]:
+    """Length target and stop-gradient mask of ``length.target: evidence``.
+
+    Target = assistant-turn positions up to the last required evidence token of the answer, plus
+    one for ``<|end|>`` (the shortest complete answer of the reference); only turn positions
+    after that evidence get stop gradient. Rows without answer evidence keep the teacher's
+    length and the full gradient.
+    """
+    pos = torch.arange(batch.input_ids.shape[1])[None]  # (1, L)
+    has = batch.evidence_end >= 0  # (R,)
+    upto = batch.turn_mask & (pos <= batch.evidence_end[:, None])  # (R, L)
+    target = torch.where(has, upto.float().sum(-1) + 1.0, batch.teacher_len)  # (R,)
+    grad_mask = torch.where(has[:, None], pos > batch.evidence_end[:, None], torch.ones_like(upto))  # (R, L)
+    return target, grad_mask
+
+
+class _null:
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc: object) -> None:
+        return None
+
+
+def _all_reduce_mean(values: dict[str, float], device: str) -> dict[str, float]:
+    keys = sorted(values)
+    t = torch.tensor([values[k] for k in keys], dtype=torch.float64, device=device)
+    dist.all_reduce(t)
+    t /= dist.get_world_size()
+    return dict(zip(keys, t.tolist(), strict=True))
+
+
+def _progress(enabled: bool, total: int, start: int) -> Any:
+    if not enabled:
+        return None
+    from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
+
+    progress = Progress(TextColumn("train"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
+                        TextColumn("loss {task.fields[loss]:.4f}"), TimeRemainingColumn(), transient=True)
+    task = progress.add_task("train", total=total, completed=start, loss=float("nan"))
+    progress.start()
+
+    class Bar:
+        def update(self, n: int, loss: float) -> None:
+            progress.update(task, advance=n, loss=loss)
+
+        def close(self) -> None:
+            progress.stop()
+
+    return Bar()
+
+
+# ---------------------------------------------------------------------- entry points
+
+
+def _load_items(path: Path) -> list[dict[str, Any]]:
+    from distillgates.data.dataset import read_dataset
+
+    return read_dataset(path)[1]
+
+
+def train_student(
+    cfg: Config,
+    role: str,
+    run_dir: str | Path,
+    kd_path: str | Path | None = None,
+    teacher: Any = None,
+    *,
+    tokenizer: Any = None,
+    train_items: list[dict[str, Any]] | None = None,
+    eval_items: list[dict[str, Any]] | None = None,
+    max_steps: int | None = None,
+    progress: bool = True,
+    device: str = "auto",
+) -> Path:
+    """Distill ``role`` ("student" or "drafter") into ``<run_dir>/<role>/model.pt``.
+
+    Reads the tokenizer and datasets from the run directory layout (``data/tokenizer``,
+    ``data/train.jsonl``, ``data/eval.jsonl``) unless given. ``kd_path`` is the offline KD
+    set (default ``<run_dir>/kd/kd.jsonl`` in offline mode); ``teacher`` (online mode) is a
+    ``LocalTeacher``/HF model/callable returning logits. Resumes from
+    ``<role>/checkpoint.pt`` when present.
+
+    Returns:
+        the path of the saved model.
+    """
+    if role not in ("student", "drafter"):
+        raise ValueError(f"role must be 'student' or 'drafter', got {role!r}")
+    model_cfg = getattr(cfg, role)
+    if model_cfg is None:
+        raise ValueError(f"config has no '{role}' section")
+    train_cfg = cfg.drafter_train if role == "drafter" and cfg.drafter_train is not None else cfg.train
+    run_dir = Path(run_dir)
+    if tokenizer is None:
+        from distillgates.tokenizer import load_tokenizer
+
+        tokenizer = load_tokenizer(run_dir / "data" / "tokenizer")
+    train_items = train_items if train_items is not None else _load_items(run_dir / "data" / "train.jsonl")
+    eval_items = eval_items if eval_items is not None else _load_items(run_dir / "data" / "eval.jsonl")
+    kd_records = None
+    if train_cfg.teacher_mode == "offline" and train_cfg.kd.weight > 0:
+        kd_records = read_kd_set(kd_path or run_dir / "kd" / "kd.jsonl")
+    teacher_fn = _teacher_fn(teacher) if teacher is not None else None
+    recipe = Recipe(
+        train_cfg, model_cfg, cfg.shapes, tokenizer, train_items, eval_items, run_dir / role,
+        kd_records=kd_records, teacher=teacher_fn, device=device, max_steps=max_steps, progress=progress,
+        speed_prompts=min(cfg.speed.n_prompts, 4),
+    )
+    recipe.setup()
+    recipe.train()
+    return recipe.cleanup()
+
+
+def _teacher_fn(teacher: Any) -> Any:
+    """``input_ids -> logits`` for a LocalTeacher (``.logits``), an HF model or a Transformer."""
+    if hasattr(teacher, "logits") and callable(teacher.logits):
+        return teacher.logits
+    if isinstance(teacher, Transformer):
+        return lambda ids: teacher.eval()(ids)
+    return lambda ids: teacher.eval()(input_ids=ids).logits
+
+
+def add_parser(subparsers: Any) -> argparse.ArgumentParser:
+    """``distillgates train CONFIG --run-dir DIR [--role student|drafter] [--kd PATH]``."""
+    p = subparsers.add_parser("train", help="distill the student (or drafter) from the KD set or a teacher")
+    p.add_argument("config", type=Path, help="pipeline YAML (e.g. configs/toy.yaml)")
+    p.add_argument("--run-dir", dest="run_dir", type=Path, required=True)
+    p.add_argument("--role", dest="role", choices=("student", "drafter"), default="student")
+    p.add_argument("--kd", dest="kd_path", type=Path, default=None, help="offline KD set (default run_dir/kd/kd.jsonl)")
+    p.add_argument("--teacher", dest="teacher", type=Path, default=None,
+                   help="online mode: local HF teacher directory (default run_dir/teacher)")
+    p.add_argument("--max-steps", dest="max_steps", type=int, default=None)
+    p.add_argument("--device", dest="device", default="auto")
+    p.add_argument("--no-progress", dest="progress", action="store_false")
+    p.set_defaults(func=run)
+    return p
+
+
+def run(args: argparse.Namespace) -> int:
+    cfg = load_config(args.config)
+    teacher = None
+    train_cfg = cfg.drafter_train if args.role == "drafter" and cfg.drafter_train is not None else cfg.train
+    if train_cfg.teacher_mode == "online":
+        from distillgates.teacher.local import LocalTeacher
+
+        teacher = LocalTeacher(args.teacher or args.run_dir / "teacher")
+    path = train_student(cfg, args.role, args.run_dir, kd_path=args.kd_path, teacher=teacher,
+                         max_steps=args.max_steps, progress=args.progress, device=args.device)
+    print(path)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m distillgates.train CONFIG --run-dir DIR`` (what ``torchrun`` launches)."""
+    parser = argparse.ArgumentParser(prog="distillgates-train")
+    sub = parser.add_subparsers(dest="command", required=True)
+    add_parser(sub)
+    args = parser.parse_args(["train", *(argv if argv is not None else __import__("sys").argv[1:])])
+    return int(args.func(args))
+
+
+__all__ = ["Recipe", "Row", "add_parser", "main", "run", "train_student"]

@@ -1,0 +1,264 @@
+"""Losses: KD agreement/scaling, length gradient direction, early-tool gating and ramp, coverage."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from distillgates import losses
+
+V = 11
+ASSISTANT, END, TOOL_CALL = 5, 8, 6
+
+
+def _logits(B: int = 2, T: int = 5, scale: float = 2.0, seed: int = 0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(B, T, V, generator=g) * scale
+
+
+@pytest.mark.parametrize("kind", losses.KD_KINDS)
+@pytest.mark.parametrize("temperature", [1.0, 2.0, 0.5])
+def test_topk_equals_dense_when_k_is_vocab(kind: str, temperature: float) -> None:
+    s, t = _logits(seed=1), _logits(seed=2)
+    mask = torch.ones(2, 5)
+    mask[1, 3:] = 0
+    dense = losses.kd_loss_dense(s, t, mask, kind, temperature)
+    t_logp = F.log_softmax(t, -1)
+    order = torch.randperm(V)  # top-k order does not matter
+    ids = order.expand(2, 5, V).contiguous()
+    sparse = losses.kd_loss_topk(s, ids, t_logp.gather(-1, ids), mask, kind, temperature)
+    torch.testing.assert_close(sparse, dense, atol=1e-5, rtol=1e-4)
+
+
+@given(k=st.integers(1, V - 1), seed=st.integers(0, 10_000))
+@settings(max_examples=25, deadline=None)
+def test_topk_kd_is_nonnegative_and_zero_at_match(k: int, seed: int) -> None:
+    t = _logits(seed=seed)
+    t_logp = F.log_softmax(t, -1)
+    vals, ids = t_logp.topk(k, -1)
+    mask = torch.ones(2, 5)
+    for kind in losses.KD_KINDS:
+        same = losses.kd_loss_topk(t, ids, vals, mask, kind)
+        other = losses.kd_loss_topk(_logits(seed=seed + 1), ids, vals, mask, kind)
+        assert abs(float(same)) < 1e-5, (kind, float(same))
+        assert float(other) > 0
+
+
+def test_topk_rest_bucket_penalises_mass_outside_topk() -> None:
+    """A student that matches the teacher's top-k *ratios* but moves the rest mass still pays."""
+    t_logp = torch.log(torch.tensor([0.5, 0.3, 0.2, 0.0 + 1e-12]))[None, None].expand(1, 1, 4)
+    ids = torch.tensor([[[0, 1]]])
+    vals = t_logp[..., :2]  # mass 0.8, rest 0.2
+    student_same_rest = torch.log(torch.tensor([0.5, 0.3, 0.1, 0.1]))[None, None]
+    student_no_rest = torch.log(torch.tensor([0.625, 0.375, 1e-9, 1e-9]))[None, None]  # same ratio, no rest
+    mask = torch.ones(1, 1)
+    good = losses.kd_loss_topk(student_same_rest, ids, vals, mask)
+    bad = losses.kd_loss_topk(student_no_rest, ids, vals, mask)
+    assert float(good) < 1e-6 and float(bad) > 0.1
+
+
+def test_kd_temperature_squared_scaling() -> None:
+    s, t = _logits(seed=3), _logits(seed=4)
+    mask = torch.ones(2, 5)
+    T = 3.0
+    raw = (F.softmax(t / T, -1) * (F.log_softmax(t / T, -1) - F.log_softmax(s / T, -1))).sum(-1).mean()
+    torch.testing.assert_close(losses.kd_loss_dense(s, t, mask, "forward", T), raw * T * T)
+
+
+def test_kd_gradient_moves_student_toward_teacher() -> None:
+    s = _logits(seed=5).requires_grad_(True)
+    t = _logits(seed=6)
+    mask = torch.ones(2, 5)
+    for kind in losses.KD_KINDS:
+        loss = losses.kd_loss_dense(s, t, mask, kind, 2.0)
+        (grad,) = torch.autograd.grad(loss, s)
+        assert grad.abs().sum() > 0
+        after = losses.kd_loss_dense(s - 0.5 * grad, t, mask, kind, 2.0)
+        assert float(after.detach()) < float(loss.detach()), kind
+
+
+def test_masked_positions_get_no_gradient() -> None:
+    s = _logits().requires_grad_(True)
+    mask = torch.zeros(2, 5)
+    mask[0, 1] = 1
+    losses.kd_loss_dense(s, _logits(seed=9), mask).backward()
+    assert s.grad is not None and s.grad[1].abs().sum() == 0 and s.grad[0, 1].abs().sum() > 0
+    # nothing masked in: exactly zero, still differentiable
+    empty = losses.ce_loss(s, torch.zeros(2, 5, dtype=torch.long), torch.zeros(2, 5))
+    assert float(empty) == 0.0 and empty.requires_grad
+
+
+def test_process_loss_only_at_span_positions() -> None:
+    s = _logits().requires_grad_(True)
+    targets = torch.randint(0, V, (2, 5))
+    span = torch.zeros(2, 5)
+    span[0, 2:4] = 1
+    loss = losses.process_loss(s, targets, span)
+    expected = F.cross_entropy(s[0, 2:4], targets[0, 2:4])
+    torch.testing.assert_close(loss, expected)
+    loss.backward()
+    assert s.grad is not None and s.grad[:, [0, 1, 4]].abs().sum() == 0
+
+
+# --------------------------------------------------------------------------------------
+# length
+
+
+def test_turn_masks_find_assistant_turns() -> None:
+    # bos sys x end asst a b tool_call c end tool_result r end asst d end eos   (asst=5 end=8)
+    ids = torch.tensor([[0, 3, 20, 8, 5, 21, 22, 6, 23, 8, 7, 24, 8, 5, 25, 8, 1, 5, 26]])
+    mask, start = losses.turn_masks(ids, ASSISTANT, END)
+    assert mask[0].nonzero().flatten().tolist() == [4, 5, 6, 7, 8, 13, 14]  # last turn is unclosed
+    assert start[0].nonzero().flatten().tolist() == [4, 13]
+
+
+def test_expected_length_closed_form() -> None:
+    h, n, tail = 0.2, 6, 10.0
+    stop = torch.full((1, n), h)
+    mask = torch.ones(1, n, dtype=torch.bool)
+    start = torch.zeros(1, n, dtype=torch.bool)
+    start[0, 0] = True
+    got = losses.expected_length(stop, mask, start, torch.tensor([tail]))
+    want = sum((1 - h) ** t for t in range(n)) + (1 - h) ** n * tail
+    assert math.isclose(float(got), want, rel_tol=1e-5)
+    # two turns restart survival independently
+    start2 = start.clone()
+    start2[0, 3] = True
+    got2 = losses.expected_length(stop, mask, start2, torch.tensor([tail]))
+    want2 = 2 * (sum((1 - h) ** t for t in range(3)) + (1 - h) ** 3 * tail)
+    assert math.isclose(float(got2), want2, rel_tol=1e-5)
+
+
+def _length_case(needs: bool, teacher_len: float = 3.0) -> tuple[torch.Tensor, torch.Tensor]:
+    ids = torch.tensor([[3, 20, 8, 5, 21, 22, 23, 24, 25, 8]])  # one assistant turn of 6 positions
+    logits = torch.zeros(1, ids.shape[1], V, requires_grad=True)
+    mask, start = losses.turn_masks(ids, ASSISTANT, END)
+    stop = losses.stop_probability(logits.log_softmax(-1), [END])
+    loss, _ = losses.length_loss(
+        stop, mask, start, torch.tensor([teacher_len]), torch.tensor([needs]), hinge=0.15, max_new_tokens=32
+    )
+    return loss, logits
+
+
+def test_length_loss_gradient_raises_stop_probability() -> None:
+    loss, logits = _length_case(needs=True)
+    assert float(loss) > 0
+    (grad,) = torch.autograd.grad(loss, logits)
+    assert grad.abs().sum() > 0
+    stepped = (logits - 1.0 * grad).detach()
+    before = logits.detach().softmax(-1)[0, 3:9, END]
+    after = stepped.softmax(-1)[0, 3:9, END]
+    assert bool((after > before).all()), (before, after)  # every turn position now stops more often
+    loss_after, _ = losses.length_loss(
+        losses.stop_probability(stepped.log_softmax(-1), [END]),
+        *losses.turn_masks(torch.tensor([[3, 20, 8, 5, 21, 22, 23, 24, 25, 8]]), ASSISTANT, END),
+        torch.tensor([3.0]), torch.tensor([True]), hinge=0.15, max_new_tokens=32,
+    )
+    assert float(loss_after) < float(loss)
+
+
+def test_length_loss_exempt_when_coverage_met_or_within_hinge() -> None:
+    loss, logits = _length_case(needs=False)
+    assert float(loss) == 0.0
+    (grad,) = torch.autograd.grad(loss, logits)
+    assert grad.abs().sum() == 0
+    long_teacher, _ = _length_case(needs=True, teacher_len=200.0)  # student shorter than teacher
+    assert float(long_teacher) == 0.0
+
+
+def test_length_loss_grad_mask_keeps_stops_before_evidence_untouched() -> None:
+    ids = torch.tensor([[3, 20, 8, 5, 21, 22, 23, 24, 25, 8]])
+    logits = torch.zeros(1, ids.shape[1], V, requires_grad=True)
+    mask, start = losses.turn_masks(ids, ASSISTANT, END)
+    grad_mask = torch.arange(ids.shape[1])[None] > 5  # evidence ends at position 5
+    loss, _ = losses.length_loss(losses.stop_probability(logits.log_softmax(-1), [END]), mask, start,
+                                 torch.tensor([3.0]), torch.tensor([True]), hinge=0.0, grad_mask=grad_mask)
+    (grad,) = torch.autograd.grad(loss, logits)
+    assert grad[0, :6].abs().sum() == 0 and grad[0, 6:9].abs().sum() > 0
+
+
+# --------------------------------------------------------------------------------------
+# early tool call and coverage
+
+
+ITEM = {
+    "id": "t-1",
+    "kind": "single",
+    "locale": "en",
+    "tool_should_be_used": True,
+    "expected_calls": [{"name": "get_weather", "arguments": {"city": "Paris"}}],
+    "fixtures": [{"name": "get_weather", "arguments": {"city": "Paris"}, "result": {"temperature": 21}}],
+    "integration_fields": ["temperature"],
+}
+
+
+def _encode(text: str) -> list[int]:
+    return [ord(c) % V for c in text]
+
+
+def test_early_tool_target_prefers_valid_teacher_call_and_falls_back_to_json_prior() -> None:
+    teacher_ok = '<|tool_call|>{"name":"get_weather","arguments":{"city":"Berlin"}}<|end|>'
+    target = losses.early_tool_target(ITEM, teacher_ok, _encode, first_n=8)
+    assert target is not None and target.source == "teacher" and len(target.ids) == 8
+    bad_schema = '<|tool_call|>{"name":"get_weather","arguments":{"town":"Paris"}}<|end|>'
+    fallback = losses.early_tool_target(ITEM, bad_schema, _encode, first_n=200)
+    assert fallback is not None and fallback.source == "json_prior"
+    assert fallback.ids == _encode('<|tool_call|>{"name":"get_weather","arguments":{"city":"Paris"}}')
+    assert losses.early_tool_target({**ITEM, "tool_should_be_used": False}, teacher_ok, _encode, 8) is None
+
+
+def test_early_tool_loss_zero_when_not_needed_and_flows_when_needed() -> None:
+    logits = _logits().requires_grad_(True)
+    targets = torch.full((2, 5), TOOL_CALL)
+    mask = torch.zeros(2, 5)
+    mask[:, 1:4] = 1
+    off = losses.early_tool_loss(logits, targets, mask, torch.tensor([False, False]))
+    assert float(off) == 0.0
+    on = losses.early_tool_loss(logits, targets, mask, torch.tensor([True, False]))
+    (grad,) = torch.autograd.grad(on, logits)
+    assert float(on) > 0 and grad[1].abs().sum() == 0 and grad[0, 1:4].abs().sum() > 0
+    stepped = logits.detach() - grad
+    assert bool((stepped.softmax(-1)[0, 1:4, TOOL_CALL] > logits.detach().softmax(-1)[0, 1:4, TOOL_CALL]).all())
+
+
+def test_early_tool_positions_follow_the_rows_prefix() -> None:
+    prompt = [0, 3, 9, 5]  # ... <|assistant|>
+    target = [TOOL_CALL, 40, 41, 42]
+    direct = [*prompt, TOOL_CALL, 40, 41, 42, 8]  # the reference opens with the call
+    assert losses.early_tool_positions(direct, 4, target) == [(3, TOOL_CALL), (4, 40), (5, 41), (6, 42)]
+    preamble = [*prompt, 30, 31, TOOL_CALL, 40, 41, 42, 8]  # "Let me check." then the call
+    assert losses.early_tool_positions(preamble, 4, target) == [(3, TOOL_CALL)]  # only the decision to call now
+    other_city = [*prompt, TOOL_CALL, 40, 50, 42, 8]
+    assert losses.early_tool_positions(other_city, 4, target) == [(3, TOOL_CALL), (4, 40), (5, 41)]
+
+
+@pytest.mark.parametrize(("epoch", "expected"), [(0.0, 0.0), (0.5, 0.1), (1.0, 0.2), (3.0, 0.2)])
+def test_ramp(epoch: float, expected: float) -> None:
+    assert math.isclose(losses.ramp(0.2, epoch, 1.0), expected)
+    assert losses.ramp(0.2, 0.0, 0.0) == 0.2
+
+
+def test_coverage_met_uses_scorer_and_validator() -> None:
+    good = {"name": "get_weather", "arguments": {"city": "paris"}}
+    assert losses.coverage_met(ITEM, [good], "It is 21 degrees.")
+    assert not losses.coverage_met(ITEM, [good], "It is warm.")  # evidence missing
+    assert not losses.coverage_met(ITEM, [{"name": "get_weather", "arguments": {}}], "21")  # required arg missing
+    assert not losses.coverage_met(ITEM, [None], "21")
+    assert not losses.coverage_met(ITEM, [], "21")
+    assert losses.coverage_met({"expected_calls": [], "integration_fields": []}, [], "hello")
+
+
+def test_combine_weights_and_components() -> None:
+    a = torch.tensor(2.0, requires_grad=True)
+    b = torch.tensor(3.0, requires_grad=True)
+    total, logged = losses.combine({"kd": a, "ce": b}, {"kd": 1.0, "ce": 0.5})
+    assert float(total) == 3.5 and logged == {"kd": 2.0, "ce": 3.0, "total": 3.5}
+    total.backward()
+    assert float(a.grad) == 1.0 and float(b.grad) == 0.5
+    with pytest.raises(ValueError, match="unknown"):
+        losses.combine({"kd": a}, {"nope": 1.0})

@@ -1,0 +1,32 @@
+"""Subprocess entry for trainer tests: ``python run_tiny.py ROOT OUT [json overrides]``.
+
+Run directly (one process) or under ``torchrun`` (DDP); artefacts in ROOT must already exist
+(the test fixture builds them). Prints ``step N loss X`` lines (rank 0) as it trains.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+torch.set_num_threads(1)
+
+from conftest import build_artifacts, tiny_config  # noqa: E402 - this directory is sys.path[0]
+
+from distillgates.train import train_student  # noqa: E402
+
+
+def main() -> None:
+    root, out = Path(sys.argv[1]), Path(sys.argv[2])
+    overrides = json.loads(sys.argv[3]) if len(sys.argv) > 3 else {}
+    art = build_artifacts(root)
+    cfg = tiny_config(len(art["tokenizer"]), **overrides)
+    train_student(cfg, "student", out, kd_path=art["kd_path"], tokenizer=art["tokenizer"],
+                  train_items=art["train"], eval_items=art["eval"], progress=False, device="cpu")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,200 @@
+"""The training recipe on tiny real toy data: learning, QAT, resume after SIGKILL, torchrun DDP."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from distillgates.io import load_checksummed
+from distillgates.model import Transformer, load_model
+from distillgates.teacher.kd import KDSetError
+from distillgates.train import Recipe, train_student
+from distillgates.train.data import read_kd_set
+
+RUN_TINY = Path(__file__).parent / "run_tiny.py"
+
+
+def _recipe(art: dict[str, Any], out: Path, **train: Any) -> Recipe:
+    cfg = art["make_config"](len(art["tokenizer"]), **train)
+    return Recipe(
+        cfg.train, cfg.student, cfg.shapes, art["tokenizer"], art["train"], art["eval"], out,
+        kd_records=read_kd_set(art["kd_path"]), device="cpu", progress=False, speed_prompts=0,
+    )
+
+
+def _log(path: Path) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in path.read_text().splitlines() if line]
+
+
+def test_training_lowers_validation_loss(artifacts: dict[str, Any], tmp_path: Path) -> None:
+    torch.set_num_threads(1)
+    recipe = _recipe(artifacts, tmp_path, steps=12, lr=1e-2)
+    recipe.setup()
+    before = recipe.validate()["val"]["ce_by_shape"]
+    recipe.train()
+    after = recipe.validate()["val"]["ce_by_shape"]
+    for shape in before:
+        assert after[shape] < before[shape] - 0.3, (before, after)
+    steps = [r for r in _log(tmp_path / "train_log.jsonl") if "total" in r]
+    assert [r["step"] for r in steps] == list(range(1, 13))
+    assert all(r["kd"] > 0 and r["ce"] > 0 for r in steps)
+    assert any(r["early_tool"] > 0 for r in steps) and steps[0]["early_tool_weight"] == 0.0
+
+
+def test_early_tool_loss_makes_tool_call_first(artifacts: dict[str, Any], tmp_path: Path) -> None:
+    """With the early-tool loss, ``<|tool_call|>`` right after ``<|assistant|>`` gets likelier on
+    verbose tool items (whose references start with a preamble) than with the same run without it."""
+    torch.set_num_threads(1)
+    from distillgates.data.chat import render_prompt
+
+    tok = artifacts["tokenizer"]
+    call_id = tok.convert_tokens_to_ids("<|tool_call|>")
+    verbose = [i for i in artifacts["train"] if i["tool_should_be_used"] and not i["reference"].startswith("<|tool")]
+    assert verbose, "toy data has verbose tool items"
+    probs = {}
+    for weight in (0.0, 1.0):
+        recipe = _recipe(artifacts, tmp_path / str(weight), steps=12, lr=1e-2,
+                         early_tool={"weight": weight, "ramp_epochs": 0.0, "first_n_tokens": 8})
+        recipe.setup()
+        recipe.train()
+        model = recipe.model.eval()
+        p = []
+        for item in verbose:
+            ids = torch.tensor([tok.encode(render_prompt(item), add_special_tokens=False)])
+            p.append(float(model(ids)[0, -1].softmax(-1)[call_id]))
+        probs[weight] = sum(p) / len(p)
+    assert probs[1.0] > 2 * probs[0.0], probs
+
+
+# "evidence" may only cut what follows the last evidence value, so it shortens less
+@pytest.mark.parametrize(("target", "hinge", "max_ratio"), [("teacher", -0.5, 0.8), ("evidence", 0.0, 0.9)])
+def test_length_loss_shortens_expected_length(
+    artifacts: dict[str, Any], tmp_path: Path, target: str, hinge: float, max_ratio: float
+) -> None:
+    """The length term lowers the student's expected output length vs the same run without it."""
+    torch.set_num_threads(1)
+    lengths = {}
+    for weight in (0.0, 2.0):
+        recipe = _recipe(artifacts, tmp_path / str(weight), steps=10, lr=1e-2,
+                         length={"weight": weight, "hinge": hinge, "exempt_when_covered": False, "target": target})
+        recipe.setup()
+        recipe.train()
+        recipe.cfg.length.weight = 1.0  # measure the expected length the same way for both runs
+        batch = recipe._micro_batches(0)[0]
+        with torch.no_grad():
+            _, parts = recipe.compute_loss(batch, epoch=1.0)
+        lengths[weight] = parts["expected_len"]
+    assert lengths[2.0] < max_ratio * lengths[0.0], lengths
+
+
+def test_qat_writes_probe_and_int8_grid_weights(artifacts: dict[str, Any], tmp_path: Path) -> None:
+    torch.set_num_threads(1)
+    cfg = artifacts["make_config"](len(artifacts["tokenizer"]), steps=6, qat={"enabled": True, "start_fraction": 0.5,
+                                                                  "lr_scale": 0.1, "ema": 0.5})
+    path = train_student(cfg, "student", tmp_path, kd_path=artifacts["kd_path"], tokenizer=artifacts["tokenizer"],
+                         train_items=artifacts["train"], eval_items=artifacts["eval"], progress=False, device="cpu")
+    probe = json.loads((tmp_path / "student" / "qat_probe.json").read_text())
+    assert probe["has_nan"] is False
+    assert set(probe["probe_cosine"]) == {f"layers.{i}.{p}" for i in range(2) for p in ("attn", "mlp")}
+    assert probe["probe_cosine_min"] > 0.99 and probe["quantization_only"]["probe_cosine_min"] > 0.999
+    payload = load_checksummed(path)
+    model = load_model(path)
+    scales = payload["quantization"]["modules"]
+    assert "layers.0.attn.q_proj" in scales and "lm_head" in scales
+    for name, entry in scales.items():
+        w = model.get_submodule(name).weight.detach()
+        q = w / torch.tensor(entry["scale"])[:, None]
+        assert torch.allclose(q, q.round(), atol=1e-3), name  # weights sit on the int8 grid
+        assert q.abs().max() <= 128
+    log = [r for r in _log(tmp_path / "student" / "train_log.jsonl") if "total" in r]
+    assert [r["qat"] for r in log] == [False, False, False, True, True, True]
+    assert log[3]["lr"] < 0.2 * log[2]["lr"]
+
+
+def test_online_teacher_and_bf16_autocast(artifacts: dict[str, Any], tmp_path: Path) -> None:
+    torch.set_num_threads(1)
+    cfg = artifacts["make_config"](len(artifacts["tokenizer"]), steps=3, teacher_mode="online", mixed_precision="bf16")
+    teacher = Transformer(cfg.student).eval()
+    path = train_student(cfg, "student", tmp_path, teacher=teacher, tokenizer=artifacts["tokenizer"],
+                         train_items=artifacts["train"], eval_items=artifacts["eval"], progress=False, device="cpu")
+    assert isinstance(load_model(path), Transformer)
+    log = [r for r in _log(tmp_path / "student" / "train_log.jsonl") if "total" in r]
+    assert len(log) == 3 and all(r["kd"] > 0 for r in log)
+
+
+def test_bad_kd_record_names_file_line_field(artifacts: dict[str, Any], tmp_path: Path) -> None:
+    lines = artifacts["kd_path"].read_text().splitlines()
+    record = json.loads(lines[2])
+    record["topk_ids"] = record["topk_ids"][:-1]
+    path = tmp_path / "kd.jsonl"
+    path.write_text("\n".join([lines[0], lines[1], json.dumps(record), *lines[3:]]) + "\n")
+    with pytest.raises(KDSetError, match=r"kd.jsonl:3: topk_ids"):
+        read_kd_set(path)
+
+
+def _run(args: list[str], **kw: Any) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    return subprocess.run(args, capture_output=True, text=True, env=env, timeout=300, check=False, **kw)
+
+
+def test_resume_after_sigkill_is_bit_exact(artifacts: dict[str, Any], tmp_path: Path) -> None:
+    overrides = json.dumps({"steps": 8, "ckpt_every": 3, "qat": {"enabled": True, "start_fraction": 0.5, "ema": 0.5}})
+    root = str(artifacts["root"])
+    full = _run([sys.executable, str(RUN_TINY), root, str(tmp_path / "full"), overrides])
+    assert full.returncode == 0, full.stderr[-3000:]
+    # killed run: SIGKILL as soon as step 5 is done (checkpoint of step 3 exists, step 6 not yet)
+    out = tmp_path / "killed"
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen([sys.executable, str(RUN_TINY), root, str(out), overrides], stdout=subprocess.PIPE,
+                            stderr=subprocess.DEVNULL, text=True, env=env)
+    assert proc.stdout is not None
+    for line in proc.stdout:
+        if line.startswith("step 5 "):
+            os.kill(proc.pid, signal.SIGKILL)
+            break
+    proc.wait(timeout=60)
+    assert proc.returncode == -signal.SIGKILL
+    assert load_checksummed(out / "student" / "checkpoint.pt")["step"] == 3
+    assert not (out / "student" / "model.pt").exists()
+    resumed = _run([sys.executable, str(RUN_TINY), root, str(out), overrides])
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert resumed.stdout.splitlines()[0].startswith("step 4 ")
+    a = load_checksummed(tmp_path / "full" / "student" / "model.pt")["state_dict"]
+    b = load_checksummed(out / "student" / "model.pt")["state_dict"]
+    assert a.keys() == b.keys()
+    for k in a:
+        assert torch.equal(a[k], b[k]), k
+    full_log = [r for r in _log(tmp_path / "full" / "student" / "train_log.jsonl") if "total" in r]
+    res_log = [r for r in _log(out / "student" / "train_log.jsonl") if "total" in r]
+    assert [r["step"] for r in res_log] == list(range(1, 9))  # no gaps, no duplicates
+    assert [r["total"] for r in res_log] == [r["total"] for r in full_log]
+
+
+@pytest.mark.skipif(shutil.which("torchrun") is None and not (Path(sys.executable).parent / "torchrun").exists(),
+                    reason="torchrun not installed")
+def test_torchrun_two_processes_match_one(artifacts: dict[str, Any], tmp_path: Path) -> None:
+    """2 ranks x 2 rows == 1 process with 2 accumulation steps of 2 rows (same global batch of 4)."""
+    root = str(artifacts["root"])
+    torchrun = str(Path(sys.executable).parent / "torchrun")
+    one = _run([sys.executable, str(RUN_TINY), root, str(tmp_path / "one"), json.dumps({"steps": 4, "grad_accum": 2})])
+    assert one.returncode == 0, one.stderr[-3000:]
+    two = _run([torchrun, "--standalone", "--nproc_per_node=2", str(RUN_TINY), root, str(tmp_path / "two"),
+                json.dumps({"steps": 4, "grad_accum": 1})])
+    assert two.returncode == 0, two.stderr[-3000:]
+    l1 = [r["total"] for r in _log(tmp_path / "one" / "student" / "train_log.jsonl") if "total" in r]
+    l2 = [r["total"] for r in _log(tmp_path / "two" / "student" / "train_log.jsonl") if "total" in r]
+    assert len(l1) == len(l2) == 4
+    torch.testing.assert_close(torch.tensor(l2), torch.tensor(l1), rtol=1e-4, atol=1e-5)
+    m1 = load_model(tmp_path / "one" / "student" / "model.pt").state_dict()
+    m2 = load_model(tmp_path / "two" / "student" / "model.pt").state_dict()
+    for k in m1:
+        torch.testing.assert_close(m2[k], m1[k], rtol=1e-3, atol=1e-5)
