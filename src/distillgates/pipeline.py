@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -34,6 +35,8 @@ class Step:
     sections: tuple[str, ...]  # config sections whose values change the step's output
     depends: tuple[str, ...]
     run: Callable[[Config, Path], dict[str, Any]]  # returns a small JSON summary
+    out: str | None = None  # the step's own folder in the run dir (cleared when its inputs change)
+    resumable: bool = False  # an interrupted run of the same inputs continues from its checkpoint
 
 
 class Pipeline:
@@ -62,6 +65,7 @@ class Pipeline:
             console.print(f"[dim]✓ {step.name}: cached ({self.manifest[step.name]['seconds']:.1f}s before)[/dim]")
             return self.manifest[step.name]["summary"]
         console.rule(f"[bold]{step.name}[/bold] — {step.help}")
+        self._prepare_output(step, force)
         started = time.perf_counter()
         summary = step.run(self.cfg, self.run_dir)
         seconds = time.perf_counter() - started
@@ -74,6 +78,18 @@ class Pipeline:
         atomic_write_json(self.manifest_path, self.manifest)
         console.print(f"[green]✓ {step.name}[/green] in {seconds:.1f}s")
         return summary
+
+    def _prepare_output(self, step: Step, force: bool) -> None:
+        """Keep a resumable step's folder only when the interrupted attempt had the same inputs."""
+        if step.out is None:
+            return
+        fingerprint = self.fingerprint(step)
+        started = self.manifest.get("_started", {}).get(step.name)
+        out = self.run_dir / step.out
+        if out.exists() and (force or not step.resumable or started != fingerprint):
+            shutil.rmtree(out)
+        self.manifest.setdefault("_started", {})[step.name] = fingerprint
+        atomic_write_json(self.manifest_path, self.manifest)
 
     def run(self, names: list[str] | None = None) -> dict[str, Any]:
         for step in STEPS:
@@ -118,6 +134,66 @@ def step_data(cfg: Config, run_dir: Path) -> dict[str, Any]:
     }
 
 
+def _train_items(run_dir: Path) -> list[dict[str, Any]]:
+    from distillgates.data.dataset import read_dataset
+
+    return read_dataset(run_dir / "data" / "train.jsonl")[1]
+
+
+def _teacher(cfg: Config, run_dir: Path) -> Any:
+    """The local teacher: ``teacher.path`` when given, else the toy teacher this run trained."""
+    from distillgates.teacher.local import LocalTeacher
+
+    assert cfg.teacher is not None
+    return LocalTeacher(cfg.teacher.path or run_dir / "teacher")
+
+
+def step_teacher(cfg: Config, run_dir: Path) -> dict[str, Any]:
+    if cfg.teacher is None:
+        raise ValueError("config has no teacher section")
+    if cfg.teacher.kind == "openai":
+        return {"kind": "openai", "base_url": cfg.teacher.base_url, "model": cfg.teacher.model_name}
+    if cfg.teacher.path:  # a given AutoModelForCausalLM directory: nothing to train
+        return {"kind": "local", "path": cfg.teacher.path}
+    from distillgates.teacher.toy import build_toy_teacher
+
+    report = build_toy_teacher(cfg, _tokenizer(run_dir), _train_items(run_dir), _eval_items(run_dir),
+                               run_dir / "teacher")
+    return {key: report[key] for key in ("tool_selection", "json_validity", "n") if key in report}
+
+
+def step_kd(cfg: Config, run_dir: Path) -> dict[str, Any]:
+    from distillgates.teacher.kd import build_kd_set
+
+    assert cfg.teacher is not None
+    if cfg.teacher.kind == "openai":
+        from distillgates.teacher.http import HTTPTeacher
+
+        teacher: Any = HTTPTeacher(cfg.teacher, _tokenizer(run_dir))
+    else:
+        teacher = _teacher(cfg, run_dir)
+    out = run_dir / "kd" / "kd.jsonl"
+    # resume is safe: the builder refuses a checkpoint of another build (different teacher/items)
+    result = build_kd_set(cfg, teacher, _train_items(run_dir), out, resume=True, cache_dir=run_dir / "kd" / "cache")
+    if not result.complete:
+        raise RuntimeError(f"KD set incomplete: {result.message}")
+    return {"records": result.n_done, "tokens": result.spent_tokens, "status": result.status}
+
+
+def _train(role: str) -> Callable[[Config, Path], dict[str, Any]]:
+    def step(cfg: Config, run_dir: Path) -> dict[str, Any]:
+        from distillgates.train import train_student
+
+        path = train_student(cfg, role, run_dir, kd_path=run_dir / "kd" / "kd.jsonl")
+        summary: dict[str, Any] = {"model": str(path)}
+        probe = run_dir / role / "qat_probe.json"
+        if probe.exists():
+            summary["qat_probe_cosine_min"] = json.loads(probe.read_text()).get("probe_cosine_min")
+        return summary
+
+    return step
+
+
 def _tokenizer(run_dir: Path) -> Any:
     from distillgates.tokenizer import load_tokenizer
 
@@ -159,15 +235,13 @@ def step_eval(cfg: Config, run_dir: Path) -> dict[str, Any]:
     from distillgates.eval.evaluate import sharded_determinism
     from distillgates.model import from_hf, load_model
     from distillgates.runtime import TorchEngine
-    from distillgates.teacher.local import load_teacher_model
-
     tokenizer, items = _tokenizer(run_dir), _eval_items(run_dir)
     eval_sha = dataset_sha256(run_dir / "data" / "eval.jsonl")
     quality = {}
     for role, model in (
         ("student", load_model(run_dir / "student" / "model.pt")),
         # the teacher runs through the same engine and runner (identical weights via from_hf)
-        ("teacher", from_hf(load_teacher_model(run_dir / "teacher"))),
+        ("teacher", from_hf(_teacher(cfg, run_dir).model)),
     ):
         quality[role] = evaluate(
             TorchEngine(model.eval()), items, tokenizer, lengths=cfg.shapes.lengths, dataset_sha256=eval_sha
@@ -210,9 +284,18 @@ def step_report(cfg: Config, run_dir: Path) -> dict[str, Any]:
 
 
 STEPS: list[Step] = [
-    Step("data", "generate the toy dataset and train the tokenizer", ("data", "tokenizer", "shapes"), (), step_data),
+    Step("data", "generate the toy dataset and train the tokenizer", ("data", "tokenizer", "shapes"), (), step_data,
+         "data"),
+    Step("teacher", "train the toy teacher (LlamaForCausalLM) and check it solves the task", ("teacher",),
+         ("data",), step_teacher, "teacher"),
+    Step("kd", "query the teacher for every training prompt and write the KD set", ("teacher",),
+         ("data", "teacher"), step_kd, "kd", resumable=True),
+    Step("student", "distill the student (KD + latency-aware losses, enumerated shapes, late QAT)",
+         ("student", "train", "shapes"), ("data", "kd"), _train("student"), "student", resumable=True),
+    Step("drafter", "distill the drafter for speculative decoding", ("drafter", "drafter_train", "train", "shapes"),
+         ("data", "kd"), _train("drafter"), "drafter", resumable=True),
     Step("export", "export the student to Core ML (prefill + stateful decode), lint, parity",
-         ("export", "shapes", "gates"), ("student",), step_export),
+         ("export", "shapes", "gates"), ("student",), step_export, "export"),
     Step("speed", "measure TTFT/TPS/TTFA, prompt cache and speculative decoding", ("speed",),
          ("student", "drafter"), step_speed),
     Step("eval", "evaluate student and teacher on held-out items; sharded determinism", ("shapes",),
