@@ -1,0 +1,149 @@
+"""Shared fixtures of the acceptance gates: thresholds, enumerated shapes, the run report, speed probes.
+
+The plugin (``pytest_distillgates``) provides ``gate``, ``pipeline_run``, ``hardware_profile``
+and ``baseline_store``; this file adds what is specific to the gate checklist.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from distillgates.config import GatesConfig, SpeedConfig, load_config
+from distillgates.gates import BaselineEntry
+from distillgates.gates.session import RunArtifacts
+from distillgates.io import sha256_file
+
+GATES_CONFIG = Path("configs/gates.yaml")  # thresholds (a `gates:` section); defaults when absent
+TOY_CONFIG = Path("configs/toy.yaml")
+
+
+def _shapes(config: pytest.Config) -> list[str]:
+    """Enumerated shapes to parametrize over: the run's shape slices, else the toy config's lengths."""
+    run_dir = config.getoption("dg_run_dir")
+    if run_dir is not None:
+        return sorted(RunArtifacts(run_dir).get("quality.student.slices.shape"), key=int)
+    return [str(n) for n in load_config(Path(config.rootpath) / TOY_CONFIG).shapes.lengths]
+
+
+def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
+    if "shape" in metafunc.fixturenames:
+        metafunc.parametrize("shape", _shapes(metafunc.config))
+
+
+@pytest.fixture(scope="session")
+def thresholds(pytestconfig: pytest.Config) -> GatesConfig:
+    path = Path(pytestconfig.rootpath) / GATES_CONFIG
+    return load_config(path).gates if path.exists() else GatesConfig()
+
+
+@pytest.fixture(scope="session")
+def report(pipeline_run: RunArtifacts) -> RunArtifacts:
+    return pipeline_run
+
+
+@pytest.fixture(scope="session")
+def student(report: RunArtifacts) -> dict[str, Any]:
+    return report.get("quality.student")
+
+
+@pytest.fixture(scope="session")
+def teacher(report: RunArtifacts) -> dict[str, Any]:
+    return report.get("quality.teacher")
+
+
+# -- speed ---------------------------------------------------------------------------------
+
+SpeedMeasure = Callable[[str], Callable[[int], list[float]]]  # metric -> (n -> n samples)
+
+
+def _speed_probe(run: RunArtifacts, model_path: Path, coreml: bool = False) -> SpeedMeasure:
+    """Live samples from the speed harness on ``model_path``: PyTorch engine, or the run's Core ML export."""
+    import torch
+
+    from distillgates.data.chat import render_prompt
+    from distillgates.data.dataset import read_dataset
+    from distillgates.model import load_model
+    from distillgates.runtime import TorchEngine
+    from distillgates.speed import measure_speed
+    from distillgates.tokenizer import END, EOS, load_tokenizer
+
+    torch.set_num_threads(1)  # shared CI cores: one thread gives the least noisy samples
+    tokenizer = load_tokenizer(run.file("data/tokenizer"))
+    _, items = read_dataset(run.file("data/eval.jsonl"))
+    prompts = [render_prompt(item) for item in items[:8]]
+    model = load_model(model_path)
+    if coreml:  # macOS only: MLModel.predict cannot run elsewhere
+        from distillgates.runtime.coreml_engine import CoreMLEngine
+
+        engine: Any = CoreMLEngine.from_export_dir(run.file("export"))
+    else:
+        engine = TorchEngine(model)
+    backend = "coreml" if coreml else "torch"
+    stop_ids = [tokenizer.convert_tokens_to_ids(t) for t in (END, EOS)]
+
+    def for_metric(metric: str) -> Callable[[int], list[float]]:
+        def measure(n: int) -> list[float]:
+            samples: list[float] = []
+            while len(samples) < n:
+                repeats = math.ceil((n - len(samples)) / len(prompts))
+                cfg = SpeedConfig(n_prompts=len(prompts), warmup=1, repeats=repeats, max_new_tokens=32)
+                result = measure_speed(engine, tokenizer, prompts, cfg, model_config=model.config, stop_ids=stop_ids,
+                                       backend=backend)
+                if not result[metric]["samples"]:
+                    raise RuntimeError(f"speed harness returned no {metric} samples for {model_path}")
+                samples += result[metric]["samples"]
+            return samples[:n]
+
+        return measure
+
+    return for_metric
+
+
+@pytest.fixture(scope="session")
+def speed_measure(report: RunArtifacts, gate_session: Any) -> SpeedMeasure:
+    """Measure the run's student live: the Core ML export on macOS, else the PyTorch engine.
+
+    Paired mode measures both arms with the PyTorch engine (the blessed reference is a
+    checkpoint), so the two arms always run on the same engine.
+    """
+    coreml = (sys.platform == "darwin" and (report.path / "export" / "contract.json").exists()
+              and not gate_session.options.speed.paired)
+    return _speed_probe(report, report.file("student/model.pt"), coreml=coreml)
+
+
+@pytest.fixture(scope="session")
+def speed_reference(report: RunArtifacts) -> Callable[[BaselineEntry], SpeedMeasure]:
+    """Paired mode: measure the blessed reference model (path + sha256 recorded at bless time)."""
+
+    def build(entry: BaselineEntry) -> SpeedMeasure:
+        ref = entry.provenance.get("reference_model") or {}
+        path = Path(ref.get("path", ""))
+        if not path.is_file() or sha256_file(path) != ref.get("sha256"):
+            raise AssertionError(f"paired mode: blessed reference model {ref or '<none>'} is missing or changed; "
+                                 "re-bless, or run without --speed-paired")
+        return _speed_probe(report, path)
+
+    return build
+
+
+@pytest.fixture(scope="session")
+def reference_model_provenance(report: RunArtifacts) -> dict[str, Any]:
+    """Recorded when blessing a speed gate so ``--speed-paired`` can re-measure the blessed model."""
+    path = (report.path / "student" / "model.pt").resolve()
+    if not path.is_file():
+        return {"reference_model": None}  # paired mode then refuses loudly (speed_reference)
+    return {"reference_model": {"path": str(path), "sha256": sha256_file(path)}}
+
+
+@pytest.fixture(scope="session")
+def eval_set_header(report: RunArtifacts) -> dict[str, Any]:
+    """The header line of the run's eval set (dataset version and fingerprints)."""
+    with report.file("data/eval.jsonl").open() as f:
+        return json.loads(f.readline())

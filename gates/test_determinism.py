@@ -1,0 +1,50 @@
+"""Determinism gates: sharded eval equals unsharded per example; fingerprints present and consistent."""
+
+from __future__ import annotations
+
+import pytest
+
+from distillgates.data.chat import prompt_wrapper_sha256
+from distillgates.data.registry import tool_registry_sha256
+from distillgates.eval.fingerprints import FINGERPRINT_KEYS
+
+SHARDING = [  # (gate_inputs.determinism key, expected, definition)
+    ("coverage", 1.0, "share of eval items present in the union of shards"),
+    ("duplicates", 0, "items scored by more than one shard"),
+    ("missing", 0, "items scored by no shard"),
+    ("mismatches", 0, "items whose sharded result differs from the unsharded run"),
+    ("sharded_equal", True, "sharded results equal unsharded per example"),
+]
+
+
+@pytest.mark.determinism
+@pytest.mark.parametrize(("key", "expected", "definition"), SHARDING, ids=[s[0] for s in SHARDING])
+def test_sharded_equals_unsharded(gate, report, key, expected, definition):
+    gate.equals(f"determinism.{key}", report.get(f"gate_inputs.determinism.{key}"), expected, definition)
+
+
+@pytest.mark.determinism
+def test_more_than_one_shard(gate, report):
+    gate.at_least("determinism.n_shards", report.get("gate_inputs.determinism.n_shards"), 2,
+                  "a sharded run must actually split the eval set")
+
+
+@pytest.mark.determinism
+@pytest.mark.parametrize("key", FINGERPRINT_KEYS)
+def test_fingerprint_present(gate, report, key):
+    value = report.get("header.fingerprints").get(key)
+    gate.equals(f"fingerprint.{key}.present", isinstance(value, str) and bool(value), True,
+                f"report header fingerprint {key} is a non-empty string (found {value!r})")
+
+
+CODE_FINGERPRINTS = {"tool_registry_sha256": tool_registry_sha256, "prompt_wrapper_sha256": prompt_wrapper_sha256}
+
+
+@pytest.mark.determinism
+@pytest.mark.parametrize("key", ["tokenizer_fingerprint", "tool_registry_sha256", "prompt_wrapper_sha256"])
+def test_fingerprint_matches_eval_set(gate, report, eval_set_header, key):
+    gate.equals(f"fingerprint.{key}.eval_set", report.get(f"header.fingerprints.{key}"), eval_set_header[key],
+                "report fingerprint equals the eval set header's (data/eval.jsonl)")
+    if key in CODE_FINGERPRINTS:
+        gate.equals(f"fingerprint.{key}.code", report.get(f"header.fingerprints.{key}"), CODE_FINGERPRINTS[key](),
+                    "report fingerprint equals the one of the code under test")

@@ -1,0 +1,29 @@
+"""Export gates: the exported program matches eager per shape; no int64 on attention; contract OK."""
+
+from __future__ import annotations
+
+import pytest
+
+
+@pytest.mark.export
+def test_export_cosine(gate, report, thresholds, shape):
+    cosine = report.get("gate_inputs.export.cosine_by_shape").get(shape, float("nan"))
+    gate.at_least(f"export.cosine[shape={shape}]", cosine, thresholds.export_cosine_min,
+                  "cosine(exported program logits, eager logits); NaN when the shape was not exported")
+
+
+@pytest.mark.export
+def test_no_int64_on_attention(gate, report):
+    gate.equals("export.int64_on_attention", report.get("gate_inputs.export.int64_on_attention"), [],
+                "int64 tensors on attention paths (the ANE has no int64)")
+
+
+@pytest.mark.export
+def test_lint_clean(gate, report):
+    gate.equals("export.lint_errors", report.get("gate_inputs.export.lint_errors"), [], "ANE lint errors")
+
+
+@pytest.mark.export
+def test_contract(gate, report):
+    gate.equals("export.contract_ok", report.get("gate_inputs.export.contract_ok"), True,
+                "export/contract.json matches the exported models (names, shapes, dtypes, states)")

@@ -1,0 +1,20 @@
+"""Latency-loss gates: the student answers shorter than the teacher and adds no false tool calls."""
+
+from __future__ import annotations
+
+import pytest
+
+
+@pytest.mark.latency_loss
+def test_median_tokens_out(gate, student, teacher, thresholds):
+    ratio = student["median_tokens_out"] / teacher["median_tokens_out"]
+    gate.at_most("median_tokens_out_ratio", ratio, thresholds.median_tokens_ratio_max,
+                 f"median tokens out, student / teacher ({student['median_tokens_out']} / "
+                 f"{teacher['median_tokens_out']})")
+
+
+@pytest.mark.latency_loss
+def test_no_new_false_tool_calls(gate, student, teacher):
+    gate.at_most("false_tool_calls_tool_absent", student["false_tool_calls_tool_absent"],
+                 teacher["false_tool_calls_tool_absent"],
+                 "tool calls on the tool-absent slice: student must not exceed the teacher")

@@ -1,0 +1,18 @@
+"""Privacy gates: no PII echoed; tool-absent controls and declines never call tools or integrate results."""
+
+from __future__ import annotations
+
+import pytest
+
+
+@pytest.mark.privacy
+def test_privacy_ok_rate(gate, student, thresholds):
+    gate.at_least("privacy_ok_rate", student["privacy_ok_rate"], thresholds.privacy_ok_rate_min,
+                  "share of outputs echoing none of the PII strings their prompt contained")
+
+
+@pytest.mark.privacy
+def test_controls_with_integration(gate, student, thresholds):
+    gate.at_most("controls_with_integration", student["controls_with_integration"],
+                 thresholds.controls_with_integration_max,
+                 "control/decline items with any tool call or integration span")

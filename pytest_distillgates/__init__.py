@@ -1,0 +1,1 @@
+"""pytest plugin of distillgates: gate options, markers, fixtures and reports (see plugin.py)."""

@@ -1,0 +1,203 @@
+"""distillgates pytest plugin: options, markers, fixtures, JUnit properties and the gate summary.
+
+Thin by design (pytest-benchmark / syrupy style): every hook and fixture is a few lines that
+delegate to :class:`distillgates.gates.session.GateSession` (kept in ``config.stash``) and the
+library core in :mod:`distillgates.gates`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import re
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from distillgates.gates.core import Gate, GateInconclusive, SpeedSettings
+from distillgates.gates.session import GateOptions, GateSession, RunArtifacts
+
+GATE_MARKERS = {
+    "quality": "quality gate: F1 lax, tool selection, JSON validity, fixture hit-rate thresholds",
+    "f1_drift": "F1 drift gate: ΔF1 lax/strict vs the blessed baseline",
+    "privacy": "privacy gate: no PII echoed; controls never call tools or integrate results",
+    "determinism": "determinism gate: sharded == unsharded eval; fingerprints present and equal",
+    "latency_loss": "latency-loss gate: student output length vs teacher; no new false tool calls",
+    "shape_drift": "shape-drift gate: F1 lax spread across enumerated shapes",
+    "qat_cosine": "QAT gate: probe cosine pre vs post QAT, no NaNs",
+    "export": "export gate: exported program vs eager cosine, no int64 on attention, contract",
+    "ane_residency": "ANE residency gate: estimated ANE share and drop vs baseline",
+    "coreml_parity": "Core ML parity gate: Core ML vs PyTorch logits per shape (macOS)",
+    "speed": "speed gate: TTFT/TPS regression vs same-profile baseline (runs only with -m speed)",
+    "prompt_cache": "prompt-cache gate: TTFT reduction with a cached prefix, hit rate",
+    "speculative": "speculative-decoding gate: identical output, speedup, acceptance",
+}
+OTHER_MARKERS = {
+    "requires_macos": "needs macOS (Core ML prediction, MLComputePlan, stateful models); skipped elsewhere",
+}
+SESSION_KEY = pytest.StashKey[GateSession]()
+DESELECTED_KEY = pytest.StashKey[int]()
+PROFILE_RE = re.compile(r"^[a-z0-9][a-z0-9._-]*$")
+
+
+def _profile_key(text: str) -> str:
+    if not PROFILE_RE.match(text):
+        raise argparse.ArgumentTypeError(f"invalid hardware profile key {text!r} (expected e.g. m1-max-64g)")
+    return text
+
+
+def _existing_dir(text: str) -> Path:
+    if not Path(text).is_dir():
+        raise argparse.ArgumentTypeError(f"run directory {text!r} does not exist")
+    return Path(text)
+
+
+def _int_at_least(minimum: int) -> Any:
+    def parse(text: str) -> int:
+        if not text.isdigit() or int(text) < minimum:
+            raise argparse.ArgumentTypeError(f"expected an integer >= {minimum}, got {text!r}")
+        return int(text)
+
+    return parse
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    group = parser.getgroup("distillgates", "distillgates gates (quality and speed gates with blessed baselines)")
+    group.addoption("--hw-profile", dest="dg_hw_profile", type=_profile_key, default=None, metavar="KEY",
+                    help="hardware profile to gate against (e.g. m1-max-64g); default: detected")
+    group.addoption("--bless", dest="dg_bless", action="store_true",
+                    help="measure and write baselines instead of comparing with them")
+    group.addoption("--allow-cross-hw", dest="dg_allow_cross_hw", action="store_true",
+                    help="accept baselines or measurements from another hardware profile")
+    group.addoption("--baselines-dir", dest="dg_baselines_dir", type=Path, default=Path("baselines"),
+                    metavar="DIR", help="blessed baselines folder (default: baselines/)")
+    group.addoption("--run-dir", dest="dg_run_dir", type=_existing_dir, default=None, metavar="DIR",
+                    help="pipeline run directory to gate (default: build configs/toy.yaml once, cached)")
+    group.addoption("--gate-report", dest="dg_gate_report", type=Path, default=None, metavar="PATH",
+                    help="write a JSON gate report here")
+    group.addoption("--gate-summary", dest="dg_gate_summary", type=Path, default=None, metavar="PATH",
+                    help="write a Markdown gate summary here (fits a CI job summary)")
+    group.addoption("--speed-samples", dest="dg_speed_samples", type=_int_at_least(5), default=20, metavar="N",
+                    help="speed samples per measurement round (default: 20)")
+    group.addoption("--speed-max-rounds", dest="dg_speed_max_rounds", type=_int_at_least(0), default=3,
+                    metavar="N", help="extra measurement rounds while a speed gate is inconclusive (default: 3)")
+    group.addoption("--speed-paired", dest="dg_speed_paired", action="store_true",
+                    help="measure the blessed reference and the candidate interleaved in this session")
+    group.addoption("--speed-inconclusive", dest="dg_speed_inconclusive", choices=("skip", "fail"),
+                    default="skip", help="what an inconclusive speed gate does (default: skip, with the reason)")
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    for name, doc in {**GATE_MARKERS, **OTHER_MARKERS}.items():
+        config.addinivalue_line("markers", f"{name}: {doc}")
+    opt = config.option
+    options = GateOptions(
+        hw_profile=opt.dg_hw_profile, bless=opt.dg_bless, allow_cross_hw=opt.dg_allow_cross_hw,
+        baselines_dir=opt.dg_baselines_dir, run_dir=opt.dg_run_dir, gate_report=opt.dg_gate_report,
+        gate_summary=opt.dg_gate_summary, speed_inconclusive=opt.dg_speed_inconclusive,
+        speed=SpeedSettings(samples=opt.dg_speed_samples, max_extra_rounds=opt.dg_speed_max_rounds,
+                            paired=opt.dg_speed_paired),
+    )
+    config.stash[SESSION_KEY] = GateSession(options, Path(config.rootpath))
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if sys.platform != "darwin":
+        skip = pytest.mark.skip(reason=f"requires macOS (running on {sys.platform}): Core ML prediction / "
+                                       "MLComputePlan / stateful models are unavailable here")
+        for item in items:
+            if item.get_closest_marker("requires_macos"):
+                item.add_marker(skip)
+    # Speed gates measure live and need a quiet machine and a matching profile: opt-in only.
+    if re.search(r"\bspeed\b", config.option.markexpr or ""):
+        return
+    deselected = [item for item in items if item.get_closest_marker("speed")]
+    if deselected:
+        items[:] = [item for item in items if not item.get_closest_marker("speed")]
+        config.hook.pytest_deselected(items=deselected)
+        config.stash[DESELECTED_KEY] = len(deselected)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_call(item: pytest.Item) -> Iterator[None]:
+    try:
+        return (yield)
+    except GateInconclusive as err:
+        if item.config.stash[SESSION_KEY].options.speed_inconclusive == "fail":
+            pytest.fail(str(err), pytrace=False)
+        pytest.skip(str(err))
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    gate_session = session.config.stash.get(SESSION_KEY, None)
+    if gate_session is not None:
+        gate_session.finish(interrupted=exitstatus == pytest.ExitCode.INTERRUPTED)
+
+
+def pytest_terminal_summary(terminalreporter: Any, config: pytest.Config) -> None:
+    gate_session = config.stash.get(SESSION_KEY, None)
+    deselected = config.stash.get(DESELECTED_KEY, 0)
+    if deselected:
+        terminalreporter.write_line(f"distillgates: {deselected} speed gate(s) deselected: speed gates measure live "
+                                    "and run only when selected, e.g. pytest -m speed --hw-profile=<key>")
+    if gate_session is None:
+        return
+    records = gate_session.context.records if "context" in gate_session.__dict__ else []
+    if records:
+        from rich.console import Console
+
+        from distillgates.gates.report import rich_table
+
+        buffer = io.StringIO()
+        Console(file=buffer, width=max(config.get_terminal_writer().fullwidth, 100), force_terminal=False).print(
+            rich_table(records))
+        terminalreporter.write(buffer.getvalue())
+    for message in gate_session.messages:
+        terminalreporter.write_line(f"distillgates: {message}")
+
+
+# -- fixtures ------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="session")
+def gate_session(request: pytest.FixtureRequest) -> GateSession:
+    return request.config.stash[SESSION_KEY]
+
+
+@pytest.fixture(scope="session")
+def hardware_profile(gate_session: GateSession) -> str:
+    """The selected hardware profile key (``--hw-profile`` or detected)."""
+    return gate_session.profile
+
+
+@pytest.fixture(scope="session")
+def baseline_store(gate_session: GateSession) -> Any:
+    return gate_session.context.store
+
+
+@pytest.fixture(scope="session")
+def pipeline_run(gate_session: GateSession, tmp_path_factory: pytest.TempPathFactory) -> RunArtifacts:
+    """The artifacts to gate: ``--run-dir``, else configs/toy.yaml built once (cached by fingerprint)."""
+    if gate_session.run is None:
+        run_dir = gate_session.options.run_dir
+        if run_dir is None:
+            from distillgates.config import load_config
+            from distillgates.pipeline import run_pipeline  # lazy: heavy, only when nothing was given
+
+            config_path = gate_session.rootdir / "configs" / "toy.yaml"
+            cache = gate_session.rootdir / "runs" / f"gates-{load_config(config_path).fingerprint()[:16]}"
+            run_dir = run_pipeline(config_path, cache)
+        gate_session.attach_run(RunArtifacts(run_dir))
+    assert gate_session.run is not None
+    return gate_session.run
+
+
+@pytest.fixture
+def gate(request: pytest.FixtureRequest, gate_session: GateSession, record_property: Any) -> Gate:
+    """Assertion helpers that record value, threshold, baseline, verdict and reason for this test."""
+    marker = next((m.name for m in request.node.iter_markers() if m.name in GATE_MARKERS), None)
+    group = marker or request.node.module.__name__.rsplit(".", 1)[-1].removeprefix("test_")
+    return gate_session.gate(request.node.nodeid, group, record_property)

@@ -1,0 +1,156 @@
+"""Blessed baselines: ``<root>/<profile>/<group>.json`` and ``<root>/common/<group>.json``.
+
+A group file holds the hardware profile it was measured on and one entry per baseline key
+(value, raw samples for speed, the metric's definition and provenance). Design choices:
+
+- Blessing never writes while gates run: entries are staged in memory and :meth:`commit`
+  writes each group file atomically (temp file + rename via :mod:`distillgates.io`) at the end
+  of the session, so an interrupted bless leaves every old file intact and a crash during the
+  commit leaves each file either old or new, never half written.
+- A baseline measured on another hardware profile is refused unless explicitly allowed: the
+  file's ``hardware_profile_key`` must equal the selected profile.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from distillgates.io import atomic_write_json
+
+SCHEMA_VERSION = 1
+COMMON = "common"  # folder of hardware-independent baselines
+
+
+class BaselineError(AssertionError):
+    """A gate cannot be compared with its baseline (missing, cross-hardware, corrupt)."""
+
+
+class MissingBaseline(BaselineError):
+    pass
+
+
+class CrossHardwareBaseline(BaselineError):
+    pass
+
+
+@dataclass
+class BaselineEntry:
+    """One blessed value of one metric."""
+
+    value: Any
+    definition: str
+    samples: list[float] | None = None  # raw samples (speed gates)
+    provenance: dict[str, Any] = field(default_factory=dict)  # git sha, date, fingerprints, hardware
+    hardware_profile_key: str | None = None  # profile of the file it came from (None: common)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"value": self.value, "definition": self.definition, "samples": self.samples,
+                "provenance": self.provenance}
+
+
+def _read_group(path: Path) -> dict[str, Any]:
+    try:
+        data = json.loads(path.read_text())
+    except json.JSONDecodeError as err:
+        raise BaselineError(f"{path}:{err.lineno}: invalid JSON baseline file: {err.msg}") from err
+    if not isinstance(data, dict) or not isinstance(data.get("entries"), dict):
+        raise BaselineError(f"{path}: baseline file must be an object with an 'entries' mapping")
+    if data.get("schema_version") != SCHEMA_VERSION:
+        raise BaselineError(f"{path}: schema_version must be {SCHEMA_VERSION}, found {data.get('schema_version')!r}")
+    for key, entry in data["entries"].items():
+        if not isinstance(entry, dict) or "value" not in entry or "definition" not in entry:
+            raise BaselineError(f"{path}: entries.{key}: needs 'value' and 'definition'")
+    return data
+
+
+class BaselineStore:
+    """Reads blessed baselines for one hardware profile and stages new ones for a bless."""
+
+    def __init__(self, root: str | Path, profile: str) -> None:
+        self.root = Path(root)
+        self.profile = profile
+        self._staged: dict[Path, dict[str, dict[str, Any]]] = {}
+        self._used: set[tuple[Path, str]] = set()
+
+    def path(self, group: str, hardware_dependent: bool) -> Path:
+        return self.root / (self.profile if hardware_dependent else COMMON) / f"{group}.json"
+
+    def load(self, group: str, key: str, *, hardware_dependent: bool, allow_cross_hw: bool = False,
+             bless_command: str = "pytest --bless") -> BaselineEntry:
+        """The blessed entry for ``key``.
+
+        Raises:
+            MissingBaseline: no entry (the message names ``bless_command``).
+            CrossHardwareBaseline: the only entry was measured on another hardware profile.
+        """
+        path = self.path(group, hardware_dependent)
+        if path.exists():
+            data = _read_group(path)
+            file_profile = data.get("hardware_profile_key")
+            if hardware_dependent and file_profile != self.profile and not allow_cross_hw:
+                raise CrossHardwareBaseline(
+                    f"{path}: baseline was measured on hardware profile {file_profile!r}, this run uses "
+                    f"{self.profile!r}; refusing a cross-hardware comparison (pass --allow-cross-hw to accept, "
+                    f"or bless for this profile: {bless_command})"
+                )
+            if key in data["entries"]:
+                self._used.add((path, key))
+                return self._entry(data["entries"][key], file_profile)
+        if hardware_dependent:
+            others = sorted(p for p in self.root.glob(f"*/{group}.json") if p.parent.name not in (COMMON, self.profile))
+            others = [p for p in others if key in _read_group(p)["entries"]]
+            if others and allow_cross_hw:
+                data = _read_group(others[0])
+                self._used.add((others[0], key))
+                return self._entry(data["entries"][key], data.get("hardware_profile_key"))
+            if others:
+                names = ", ".join(p.parent.name for p in others)
+                raise CrossHardwareBaseline(
+                    f"no baseline {group}/{key} for hardware profile {self.profile!r} (only for: {names}); "
+                    f"refusing a cross-hardware comparison (pass --allow-cross-hw), or bless it: {bless_command}"
+                )
+        raise MissingBaseline(f"missing baseline {key!r} in {path}; bless it with: {bless_command}")
+
+    @staticmethod
+    def _entry(raw: dict[str, Any], profile: str | None) -> BaselineEntry:
+        return BaselineEntry(raw["value"], raw["definition"], raw.get("samples"), raw.get("provenance", {}), profile)
+
+    def stage(self, group: str, key: str, entry: BaselineEntry, *, hardware_dependent: bool) -> Path:
+        """Keep a blessed entry in memory until :meth:`commit`."""
+        path = self.path(group, hardware_dependent)
+        self._staged.setdefault(path, {})[key] = entry.to_json()
+        return path
+
+    @property
+    def staged(self) -> dict[Path, list[str]]:
+        return {path: sorted(entries) for path, entries in self._staged.items()}
+
+    def commit(self) -> list[Path]:
+        """Write every staged group file atomically (merging with the entries already there)."""
+        written = []
+        for path, entries in sorted(self._staged.items()):
+            old = _read_group(path)["entries"] if path.exists() else {}
+            hardware_key = None if path.parent.name == COMMON else self.profile
+            atomic_write_json(path, {
+                "schema_version": SCHEMA_VERSION,
+                "group": path.stem,
+                "hardware_profile_key": hardware_key,
+                "entries": {**old, **entries},
+            })
+            written.append(path)
+        self._staged.clear()
+        return written
+
+    def unused(self) -> list[str]:
+        """``<file>::<key>`` of entries (this profile and common) that no gate used or blessed."""
+        touched = self._used | {(p, k) for p, entries in self._staged.items() for k in entries}
+        result = []
+        for folder in (self.root / self.profile, self.root / COMMON):
+            for path in sorted(folder.glob("*.json")):
+                for key in sorted(_read_group(path)["entries"]):
+                    if (path, key) not in touched:
+                        result.append(f"{path}::{key}")
+        return result

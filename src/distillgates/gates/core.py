@@ -1,0 +1,207 @@
+"""Gate verdicts independent of pytest.
+
+A :class:`Gate` is bound to one test (node id, group). Each check compares a measured value
+with a threshold and/or a blessed baseline, records a :class:`GateRecord` (measured value,
+threshold, baseline, verdict, reason) through a ``record`` callback (the plugin passes
+``record_property``), and raises :class:`GateFailure` with every number in the message — CI
+systems that show no JUnit properties (GitLab) still show why a gate failed.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import math
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import numpy as np
+
+from distillgates.gates.baselines import BaselineEntry, BaselineError, BaselineStore
+from distillgates.gates.stats import Measure, sequential_speed_gate
+
+
+class GateFailure(AssertionError):
+    """A gate's criterion is violated."""
+
+
+class GateInconclusive(Exception):
+    """A speed gate could not decide within its measurement bound (reported, not guessed)."""
+
+
+@dataclass
+class GateRecord:
+    """One check of one gate, as it appears in JUnit properties and the gate reports."""
+
+    nodeid: str
+    group: str
+    name: str
+    measured: Any
+    threshold: Any = None
+    comparison: str = ""  # ">=", "<=", "==", "no_regression", "speed_no_regression"
+    baseline: Any = None
+    verdict: str = "pass"  # pass | fail | inconclusive | blessed | error
+    reason: str = ""
+    details: dict[str, Any] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass
+class SpeedSettings:
+    samples: int = 20  # samples per measurement round
+    max_extra_rounds: int = 3  # extra rounds while inconclusive
+    paired: bool = False  # measure the blessed reference interleaved with the candidate
+    alpha: float = 0.05
+
+
+@dataclass
+class GateContext:
+    """Session-wide state every gate shares (built once by the plugin)."""
+
+    store: BaselineStore
+    bless: bool = False
+    allow_cross_hw: bool = False
+    hardware_mismatch: str | None = None  # why the detected hardware does not match the profile
+    provenance: dict[str, Any] = field(default_factory=dict)  # git sha, fingerprints, hardware header
+    speed: SpeedSettings = field(default_factory=SpeedSettings)
+    bless_command: Callable[[str], str] = lambda nodeid: f"pytest --bless '{nodeid}'"
+    records: list[GateRecord] = field(default_factory=list)
+
+
+def _fmt(value: Any) -> str:
+    return f"{value:.6g}" if isinstance(value, float) else repr(value)
+
+
+class Gate:
+    """Assertion helpers of one gate test; see the module docstring."""
+
+    def __init__(self, context: GateContext, nodeid: str, group: str,
+                 record: Callable[[str, Any], None] = lambda name, value: None) -> None:
+        self.context = context
+        self.nodeid = nodeid
+        self.group = group
+        self._record = record
+
+    # -- recording -------------------------------------------------------------------
+
+    def _finish(self, rec: GateRecord) -> GateRecord:
+        __tracebackhide__ = True
+        self.context.records.append(rec)
+        for key in ("measured", "threshold", "baseline", "verdict", "reason"):
+            value = getattr(rec, key)
+            if value is not None:
+                self._record(f"{rec.name}.{key}", value)
+        if rec.verdict == "fail":
+            raise GateFailure(
+                f"gate {self.group}/{rec.name} FAILED: measured {_fmt(rec.measured)} {rec.comparison} "
+                f"threshold {_fmt(rec.threshold)}, baseline {_fmt(rec.baseline)} — {rec.reason}"
+            )
+        if rec.verdict == "inconclusive":
+            raise GateInconclusive(f"gate {self.group}/{rec.name} INCONCLUSIVE: {rec.reason}")
+        return rec
+
+    def _check(self, name: str, value: Any, threshold: Any, comparison: str, ok: bool, definition: str) -> GateRecord:
+        __tracebackhide__ = True
+        if value is None or (isinstance(value, float) and math.isnan(value)):
+            ok = False  # missing or NaN never satisfies a gate (a broken model must not pass by comparison quirks)
+        why = f"{name} = {_fmt(value)} {'satisfies' if ok else 'violates'} {comparison} {_fmt(threshold)}"
+        rec = GateRecord(self.nodeid, self.group, name, value, threshold, comparison, None,
+                         "pass" if ok else "fail", why + (f" ({definition})" if definition else ""))
+        return self._finish(rec)
+
+    # -- absolute checks ----------------------------------------------------------------
+
+    def at_least(self, name: str, value: float, threshold: float, definition: str = "") -> GateRecord:
+        __tracebackhide__ = True
+        return self._check(name, value, threshold, ">=", value is not None and value >= threshold, definition)
+
+    def at_most(self, name: str, value: float, threshold: float, definition: str = "") -> GateRecord:
+        __tracebackhide__ = True
+        return self._check(name, value, threshold, "<=", value is not None and value <= threshold, definition)
+
+    def equals(self, name: str, value: Any, expected: Any, definition: str = "") -> GateRecord:
+        __tracebackhide__ = True
+        return self._check(name, value, expected, "==", value == expected, definition)
+
+    # -- baseline checks ----------------------------------------------------------------
+
+    def _baseline(self, key: str, hardware_dependent: bool) -> BaselineEntry:
+        __tracebackhide__ = True
+        if hardware_dependent and self.context.hardware_mismatch and not self.context.allow_cross_hw:
+            raise BaselineError(f"{self.context.hardware_mismatch} (pass --allow-cross-hw to compare anyway)")
+        return self.context.store.load(
+            self.group, key, hardware_dependent=hardware_dependent, allow_cross_hw=self.context.allow_cross_hw,
+            bless_command=self.context.bless_command(self.nodeid),
+        )
+
+    def _bless(self, name: str, key: str, value: Any, definition: str, hardware_dependent: bool,
+               samples: list[float] | None = None, extra: dict[str, Any] | None = None) -> GateRecord:
+        provenance = {**self.context.provenance, "blessed_at": dt.datetime.now(dt.UTC).isoformat(), **(extra or {})}
+        entry = BaselineEntry(value, definition, samples, provenance)
+        path = self.context.store.stage(self.group, key, entry, hardware_dependent=hardware_dependent)
+        return self._finish(GateRecord(self.nodeid, self.group, name, value, None, "bless", value, "blessed",
+                                       f"staged {key!r} for {path}", {"samples": samples}))
+
+    def no_regression(self, name: str, value: float, baseline_key: str | None = None, *, tolerance: float,
+                      higher_is_better: bool = True, definition: str = "",
+                      hardware_dependent: bool = False) -> GateRecord:
+        """Fail when ``value`` is worse than the blessed value by more than ``tolerance`` (absolute)."""
+        __tracebackhide__ = True
+        key = baseline_key or name
+        if self.context.bless:
+            return self._bless(name, key, value, definition, hardware_dependent)
+        try:
+            base = self._baseline(key, hardware_dependent)
+        except BaselineError as err:
+            return self._finish(GateRecord(self.nodeid, self.group, name, value, tolerance, "no_regression", None,
+                                           "fail", str(err)))
+        if value is None:
+            return self._finish(GateRecord(self.nodeid, self.group, name, value, tolerance, "no_regression",
+                                           base.value, "fail", f"{name} was not measured (None)"))
+        delta = value - base.value if higher_is_better else base.value - value  # > 0 is better
+        ok = not math.isnan(delta) and delta >= -tolerance
+        why = (f"{name} = {_fmt(value)} vs blessed {_fmt(base.value)}: change {delta:+.6g} "
+               f"({'improvement' if delta >= 0 else 'regression'}), tolerated regression {tolerance:.6g}")
+        return self._finish(GateRecord(self.nodeid, self.group, name, value, tolerance, "no_regression", base.value,
+                                       "pass" if ok else "fail", why, {"delta": delta}))
+
+    def speed_no_regression(self, name: str, measure: Measure, baseline_key: str | None = None, *,
+                            threshold: float, higher_is_better: bool, definition: str, quantile: float = 0.5,
+                            alpha: float | None = None,
+                            measure_reference: Callable[[BaselineEntry], Measure] | None = None,
+                            bless_extra: dict[str, Any] | None = None) -> GateRecord:
+        """Statistical speed gate on raw samples (see :mod:`distillgates.gates.stats`).
+
+        ``measure(n)`` returns n fresh samples of the metric on this machine. In paired mode
+        ``measure_reference(entry)`` builds the measurement of the blessed reference model.
+        """
+        __tracebackhide__ = True
+        key = baseline_key or name
+        settings = self.context.speed
+        if self.context.bless:
+            samples = [float(s) for s in measure(settings.samples)]
+            return self._bless(name, key, float(np.quantile(samples, quantile)), definition, True, samples, bless_extra)
+        try:
+            base = self._baseline(key, True)
+        except BaselineError as err:
+            return self._finish(GateRecord(self.nodeid, self.group, name, None, threshold, "speed_no_regression",
+                                           None, "fail", str(err)))
+        if settings.paired:
+            if measure_reference is None:
+                raise ValueError(f"{name}: paired mode needs measure_reference")
+            kwargs: dict[str, Any] = {"measure_reference": measure_reference(base)}
+        else:
+            if not base.samples:
+                raise BaselineError(f"baseline {self.group}/{key} has no raw samples; re-bless it")
+            kwargs = {"reference": base.samples}
+        result, ref, cand = sequential_speed_gate(
+            measure, samples=settings.samples, max_extra_rounds=settings.max_extra_rounds, threshold=threshold,
+            higher_is_better=higher_is_better, alpha=alpha or settings.alpha, quantile=quantile, **kwargs,
+        )
+        measured = float(np.quantile(cand, quantile))
+        return self._finish(GateRecord(
+            self.nodeid, self.group, name, measured, threshold, "speed_no_regression", base.value, result.verdict,
+            result.reason, {**result.to_dict(), "reference_samples": ref, "candidate_samples": cand},
+        ))

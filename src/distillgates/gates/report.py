@@ -1,0 +1,76 @@
+"""Gate reports: JSON (``--gate-report``), Markdown (``--gate-summary``, a CI job summary) and
+the ``rich`` terminal table. All written atomically at session end."""
+
+from __future__ import annotations
+
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+from rich.table import Table
+from rich.text import Text
+
+from distillgates.gates.core import GateRecord
+from distillgates.io import atomic_write_json, atomic_write_text
+
+VERDICT_STYLE = {"pass": "green", "blessed": "cyan", "fail": "bold red", "inconclusive": "yellow"}
+
+
+def _short(value: Any) -> str:
+    if value is None:
+        return "—"
+    if isinstance(value, float):
+        return f"{value:.4g}"
+    text = str(value)
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
+def summarize(records: list[GateRecord]) -> dict[str, int]:
+    return dict(sorted(Counter(r.verdict for r in records).items()))
+
+
+def build_report(records: list[GateRecord], session: dict[str, Any]) -> dict[str, Any]:
+    """The JSON gate report: session header, verdict counts and every check."""
+    return {"schema_version": 1, "session": session, "summary": summarize(records),
+            "gates": [r.to_dict() for r in records]}
+
+
+def write_json_report(path: str | Path, records: list[GateRecord], session: dict[str, Any]) -> None:
+    atomic_write_json(path, build_report(records, session))
+
+
+def markdown_summary(records: list[GateRecord], session: dict[str, Any]) -> str:
+    """A Markdown table of gates that fits a GitHub/GitLab job summary."""
+    counts = ", ".join(f"{n} {v}" for v, n in summarize(records).items()) or "no gates ran"
+    lines = [
+        "## distillgates gates",
+        "",
+        f"Hardware profile `{session.get('hardware_profile_key')}`, bless={session.get('bless')}: {counts}.",
+        "",
+        "| verdict | gate | check | measured | threshold | baseline | reason |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for r in records:
+        reason = r.reason.replace("|", "\\|").replace("\n", " ")
+        lines.append(f"| {r.verdict} | {r.group} | `{r.name}` | {_short(r.measured)} | {_short(r.threshold)} | "
+                     f"{_short(r.baseline)} | {reason} |")
+    for key in ("unused_baselines", "written_baselines"):
+        if session.get(key):
+            lines += ["", f"**{key.replace('_', ' ')}:**", *[f"- `{item}`" for item in session[key]]]
+    return "\n".join(lines) + "\n"
+
+
+def write_markdown_summary(path: str | Path, records: list[GateRecord], session: dict[str, Any]) -> None:
+    atomic_write_text(path, markdown_summary(records, session))
+
+
+def rich_table(records: list[GateRecord]) -> Table:
+    table = Table(title="distillgates gates", show_lines=False)
+    for column in ("verdict", "gate", "check", "measured", "threshold", "baseline"):
+        table.add_column(column, overflow="fold")
+    for r in records:
+        style = VERDICT_STYLE.get(r.verdict, "")
+        # Text, not markup: check names such as "cosine[shape=128]" must not be read as style tags.
+        table.add_row(Text(r.verdict, style=style), Text(r.group), Text(r.name), Text(_short(r.measured)),
+                      Text(_short(r.threshold)), Text(_short(r.baseline)))
+    return table

@@ -1,0 +1,190 @@
+"""One gate session: options, hardware selection, run artifacts, baselines and reports.
+
+The pytest plugin builds one :class:`GateSession` per pytest session (kept in
+``config.stash``) and delegates everything but pytest glue to it.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+import shlex
+import subprocess
+from dataclasses import dataclass, field
+from functools import cached_property
+from pathlib import Path
+from typing import Any
+
+from distillgates.gates.baselines import BaselineStore
+from distillgates.gates.core import Gate, GateContext, SpeedSettings
+from distillgates.gates.report import write_json_report, write_markdown_summary
+
+REPORT_PATH = "reports/report.json"
+
+
+class RunArtifactError(ValueError):
+    """A pipeline run directory lacks a file or a report key a gate needs."""
+
+
+@dataclass
+class GateOptions:
+    """The plugin's command-line options (see ``pytest --help``, group distillgates)."""
+
+    hw_profile: str | None = None
+    bless: bool = False
+    allow_cross_hw: bool = False
+    baselines_dir: Path = Path("baselines")
+    run_dir: Path | None = None
+    gate_report: Path | None = None
+    gate_summary: Path | None = None
+    speed: SpeedSettings = field(default_factory=SpeedSettings)
+    speed_inconclusive: str = "skip"  # "skip" or "fail"
+
+
+class RunArtifacts:
+    """Read-only view of a pipeline run directory (layout in the contract / docs/gates.md)."""
+
+    def __init__(self, run_dir: str | Path) -> None:
+        self.path = Path(run_dir)
+        self.report_path = self.path / REPORT_PATH
+        if not self.report_path.is_file():
+            raise RunArtifactError(f"{self.report_path}: run report not found (is {self.path} a pipeline run dir?)")
+        try:
+            self.report: dict[str, Any] = json.loads(self.report_path.read_text())
+        except json.JSONDecodeError as err:
+            raise RunArtifactError(f"{self.report_path}:{err.lineno}: invalid JSON: {err.msg}") from err
+
+    def get(self, dotted: str) -> Any:
+        """``report["a"]["b"]`` for ``"a.b"``; a missing key names the file and the key path."""
+        node: Any = self.report
+        for i, part in enumerate(dotted.split(".")):
+            if not isinstance(node, dict) or part not in node:
+                found = ".".join(dotted.split(".")[:i]) or "<root>"
+                raise RunArtifactError(f"{self.report_path}: missing key {dotted!r} (no {part!r} under {found})")
+            node = node[part]
+        return node
+
+    def file(self, relative: str) -> Path:
+        path = self.path / relative
+        if not path.exists():
+            raise RunArtifactError(f"{path}: artifact not found in run dir {self.path}")
+        return path
+
+    @property
+    def header(self) -> dict[str, Any]:
+        return self.report.get("header", {})
+
+
+def resolve_hardware(selected: str | None) -> tuple[str, str | None, dict[str, Any]]:
+    """(profile key, mismatch message or None, hardware header) for this machine.
+
+    ``--hw-profile`` selects a profile explicitly; when this machine is not that profile the
+    mismatch message (from :func:`distillgates.hardware.select_profile`) makes every
+    hardware-dependent gate refuse to compare unless cross-hardware comparison is allowed.
+    """
+    from distillgates import hardware  # lazy: only sessions that gate something need it
+
+    detected = hardware.detect_hardware()
+    own = hardware.profile_key(detected)
+    key = selected or own
+    mismatch = None
+    if key != own:
+        try:
+            hardware.select_profile(key, detected, allow_cross_hw=False)
+        except hardware.HardwareMismatchError as err:
+            mismatch = str(err)  # recorded, and every hardware-dependent gate fails with it
+    return key, mismatch, hardware.hardware_header(profile_key=key)
+
+
+def git_sha(cwd: Path) -> str | None:
+    try:
+        out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=cwd, capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.TimeoutExpired):
+        return None  # not a git checkout / no git: provenance records null, nothing depends on it
+    return out.stdout.strip() or None if out.returncode == 0 else None
+
+
+class GateSession:
+    """Everything a pytest session of gates shares; built lazily so plain unit-test runs pay nothing."""
+
+    def __init__(self, options: GateOptions, rootdir: Path) -> None:
+        self.options = options
+        self.rootdir = rootdir
+        self.run: RunArtifacts | None = None
+        self.messages: list[str] = []  # shown in the terminal summary
+
+    @cached_property
+    def hardware(self) -> tuple[str, str | None, dict[str, Any]]:
+        return resolve_hardware(self.options.hw_profile)
+
+    @property
+    def profile(self) -> str:
+        return self.hardware[0]
+
+    def baselines_root(self) -> Path:
+        root = self.options.baselines_dir
+        return root if root.is_absolute() else self.rootdir / root
+
+    def bless_command(self, nodeid: str) -> str:
+        parts = ["pytest", nodeid, "--bless", f"--hw-profile={self.profile}",
+                 f"--baselines-dir={self.options.baselines_dir}"]
+        if self.options.run_dir:
+            parts.append(f"--run-dir={self.options.run_dir}")
+        if "[speed" in nodeid or "test_speed" in nodeid:
+            parts += ["-m", "speed"]
+        return shlex.join(parts)
+
+    def _run_provenance(self) -> dict[str, Any]:
+        run_header = self.run.header if self.run else {}
+        return {
+            "git_sha": run_header.get("git_sha") or git_sha(self.rootdir),
+            "fingerprints": run_header.get("fingerprints"),
+            "config_sha256": run_header.get("config_sha256"),
+            "run_dir": str(self.run.path) if self.run else None,
+            "run_hardware": run_header.get("hardware"),
+        }
+
+    def attach_run(self, run: RunArtifacts) -> RunArtifacts:
+        """Use ``run`` for every gate; its header becomes part of blessed baselines' provenance."""
+        self.run = run
+        if "context" in self.__dict__:
+            self.context.provenance.update(self._run_provenance())
+        return run
+
+    @cached_property
+    def context(self) -> GateContext:
+        profile, mismatch, header = self.hardware
+        provenance = {**self._run_provenance(), "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
+                      "hardware": header}
+        return GateContext(
+            store=BaselineStore(self.baselines_root(), profile), bless=self.options.bless,
+            allow_cross_hw=self.options.allow_cross_hw, hardware_mismatch=mismatch, provenance=provenance,
+            speed=self.options.speed, bless_command=self.bless_command,
+        )
+
+    def gate(self, nodeid: str, group: str, record: Any) -> Gate:
+        return Gate(self.context, nodeid, group, record)
+
+    def finish(self, interrupted: bool) -> None:
+        """Commit blessed baselines (never after an interrupt) and write the reports."""
+        if "context" not in self.__dict__ and not (self.options.gate_report or self.options.gate_summary):
+            return  # no gate ran and no report asked for: plain unit-test sessions pay nothing
+        context = self.context
+        session: dict[str, Any] = {
+            "hardware_profile_key": self.profile, "bless": self.options.bless, "hardware": self.hardware[2],
+            "hardware_mismatch": self.hardware[1], "run_dir": str(self.run.path) if self.run else None,
+            "finished_at": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
+        }
+        if self.options.bless and interrupted:
+            self.messages.append("bless interrupted: no baseline was written, the old baselines are intact")
+        elif self.options.bless:
+            session["unused_baselines"] = context.store.unused()
+            session["written_baselines"] = [str(p) for p in context.store.commit()]
+            self.messages += [f"blessed baselines written: {p}" for p in session["written_baselines"]]
+            self.messages += [f"baseline not used by any gate: {u}" for u in session["unused_baselines"]]
+        if self.options.gate_report:
+            write_json_report(self.options.gate_report, context.records, session)
+            self.messages.append(f"gate report written: {self.options.gate_report}")
+        if self.options.gate_summary:
+            write_markdown_summary(self.options.gate_summary, context.records, session)
+            self.messages.append(f"gate summary written: {self.options.gate_summary}")

@@ -1,0 +1,79 @@
+"""Gate helper: verdicts, records, failure messages, blessing."""
+
+from __future__ import annotations
+
+import pytest
+
+from distillgates.gates import BaselineStore, Gate, GateContext, GateFailure, GateInconclusive, SpeedSettings
+
+
+def make_gate(tmp_path, bless: bool = False, **context) -> tuple[Gate, list]:
+    recorded: list = []
+    ctx = GateContext(store=BaselineStore(tmp_path, "p"), bless=bless, **context)
+    return Gate(ctx, "gates/test_x.py::test_y", "quality", lambda k, v: recorded.append((k, v))), recorded
+
+
+def test_at_least_pass_records_properties(tmp_path):
+    gate, recorded = make_gate(tmp_path)
+    rec = gate.at_least("f1", 0.95, 0.9)
+    assert rec.verdict == "pass"
+    for pair in (("f1.measured", 0.95), ("f1.threshold", 0.9), ("f1.verdict", "pass")):
+        assert pair in recorded
+
+
+@pytest.mark.parametrize("value", [0.5, float("nan"), None])
+def test_at_least_failure_message_has_the_numbers(tmp_path, value):
+    gate, _ = make_gate(tmp_path)
+    with pytest.raises(GateFailure, match=r"quality/f1 FAILED: measured .* >= threshold 0.9"):
+        gate.at_least("f1", value, 0.9)
+    assert gate.context.records[-1].verdict == "fail"
+
+
+def test_at_most_and_equals(tmp_path):
+    gate, _ = make_gate(tmp_path)
+    gate.at_most("controls", 0, 0)
+    gate.equals("ok", True, True)
+    with pytest.raises(GateFailure):
+        gate.at_most("controls", 1, 0)
+    with pytest.raises(GateFailure, match="ok"):
+        gate.equals("ok", False, True)
+
+
+def test_no_regression_bless_then_compare(tmp_path):
+    gate, _ = make_gate(tmp_path, bless=True)
+    assert gate.no_regression("f1", 0.9, tolerance=0.01).verdict == "blessed"
+    gate.context.store.commit()
+    gate, _ = make_gate(tmp_path)
+    assert gate.no_regression("f1", 0.895, tolerance=0.01).verdict == "pass"
+    with pytest.raises(GateFailure, match=r"blessed 0\.9: change -0\.02"):
+        gate.no_regression("f1", 0.88, tolerance=0.01)
+
+
+def test_missing_baseline_fails_with_command(tmp_path):
+    gate, _ = make_gate(tmp_path, bless_command=lambda nodeid: f"pytest '{nodeid}' --bless")
+    with pytest.raises(GateFailure, match=r"bless it with: pytest 'gates/test_x.py::test_y' --bless"):
+        gate.no_regression("f1", 0.9, tolerance=0.01)
+
+
+def test_hardware_mismatch_refuses_hardware_dependent_baselines(tmp_path):
+    gate, _ = make_gate(tmp_path, hardware_mismatch="detected X, selected Y")
+    with pytest.raises(GateFailure, match="detected X, selected Y"):
+        gate.no_regression("share", 0.9, tolerance=0.1, hardware_dependent=True)
+
+
+def test_speed_gate_bless_compare_and_inconclusive(tmp_path):
+    settings = SpeedSettings(samples=10, max_extra_rounds=1)
+    gate, _ = make_gate(tmp_path, bless=True, speed=settings)
+    steady = [10.0, 10.1, 9.9, 10.2, 9.8, 10.0, 10.1, 9.9, 10.05, 9.95]
+    gate.speed_no_regression("ttft", lambda n: steady[:n], threshold=0.05, higher_is_better=False, definition="d")
+    gate.context.store.commit()
+    gate, _ = make_gate(tmp_path, speed=settings)
+    assert gate.speed_no_regression("ttft", lambda n: steady[:n], threshold=0.05, higher_is_better=False,
+                                    definition="d").verdict == "pass"
+    with pytest.raises(GateFailure, match="significant regression"):
+        gate.speed_no_regression("ttft", lambda n: [1.2 * s for s in steady[:n]], threshold=0.05,
+                                 higher_is_better=False, definition="d")
+    wide = [5.0, 20.0, 6.0, 19.0, 7.0, 18.0, 8.0, 17.0, 9.0, 16.0]
+    with pytest.raises(GateInconclusive, match="INCONCLUSIVE"):
+        gate.speed_no_regression("ttft", lambda n: [1.1 * s for s in wide[:n]], threshold=0.05,
+                                 higher_is_better=False, definition="d")

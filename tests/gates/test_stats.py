@@ -1,0 +1,135 @@
+"""Speed statistics on synthetic samples (deterministic seeds)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from distillgates.gates.stats import compare_samples, sequential_speed_gate
+
+
+def lognormal(seed: int, n: int, scale: float = 1.0, noise: float = 0.05) -> list[float]:
+    return list(scale * np.random.default_rng(seed).lognormal(0.0, noise, n))
+
+
+def test_same_distribution_passes():
+    result = compare_samples(lognormal(1, 30), lognormal(2, 30), threshold=0.05, higher_is_better=False)
+    assert result.verdict == "pass"
+    assert 0.95 < result.slowdown < 1.05
+    assert result.ci_low < 1.0 < result.ci_high
+
+
+@pytest.mark.parametrize("higher_is_better", [False, True])
+def test_clear_regression_fails_in_both_orientations(higher_is_better):
+    factor = 1 / 1.2 if higher_is_better else 1.2  # 20% slower: lower throughput or higher latency
+    result = compare_samples(lognormal(1, 30), lognormal(2, 30, scale=factor), threshold=0.05,
+                             higher_is_better=higher_is_better)
+    assert result.verdict == "fail"
+    assert result.slowdown == pytest.approx(1.2, rel=0.05)
+    assert result.p_value < 0.01 and result.ci_low > 1.05
+
+
+def test_improvement_passes():
+    result = compare_samples(lognormal(1, 30), lognormal(2, 30, scale=0.8), threshold=0.05, higher_is_better=False)
+    assert result.verdict == "pass" and result.slowdown < 0.9
+
+
+def test_large_but_noisy_slowdown_is_inconclusive():
+    # 8% slower on the median, but 40% noise and 6 samples: not significant, not within threshold.
+    result = compare_samples(lognormal(3, 6, noise=0.4), lognormal(4, 6, scale=1.08, noise=0.4), threshold=0.05,
+                             higher_is_better=False)
+    assert result.verdict == "inconclusive", result.reason
+
+
+def test_small_significant_regression_within_threshold_passes():
+    result = compare_samples(lognormal(1, 200, noise=0.01), lognormal(2, 200, scale=1.02, noise=0.01),
+                             threshold=0.05, higher_is_better=False)
+    assert result.p_value < 0.05 and result.verdict == "pass"
+
+
+def test_paired_mode_cancels_shared_drift():
+    drift = np.linspace(1.0, 1.5, 40)  # the machine slows down during the session
+    rng = np.random.default_rng(5)
+    ref = drift * rng.lognormal(0, 0.01, 40)
+    cand = drift * 1.10 * rng.lognormal(0, 0.01, 40)
+    result = compare_samples(ref, cand, threshold=0.05, higher_is_better=False, paired=True)
+    assert result.verdict == "fail" and result.slowdown == pytest.approx(1.10, rel=0.02)
+    same = compare_samples(ref, drift * rng.lognormal(0, 0.01, 40), threshold=0.05, higher_is_better=False,
+                           paired=True)
+    assert same.verdict == "pass"
+
+
+def test_p95_quantile_is_compared():
+    ref = lognormal(1, 100)
+    cand = sorted(lognormal(2, 100))
+    cand[-10:] = [c * 1.5 for c in cand[-10:]]  # tail regression only
+    assert compare_samples(ref, cand, threshold=0.05, higher_is_better=False).verdict == "pass"
+    tail = compare_samples(ref, cand, threshold=0.05, higher_is_better=False, quantile=0.95)
+    assert tail.slowdown > 1.3
+
+
+@pytest.mark.parametrize(
+    ("reference", "candidate", "kwargs", "message"),
+    [
+        ([1.0] * 3, [1.0] * 10, {}, "at least 5"),
+        ([1.0] * 10, [1.0] * 9 + [float("nan")], {}, "finite"),
+        ([1.0] * 10, [1.0] * 9 + [0.0], {}, "> 0"),
+        ([1.0] * 10, [1.0] * 8, {"paired": True}, "equal sample counts"),
+        ([1.0] * 10, [1.0] * 10, {"alpha": 0.7}, "alpha"),
+    ],
+)
+def test_bad_input_raises(reference, candidate, kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        compare_samples(reference, candidate, threshold=0.05, higher_is_better=False, **kwargs)
+
+
+def test_sequential_measures_more_while_inconclusive_and_stops_at_the_bound():
+    spread = [1.0, 2.0, 3.0, 4.0, 5.0, 6.0]  # huge spread: 8% slower on the median, never significant
+    calls = []
+
+    def measure(n: int) -> list[float]:
+        calls.append(n)
+        return [1.08 * x for x in spread[:n]]
+
+    result, ref, cand = sequential_speed_gate(measure, reference=spread, samples=6,
+                                              max_extra_rounds=2, threshold=0.05, higher_is_better=False)
+    assert calls == [6, 6, 6] and len(cand) == 18 and len(ref) == 6
+    assert result.verdict == "inconclusive" and result.rounds == 3
+    assert "bound of 2 extra rounds reached" in result.reason
+
+
+def test_sequential_more_rounds_resolve_a_regression():
+    rng = np.random.default_rng(1)
+    result, _, cand = sequential_speed_gate(lambda n: list(1.15 * rng.lognormal(0, 0.15, n)),
+                                            reference=lognormal(2, 60, noise=0.15), samples=5, max_extra_rounds=10,
+                                            threshold=0.05, higher_is_better=False)
+    assert result.verdict == "fail" and result.rounds > 1 and len(cand) == 5 * result.rounds
+
+
+def test_sequential_paired_interleaves_abba():
+    order: list[str] = []
+
+    def ref(n: int) -> list[float]:
+        order.append("R")
+        return [1.0 + 0.01 * len(order)] * n
+
+    def cand(n: int) -> list[float]:
+        order.append("C")
+        return [1.0 + 0.01 * len(order)] * n
+
+    result, r, c = sequential_speed_gate(cand, measure_reference=ref, samples=6, max_extra_rounds=0,
+                                         threshold=0.05, higher_is_better=False)
+    assert "".join(order) == "RCCRRCCRRCCR" and len(r) == len(c) == 6 and result.paired
+
+
+def test_sequential_needs_exactly_one_reference():
+    with pytest.raises(ValueError, match="exactly one"):
+        sequential_speed_gate(lambda n: [1.0] * n, samples=5, max_extra_rounds=0, threshold=0.05,
+                              higher_is_better=False)
+
+
+def test_estimate_under_threshold_with_wide_ci_is_inconclusive_not_pass():
+    spread = [1.0, 2.0, 3.0, 4.0, 5.0, 6.0]  # same distribution, but a 10%+ regression is still plausible
+    result = compare_samples(spread, spread, threshold=0.05, higher_is_better=False)
+    assert result.slowdown == 1.0 and result.ci_high > 1.10
+    assert result.verdict == "inconclusive"

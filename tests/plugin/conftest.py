@@ -1,0 +1,176 @@
+"""pytester fixtures: fabricated pipeline run directories (good and violating) and a gates/ copy.
+
+Fabricating report.json is how the gate *logic* is tested quickly; the real pipeline is gated
+by the default run (gates/ against a built run dir).
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from distillgates.data.chat import prompt_wrapper_sha256
+from distillgates.data.registry import tool_registry_sha256
+from distillgates.gates.session import resolve_hardware
+
+# The `pytester` fixture comes from pytest's pytester plugin, enabled for the whole run by the
+# top-level tests/conftest.py (`pytest_plugins = ["pytester"]`) or `-p pytester`: pytest refuses
+# `pytest_plugins` in a nested conftest like this one.
+
+REPO = Path(__file__).resolve().parents[2]
+SHAPES = ("128", "192", "256")
+TOKENIZER_FP = "tok-" + "a" * 60
+
+
+def metrics(**overrides: Any) -> dict[str, Any]:
+    flat = {
+        "n": 200, "tool_selection": 0.97, "json_validity": 1.0, "arg_match_strict": 0.9, "arg_match_lax": 0.95,
+        "f1_strict_macro": 0.91, "f1_lax_macro": 0.95, "f1_strict_micro": 0.9, "f1_lax_micro": 0.94,
+        "privacy_ok_rate": 1.0, "controls_with_integration": 0, "fixture_hit_rate": 1.0,
+        "median_tokens_out": 20.0, "median_tokens_out_tool_items": 22.0, "false_tool_calls_tool_absent": 0,
+        "ttfa_tokens_p50": 12.0, "ttfa_tokens_p95": 18.0, "failure_reasons": {},
+    }
+    flat.update(overrides)
+    return flat
+
+
+def good_report() -> dict[str, Any]:
+    slices = {"shape": {s: metrics() for s in SHAPES}, "kind": {"single": metrics()}, "locale": {"en": metrics()},
+              "tool_absent": {"true": metrics()}}
+    return {
+        "schema_version": 1,
+        "header": {
+            "hardware": {"soc": "test", "os": "Linux", "ram_gb": 8.0, "torch_version": "2.13.0",
+                         "coremltools_version": "9.0", "export_path": None, "hardware_profile_key": "test"},
+            "fingerprints": {
+                "dataset_sha256": "d" * 64, "tool_registry_sha256": tool_registry_sha256(),
+                "tokenizer_fingerprint": TOKENIZER_FP, "prompt_wrapper_sha256": prompt_wrapper_sha256(),
+                "runner_fingerprint": "r" * 64, "model_fingerprint": "m" * 64,
+            },
+            "config_sha256": "c" * 64, "git_sha": "0" * 40, "created_at": "2026-01-01T00:00:00+00:00",
+        },
+        "quality": {"student": {**metrics(), "slices": slices},
+                    "teacher": {**metrics(median_tokens_out=30.0), "slices": copy.deepcopy(slices)}},
+        "speed": {
+            "backend": "torch", "export": False, "hardware_profile_key": "test",
+            "ttft_ms": {"p50": 10.0, "p90": 11.0, "p95": 12.0, "samples": [10.0, 11.0, 12.0]},
+            "tps": {"p50": 100.0, "p90": 110.0, "p95": 120.0, "samples": [100.0, 110.0, 120.0]},
+            "kv_bytes": {"layers": 4, "kv_heads": 2, "head_dim": 32, "seq_len": 256, "bytes_per_elem": 4,
+                         "bytes": 262144},
+        },
+        "gate_inputs": {
+            "determinism": {"coverage": 1.0, "duplicates": 0, "missing": 0, "mismatches": 0, "sharded_equal": True,
+                            "n_shards": 2},
+            "qat": {"probe_cosine_min": 0.9995, "probe_cosine": {"layer0_attn": 0.9995, "layer0_mlp": 0.9999},
+                    "has_nan": False},
+            "export": {"cosine_by_shape": {s: 0.9999 for s in SHAPES}, "int64_on_attention": [], "lint_errors": [],
+                       "contract_ok": True},
+            "ane": {"source": "static_mil_estimate", "estimated_share": 0.95, "by_op_type": {}},
+            "prompt_cache": {"ttft_cold_ms": [10.0, 11.0, 10.5], "ttft_hit_ms": [4.0, 4.2, 4.1], "hit_rate": 1.0},
+            "speculative": {"identical": True, "speedup": 1.6, "acceptance_rate": 0.7, "tokens_per_worker_step": 2.1},
+        },
+    }
+
+
+def write_run(root: Path, report: dict[str, Any]) -> Path:
+    (root / "reports").mkdir(parents=True, exist_ok=True)
+    (root / "data").mkdir(parents=True, exist_ok=True)
+    (root / "reports" / "report.json").write_text(json.dumps(report))
+    header = {"__header__": True, "dataset_version": 1, "tokenizer_fingerprint": TOKENIZER_FP,
+              "tool_registry_sha256": tool_registry_sha256(), "prompt_wrapper_sha256": prompt_wrapper_sha256()}
+    (root / "data" / "eval.jsonl").write_text(json.dumps(header) + "\n")
+    return root
+
+
+def set_key(report: dict[str, Any], dotted: str, value: Any) -> dict[str, Any]:
+    node = report
+    *parents, last = dotted.split(".")
+    for part in parents:
+        node = node[part]
+    if value is DELETE:
+        del node[last]
+    else:
+        node[last] = value
+    return report
+
+
+DELETE = object()
+
+SPEED_OVERRIDE = '''
+
+# --- test override: synthetic speed samples (the gate statistics are what is under test) ---
+import random as _random
+
+SLOWDOWN = {slowdown!r}
+NOISE = {noise!r}
+
+
+@pytest.fixture(scope="session")
+def speed_measure():
+    rng = _random.Random(SLOWDOWN)
+    def for_metric(metric):
+        def measure(n):
+            base, factor = (10.0, SLOWDOWN) if metric == "ttft_ms" else (100.0, 1 / SLOWDOWN)
+            if isinstance(NOISE, list):  # a fixed, wide spread: deterministic and never significant
+                return [base * factor * NOISE[i % len(NOISE)] for i in range(n)]
+            return [base * factor * rng.lognormvariate(0, NOISE) for _ in range(n)]
+        return measure
+    return for_metric
+
+
+@pytest.fixture(scope="session")
+def speed_reference():
+    rng = _random.Random(7)
+    def build(entry):
+        def for_metric(metric):
+            base = 10.0 if metric == "ttft_ms" else 100.0
+            return lambda n: [base * rng.lognormvariate(0, 0.02) for _ in range(n)]
+        return for_metric
+    return build
+'''
+
+
+@pytest.fixture(scope="session")
+def own_profile() -> str:
+    return resolve_hardware(None)[0]
+
+
+@pytest.fixture
+def gates_project(pytester: pytest.Pytester) -> Callable[..., Path]:
+    """Copy gates/ into the pytester dir; ``slowdown`` swaps in synthetic speed samples."""
+
+    def make(slowdown: float | None = None, noise: float | list[float] = 0.02) -> Path:
+        target = pytester.path / "gates"
+        target.mkdir(exist_ok=True)
+        for path in (REPO / "gates").glob("*.py"):
+            shutil.copy(path, target / path.name)
+        (pytester.path / "configs").mkdir(exist_ok=True)
+        shutil.copy(REPO / "configs" / "toy.yaml", pytester.path / "configs" / "toy.yaml")
+        if slowdown is not None:
+            conftest = target / "conftest.py"
+            conftest.write_text(conftest.read_text() + SPEED_OVERRIDE.format(slowdown=slowdown, noise=noise))
+        # hypothesis/benchmark/xdist cost ~4 s per in-process run and are not needed by the gates
+        pytester.makeini("[pytest]\naddopts = -p no:cacheprovider -p no:hypothesispytest -p no:benchmark -p no:xdist "
+                         "--import-mode=importlib\n")
+        return target
+
+    return make
+
+
+@pytest.fixture
+def make_run(tmp_path: Path) -> Callable[..., Path]:
+    """``make_run(name, **{dotted.key: value})``: a run dir with the good report, keys overridden."""
+
+    def make(name: str = "run", **changes: Any) -> Path:
+        report = good_report()
+        for dotted, value in changes.items():
+            set_key(report, dotted.replace("__", "."), value)
+        return write_run(tmp_path / name, report)
+
+    return make

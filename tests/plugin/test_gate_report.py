@@ -1,0 +1,41 @@
+"""--gate-report: a JSON report of every gate check, written at session end."""
+
+from __future__ import annotations
+
+import json
+
+
+def test_json_report_lists_every_check(pytester, gates_project, make_run, own_profile):
+    gates_project()
+    run = make_run(**{"quality.student.privacy_ok_rate": 0.99})
+    result = pytester.runpytest("gates/test_privacy.py", f"--run-dir={run}", f"--hw-profile={own_profile}",
+                                "--gate-report=out/gates.json")
+    result.assert_outcomes(passed=1, failed=1)
+    result.stdout.fnmatch_lines(["*gate report written: out/gates.json"])
+    report = json.loads((pytester.path / "out" / "gates.json").read_text())
+    assert report["summary"] == {"fail": 1, "pass": 1}
+    assert report["session"]["hardware_profile_key"] == own_profile and report["session"]["run_dir"] == str(run)
+    failed = next(g for g in report["gates"] if g["verdict"] == "fail")
+    assert failed["name"] == "privacy_ok_rate" and failed["measured"] == 0.99 and failed["threshold"] == 1.0
+    assert failed["group"] == "privacy" and failed["nodeid"] == "gates/test_privacy.py::test_privacy_ok_rate"
+    assert "violates >= 1" in failed["reason"]
+
+
+def test_report_is_written_even_when_no_gate_ran(pytester, gates_project, own_profile):
+    pytester.makepyfile(test_plain="def test_plain():\n    assert True\n")
+    pytester.runpytest("test_plain.py", "--gate-report=r.json").assert_outcomes(passed=1)
+    report = json.loads((pytester.path / "r.json").read_text())
+    assert report["gates"] == [] and report["summary"] == {}
+
+
+def test_junit_properties_carry_the_numbers(pytester, gates_project, make_run, own_profile):
+    gates_project()
+    run = make_run(**{"quality.student.controls_with_integration": 2})
+    pytester.runpytest("gates/test_privacy.py", f"--run-dir={run}", f"--hw-profile={own_profile}",
+                       "--junitxml=junit.xml")
+    xml = (pytester.path / "junit.xml").read_text()
+    for needle in ('name="controls_with_integration.measured" value="2"',
+                   'name="controls_with_integration.threshold" value="0"',
+                   'name="controls_with_integration.verdict" value="fail"',
+                   "gate privacy/controls_with_integration FAILED: measured 2 &lt;= threshold 0"):
+        assert needle in xml, needle

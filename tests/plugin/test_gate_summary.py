@@ -1,0 +1,23 @@
+"""--gate-summary: a Markdown table for a CI job summary; the rich terminal table."""
+
+from __future__ import annotations
+
+
+def test_markdown_summary(pytester, gates_project, make_run, own_profile):
+    gates_project()
+    run = make_run(**{"gate_inputs.export.cosine_by_shape.192": 0.98})
+    result = pytester.runpytest("gates/test_export.py", f"--run-dir={run}", f"--hw-profile={own_profile}",
+                                "--gate-summary=summary.md")
+    result.assert_outcomes(passed=5, failed=1)
+    text = (pytester.path / "summary.md").read_text()
+    assert text.startswith("## distillgates gates")
+    assert f"Hardware profile `{own_profile}`, bless=False: 1 fail, 5 pass." in text
+    assert "| fail | export | `export.cosine[shape=192]` | 0.98 | 0.999 | — |" in text
+
+
+def test_terminal_table(pytester, gates_project, make_run, own_profile):
+    gates_project()
+    result = pytester.runpytest("gates/test_speculative.py", f"--run-dir={make_run()}", f"--hw-profile={own_profile}")
+    result.assert_outcomes(passed=3)
+    result.stdout.fnmatch_lines(["*distillgates gates*", "*verdict*gate*check*measured*threshold*baseline*",
+                                 "*pass*speculative*speculative.identi*"])

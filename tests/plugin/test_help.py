@@ -1,0 +1,27 @@
+"""pytest --help lists every distillgates option in its own group."""
+
+from __future__ import annotations
+
+
+def test_help_lists_options(pytester):
+    result = pytester.runpytest("--help")
+    result.stdout.fnmatch_lines([
+        "distillgates gates (quality and speed gates with blessed baselines):",
+        "*--hw-profile=KEY*hardware profile*",
+        "*--bless*measure and write baselines*",
+        "*--allow-cross-hw*",
+        "*--baselines-dir=DIR*",
+        "*--run-dir=DIR*",
+        "*--gate-report=PATH*JSON*",
+        "*--gate-summary=PATH*Markdown*",
+        "*--speed-samples=N*",
+        "*--speed-max-rounds=N*",
+        "*--speed-paired*",
+        "*--speed-inconclusive*",
+    ])
+
+
+def test_bad_values_are_usage_errors(pytester):
+    for option in ("--speed-samples=2", "--speed-max-rounds=-1", "--run-dir=/no/such/dir"):
+        result = pytester.runpytest(option)
+        assert result.ret == 4, option

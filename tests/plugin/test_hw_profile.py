@@ -1,0 +1,47 @@
+"""--hw-profile: select the profile; a measurement on other hardware is refused for hardware gates."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+ANE = "gates/test_ane_residency.py"
+PLAN = {"gate_inputs.ane.source": "mlcomputeplan"}  # a compute plan depends on the device
+
+
+def other_profile(own: str) -> str:
+    return "m1-max-64g" if own != "m1-max-64g" else "m3-max-48g"
+
+
+def test_default_is_the_detected_profile(pytester, gates_project, make_run, own_profile):
+    gates_project()
+    result = pytester.runpytest(ANE, f"--run-dir={make_run(**PLAN)}", "--bless")
+    result.assert_outcomes(passed=2)
+    data = json.loads((pytester.path / "baselines" / own_profile / "ane_residency.json").read_text())
+    assert data["hardware_profile_key"] == own_profile
+    assert "estimated_share.mlcomputeplan" in data["entries"]
+
+
+def test_selected_profile_that_is_not_this_machine_is_refused(pytester, gates_project, make_run, own_profile):
+    gates_project()
+    run = make_run(**PLAN)
+    other = other_profile(own_profile)
+    pytester.runpytest(ANE, f"--run-dir={run}", f"--hw-profile={other}", "--bless", "--allow-cross-hw")
+    result = pytester.runpytest(ANE, f"--run-dir={run}", f"--hw-profile={other}")
+    result.assert_outcomes(passed=1, failed=1)  # the absolute share gate is hardware-free; the drop gate is not
+    result.stdout.fnmatch_lines([f"*--hw-profile '{other}' does not match this machine*--allow-cross-hw*"])
+
+
+def test_hardware_free_gates_ignore_the_profile(pytester, gates_project, make_run, own_profile):
+    gates_project()
+    result = pytester.runpytest("gates/test_privacy.py", f"--run-dir={make_run()}",
+                                f"--hw-profile={other_profile(own_profile)}")
+    result.assert_outcomes(passed=2)
+
+
+@pytest.mark.parametrize("key", ["M1 Max", "-dash-first", "a/b"])
+def test_invalid_key_is_a_usage_error(pytester, key):
+    result = pytester.runpytest(f"--hw-profile={key}")
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    result.stderr.fnmatch_lines(["*invalid hardware profile key*"])

@@ -1,0 +1,109 @@
+"""--run-dir: every gate passes on a good run and fails when its criterion is violated."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from .conftest import DELETE
+
+NAN = float("nan")
+
+GATE_FILES = ["quality", "f1_drift", "privacy", "determinism", "latency_loss", "shape_drift", "qat_cosine", "export",
+              "ane_residency", "prompt_cache", "speculative"]
+BASELINED = ["gates/test_f1_drift.py", "gates/test_shape_drift.py", "gates/test_ane_residency.py"]
+
+# (id, {dotted report key: value}, gate file, failing tests, fragment of the failure message)
+VIOLATIONS = [
+    ("lower_f1", {"quality.student.f1_lax_macro": 0.5}, "quality", ["test_quality[f1_lax_macro]"],
+     "measured 0.5 >= threshold 0.9"),
+    ("lower_tool_selection", {"quality.student.tool_selection": 0.8}, "quality", ["test_quality[tool_selection]"],
+     "0.8"),
+    ("invalid_json", {"quality.student.json_validity": 0.97}, "quality", ["test_quality[json_validity]"], "0.97"),
+    ("fixture_misses", {"quality.student.fixture_hit_rate": 0.9}, "quality", ["test_quality[fixture_hit_rate]"],
+     "0.9"),
+    ("f1_lax_drift", {"quality.student.f1_lax_macro": 0.93}, "f1_drift", ["test_f1_drift[lax]"],
+     "vs blessed 0.95: change -0.02"),
+    ("f1_strict_drift", {"quality.student.f1_strict_macro": 0.89}, "f1_drift", ["test_f1_drift[strict]"], "-0.02"),
+    ("leaked_pii", {"quality.student.privacy_ok_rate": 0.99}, "privacy", ["test_privacy_ok_rate"], "0.99 >= "),
+    ("control_calls_tool", {"quality.student.controls_with_integration": 1}, "privacy",
+     ["test_controls_with_integration"], "measured 1 <= threshold 0"),
+    ("nondeterministic_shards", {"gate_inputs.determinism.sharded_equal": False,
+                                 "gate_inputs.determinism.mismatches": 3}, "determinism",
+     ["test_sharded_equals_unsharded[mismatches]", "test_sharded_equals_unsharded[sharded_equal]"], "mismatches"),
+    ("shard_gaps", {"gate_inputs.determinism.coverage": 0.9, "gate_inputs.determinism.duplicates": 2,
+                    "gate_inputs.determinism.missing": 20}, "determinism",
+     ["test_sharded_equals_unsharded[coverage]", "test_sharded_equals_unsharded[duplicates]",
+      "test_sharded_equals_unsharded[missing]"], "coverage"),
+    ("single_shard", {"gate_inputs.determinism.n_shards": 1}, "determinism", ["test_more_than_one_shard"], "n_shards"),
+    ("missing_fingerprint", {"header.fingerprints.model_fingerprint": DELETE}, "determinism",
+     ["test_fingerprint_present[model_fingerprint]"], "found None"),
+    ("null_fingerprint", {"header.fingerprints.runner_fingerprint": None}, "determinism",
+     ["test_fingerprint_present[runner_fingerprint]"], "runner_fingerprint"),
+    ("other_tokenizer", {"header.fingerprints.tokenizer_fingerprint": "other"}, "determinism",
+     ["test_fingerprint_matches_eval_set[tokenizer_fingerprint]"], "'other'"),
+    ("longer_outputs", {"quality.student.median_tokens_out": 28.0}, "latency_loss", ["test_median_tokens_out"],
+     "<= threshold 0.85"),
+    ("false_tool_calls", {"quality.student.false_tool_calls_tool_absent": 2}, "latency_loss",
+     ["test_no_new_false_tool_calls"], "measured 2 <= threshold 0"),
+    ("shape_drift", {"quality.student.slices.shape.256.f1_lax_macro": 0.93}, "shape_drift",
+     ["test_shape_drift[256]"], "f1_lax_macro[shape=256]"),
+    ("qat_low_cosine", {"gate_inputs.qat.probe_cosine_min": 0.95, "gate_inputs.qat.probe_cosine.layer0_mlp": 0.95},
+     "qat_cosine", ["test_probe_cosine_min", "test_probe_cosine_every_module"], "0.95"),
+    ("qat_broken_weights_nan", {"gate_inputs.qat.probe_cosine_min": NAN, "gate_inputs.qat.has_nan": True,
+                                "gate_inputs.qat.probe_cosine.layer0_attn": NAN}, "qat_cosine",
+     ["test_probe_cosine_min", "test_probe_cosine_every_module", "test_no_nan"], "nan"),
+    ("export_mismatch", {"gate_inputs.export.cosine_by_shape.192": 0.98}, "export", ["test_export_cosine[192]"],
+     "0.98"),
+    ("export_shape_missing", {"gate_inputs.export.cosine_by_shape.256": DELETE}, "export",
+     ["test_export_cosine[256]"], "nan"),
+    ("int64_attention", {"gate_inputs.export.int64_on_attention": ["layers.0.attn.mask"]}, "export",
+     ["test_no_int64_on_attention"], "layers.0.attn.mask"),
+    ("lint_errors", {"gate_inputs.export.lint_errors": ["shape op"]}, "export", ["test_lint_clean"], "shape op"),
+    ("contract_broken", {"gate_inputs.export.contract_ok": False}, "export", ["test_contract"], "contract_ok"),
+    ("ane_low", {"gate_inputs.ane.estimated_share": 0.7}, "ane_residency", ["test_ane_share", "test_ane_no_drop"],
+     "static_mil_estimate"),
+    ("ane_drop", {"gate_inputs.ane.estimated_share": 0.83}, "ane_residency",
+     ["test_ane_no_drop"], "change -0.12"),
+    ("prompt_cache_slow", {"gate_inputs.prompt_cache.ttft_hit_ms": [9.0, 9.5, 10.0]}, "prompt_cache",
+     ["test_ttft_reduction"], "prompt_cache.ttft_reduction"),
+    ("prompt_cache_misses", {"gate_inputs.prompt_cache.hit_rate": 0.5}, "prompt_cache", ["test_hit_rate"], "0.5"),
+    ("speculative_differs", {"gate_inputs.speculative.identical": False}, "speculative", ["test_identical_output"],
+     "identical"),
+    ("speculative_slow", {"gate_inputs.speculative.speedup": 0.8, "gate_inputs.speculative.acceptance_rate": 0.1},
+     "speculative", ["test_speculative_figures[speedup-speculative_speedup_min]",
+                     "test_speculative_figures[acceptance_rate-speculative_acceptance_min]"], "0.8"),
+]
+
+
+def failed_tests(result: pytest.RunResult) -> list[str]:
+    return sorted(re.findall(r"^FAILED gates/test_\w+\.py::(\S+)", result.stdout.str(), flags=re.MULTILINE))
+
+
+def test_good_run_passes_every_gate(pytester, gates_project, make_run, own_profile):
+    gates_project()
+    run = make_run()
+    common = [f"--run-dir={run}", f"--hw-profile={own_profile}"]
+    pytester.runpytest(*BASELINED, *common, "--bless").assert_outcomes(passed=7)
+    result = pytester.runpytest("gates", *common, "-rA")
+    result.assert_outcomes(passed=44, skipped=3, deselected=5)
+    for name in GATE_FILES:
+        assert f"PASSED gates/test_{name}.py::" in result.stdout.str(), name
+    assert "requires macOS" in result.stdout.str()
+
+
+@pytest.mark.parametrize(("changes", "gate_file", "expected", "fragment"), [v[1:] for v in VIOLATIONS],
+                         ids=[v[0] for v in VIOLATIONS])
+def test_violation_fails_its_gate(pytester, gates_project, make_run, own_profile, changes, gate_file, expected,
+                                  fragment):
+    gates_project()
+    common = [f"--hw-profile={own_profile}", "-rf"]
+    path = f"gates/test_{gate_file}.py"
+    if path in BASELINED:
+        pytester.runpytest(path, f"--run-dir={make_run('good')}", *common, "--bless").assert_outcomes(
+            passed={"f1_drift": 2, "shape_drift": 3, "ane_residency": 2}[gate_file])
+    result = pytester.runpytest(path, f"--run-dir={make_run('bad', **changes)}", *common)
+    assert failed_tests(result) == sorted(expected), result.stdout.str()
+    assert fragment in result.stdout.str()
+    assert result.ret == pytest.ExitCode.TESTS_FAILED

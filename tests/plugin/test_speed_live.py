@@ -1,0 +1,59 @@
+"""Speed gates on the real measurement path: speed harness + PyTorch engine on a tiny student.
+
+Real timings are noisy, so the comparison run may pass or be inconclusive, never fail: the
+student is compared with itself (an A/A check of the wiring; the statistics have their own
+tests and the power benchmark)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from distillgates.config import ModelConfig, load_config
+from distillgates.data.build import build_toy_data
+from distillgates.model import Transformer, load_model, save_model
+
+from .conftest import REPO
+
+
+@pytest.fixture
+def live_run(make_run):
+    run = make_run("live")
+    cfg = load_config(REPO / "configs" / "toy.yaml")
+    build_toy_data(cfg, run / "data")
+    tiny = ModelConfig(vocab_size=cfg.tokenizer.vocab_size, d_model=32, n_layers=1, n_heads=2, n_kv_heads=1,
+                       ffn_hidden=64, max_seq_len=512)
+    save_model(run / "student" / "model.pt", Transformer(tiny))
+    return run
+
+
+def test_bless_and_compare_live_samples(pytester, gates_project, live_run, own_profile):
+    gates_project()
+    args = ["gates/test_speed.py", "-m", "speed", "-k", "ttft_ms-p50", f"--run-dir={live_run}",
+            f"--hw-profile={own_profile}", "--speed-samples=5", "--speed-max-rounds=1", "--gate-report=r.json"]
+    pytester.runpytest(*args, "--bless").assert_outcomes(passed=1, deselected=4)
+    entry = json.loads((pytester.path / "baselines" / own_profile / "speed.json").read_text())["entries"]["ttft_ms.p50"]
+    assert len(entry["samples"]) == 5 and all(s > 0 for s in entry["samples"])
+    assert entry["provenance"]["reference_model"]["path"].endswith("student/model.pt")
+    result = pytester.runpytest(*args)
+    outcomes = result.parseoutcomes()
+    assert outcomes.get("failed", 0) == 0 and outcomes.get("passed", 0) + outcomes.get("skipped", 0) == 1
+    record = json.loads((pytester.path / "r.json").read_text())["gates"][0]
+    assert record["verdict"] in ("pass", "inconclusive") and len(record["details"]["candidate_samples"]) >= 5
+
+
+def test_paired_mode_measures_the_blessed_reference_and_refuses_a_changed_one(pytester, gates_project, live_run,
+                                                                              own_profile):
+    gates_project()
+    args = ["gates/test_speed.py", "-m", "speed", "-k", "tps-p50", f"--run-dir={live_run}",
+            f"--hw-profile={own_profile}", "--speed-samples=5", "--speed-max-rounds=0"]
+    pytester.runpytest(*args, "--bless").assert_outcomes(passed=1, deselected=4)
+    outcomes = pytester.runpytest(*args, "--speed-paired").parseoutcomes()
+    assert outcomes.get("failed", 0) == 0 and outcomes.get("passed", 0) + outcomes.get("skipped", 0) == 1
+    retrained = load_model(live_run / "student" / "model.pt")
+    retrained.embed.weight.data.mul_(1.01)  # a new student: the blessed reference file is overwritten
+    save_model(live_run / "student" / "model.pt", retrained)
+    result = pytester.runpytest(*args, "--speed-paired")
+    result.assert_outcomes(failed=1, deselected=4)
+    result.stdout.fnmatch_lines(["*paired mode: blessed reference model * is missing or changed*"])
