@@ -89,13 +89,19 @@ def _speed_probe(run: RunArtifacts, model_path: Path, coreml: bool = False) -> S
     stop_ids = [tokenizer.convert_tokens_to_ids(t) for t in (END, EOS)]
 
     def for_metric(metric: str) -> Callable[[int], list[float]]:
+        calls = [0]  # successive calls rotate through the prompts (paired mode asks for 1 sample at a time)
+
         def measure(n: int) -> list[float]:
             samples: list[float] = []
             while len(samples) < n:
-                repeats = math.ceil((n - len(samples)) / len(prompts))
-                cfg = SpeedConfig(n_prompts=len(prompts), warmup=1, repeats=repeats, max_new_tokens=32)
-                result = measure_speed(engine, tokenizer, prompts, cfg, model_config=model.config, stop_ids=stop_ids,
-                                       backend=backend)
+                start = calls[0] % len(prompts)
+                calls[0] += 1
+                rotated = prompts[start:] + prompts[:start]
+                count = min(n - len(samples), len(prompts))
+                repeats = math.ceil((n - len(samples)) / count)
+                cfg = SpeedConfig(n_prompts=count, warmup=1, repeats=repeats, max_new_tokens=32)
+                result = measure_speed(engine, tokenizer, rotated[:count], cfg, model_config=model.config,
+                                       stop_ids=stop_ids, backend=backend)
                 if not result[metric]["samples"]:
                     raise RuntimeError(f"speed harness returned no {metric} samples for {model_path}")
                 samples += result[metric]["samples"]

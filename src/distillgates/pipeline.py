@@ -10,6 +10,8 @@ resumes at the first unfinished step.
 from __future__ import annotations
 
 import argparse
+import functools
+import hashlib
 import json
 import shutil
 import time
@@ -39,6 +41,17 @@ class Step:
     resumable: bool = False  # an interrupted run of the same inputs continues from its checkpoint
 
 
+@functools.cache
+def code_version() -> str:
+    """sha256 over the package's sources: a code change invalidates cached steps too."""
+    package = Path(distillgates.__file__).parent
+    digest = hashlib.sha256(distillgates.__version__.encode())
+    for path in sorted(package.rglob("*.py")) + sorted(package.rglob("*.json")):
+        digest.update(str(path.relative_to(package)).encode())
+        digest.update(path.read_bytes())
+    return digest.hexdigest()
+
+
 class Pipeline:
     """Runs steps in order with fingerprint caching and a manifest."""
 
@@ -53,7 +66,7 @@ class Pipeline:
         sections = {name: to_dict(getattr(self.cfg, name)) for name in step.sections}
         upstream = {dep: self.manifest.get(dep, {}).get("fingerprint") for dep in step.depends}
         return sha256_json({"step": step.name, "sections": sections, "upstream": upstream, "seed": self.cfg.seed,
-                            "version": distillgates.__version__})
+                            "code": code_version()})
 
     def is_fresh(self, step: Step) -> bool:
         entry = self.manifest.get(step.name)
@@ -173,8 +186,9 @@ def step_kd(cfg: Config, run_dir: Path) -> dict[str, Any]:
     else:
         teacher = _teacher(cfg, run_dir)
     out = run_dir / "kd" / "kd.jsonl"
-    # resume is safe: the builder refuses a checkpoint of another build (different teacher/items)
-    result = build_kd_set(cfg, teacher, _train_items(run_dir), out, resume=True, cache_dir=run_dir / "kd" / "cache")
+    # resume is safe: the builder refuses a checkpoint of another build (different teacher/items); the
+    # response cache lives outside kd/ so it survives a config change (keys are request hashes)
+    result = build_kd_set(cfg, teacher, _train_items(run_dir), out, resume=True, cache_dir=run_dir / "cache" / "kd")
     if not result.complete:
         raise RuntimeError(f"KD set incomplete: {result.message}")
     return {"records": result.n_done, "tokens": result.spent_tokens, "status": result.status}
@@ -237,15 +251,18 @@ def step_eval(cfg: Config, run_dir: Path) -> dict[str, Any]:
     from distillgates.runtime import TorchEngine
     tokenizer, items = _tokenizer(run_dir), _eval_items(run_dir)
     eval_sha = dataset_sha256(run_dir / "data" / "eval.jsonl")
+    assert cfg.teacher is not None
+    if cfg.teacher.kind == "openai":
+        from distillgates.eval.runners import TeacherRunner
+        from distillgates.teacher.http import HTTPTeacher
+
+        teacher: Any = TeacherRunner(HTTPTeacher(cfg.teacher, tokenizer))
+    else:  # a local teacher runs through the same engine and runner (identical weights via from_hf)
+        teacher = TorchEngine(from_hf(_teacher(cfg, run_dir).model).eval())
     quality = {}
-    for role, model in (
-        ("student", load_model(run_dir / "student" / "model.pt")),
-        # the teacher runs through the same engine and runner (identical weights via from_hf)
-        ("teacher", from_hf(_teacher(cfg, run_dir).model)),
-    ):
-        quality[role] = evaluate(
-            TorchEngine(model.eval()), items, tokenizer, lengths=cfg.shapes.lengths, dataset_sha256=eval_sha
-        )
+    for role, engine in (("student", TorchEngine(load_model(run_dir / "student" / "model.pt").eval())),
+                         ("teacher", teacher)):
+        quality[role] = evaluate(engine, items, tokenizer, lengths=cfg.shapes.lengths, dataset_sha256=eval_sha)
     spec = {"dataset": str(run_dir / "data" / "eval.jsonl"), "tokenizer": str(run_dir / "data" / "tokenizer"),
             "model": str(run_dir / "student" / "model.pt"), "runner": "engine", "max_new_tokens": 96}
     determinism = sharded_determinism(spec, world_size=2, work_dir=run_dir / "eval" / "shards")
@@ -266,10 +283,10 @@ def step_report(cfg: Config, run_dir: Path) -> dict[str, Any]:
         "determinism": json.loads((run_dir / "eval" / "determinism.json").read_text()),
         "qat": json.loads((run_dir / "student" / "qat_probe.json").read_text()),
         **export_inputs,
-        "prompt_cache": speed_report["gate_inputs"]["prompt_cache"],
+        "prompt_cache": speed_report["prompt_cache"],
     }
-    if speed_report["gate_inputs"].get("speculative") is not None:
-        gate_inputs["speculative"] = speed_report["gate_inputs"]["speculative"]
+    if speed_report.get("speculative") is not None:
+        gate_inputs["speculative"] = speed_report["speculative"]
     report = build_report(
         fingerprints=quality["student"]["fingerprints"],
         quality=quality,

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -38,7 +37,7 @@ from distillgates.export import (
 from distillgates.export.convert import export_program
 from distillgates.model import load_model, model_fingerprint
 
-requires_macos = pytest.mark.skipif(sys.platform != "darwin", reason="requires macOS: Core ML prediction")
+requires_macos = pytest.mark.requires_macos  # skipped off macOS by the plugin, with the reason
 
 
 def _program_from_disk(path: Path) -> Any:

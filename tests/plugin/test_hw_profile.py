@@ -45,3 +45,13 @@ def test_invalid_key_is_a_usage_error(pytester, key):
     result = pytester.runpytest(f"--hw-profile={key}")
     assert result.ret == pytest.ExitCode.USAGE_ERROR
     result.stderr.fnmatch_lines(["*invalid hardware profile key*"])
+
+
+def test_bless_under_another_machines_profile_is_refused(pytester, gates_project, make_run, own_profile):
+    """--bless must not write this machine's numbers under another machine's profile."""
+    gates_project()
+    other = other_profile(own_profile)
+    result = pytester.runpytest(ANE, f"--run-dir={make_run(**PLAN)}", f"--hw-profile={other}", "--bless")
+    result.assert_outcomes(passed=1, failed=1)
+    result.stdout.fnmatch_lines(["*refusing to bless*does not match this machine*"])
+    assert not (pytester.path / "baselines" / other).exists()

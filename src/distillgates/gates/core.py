@@ -138,6 +138,10 @@ class Gate:
 
     def _bless(self, name: str, key: str, value: Any, definition: str, hardware_dependent: bool,
                samples: list[float] | None = None, extra: dict[str, Any] | None = None) -> GateRecord:
+        if hardware_dependent and self.context.hardware_mismatch and not self.context.allow_cross_hw:
+            # never write this machine's numbers under another machine's profile
+            return self._finish(GateRecord(self.nodeid, self.group, name, value, None, "bless", None, "fail",
+                                           f"refusing to bless: {self.context.hardware_mismatch}"))
         provenance = {**self.context.provenance, "blessed_at": dt.datetime.now(dt.UTC).isoformat(), **(extra or {})}
         entry = BaselineEntry(value, definition, samples, provenance)
         path = self.context.store.stage(self.group, key, entry, hardware_dependent=hardware_dependent)

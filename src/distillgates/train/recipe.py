@@ -199,6 +199,13 @@ class Recipe:
         # batch_at(step) is a pure function of (seed, step): the data position is the step itself
         self.sampler = ShapeSampler([r.length for r in self.rows], self.shapes, cfg.batch_size, cfg.steps, cfg.seed)
         self.model = Transformer(self.model_cfg).to(self.device)
+        if cfg.fsdp and self.dist.world > 1:
+            if cfg.qat.enabled:
+                raise ValueError("train.fsdp with train.qat.enabled is not supported: QAT swaps modules after sharding")
+            from torch.distributed.fsdp import fully_shard
+
+            # shard before building the optimizer: fully_shard replaces the parameters (DTensors)
+            fully_shard(self.model)
         self.optimizer = torch.optim.AdamW(
             self.model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.95)
         )
@@ -218,16 +225,11 @@ class Recipe:
     def _wrap(self) -> None:
         """The module the training forward calls: QAT graph or model, under DDP/FSDP if distributed."""
         module: Any = self.qat.graph if self.qat is not None else self.model
-        if self.dist.world > 1:
-            if self.cfg.fsdp:
-                from torch.distributed.fsdp import fully_shard
+        if self.dist.world > 1 and not self.cfg.fsdp:  # FSDP sharded the model at setup
+            from torch.nn.parallel import DistributedDataParallel
 
-                fully_shard(module)
-            else:
-                from torch.nn.parallel import DistributedDataParallel
-
-                ids = [self.dist.local_rank] if self.device != "cpu" else None
-                module = DistributedDataParallel(module, device_ids=ids)
+            ids = [self.dist.local_rank] if self.device != "cpu" else None
+            module = DistributedDataParallel(module, device_ids=ids)
         self.forward_module = module
 
     def _start_qat(self) -> None:

@@ -1,0 +1,211 @@
+"""Local Hugging Face teacher: any ``AutoModelForCausalLM`` directory plus its tokenizer.
+
+Gives what distillation needs from a white-box teacher: dense logits for a batch (online KD),
+top-k log-probs (offline KD sets), and greedy/temperature generation that records the top-k
+log-probs of every generated position. Generation is a plain loop over the HF KV cache
+(``past_key_values``) so stop ids and per-step log-probs stay in our hands.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from distillgates.config import sha256_json
+from distillgates.io import sha256_file
+from distillgates.teacher.base import END, TurnResult, render_messages
+
+
+@dataclass
+class Generation:
+    """Output of :meth:`LocalTeacher.generate` (stop token excluded from ``token_ids``)."""
+
+    text: str
+    token_ids: list[int]
+    topk_ids: list[list[int]]  # per generated position, k ids by descending log-prob
+    topk_logprobs: list[list[float]]
+    token_logprobs: list[float]  # log-prob of each chosen token
+    finish_reason: str  # "stop" or "length"
+    stop_topk_ids: list[int]  # top-k at the position that produced the stop id ([] on "length")
+    stop_topk_logprobs: list[float]
+
+
+def _weights_digest(path: Path) -> str:
+    """sha256 over the weight files: the model id changes whenever the weights do."""
+    files = sorted(path.glob("*.safetensors")) or sorted(path.glob("*.bin"))
+    if not files:
+        raise FileNotFoundError(f"{path}: no *.safetensors or *.bin weights found")
+    h = hashlib.sha256()
+    for f in files:
+        h.update(f.name.encode() + sha256_file(f).encode())
+    return h.hexdigest()
+
+
+class LocalTeacher:
+    """A causal LM loaded from a ``save_pretrained`` directory."""
+
+    def __init__(self, path: str | Path, device: str = "cpu", dtype: torch.dtype = torch.float32) -> None:
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        self.path = Path(path)
+        if not (self.path / "config.json").exists():
+            raise FileNotFoundError(f"{self.path}: not a model directory (config.json missing)")
+        self.model = AutoModelForCausalLM.from_pretrained(self.path, dtype=dtype).to(device).eval()
+        self.tokenizer = AutoTokenizer.from_pretrained(self.path)
+        self.device = torch.device(device)
+        self.model_id = f"local:{self.path.name}:{_weights_digest(self.path)[:16]}"
+        self.max_positions = int(getattr(self.model.config, "max_position_embeddings", 1 << 30))
+        self.end_id = self.tokenizer.convert_tokens_to_ids(END)
+
+    def __repr__(self) -> str:
+        return f"LocalTeacher({self.model_id!r})"
+
+    @torch.no_grad()
+    def logits(self, input_ids: Tensor, attention_mask: Tensor | None = None) -> Tensor:
+        """Dense logits ``(B, T, V)`` (right padding; padded positions are garbage)."""
+        out = self.model(input_ids=input_ids.to(self.device), attention_mask=_maybe(attention_mask, self.device))
+        return out.logits.float()  # (B, T, V)
+
+    @torch.no_grad()
+    def topk_logprobs(self, input_ids: Tensor, k: int, attention_mask: Tensor | None = None) -> tuple[Tensor, Tensor]:
+        """Top-k log-probs of the next-token distribution at every position: ``(values, ids)``, each (B, T, k)."""
+        logprobs = F.log_softmax(self.logits(input_ids, attention_mask), dim=-1)  # (B, T, V)
+        values, ids = logprobs.topk(k, dim=-1)  # (B, T, k)
+        return values, ids
+
+    def generate(
+        self,
+        prompt_ids: list[int],
+        max_new_tokens: int,
+        stop_ids: list[int] | tuple[int, ...] = (),
+        temperature: float = 0.0,
+        top_k: int = 20,
+        seed: int = 0,
+    ) -> Generation:
+        """Greedy (``temperature == 0``) or sampled generation recording top-k log-probs per step.
+
+        Stops at the first id in ``stop_ids`` (excluded from the output), after ``max_new_tokens``
+        or at the model's ``max_position_embeddings``, whichever comes first.
+        """
+        return self.generate_batch([prompt_ids], max_new_tokens, stop_ids, temperature, top_k, seed)[0]
+
+    @torch.no_grad()
+    def generate_batch(
+        self,
+        prompts: list[list[int]],
+        max_new_tokens: int,
+        stop_ids: list[int] | tuple[int, ...] = (),
+        temperature: float = 0.0,
+        top_k: int = 20,
+        seed: int = 0,
+    ) -> list[Generation]:
+        """:meth:`generate` for several prompts at once (left padding, one KV cache).
+
+        Rows finish independently; the loop ends when every row hit a stop id or its budget.
+        """
+        generator = torch.Generator().manual_seed(seed)
+        B, T = len(prompts), max(len(p) for p in prompts)
+        pad = self.tokenizer.pad_token_id or 0
+        input_ids = torch.tensor([[pad] * (T - len(p)) + p for p in prompts], device=self.device)  # (B, T)
+        mask = torch.tensor([[0] * (T - len(p)) + [1] * len(p) for p in prompts], device=self.device)  # (B, T)
+        positions = (mask.cumsum(-1) - 1).clamp(min=0)  # (B, T)
+        budget = min(max_new_tokens, self.max_positions - T)
+        stop = torch.tensor(sorted(set(stop_ids)) or [-1], device=self.device)
+        done = torch.zeros(B, dtype=torch.bool, device=self.device)
+        rows: list[dict[str, Any]] = [{"ids": [], "top": [], "lp": [], "chosen": [], "stop": None} for _ in prompts]
+        past = None
+        for _ in range(max(budget, 0)):
+            out = self.model(
+                input_ids=input_ids, attention_mask=mask, position_ids=positions, past_key_values=past, use_cache=True
+            )
+            past = out.past_key_values
+            logprobs = F.log_softmax(out.logits[:, -1].float(), dim=-1)  # (B, V)
+            values, top = logprobs.topk(top_k, dim=-1)  # (B, k)
+            if temperature > 0:
+                probs = F.softmax(logprobs / temperature, dim=-1)  # (B, V)
+                next_ids = torch.multinomial(probs.cpu(), 1, generator=generator).squeeze(-1).to(self.device)  # (B,)
+            else:
+                next_ids = top[:, 0]  # (B,)
+            chosen = logprobs.gather(-1, next_ids[:, None]).squeeze(-1)  # (B,)
+            is_stop = torch.isin(next_ids, stop)  # (B,)
+            for b in (~done).nonzero().flatten().tolist():
+                row = rows[b]
+                if is_stop[b]:
+                    row["stop"] = (top[b].tolist(), values[b].tolist())
+                else:
+                    row["ids"].append(int(next_ids[b]))
+                    row["top"].append(top[b].tolist())
+                    row["lp"].append(values[b].tolist())
+                    row["chosen"].append(float(chosen[b]))
+            done |= is_stop
+            if bool(done.all()):
+                break
+            input_ids = next_ids[:, None]  # (B, 1)
+            mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=-1)  # (B, T+n)
+            positions = positions[:, -1:] + 1  # (B, 1)
+        return [
+            Generation(
+                text=self._decode(r["ids"]),
+                token_ids=r["ids"],
+                topk_ids=r["top"],
+                topk_logprobs=r["lp"],
+                token_logprobs=r["chosen"],
+                finish_reason="stop" if r["stop"] is not None else "length",
+                stop_topk_ids=r["stop"][0] if r["stop"] is not None else [],
+                stop_topk_logprobs=r["stop"][1] if r["stop"] is not None else [],
+            )
+            for r in rows
+        ]
+
+    def complete(
+        self, messages: list[dict[str, Any]], *, max_new_tokens: int, top_k: int, temperature: float = 0.0
+    ) -> TurnResult:
+        """One assistant turn for chat messages, stopping at ``<|end|>``."""
+        return self.complete_batch([messages], max_new_tokens=max_new_tokens, top_k=top_k, temperature=temperature)[0]
+
+    def complete_batch(
+        self, conversations: list[list[dict[str, Any]]], *, max_new_tokens: int, top_k: int, temperature: float = 0.0
+    ) -> list[TurnResult]:
+        """:meth:`complete` for several conversations in one batched generation."""
+        prompts = [self.encode(render_messages(m)) for m in conversations]
+        gens = self.generate_batch(prompts, max_new_tokens, [self.end_id], temperature=temperature, top_k=top_k)
+        results = []
+        for prompt_ids, gen in zip(prompts, gens):
+            request = {
+                "model": self.model_id,
+                "prompt_ids": prompt_ids,
+                "max_new_tokens": max_new_tokens,
+                "top_k": top_k,
+                "temperature": temperature,
+            }
+            results.append(
+                TurnResult(
+                    text=gen.text,
+                    token_ids=gen.token_ids,
+                    topk_ids=gen.topk_ids,
+                    topk_logprobs=gen.topk_logprobs,
+                    finish_reason=gen.finish_reason,
+                    request_id="local-" + sha256_json(request)[:24],  # deterministic: same request, same id
+                    prompt_tokens=len(prompt_ids),
+                    completion_tokens=len(gen.token_ids) + (gen.finish_reason == "stop"),
+                    stop_topk_ids=gen.stop_topk_ids,
+                    stop_topk_logprobs=gen.stop_topk_logprobs,
+                )
+            )
+        return results
+
+    def encode(self, text: str) -> list[int]:
+        return list(self.tokenizer.encode(text, add_special_tokens=False))
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
+
+
+def _maybe(t: Tensor | None, device: torch.device) -> Tensor | None:
+    return None if t is None else t.to(device)

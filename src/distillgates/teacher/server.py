@@ -1,0 +1,247 @@
+"""A loopback OpenAI chat-completions server backed by a local teacher, with injectable faults.
+
+Speaks the subset the HTTP teacher uses: ``POST /v1/chat/completions`` with ``messages``,
+``max_tokens``, ``temperature``, ``logprobs``/``top_logprobs`` and ``stop``; answers in the
+OpenAI shape (``id``, ``choices[0].message.content``, ``choices[0].logprobs.content[*]`` with
+``token``/``logprob``/``bytes``/``top_logprobs``, ``finish_reason``, ``usage``) and echoes the
+request id in an ``x-request-id`` header. ``GET /v1/models`` lists the one model.
+
+Faults are queued per request (``server.faults.append(Fault("429", retry_after=1))``): each
+request pops the next one, so a test scripts exactly which requests fail and how. Used by the
+tests and by ``distillgates teacher serve`` for demos. Stdlib ``ThreadingHTTPServer``: no extra
+dependency, and one generation at a time behind a lock (the model is not thread-safe).
+"""
+
+from __future__ import annotations
+
+import collections
+import itertools
+import json
+import threading
+import time
+from dataclasses import dataclass
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Any
+
+from distillgates.teacher.base import END, render_messages
+from distillgates.teacher.local import LocalTeacher
+from distillgates.teacher.tokens import TokenBytes
+
+FAULT_KINDS = ("429", "500", "503", "malformed", "slow", "drop")
+
+
+@dataclass
+class Fault:
+    """One injected failure. ``slow`` sleeps ``delay_s`` before answering normally."""
+
+    kind: str
+    retry_after: float | None = None  # seconds, sent as Retry-After on 429/503
+    delay_s: float = 2.0
+
+    def __post_init__(self) -> None:
+        if self.kind not in FAULT_KINDS:
+            raise ValueError(f"fault kind must be one of {FAULT_KINDS}, got {self.kind!r}")
+
+
+class TeacherServer:
+    """Owns the HTTP server thread; use as a context manager or call start()/stop()."""
+
+    def __init__(
+        self,
+        teacher: LocalTeacher,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        api_key: str | None = None,
+        model_name: str = "toy-teacher",
+        log_path: str | Path | None = None,
+    ) -> None:
+        self.teacher = teacher
+        self.token_bytes = TokenBytes(teacher.tokenizer)
+        self.api_key = api_key
+        self.model_name = model_name
+        self.log_path = Path(log_path) if log_path else None
+        self.faults: collections.deque[Fault] = collections.deque()
+        self.requests_seen = 0
+        self._ids = itertools.count(1)
+        self._lock = threading.Lock()
+        self._httpd = ThreadingHTTPServer((host, port), _make_handler(self))
+        self._httpd.daemon_threads = True
+        self._thread: threading.Thread | None = None
+
+    @property
+    def base_url(self) -> str:
+        host, port = self._httpd.server_address[:2]
+        return f"http://{host}:{port}/v1"
+
+    def start(self) -> TeacherServer:
+        self._thread = threading.Thread(target=self._httpd.serve_forever, daemon=True)
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._httpd.shutdown()
+        self._httpd.server_close()
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+
+    def __enter__(self) -> TeacherServer:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def serve_forever(self) -> None:
+        self._httpd.serve_forever()
+
+    def log(self, line: str) -> None:
+        """Access log (request line and status only: headers, and so keys, are never logged)."""
+        if self.log_path is not None:
+            with self._lock, open(self.log_path, "a") as f:
+                f.write(line + "\n")
+
+    def next_fault(self) -> Fault | None:
+        with self._lock:
+            self.requests_seen += 1
+            return self.faults.popleft() if self.faults else None
+
+    def completion(self, body: dict[str, Any]) -> dict[str, Any]:
+        """The chat-completions response for a validated request body."""
+        messages = body["messages"]
+        max_tokens = int(body.get("max_tokens") or body.get("max_completion_tokens") or 64)
+        temperature = float(body.get("temperature") or 0.0)
+        k = int(body.get("top_logprobs") or 0) if body.get("logprobs") else 0
+        stop = body.get("stop") or [END]
+        stops = [stop] if isinstance(stop, str) else stop
+        stop_ids = [self.teacher.tokenizer.convert_tokens_to_ids(s) for s in stops]
+        prompt_ids = self.teacher.encode(render_messages(messages))
+        with self._lock:  # one generation at a time
+            gen = self.teacher.generate(
+                prompt_ids,
+                max_tokens,
+                stop_ids,
+                temperature=temperature,
+                top_k=max(k, 1),
+                seed=int(body.get("seed") or 0),
+            )
+        request_id = f"chatcmpl-{next(self._ids):06d}"
+        choice: dict[str, Any] = {
+            "index": 0,
+            "message": {"role": "assistant", "content": gen.text},
+            "finish_reason": gen.finish_reason,
+            "logprobs": None,
+        }
+        if k:
+            choice["logprobs"] = {
+                "content": [
+                    {**self._token(tok, lp), "top_logprobs": [self._token(i, v) for i, v in zip(ids[:k], lps[:k])]}
+                    for tok, lp, ids, lps in zip(gen.token_ids, gen.token_logprobs, gen.topk_ids, gen.topk_logprobs)
+                ]
+            }
+        n_out = len(gen.token_ids) + (gen.finish_reason == "stop")
+        return {
+            "id": request_id,
+            "object": "chat.completion",
+            "created": int(time.time()),
+            "model": self.model_name,
+            "choices": [choice],
+            "usage": {
+                "prompt_tokens": len(prompt_ids),
+                "completion_tokens": n_out,
+                "total_tokens": len(prompt_ids) + n_out,
+            },
+        }
+
+    def _token(self, token_id: int, logprob: float) -> dict[str, Any]:
+        raw = self.token_bytes.by_id[token_id]
+        return {"token": raw.decode("utf-8", errors="replace"), "logprob": logprob, "bytes": list(raw)}
+
+
+def _validate(body: Any) -> str | None:
+    """Why a request body is not a chat-completions request (None when it is)."""
+    if not isinstance(body, dict):
+        return "body must be a JSON object"
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        return "messages must be a non-empty list"
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict) or m.get("role") not in ("system", "user", "assistant", "tool"):
+            return f"messages[{i}].role is invalid"
+        if not isinstance(m.get("content"), str):
+            return f"messages[{i}].content must be a string"
+    return None
+
+
+def _make_handler(server: TeacherServer) -> type[BaseHTTPRequestHandler]:
+    class Handler(BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"
+
+        def log_message(self, format: str, *args: Any) -> None:
+            server.log(f"{self.address_string()} {format % args}")
+
+        def _send(self, status: int, payload: bytes, headers: dict[str, str] | None = None) -> None:
+            self.send_response(status)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(payload)))
+            for key, value in (headers or {}).items():
+                self.send_header(key, value)
+            self.end_headers()
+            self.wfile.write(payload)
+
+        def _error(self, status: int, message: str, headers: dict[str, str] | None = None) -> None:
+            body = {"error": {"message": message, "type": "server_error" if status >= 500 else "invalid_request"}}
+            self._send(status, json.dumps(body).encode(), headers)
+
+        def _authorized(self) -> bool:
+            if server.api_key is None:
+                return True
+            if self.headers.get("Authorization", "") == f"Bearer {server.api_key}":
+                return True
+            self._error(401, "invalid api key")  # never echo the presented key
+            return False
+
+        def do_GET(self) -> None:
+            if not self._authorized():
+                return
+            if self.path.rstrip("/") in ("/v1/models", "/models"):
+                self._send(200, json.dumps({"object": "list", "data": [{"id": server.model_name}]}).encode())
+            else:
+                self._error(404, f"no route {self.path}")
+
+        def do_POST(self) -> None:
+            length = int(self.headers.get("Content-Length") or 0)
+            raw = self.rfile.read(length)
+            if not self._authorized():
+                return
+            if self.path.rstrip("/") not in ("/v1/chat/completions", "/chat/completions"):
+                self._error(404, f"no route {self.path}")
+                return
+            fault = server.next_fault()
+            if fault is not None and fault.kind in ("429", "503"):
+                headers = {"Retry-After": f"{fault.retry_after:g}"} if fault.retry_after is not None else {}
+                self._error(int(fault.kind), "injected fault", headers)
+                return
+            if fault is not None and fault.kind == "500":
+                self._error(500, "injected fault")
+                return
+            if fault is not None and fault.kind == "drop":  # connection closed without a response
+                self.close_connection = True
+                return
+            if fault is not None and fault.kind == "slow":
+                time.sleep(fault.delay_s)
+            try:
+                body = json.loads(raw)
+            except json.JSONDecodeError as err:
+                self._error(400, f"invalid JSON: {err}")
+                return
+            problem = _validate(body)
+            if problem:
+                self._error(400, problem)
+                return
+            response = server.completion(body)
+            if fault is not None and fault.kind == "malformed":
+                self._send(200, json.dumps(response).encode()[: len(json.dumps(response)) // 2])  # truncated JSON
+                return
+            self._send(200, json.dumps(response).encode(), {"x-request-id": response["id"]})
+
+    return Handler

@@ -1,0 +1,186 @@
+"""The toy teacher recipe: train a small ``LlamaForCausalLM`` on the toy conversations on CPU.
+
+Design choices:
+- Architecture from ``cfg.teacher.model`` through :func:`distillgates.model.hf_config`, so the
+  teacher is a stock HF model that :class:`~distillgates.teacher.local.LocalTeacher` (and any
+  HF tooling) loads from ``save_pretrained``.
+- Loss on the assistant-generated tokens only (``generated`` spans of
+  :mod:`distillgates.data.targets`: preamble, call, ``<|end|>``, answer, ``<|eos|>``). The prompt
+  (an identical system prompt per locale plus a random user request) is most of every sequence;
+  predicting it teaches nothing about the task and costs a 1M-parameter model capacity and
+  steps. Injected tool results are inputs, never targets, exactly as at inference.
+- AdamW, linear warmup then cosine decay to ``min_lr_ratio * lr``; batches are padded to the
+  longest sequence in the batch (right padding, padded positions masked out of the loss).
+- Evaluation drives the teacher through the same multi-turn loop as the KD builder
+  (generate until ``<|end|>``, inject the fixture result after a call, continue) and scores
+  tool selection (called tool names in order == expected names; ``[]`` for no-tool items) and
+  JSON validity (every emitted call parses and passes ``validate_call``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+import random
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from distillgates.config import Config, TeacherConfig
+from distillgates.data.registry import validate_call
+from distillgates.data.targets import encode_item
+from distillgates.io import atomic_write_json
+from distillgates.model import hf_config
+
+log = logging.getLogger(__name__)
+
+
+def encode_for_training(
+    tokenizer: Any, items: list[dict[str, Any]], max_len: int
+) -> list[tuple[list[int], list[bool]]]:
+    """(input ids, loss mask on generated tokens) per item; items longer than ``max_len`` are dropped."""
+    out = []
+    for item in items:
+        encoded = encode_item(tokenizer, item)
+        if len(encoded.input_ids) <= max_len:
+            out.append((encoded.input_ids, encoded.masks["generated"]))
+    if not out:
+        raise ValueError(f"no training conversation fits teacher.model.max_seq_len={max_len}")
+    return out
+
+
+def _batch(rows: list[tuple[list[int], list[bool]]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    T = max(len(ids) for ids, _ in rows)
+    ids = torch.tensor([i + [pad_id] * (T - len(i)) for i, _ in rows])  # (B, T)
+    labels = torch.tensor([[t if m else -100 for t, m in zip(i, mask)] + [-100] * (T - len(i)) for i, mask in rows])
+    return ids, labels  # (B, T), (B, T)
+
+
+def lr_at(step: int, cfg: TeacherConfig) -> float:
+    """Linear warmup to ``lr``, then cosine to ``min_lr_ratio * lr`` at ``train_steps``."""
+    if step < cfg.warmup_steps:
+        return cfg.lr * (step + 1) / cfg.warmup_steps
+    progress = (step - cfg.warmup_steps) / max(1, cfg.train_steps - cfg.warmup_steps)
+    return cfg.lr * (cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
+
+
+def train_toy_teacher(
+    cfg: Config, tokenizer: Any, train_items: list[dict[str, Any]], out_dir: str | Path, seed: int = 0
+) -> dict[str, Any]:
+    """Train the toy teacher and ``save_pretrained`` it (with the tokenizer) to ``out_dir``.
+
+    Returns:
+        training stats: steps, final loss (mean of the last 20 steps), seconds, parameters.
+    """
+    from transformers import LlamaForCausalLM
+
+    tcfg = cfg.teacher
+    if tcfg is None or tcfg.model is None:
+        raise ValueError("teacher.model is required to train the toy teacher")
+    if tcfg.model.vocab_size < len(tokenizer):
+        raise ValueError(f"teacher.model.vocab_size ({tcfg.model.vocab_size}) < tokenizer size ({len(tokenizer)})")
+    torch.manual_seed(seed)
+    rng = random.Random(seed)
+    rows = encode_for_training(tokenizer, train_items, tcfg.model.max_seq_len)
+    model = LlamaForCausalLM(hf_config(tcfg.model)).train()
+    decay = [p for n, p in model.named_parameters() if p.ndim >= 2]
+    no_decay = [p for n, p in model.named_parameters() if p.ndim < 2]
+    optimizer = torch.optim.AdamW(
+        [{"params": decay, "weight_decay": tcfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+        lr=tcfg.lr,
+        betas=(0.9, 0.95),
+    )
+    losses: list[float] = []
+    order: list[int] = []
+    start = time.perf_counter()
+    for step in range(tcfg.train_steps):
+        if len(order) < tcfg.batch_size:
+            order += rng.sample(range(len(rows)), len(rows))  # epochs of shuffled items
+        batch, order = order[: tcfg.batch_size], order[tcfg.batch_size :]
+        ids, labels = _batch([rows[i] for i in batch], tokenizer.pad_token_id)
+        logits = model(input_ids=ids).logits  # (B, T, V)
+        loss = F.cross_entropy(logits[:, :-1].flatten(0, 1), labels[:, 1:].flatten())
+        for group in optimizer.param_groups:
+            group["lr"] = lr_at(step, tcfg)
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        losses.append(float(loss.detach()))
+        if step % 50 == 0 or step == tcfg.train_steps - 1:
+            log.info("teacher step %d/%d loss %.4f lr %.2e", step, tcfg.train_steps, losses[-1], lr_at(step, tcfg))
+    seconds = time.perf_counter() - start
+    out = Path(out_dir)
+    model.eval().save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    stats = {
+        "steps": tcfg.train_steps,
+        "final_loss": sum(losses[-20:]) / len(losses[-20:]),
+        "first_loss": losses[0],
+        "train_seconds": seconds,
+        "n_params": sum(p.numel() for p in model.parameters()),
+        "n_train_items": len(rows),
+        "loss_on": "generated assistant tokens",
+    }
+    atomic_write_json(out / "teacher_train.json", stats)
+    return stats
+
+
+def evaluate_teacher(teacher: Any, cfg: Config, items: list[dict[str, Any]]) -> dict[str, Any]:
+    """Tool-selection accuracy and JSON validity of ``teacher`` on ``items`` (multi-turn, greedy)."""
+    from distillgates.teacher.kd import _run_chunk
+
+    tcfg = cfg.teacher
+    assert tcfg is not None
+    greedy = dataclasses.replace(tcfg, temperature=0.0)
+    chunk = greedy.kd_batch_size
+    records = []
+    for start in range(0, len(items), chunk):
+        recs, _, _ = _run_chunk(teacher, greedy, None, items[start : start + chunk])
+        records += recs
+    n_calls = n_valid = n_selected = n_args = n_answered = 0
+    failures: dict[str, int] = {}
+    for item, record in zip(items, records):
+        expected = [c["name"] for c in item["expected_calls"]]
+        called = [c["name"] if c else None for c in record["calls"]]
+        ok_select = called == expected
+        n_selected += ok_select
+        n_answered += record["answer"] is not None
+        n_args += ok_select and record["calls"] == item["expected_calls"]
+        for call in record["calls"]:
+            n_calls += 1
+            n_valid += call is not None and not validate_call(call)
+        if not ok_select:
+            key = f"{item['kind']}:{record['finish']}"
+            failures[key] = failures.get(key, 0) + 1
+    return {
+        "n": len(items),
+        "tool_selection": n_selected / max(1, len(items)),
+        "json_validity": n_valid / n_calls if n_calls else 1.0,
+        "arg_match_strict": n_args / max(1, len(items)),
+        "answered": n_answered / max(1, len(items)),
+        "n_calls": n_calls,
+        "failures": failures,
+    }
+
+
+def build_toy_teacher(
+    cfg: Config,
+    tokenizer: Any,
+    train_items: list[dict[str, Any]],
+    eval_items: list[dict[str, Any]],
+    out_dir: str | Path,
+) -> dict[str, Any]:
+    """Train, save and evaluate the toy teacher; writes ``<out_dir>/teacher_eval.json``."""
+    from distillgates.teacher.local import LocalTeacher
+
+    stats = train_toy_teacher(cfg, tokenizer, train_items, out_dir, seed=cfg.seed)
+    start = time.perf_counter()
+    metrics = evaluate_teacher(LocalTeacher(out_dir), cfg, eval_items)
+    report = {**metrics, "eval_seconds": time.perf_counter() - start, "train": stats}
+    atomic_write_json(Path(out_dir) / "teacher_eval.json", report)
+    return report

@@ -1,0 +1,111 @@
+"""Tiny artifacts for teacher tests: a few toy items, a small tokenizer, a tiny random HF teacher."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from distillgates.config import ModelConfig, TeacherConfig
+from distillgates.data.chat import render_conversation
+from distillgates.data.generator import generate_items
+from distillgates.model import hf_config
+from distillgates.teacher.base import TurnResult
+from distillgates.tokenizer import END, train_tokenizer
+
+TINY_TEACHER = dict(d_model=32, n_layers=1, n_heads=2, n_kv_heads=1, ffn_hidden=64, max_seq_len=1024)
+
+
+@pytest.fixture(autouse=True)
+def _one_torch_thread():
+    """Two cores shared by many processes: a second intra-op thread makes tiny models 10-100x slower."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="session")
+def toy_items() -> list[dict[str, Any]]:
+    """Seven items covering every kind (two single, two multi)."""
+    items = generate_items(seed=0, n=40, split="train")
+    by_kind: dict[str, list[dict[str, Any]]] = {}
+    for item in items:
+        by_kind.setdefault(item["kind"], []).append(item)
+    picked = [by_kind[kind][0] for kind in sorted(by_kind)] + [by_kind["single"][1], by_kind["multi"][1]]
+    assert {"single", "multi", "control", "decline", "pii"} == {it["kind"] for it in picked}
+    return picked
+
+
+@pytest.fixture(scope="session")
+def tiny_tokenizer() -> Any:
+    corpus = [render_conversation(it) for it in generate_items(seed=0, n=60, split="train")]
+    return train_tokenizer(corpus, vocab_size=400, min_frequency=2)
+
+
+def save_tiny_teacher(path: Path, tokenizer: Any, seed: int = 0) -> Path:
+    from transformers import LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = ModelConfig(vocab_size=len(tokenizer), **TINY_TEACHER)
+    model = LlamaForCausalLM(hf_config(cfg)).eval()
+    with torch.no_grad():  # larger weights than HF's init so greedy output varies (and is not all one token)
+        for name, param in model.named_parameters():
+            if not name.endswith("norm.weight"):
+                param.normal_(0.0, 0.3)
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="session")
+def tiny_teacher_dir(tmp_path_factory: pytest.TempPathFactory, tiny_tokenizer: Any) -> Path:
+    return save_tiny_teacher(tmp_path_factory.mktemp("teacher"), tiny_tokenizer)
+
+
+@pytest.fixture(scope="session")
+def tiny_teacher(tiny_teacher_dir: Path) -> Any:
+    from distillgates.teacher.local import LocalTeacher
+
+    return LocalTeacher(tiny_teacher_dir)
+
+
+def kd_teacher_config(**overrides: Any) -> TeacherConfig:
+    fields: dict[str, Any] = dict(kind="local", top_k=4, max_new_tokens=6, max_turns=3, kd_batch_size=2, ckpt_every=2)
+    fields.update(overrides)
+    return TeacherConfig(**fields)
+
+
+class ReplayTeacher:
+    """A teacher that answers with the item's reference turns (a test double, not a mock of a real
+    service: it implements the Teacher protocol). It recognizes the item by its user message and
+    the turn by the number of tool results already in the conversation."""
+
+    def __init__(self, items: list[dict[str, Any]], tokenizer: Any) -> None:
+        self.tokenizer = tokenizer
+        self.model_id = "replay"
+        self.turns = {}
+        for item in items:
+            body = item["reference"].split("<|tool_result|>")
+            turns = [body[0]] + [part.split("<|assistant|>", 1)[1] for part in body[1:]]
+            self.turns[item["messages"][1]["content"]] = [t.split(END, 1)[0] for t in turns]
+        self.calls = 0
+
+    def complete(
+        self, messages: list[dict[str, Any]], *, max_new_tokens: int, top_k: int, temperature: float = 0.0
+    ) -> TurnResult:
+        self.calls += 1
+        text = self.turns[messages[1]["content"]][sum(m["role"] == "tool" for m in messages)]
+        ids = self.tokenizer.encode(text, add_special_tokens=False)
+        return TurnResult(
+            text=text,
+            token_ids=ids,
+            topk_ids=[[i] for i in ids],
+            topk_logprobs=[[0.0] for _ in ids],
+            finish_reason="stop",
+            request_id=f"replay-{self.calls}",
+            prompt_tokens=10,
+            completion_tokens=len(ids) + 1,
+        )

@@ -1,0 +1,77 @@
+"""Toy teacher recipe: training on generated tokens, save_pretrained, and the multi-turn evaluator."""
+
+from __future__ import annotations
+
+import itertools
+import json
+
+import torch
+
+from distillgates.config import Config, ModelConfig
+from distillgates.teacher.base import TurnResult
+from distillgates.teacher.local import LocalTeacher
+from distillgates.teacher.toy import build_toy_teacher, encode_for_training, evaluate_teacher, lr_at
+
+from .conftest import ReplayTeacher, kd_teacher_config
+
+
+def _cfg(tokenizer, **teacher) -> Config:
+    model = ModelConfig(vocab_size=len(tokenizer), d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_hidden=128,
+                        max_seq_len=512)  # fmt: skip
+    fields = dict(model=model, train_steps=80, batch_size=2, lr=1e-2, warmup_steps=5, max_new_tokens=48)
+    fields.update(teacher)
+    return Config(teacher=kd_teacher_config(**fields))
+
+
+def test_loss_mask_covers_exactly_the_generated_tokens(toy_items, tiny_tokenizer):
+    rows = encode_for_training(tiny_tokenizer, toy_items, max_len=10_000)
+    for (ids, mask), item in zip(rows, toy_items):
+        masked = tiny_tokenizer.decode([i for i, m in zip(ids, mask) if m])
+        assert "<|tool_result|>" not in masked and "<|user|>" not in masked
+        assert masked.endswith("<|end|><|eos|>")
+        for call in item["expected_calls"]:
+            assert call["name"] in masked
+
+
+def test_lr_schedule_warms_up_then_decays(tiny_tokenizer):
+    tcfg = _cfg(tiny_tokenizer, train_steps=100, warmup_steps=10, lr=1.0, min_lr_ratio=0.1).teacher
+    lrs = [lr_at(s, tcfg) for s in range(100)]
+    assert lrs[0] == 0.1 and lrs[9] == 1.0 and max(lrs) == 1.0
+    assert all(a >= b for a, b in itertools.pairwise(lrs[9:])) and abs(lrs[-1] - 0.1) < 0.01
+
+
+def test_trained_tiny_teacher_solves_a_memorized_item(toy_items, tiny_tokenizer, tmp_path):
+    """Overfit one tool-call item: the saved teacher then solves it end to end (call, result, answer)."""
+    items = [next(it for it in toy_items if it["kind"] == "single" and it["style"] == "terse")]
+    torch.manual_seed(0)
+    report = build_toy_teacher(
+        _cfg(tiny_tokenizer, train_steps=60, batch_size=1), tiny_tokenizer, items, items, tmp_path
+    )
+    assert report["train"]["final_loss"] < 0.1 * report["train"]["first_loss"]
+    assert report["tool_selection"] == 1.0 and report["json_validity"] == 1.0, report["failures"]
+    assert report["arg_match_strict"] == 1.0 and report["answered"] == 1.0
+    saved = json.loads((tmp_path / "teacher_eval.json").read_text())
+    assert saved["tool_selection"] == report["tool_selection"] and saved["n"] == 1
+    teacher = LocalTeacher(tmp_path)  # plain save_pretrained dir: model + tokenizer
+    assert teacher.tokenizer.get_vocab() == tiny_tokenizer.get_vocab()
+
+
+def test_evaluator_scores_reference_and_wrong_answers(toy_items, tiny_tokenizer):
+    cfg = _cfg(tiny_tokenizer)
+    perfect = evaluate_teacher(ReplayTeacher(toy_items, tiny_tokenizer), cfg, toy_items)
+    assert perfect["tool_selection"] == 1.0 and perfect["json_validity"] == 1.0 and perfect["arg_match_strict"] == 1.0
+
+    class WrongTool(ReplayTeacher):
+        def complete(self, messages, **kwargs) -> TurnResult:
+            turn = super().complete(messages, **kwargs)
+            if "get_weather" in turn.text:
+                turn.text = turn.text.replace('"get_weather"', '"get_wether"')
+                turn.token_ids = self.tokenizer.encode(turn.text, add_special_tokens=False)
+                turn.topk_ids = turn.topk_logprobs = [[] for _ in turn.token_ids]
+            return turn
+
+    weather = [it for it in toy_items if any(c["name"] == "get_weather" for c in it["expected_calls"])]
+    assert weather, "fixture items should include a weather call"
+    scored = evaluate_teacher(WrongTool(toy_items, tiny_tokenizer), cfg, toy_items)
+    assert scored["tool_selection"] == 1.0 - len(weather) / len(toy_items)
+    assert scored["json_validity"] < 1.0  # unknown tool fails the schema validator
