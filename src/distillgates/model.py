@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -41,6 +41,15 @@ class RMSNorm(nn.Module):
         x32 = x.float()
         normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * normed.to(x.dtype)
+
+
+def _rms(x: Tensor, d_eps: float) -> Tensor:
+    """``rms_norm(x) / sqrt(d)`` without its weight: ``x * rsqrt(sum(x^2) + d * eps)``. The cached
+    inference path folds ``weight * sqrt(d)`` into the next matmul (``sum`` is one op, ``mean`` two)."""
+    if x.dtype == torch.float32:
+        return x * torch.rsqrt(x.pow(2).sum(-1, keepdim=True) + d_eps)
+    x32 = x.float()
+    return (x32 * torch.rsqrt(x32.pow(2).sum(-1, keepdim=True) + d_eps)).to(x.dtype)
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None) -> Tensor:
@@ -80,6 +89,18 @@ def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     return x * cos + rotate_half(x) * sin
 
 
+def gqa_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None) -> Tensor:
+    """GQA without repeating the cache: the G query heads of one KV head are adjacent, so they attend
+    the un-repeated K/V as G*T query rows (row ``g*T + t`` needs mask row ``t``: pass ``mask`` tiled
+    G times, ``mask.repeat(1, 1, G, 1)``, or None when every key is visible).
+
+    q ``(B, H, T, hd)``, k/v ``(B, n_kv, S, hd)``, mask ``(B|1, 1, G*T, S)`` -> ``(B, H, T, hd)``.
+    """
+    B, H, T, hd = q.shape
+    qg = q.reshape(B, k.shape[1], -1, hd)  # (B, n_kv, G*T, hd)
+    return F.scaled_dot_product_attention(qg, k, v, attn_mask=mask).view(B, H, T, hd)
+
+
 class KVCache(nn.Module):
     """Static pre-allocated cache for one layer, written by position index."""
 
@@ -92,9 +113,12 @@ class KVCache(nn.Module):
     def update(self, input_pos: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
         # input_pos: (T,); k, v: (B, n_kv, T, hd)
         batch = k.shape[0]
-        self.k_cache[:batch, :, input_pos] = k.to(self.k_cache.dtype)
-        self.v_cache[:batch, :, input_pos] = v.to(self.v_cache.dtype)
-        return self.k_cache[:batch], self.v_cache[:batch]
+        k_cache, v_cache = self.k_cache, self.v_cache
+        if batch != k_cache.shape[0]:
+            k_cache, v_cache = k_cache[:batch], v_cache[:batch]  # views of the live rows
+        k_cache.index_copy_(2, input_pos, k.to(k_cache.dtype))  # cheaper than index_put (cache[..., pos] = k)
+        v_cache.index_copy_(2, input_pos, v.to(v_cache.dtype))
+        return k_cache, v_cache
 
     def reset(self) -> None:
         self.k_cache.zero_()
@@ -112,6 +136,8 @@ class Attention(nn.Module):
         self.kv_cache: KVCache | None = None
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor, input_pos: Tensor | None) -> Tensor:
+        """Training (no cache) and the compiled/grad-enabled cache path; eager inference with the cache
+        takes :meth:`Transformer._forward_cached` (same parameters, fewer ops)."""
         B, T, _ = x.shape
         q = self.q_proj(x).view(B, T, self.n_heads, self.head_dim).transpose(1, 2)  # (B, H, T, hd)
         k = self.k_proj(x).view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)  # (B, n_kv, T, hd)
@@ -120,10 +146,12 @@ class Attention(nn.Module):
         if self.kv_cache is not None and input_pos is not None:
             k, v = self.kv_cache.update(input_pos, k, v)  # (B, n_kv, S_max, hd)
             k, v = k.to(q.dtype), v.to(q.dtype)
-        groups = self.n_heads // self.n_kv_heads
-        k = k.repeat_interleave(groups, dim=1)  # (B, H, S, hd)
-        v = v.repeat_interleave(groups, dim=1)  # (B, H, S, hd)
-        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)  # (B, H, T, hd)
+            y = gqa_attention(q, k, v, mask.repeat(1, 1, self.n_heads // self.n_kv_heads, 1))  # (B, H, T, hd)
+        else:  # training: kept as is (fx-traceable for QAT)
+            groups = self.n_heads // self.n_kv_heads
+            k = k.repeat_interleave(groups, dim=1)  # (B, H, T, hd)
+            v = v.repeat_interleave(groups, dim=1)  # (B, H, T, hd)
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)  # (B, H, T, hd)
         return self.o_proj(y.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim))
 
 
@@ -153,6 +181,17 @@ class Block(nn.Module):
         return h + self.mlp(self.mlp_norm(h))
 
 
+class _InferencePlan(NamedTuple):
+    sources: list[Tensor]  # the parameters the cached tensors were built from
+    stamp: tuple[tuple[int, int], ...]  # (data_ptr, _version) of each source at build time
+    layers: list[tuple[Tensor, Tensor, Tensor, Tensor]]  # (qkv_r^T, o^T, gate_up^T, down^T)
+    head: Tensor  # lm_head^T with the final norm folded in
+
+
+def _drop_plan_hook(module: Transformer, _incompatible_keys: Any) -> None:
+    module.drop_inference_plan()
+
+
 class Transformer(nn.Module):
     """Decoder-only LM. ``forward(idx, input_pos=None, attention_mask=None) -> logits``."""
 
@@ -172,6 +211,8 @@ class Transformer(nn.Module):
         self.register_buffer("causal_mask", causal, persistent=False)  # (S_max, S_max)
         self.apply(self._init_weights)
         self.cache_batch_size = 0
+        self._plan: _InferencePlan | None = None  # see _inference_plan
+        self.register_load_state_dict_post_hook(_drop_plan_hook)  # module-level function: picklable
 
     def _init_weights(self, module: nn.Module) -> None:
         if isinstance(module, (nn.Linear, nn.Embedding)):
@@ -186,11 +227,17 @@ class Transformer(nn.Module):
                 self.embed.weight.device
             )
         self.cache_batch_size = max_batch_size
+        self.drop_inference_plan()
 
     def remove_caches(self) -> None:
         for layer in self.layers:
             layer.attn.kv_cache = None
         self.cache_batch_size = 0
+        self.drop_inference_plan()
+
+    def drop_inference_plan(self) -> None:
+        """Free the cached inference weights (rebuilt on the next cached eager forward)."""
+        self._plan = None
 
     def reset_caches(self) -> None:
         for layer in self.layers:
@@ -211,6 +258,98 @@ class Transformer(nn.Module):
             mask = mask & (keys | own[None, None])
         return mask
 
+    def _inference_plan(self) -> _InferencePlan:
+        """Weights of the cached eager path, folded so that each layer is four matmuls:
+
+        - per layer ``(qkv_r^T, o^T, gate_up^T, down^T)``, then ``head^T``; transposed contiguous
+          (``x @ W^T`` with a contiguous ``W^T`` is the fast one-row matmul on CPU);
+        - ``qkv_r`` = rows ``[q; k; v; R q; R k]`` where ``R`` is RoPE's ``rotate_half`` (a signed
+          permutation of rows, so ``R W x`` is exactly ``rotate_half(W x)``): RoPE is then 3 elementwise ops;
+        - each RMSNorm weight (times ``sqrt(d)``, see :func:`_rms`) is folded into the columns of the
+          matmul that follows it (``(w * n) @ W^T == n @ (w * W)^T`` up to float rounding).
+
+        One extra copy of the linear weights, kept while every source parameter keeps its storage and
+        version (in-place updates and ``.to()`` are seen; ``load_state_dict``, ``setup_caches`` and
+        ``remove_caches`` drop it; after replacing a Parameter object call :meth:`drop_inference_plan`).
+        """
+        plan = self._plan
+        if plan is not None and plan.stamp == tuple((p.data_ptr(), p._version) for p in plan.sources):
+            return plan
+        half = self.config.head_dim // 2
+
+        def rotated(w: Tensor, heads: int) -> Tensor:  # rows of rotate_half(w @ x), per head
+            w = w.view(heads, 2, half, -1)
+            return torch.cat([-w[:, 1], w[:, 0]], dim=1).reshape(heads * 2 * half, -1)
+
+        def folded(norm: Tensor, *ws: Tensor) -> Tensor:  # (in, out) contiguous, norm weight folded in
+            return (torch.cat(ws).float() * (norm.float() * math.sqrt(cfg.d_model))).to(ws[0].dtype).t().contiguous()
+
+        cfg, layers, sources = self.config, [], []
+        with torch.inference_mode(False), torch.no_grad():  # plain tensors: usable outside inference mode
+            for layer in self.layers:
+                a, m = layer.attn, layer.mlp
+                wq, wk, wv = a.q_proj.weight, a.k_proj.weight, a.v_proj.weight
+                norms = [layer.attn_norm.weight, layer.mlp_norm.weight]
+                sources += [wq, wk, wv, a.o_proj.weight, m.gate_proj.weight, m.up_proj.weight, m.down_proj.weight]
+                sources += norms
+                qkv_r = folded(norms[0], wq, wk, wv, rotated(wq, cfg.n_heads), rotated(wk, cfg.n_kv_heads))
+                gate_up = folded(norms[1], m.gate_proj.weight, m.up_proj.weight)
+                layers.append((qkv_r, a.o_proj.weight.t().contiguous(), gate_up, m.down_proj.weight.t().contiguous()))
+            sources += [self.norm.weight, self.lm_head.weight, self.embed.weight]
+            head = folded(self.norm.weight, self.lm_head.weight)
+        stamp = tuple((p.data_ptr(), p._version) for p in sources)
+        self._plan = _InferencePlan(sources, stamp, layers, head)
+        return self._plan
+
+    def _forward_cached(self, idx: Tensor, input_pos: Tensor, attention_mask: Tensor | None) -> Tensor:
+        """Eager inference with the KV cache: the module path's math over the same parameters, with
+        fewer ops (per-token decode of a small model is bound by op dispatch, not FLOPs):
+
+        - attend only the filled prefix ``[:kv_len]`` of the cache, not all ``S_max`` slots (later
+          slots are masked anyway), and with no mask at all for one query without padding;
+        - GQA by query grouping (:func:`gqa_attention`), never ``repeat_interleave`` of the cache;
+        - four matmuls per layer over fused, pre-transposed weights with RoPE's rotation and the norm
+          weights folded in (:meth:`_inference_plan`; state-dict names unchanged), residual adds fused
+          into ``addmm``, no module calls; the mask is built once per forward.
+        """
+        cfg = self.config
+        B, T = idx.shape
+        H, n_kv, hd, d_eps = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.d_model * cfg.norm_eps
+        plan = self._inference_plan()
+        kv_len = int(input_pos.max()) + 1  # one host read per forward
+        if T == 1:  # decode: a narrow view instead of an index gather
+            cos, sin = self.rope_cos.narrow(0, kv_len - 1, 1), self.rope_sin.narrow(0, kv_len - 1, 1)  # (1, hd)
+        else:
+            cos, sin = self.rope_cos[input_pos], self.rope_sin[input_pos]  # (T, hd)
+        mask = None  # decode: one query at slot kv_len - 1 sees the whole prefix
+        if T > 1 or attention_mask is not None:
+            mask = self._mask(T, input_pos, attention_mask)[..., :kv_len].repeat(1, 1, H // n_kv, 1)  # (B|1,1,G*T,S)
+        x = F.embedding(idx.reshape(-1), self.embed.weight)  # (B*T, d): 2-D rows for torch.mm
+        cast = self.layers[0].attn.kv_cache.k_cache.dtype != x.dtype
+        for (qkv_r_t, o_t, gate_up_t, down_t), layer in zip(plan.layers, self.layers):
+            qkv = torch.mm(_rms(x, d_eps), qkv_r_t)  # (B*T, (2H+3n_kv)*hd)
+            # (B, heads, T, hd); with T == 1 the transpose is a plain view
+            qkv = qkv.view(B, -1, 1, hd) if T == 1 else qkv.view(B, T, -1, hd).transpose(1, 2)
+            qk, v, qk_rot = qkv.split_with_sizes([H + n_kv, n_kv, H + n_kv], dim=1)  # (B, heads, T, hd)
+            qk = torch.addcmul(qk * cos, qk_rot, sin)  # RoPE on q and k: x * cos + rotate_half(x) * sin
+            q, k = qk.split_with_sizes([H, n_kv], dim=1)  # (B, H, T, hd), (B, n_kv, T, hd)
+            cache = layer.attn.kv_cache
+            k_cache, v_cache = cache.k_cache, cache.v_cache  # (B_max, n_kv, S_max, hd)
+            if k_cache.shape[0] != B:
+                k_cache, v_cache = k_cache[:B], v_cache[:B]
+            k_cache.index_copy_(2, input_pos, k.to(k_cache.dtype) if cast else k)
+            v_cache.index_copy_(2, input_pos, v.to(v_cache.dtype) if cast else v)
+            k, v = k_cache.narrow(2, 0, kv_len), v_cache.narrow(2, 0, kv_len)  # (B, n_kv, S, hd)
+            if cast:
+                k, v = k.to(q.dtype), v.to(q.dtype)
+            y = F.scaled_dot_product_attention(q.reshape(B, n_kv, -1, hd), k, v, attn_mask=mask)  # (B,n_kv,G*T,hd)
+            # GQA by query grouping (see gqa_attention); one query row per head needs no transpose
+            y = y.reshape(B, H * hd) if T == 1 else y.view(B, H, T, hd).transpose(1, 2).reshape(B * T, H * hd)
+            x = torch.addmm(x, y, o_t)  # x + y @ o^T
+            gate, up = torch.mm(_rms(x, d_eps), gate_up_t).chunk(2, dim=-1)  # (B*T, ffn) each
+            x = torch.addmm(x, F.silu(gate) * up, down_t)  # (B*T, d)
+        return torch.mm(_rms(x, d_eps), plan.head).view(B, T, -1)  # (B, T, V)
+
     def forward(
         self, idx: Tensor, input_pos: Tensor | None = None, attention_mask: Tensor | None = None
     ) -> Tensor:
@@ -223,6 +362,8 @@ class Transformer(nn.Module):
             attention_mask: key validity, True = real token. Without cache ``(B, T)``; with cache
                 ``(B, S_max)`` over cache slots.
         """
+        if input_pos is not None and not torch.is_grad_enabled() and not torch.compiler.is_compiling():
+            return self._forward_cached(idx, input_pos, attention_mask)
         T = idx.shape[1]
         if input_pos is None:
             cos, sin = self.rope_cos[:T], self.rope_sin[:T]

@@ -9,7 +9,9 @@ Design choices (gpt-fast style):
 - Small batches use left padding and an attention mask over cache slots (``(B, S_max)``,
   True = real token), which ``Transformer.forward`` supports. RoPE is relative, so a row shifted
   right by its padding attends exactly as it would alone.
-- ``torch.compile`` of the decode step is optional (``compile=True``) and off by default: the
+- Eager decode runs ``Transformer._forward_cached`` (under ``inference_mode``): fused, pre-transposed
+  weights, attention over the filled prefix only, no module calls. ``torch.compile`` of the decode
+  step is optional (``compile=True``) and off by default: it costs ~20 s of compilation and the
   benchmark ``benchmarks/bench_decode_vs_hf.py --compile`` measures whether it pays.
 """
 
@@ -67,7 +69,7 @@ class TorchEngine(EngineBase):
         return len(self.tokens)
 
     def _decode_forward(self, token: Tensor, pos: Tensor) -> Tensor:
-        return self.model(token, pos)[:, -1]  # (1, V)
+        return self.model(token, pos).view(-1)  # (1, 1, V) -> (V,): a view, no indexing op
 
     def _check_room(self, n: int) -> None:
         if self.position + n > self.max_seq_len:
@@ -100,7 +102,7 @@ class TorchEngine(EngineBase):
         self._check_room(1)
         self._token.fill_(token)
         self._pos.fill_(self.position)
-        logits = self._decode(self._token, self._pos)[0]  # (V,)
+        logits = self._decode(self._token, self._pos)  # (V,)
         self.tokens.append(int(token))
         return logits
 

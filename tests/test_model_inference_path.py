@@ -1,0 +1,86 @@
+"""The eager cached inference path (``Transformer._forward_cached``) against the module path.
+
+The module path (``torch.is_grad_enabled()``) is the reference: same parameters, no fused weights.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from distillgates.config import ModelConfig
+from distillgates.model import Transformer
+
+CFG = ModelConfig(vocab_size=96, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_hidden=64, max_seq_len=48)
+
+
+def _model(seed: int = 0, cfg: ModelConfig = CFG) -> Transformer:
+    torch.manual_seed(seed)
+    model = Transformer(cfg).eval()
+    with torch.no_grad():  # non-trivial norm weights so folding them into the matmuls is exercised
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.uniform_(0.5, 1.5)
+    return model
+
+
+def _run(model: Transformer, idx: torch.Tensor, start: int, fast: bool) -> torch.Tensor:
+    """Prefill ``idx[:, :start]`` then decode the rest one token at a time; logits ``(B, T, V)``."""
+    ctx = torch.inference_mode() if fast else torch.enable_grad()  # grad enabled -> module path
+    with ctx:
+        out = [model(idx[:, :start], torch.arange(start))]
+        for pos in range(start, idx.shape[1]):
+            out.append(model(idx[:, pos : pos + 1], torch.tensor([pos])))
+    return torch.cat(out, dim=1).detach()
+
+
+@settings(max_examples=15, deadline=None)
+@given(start=st.integers(1, 10), n=st.integers(1, 8), batch=st.integers(1, 2), seed=st.integers(0, 50),
+       n_kv=st.sampled_from([1, 2, 4]))  # fmt: skip
+def test_fast_path_matches_module_path(start: int, n: int, batch: int, seed: int, n_kv: int) -> None:
+    cfg = ModelConfig(**{**CFG.__dict__, "n_kv_heads": n_kv})
+    model = _model(seed, cfg)
+    idx = torch.randint(0, cfg.vocab_size, (batch, start + n), generator=torch.Generator().manual_seed(seed))
+    model.setup_caches(batch)
+    ref = _run(model, idx, start, fast=False)
+    model.setup_caches(batch)
+    got = _run(model, idx, start, fast=True)
+    torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-4)
+
+
+def test_in_place_weight_update_is_seen() -> None:
+    """The fused weights are a cache: an optimizer-style in-place update must invalidate them."""
+    model = _model()
+    idx = torch.randint(0, CFG.vocab_size, (1, 6), generator=torch.Generator().manual_seed(1))
+    model.setup_caches(1)
+    before = _run(model, idx, 3, fast=True)
+    with torch.no_grad():
+        model.layers[1].attn.k_proj.weight.mul_(3.0)
+        model.layers[0].mlp_norm.weight.add_(0.5)
+    after = _run(model, idx, 3, fast=True)
+    assert not torch.allclose(before, after)
+    torch.testing.assert_close(after, _run(model, idx, 3, fast=False), atol=1e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("assign", [False, True])
+def test_load_state_dict_drops_the_plan(assign: bool) -> None:
+    model, other = _model(0), _model(1)
+    idx = torch.randint(0, CFG.vocab_size, (1, 5), generator=torch.Generator().manual_seed(2))
+    model.setup_caches(1)
+    _run(model, idx, 2, fast=True)  # builds the plan from model's own weights
+    model.load_state_dict(other.state_dict(), assign=assign)
+    other.setup_caches(1)
+    torch.testing.assert_close(_run(model, idx, 2, fast=True), _run(other, idx, 2, fast=False), atol=1e-5, rtol=1e-4)
+
+
+def test_fused_weights_are_plain_tensors_usable_under_no_grad() -> None:
+    """Built inside ``inference_mode``, the plan must still work from ``torch.no_grad`` (Transformer.decode)."""
+    model = _model()
+    idx = torch.randint(0, CFG.vocab_size, (1, 4), generator=torch.Generator().manual_seed(3))
+    model.setup_caches(1)
+    _run(model, idx, 2, fast=True)
+    assert model._plan is not None and not model._plan.head.is_inference()
+    logits = model.decode(idx[:, 3:4], torch.tensor([3]))  # no_grad, not inference mode
+    assert logits.shape == (1, CFG.vocab_size)
