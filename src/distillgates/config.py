@@ -356,6 +356,7 @@ class Config:
 
     name: str = "unnamed"
     seed: int = 0
+    threads: int = 0  # torch intra-op threads for the pipeline; 0 = torch's default (all cores)
     student: ModelConfig | None = None
     drafter: ModelConfig | None = None
     judge: ModelConfig | None = None

@@ -117,6 +117,13 @@ class Pipeline:
         return self.manifest
 
 
+def set_threads(cfg: Config) -> None:
+    import torch
+
+    if cfg.threads > 0:
+        torch.set_num_threads(cfg.threads)
+
+
 def default_run_dir(cfg: Config) -> Path:
     return Path("runs") / cfg.name
 
@@ -125,6 +132,7 @@ def run_pipeline(config_path: str | Path, run_dir: str | Path | None = None, for
     """Run the whole pipeline; returns the run directory (``reports/report.json`` inside)."""
     cfg = load_config(config_path)
     run_dir = Path(run_dir) if run_dir else default_run_dir(cfg)
+    set_threads(cfg)
     started = time.perf_counter()
     Pipeline(cfg, run_dir, force).run()
     console.print(f"[bold]pipeline finished in {time.perf_counter() - started:.0f}s[/bold] → {run_dir}")
@@ -262,9 +270,11 @@ def step_eval(cfg: Config, run_dir: Path) -> dict[str, Any]:
     quality = {}
     for role, engine in (("student", TorchEngine(load_model(run_dir / "student" / "model.pt").eval())),
                          ("teacher", teacher)):
-        quality[role] = evaluate(engine, items, tokenizer, lengths=cfg.shapes.lengths, dataset_sha256=eval_sha)
+        quality[role] = evaluate(engine, items, tokenizer, lengths=cfg.shapes.lengths, dataset_sha256=eval_sha,
+                                 progress=True)
     spec = {"dataset": str(run_dir / "data" / "eval.jsonl"), "tokenizer": str(run_dir / "data" / "tokenizer"),
             "model": str(run_dir / "student" / "model.pt"), "runner": "engine", "max_new_tokens": 96}
+    (run_dir / "eval" / "shards").mkdir(parents=True, exist_ok=True)
     determinism = sharded_determinism(spec, world_size=2, work_dir=run_dir / "eval" / "shards")
     atomic_write_json(run_dir / "eval" / "quality.json", quality)
     atomic_write_json(run_dir / "eval" / "determinism.json", determinism)
@@ -333,6 +343,7 @@ def cli_run(args: argparse.Namespace) -> int:
 def cli_step(args: argparse.Namespace) -> int:
     cfg = load_config(args.config)
     run_dir = Path(args.run_dir) if args.run_dir else default_run_dir(cfg)
+    set_threads(cfg)
     pipeline = Pipeline(cfg, run_dir, args.force)
     step = next(s for s in STEPS if s.name == args.step)
     missing = [d for d in step.depends if d not in pipeline.manifest]

@@ -128,11 +128,16 @@ _EVENT_TITLES = {
     "de": ("Zahnarzt", "Teamrunde", "Mittagessen", "Yoga", "Projektreview"),
 }
 _TIMES = ("09:00", "10:30", "14:00", "16:15", "18:00")
+# Small value pools: every value recurs often enough that the tokenizer gives it one token and a
+# ~1M-parameter model learns to copy it from the request within a CPU-minutes budget.
+_DATES = ("2025-01-15", "2025-02-03", "2025-03-21", "2025-05-09", "2025-06-30", "2025-08-12", "2025-10-01",
+          "2025-12-24")
+_OPERANDS = (3, 7, 12, 15, 24, 36, 48, 60, 75, 90)
 
 
 def _calendar(rng: random.Random, loc: str) -> ToolTurn:
     title = rng.choice(_EVENT_TITLES[loc])
-    date = f"2025-{rng.randint(1, 12):02d}-{rng.randint(1, 28):02d}"
+    date = rng.choice(_DATES)
     time = rng.choice(_TIMES) if rng.random() < 0.6 else None
     event_id = f"evt-{rng.randint(1, 999):03d}"
     args: dict[str, Any] = {"title": title, "date": date} | ({"time": time} if time else {})
@@ -162,7 +167,7 @@ _OP_FUNCS: dict[str, Callable[[int, int], float]] = {
 
 def _calculate(rng: random.Random, loc: str) -> ToolTurn:
     op = rng.choice(OPERATIONS)
-    a, b = rng.randint(2, 99), (rng.choice((2, 4, 5, 10)) if op == "divide" else rng.randint(2, 99))
+    a, b = rng.choice(_OPERANDS), (rng.choice((2, 4, 5, 10)) if op == "divide" else rng.choice(_OPERANDS))
     value = _num(round(_OP_FUNCS[op](a, b), 2))
     res, word = _text(value), _OP_WORDS[loc][op]
     if loc == "en":

@@ -58,6 +58,7 @@ def evaluate(
     max_new_tokens: int = 96,
     return_outputs: bool = False,
     dataset_sha256: str | None = None,
+    progress: bool = False,
 ) -> dict[str, Any] | tuple[dict[str, Any], list[dict[str, Any]]]:
     """Run and score ``items``; returns METRICS (with slices and ``fingerprints``).
 
@@ -73,7 +74,7 @@ def evaluate(
             default: sha256 of the items.
     """
     runner = as_runner(engine_or_runner, tokenizer, max_new_tokens=max_new_tokens)
-    outputs = run_items(runner, items, max_calls=max_calls)
+    outputs = run_items(runner, items, max_calls=max_calls, progress=progress)
     metrics = score(items, outputs, shapes=item_lengths(items, tokenizer) if lengths else None, lengths=lengths)
     metrics["fingerprints"] = collect_fingerprints(runner, items, tokenizer, dataset_sha256)
     return (metrics, outputs) if return_outputs else metrics

@@ -116,8 +116,18 @@ def run_item(item: Mapping[str, Any], session: Session, max_calls: int = 4) -> d
     }
 
 
-def run_items(runner: Runner, items: Iterable[Mapping[str, Any]], max_calls: int = 4) -> list[dict[str, Any]]:
-    return [run_item(item, runner.session(), max_calls=max_calls) for item in items]
+def run_items(
+    runner: Runner, items: Iterable[Mapping[str, Any]], max_calls: int = 4, progress: bool = False
+) -> list[dict[str, Any]]:
+    from distillgates.progress import ProgressBar
+
+    items = list(items)
+    with ProgressBar(f"eval ({runner.kind})", len(items), enabled=progress) as bar:
+        outputs = []
+        for item in items:
+            outputs.append(run_item(item, runner.session(), max_calls=max_calls))
+            bar.update(1)
+    return outputs
 
 
 def runner_fingerprint_of(runner: Runner) -> str:

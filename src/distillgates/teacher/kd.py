@@ -325,25 +325,18 @@ def _load_ckpt(path: Path) -> dict[str, Any]:
 
 
 class _Progress:
-    """A ``rich`` progress bar (or nothing)."""
+    """The shared progress bar with the spend so far."""
 
     def __init__(self, enabled: bool, total: int, done: int) -> None:
-        self.bar = None
-        if enabled:
-            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+        from distillgates.progress import ProgressBar
 
-            self.bar = Progress(TextColumn("KD set"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(),
-                                TextColumn("{task.fields[spent]}"), transient=False)  # fmt: skip
-            self.task = self.bar.add_task("kd", total=total, completed=done, spent="")
-            self.bar.start()
+        self.bar = ProgressBar("KD set", total, completed=done, enabled=enabled, spent="")
 
     def update(self, done: int, spent: str) -> None:
-        if self.bar is not None:
-            self.bar.update(self.task, completed=done, spent=spent)
+        self.bar.update(completed=done, spent=spent)
 
     def close(self) -> None:
-        if self.bar is not None:
-            self.bar.stop()
+        self.bar.close()
 
 
 def _complete_all(

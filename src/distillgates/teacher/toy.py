@@ -35,6 +35,7 @@ from distillgates.data.registry import validate_call
 from distillgates.data.targets import encode_item
 from distillgates.io import atomic_write_json
 from distillgates.model import hf_config
+from distillgates.progress import ProgressBar
 
 log = logging.getLogger(__name__)
 
@@ -97,6 +98,7 @@ def train_toy_teacher(
     losses: list[float] = []
     order: list[int] = []
     start = time.perf_counter()
+    bar = ProgressBar("teacher", tcfg.train_steps, loss=float("nan"))
     for step in range(tcfg.train_steps):
         if len(order) < tcfg.batch_size:
             order += rng.sample(range(len(rows)), len(rows))  # epochs of shuffled items
@@ -111,8 +113,10 @@ def train_toy_teacher(
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
         losses.append(float(loss.detach()))
+        bar.update(1, loss=losses[-1])
         if step % 50 == 0 or step == tcfg.train_steps - 1:
             log.info("teacher step %d/%d loss %.4f lr %.2e", step, tcfg.train_steps, losses[-1], lr_at(step, tcfg))
+    bar.close()
     seconds = time.perf_counter() - start
     out = Path(out_dir)
     model.eval().save_pretrained(out)
@@ -160,7 +164,7 @@ def evaluate_teacher(teacher: Any, cfg: Config, items: list[dict[str, Any]]) -> 
     return {
         "n": len(items),
         "tool_selection": n_selected / max(1, len(items)),
-        "json_validity": n_valid / n_calls if n_calls else 1.0,
+        "json_validity": n_valid / n_calls if n_calls else None,  # no call emitted: not measurable
         "arg_match_strict": n_args / max(1, len(items)),
         "answered": n_answered / max(1, len(items)),
         "n_calls": n_calls,

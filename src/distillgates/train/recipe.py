@@ -418,7 +418,8 @@ class Recipe:
                     record["tokens_per_s"] = tokens / max(time.perf_counter() - t0, 1e-9)
                 with open(self.log_path, "a") as f:
                     f.write(json.dumps(record) + "\n")
-                print(f"step {self.step} loss {logged['total']:.6f}", flush=True)
+                if not self.progress:  # without a bar, one plain line per step (logs, subprocess tests)
+                    print(f"step {self.step} loss {logged['total']:.6f}", flush=True)
             if bar is not None:
                 bar.update(1, loss=logged["total"])
             if cfg.eval_every and self.step % cfg.eval_every == 0:
@@ -538,23 +539,9 @@ def _all_reduce_mean(values: dict[str, float], device: str) -> dict[str, float]:
 
 
 def _progress(enabled: bool, total: int, start: int) -> Any:
-    if not enabled:
-        return None
-    from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
+    from distillgates.progress import ProgressBar
 
-    progress = Progress(TextColumn("train"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
-                        TextColumn("loss {task.fields[loss]:.4f}"), TimeRemainingColumn(), transient=True)
-    task = progress.add_task("train", total=total, completed=start, loss=float("nan"))
-    progress.start()
-
-    class Bar:
-        def update(self, n: int, loss: float) -> None:
-            progress.update(task, advance=n, loss=loss)
-
-        def close(self) -> None:
-            progress.stop()
-
-    return Bar()
+    return ProgressBar("train", total, completed=start, enabled=enabled, loss=float("nan"))
 
 
 # ---------------------------------------------------------------------- entry points
