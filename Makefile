@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 CONFIG ?= configs/toy.yaml
 
-.PHONY: setup run test lint clean
+.PHONY: setup run test gates lint clean
 
 $(BIN)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -21,6 +21,10 @@ run: setup
 test: setup
 	$(BIN)/ruff check .
 	$(BIN)/python -m pytest -q
+
+# The acceptance checklist on the toy pipeline (builds runs/gates-<fingerprint> once, ~10 min on 2 cores).
+gates: setup
+	$(BIN)/python -m pytest gates
 
 lint: setup
 	$(BIN)/ruff check .

@@ -1,0 +1,109 @@
+"""The main job end to end on a tiny config: every step, the report, caching and resume."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import yaml
+
+from distillgates.cli import main as cli_main
+from distillgates.config import load_config
+from distillgates.eval import read_report
+from distillgates.pipeline import STEPS, Pipeline, run_pipeline
+
+TOY = Path(__file__).resolve().parents[1] / "configs" / "toy.yaml"
+
+
+def tiny_config(path: Path) -> Path:
+    """configs/toy.yaml shrunk to seconds: few items, tiny models, a handful of steps."""
+    cfg = yaml.safe_load(TOY.read_text())
+    cfg["name"] = "tiny"
+    cfg["threads"] = 1
+    cfg["data"].update(n_train=48, n_eval=12)
+    cfg["tokenizer"]["vocab_size"] = 700
+    small = {"vocab_size": 700, "d_model": 32, "n_layers": 1, "n_heads": 2, "n_kv_heads": 1, "ffn_hidden": 64}
+    cfg["student"].update(small)
+    cfg["drafter"].update(small)
+    cfg["teacher"]["model"].update(small)
+    cfg["teacher"].update(train_steps=4, batch_size=4, kd_batch_size=16, max_new_tokens=24)
+    cfg["train"].update(steps=6, batch_size=4, warmup_steps=1, ckpt_every=3, eval_every=6, log_every=1)
+    cfg["speed"].update(n_prompts=2, warmup=1, repeats=1, max_new_tokens=8)
+    out = path / "tiny.yaml"
+    out.write_text(yaml.safe_dump(cfg))
+    return out
+
+
+@pytest.fixture(scope="module")
+def tiny_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    root = tmp_path_factory.mktemp("pipeline")
+    config = tiny_config(root)
+    return config, run_pipeline(config, root / "run")
+
+
+def test_every_step_runs_and_the_report_validates(tiny_run: tuple[Path, Path]) -> None:
+    _, run_dir = tiny_run
+    manifest = json.loads((run_dir / "manifest.json").read_text())
+    assert [s.name for s in STEPS if s.name in manifest] == [s.name for s in STEPS]
+    report = read_report(run_dir / "reports" / "report.json")  # schema-validated, no null fingerprint
+    assert set(report["quality"]) == {"student", "teacher"}
+    assert report["speed"]["backend"] == "torch" and report["speed"]["export"] is False
+    assert set(report["gate_inputs"]) >= {"determinism", "qat", "export", "ane", "prompt_cache", "speculative"}
+    assert report["gate_inputs"]["determinism"]["coverage"] == 1.0
+    for package in ("prefill", "decode"):
+        assert (run_dir / "export" / f"{package}.mlpackage").is_dir()
+
+
+def test_rerun_skips_fresh_steps_and_a_changed_section_reruns_only_its_steps(
+    tiny_run: tuple[Path, Path], tmp_path: Path
+) -> None:
+    config, run_dir = tiny_run
+    run_dir = Path(shutil.copytree(run_dir, tmp_path / "run"))
+    before = json.loads((run_dir / "manifest.json").read_text())
+    run_pipeline(config, run_dir)
+    assert json.loads((run_dir / "manifest.json").read_text()) == before  # nothing re-ran
+
+    data = yaml.safe_load(config.read_text())
+    data["speed"]["repeats"] = 2
+    changed = tmp_path / "changed.yaml"
+    changed.write_text(yaml.safe_dump(data))
+    run_pipeline(changed, run_dir)
+    after = json.loads((run_dir / "manifest.json").read_text())
+    rerun = {name for name in before if name != "_started" and after[name] != before[name]}
+    assert rerun == {"speed", "report"}
+
+
+def test_force_redoes_a_step(tiny_run: tuple[Path, Path], tmp_path: Path) -> None:
+    config, run_dir = tiny_run
+    run_dir = Path(shutil.copytree(run_dir, tmp_path / "run"))
+    before = json.loads((run_dir / "manifest.json").read_text())
+    assert cli_main(["speed", str(config), "--run-dir", str(run_dir), "--force"]) == 0
+    after = json.loads((run_dir / "manifest.json").read_text())
+    assert after["speed"]["finished_at"] >= before["speed"]["finished_at"]
+    assert after["speed"]["fingerprint"] == before["speed"]["fingerprint"]
+    assert after["data"] == before["data"]
+
+
+def test_a_step_alone_names_what_to_run_first(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    config = tiny_config(tmp_path)
+    assert cli_main(["eval", str(config), "--run-dir", str(tmp_path / "empty")]) == 2
+    err = capsys.readouterr().err
+    assert "needs student, teacher" in err and "distillgates student" in err
+
+
+def test_changed_inputs_clear_a_resumable_steps_folder(tmp_path: Path) -> None:
+    """A checkpoint from other inputs must never be resumed: the step folder starts empty."""
+    cfg = load_config(tiny_config(tmp_path))
+    pipeline = Pipeline(cfg, tmp_path / "run")
+    student = next(s for s in STEPS if s.name == "student")
+    stale = tmp_path / "run" / "student" / "checkpoint.pt"
+    stale.parent.mkdir(parents=True)
+    stale.write_bytes(b"from another config")
+    pipeline._prepare_output(student, force=False)
+    assert not stale.exists()
+    stale.parent.mkdir(parents=True, exist_ok=True)
+    stale.write_bytes(b"interrupted attempt of the same inputs")
+    pipeline._prepare_output(student, force=False)  # same fingerprint as the recorded attempt: resume
+    assert stale.exists()
