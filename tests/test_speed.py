@@ -62,6 +62,10 @@ class ScriptedEngine(EngineBase):
     def decode_step(self, token):
         return self._next()
 
+    def extend(self, token_ids):
+        self.step += len(token_ids) - 1
+        return self._next()
+
 
 def test_percentiles_keep_raw_samples():
     out = percentiles([4.0, 1.0, 3.0, 2.0])

@@ -15,6 +15,7 @@ Design choices:
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator, Sequence
 from typing import Protocol, runtime_checkable
 
@@ -106,7 +107,7 @@ def sample_loop(
         logits = engine.decode_step(token)
 
 
-class EngineBase:
+class EngineBase(ABC):
     """``generate`` and ``continue_generate`` on top of ``prefill``/``decode_step``/``extend``.
 
     ``pending`` is the last token ``generate`` yielded that is not in the KV state yet;
@@ -115,14 +116,17 @@ class EngineBase:
 
     pending: int | None = None
 
+    @abstractmethod
     def prefill(self, prompt_ids: Sequence[int]) -> Tensor:
-        raise NotImplementedError
+        """Reset the state, write the prompt; logits (V,) of its last position."""
 
+    @abstractmethod
     def decode_step(self, token: int) -> Tensor:
-        raise NotImplementedError
+        """Write one token at the next position; its logits (V,)."""
 
+    @abstractmethod
     def extend(self, token_ids: Sequence[int]) -> Tensor:
-        raise NotImplementedError
+        """Append tokens (after the pending one) in one forward; logits (V,) of the last."""
 
     def generate(
         self,
