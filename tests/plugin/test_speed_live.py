@@ -2,7 +2,9 @@
 
 Real timings are noisy, so the comparison run may pass or be inconclusive, never fail: the
 student is compared with itself (an A/A check of the wiring; the statistics have their own
-tests and the power benchmark)."""
+tests and the power benchmark). The comparison is paired (blessed reference and candidate
+interleaved in one session): across sessions this shared box drifts by tens of percent, which
+unpaired mode cannot tell from a regression (docs/gates.md, A/A figures)."""
 
 from __future__ import annotations
 
@@ -28,26 +30,35 @@ def live_run(make_run):
     return run
 
 
+def wiring_thresholds(pytester) -> None:
+    """A wiring check, not a power test: on a ~1 ms TTFT two engine instances of the same weights
+    differ by a few percent (allocation, cache placement), which a 5% gate may rightly call
+    significant. The statistics' power is shown in benchmarks/bench_speed_gate_power.py."""
+    (pytester.path / "configs" / "gates.yaml").write_text("gates:\n  speed_regression_max: 0.25\n")
+
+
 def test_bless_and_compare_live_samples(pytester, gates_project, live_run, own_profile):
     gates_project()
+    wiring_thresholds(pytester)
     args = ["gates/test_speed.py", "-m", "speed", "-k", "ttft_ms-p50", f"--run-dir={live_run}",
-            f"--hw-profile={own_profile}", "--speed-samples=5", "--speed-max-rounds=1", "--gate-report=r.json"]
+            f"--hw-profile={own_profile}", "--speed-samples=10", "--speed-max-rounds=1", "--gate-report=r.json"]
     pytester.runpytest(*args, "--bless").assert_outcomes(passed=1, deselected=4)
     entry = json.loads((pytester.path / "baselines" / own_profile / "speed.json").read_text())["entries"]["ttft_ms.p50"]
-    assert len(entry["samples"]) == 5 and all(s > 0 for s in entry["samples"])
+    assert len(entry["samples"]) == 10 and all(s > 0 for s in entry["samples"])
     assert entry["provenance"]["reference_model"]["path"].endswith("student/model.pt")
-    result = pytester.runpytest(*args)
+    result = pytester.runpytest(*args, "--speed-paired")
     outcomes = result.parseoutcomes()
     assert outcomes.get("failed", 0) == 0 and outcomes.get("passed", 0) + outcomes.get("skipped", 0) == 1
     record = json.loads((pytester.path / "r.json").read_text())["gates"][0]
-    assert record["verdict"] in ("pass", "inconclusive") and len(record["details"]["candidate_samples"]) >= 5
+    assert record["verdict"] in ("pass", "inconclusive") and len(record["details"]["candidate_samples"]) >= 10
 
 
 def test_paired_mode_measures_the_blessed_reference_and_refuses_a_changed_one(pytester, gates_project, live_run,
                                                                               own_profile):
     gates_project()
+    wiring_thresholds(pytester)
     args = ["gates/test_speed.py", "-m", "speed", "-k", "tps-p50", f"--run-dir={live_run}",
-            f"--hw-profile={own_profile}", "--speed-samples=5", "--speed-max-rounds=0"]
+            f"--hw-profile={own_profile}", "--speed-samples=10", "--speed-max-rounds=0"]
     pytester.runpytest(*args, "--bless").assert_outcomes(passed=1, deselected=4)
     outcomes = pytester.runpytest(*args, "--speed-paired").parseoutcomes()
     assert outcomes.get("failed", 0) == 0 and outcomes.get("passed", 0) + outcomes.get("skipped", 0) == 1
