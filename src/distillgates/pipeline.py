@@ -358,15 +358,9 @@ def cli_step(args: argparse.Namespace) -> int:
 
 
 def cli_report(args: argparse.Namespace) -> int:
-    from distillgates.eval import read_report, render_report, report_markdown
+    from distillgates.eval.cli import run_report
 
-    report = read_report(args.path)
-    Console().print(render_report(report))
-    if args.markdown:
-        from distillgates.io import atomic_write_text
-
-        atomic_write_text(args.markdown, report_markdown(report))
-    return 0
+    return run_report(args)
 
 
 def cli_profile(args: argparse.Namespace) -> int:

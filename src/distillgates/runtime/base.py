@@ -115,6 +115,8 @@ class EngineBase(ABC):
     """
 
     pending: int | None = None
+    tokens: list[int]  # the conversation in the KV state (engines that support rollback keep it)
+    position: int  # tokens written to the KV state (a property in the engines)
 
     @abstractmethod
     def prefill(self, prompt_ids: Sequence[int]) -> Tensor:
@@ -127,6 +129,16 @@ class EngineBase(ABC):
     @abstractmethod
     def extend(self, token_ids: Sequence[int]) -> Tensor:
         """Append tokens (after the pending one) in one forward; logits (V,) of the last."""
+
+    def rollback(self, position: int) -> None:
+        """Forget every token at or after ``position`` (a static cache only moves the position).
+
+        Engines keep the conversation in ``self.tokens`` and report ``self.position``.
+        """
+        if not 0 <= position <= self.position:
+            raise ValueError(f"rollback position {position} outside [0, {self.position}]")
+        del self.tokens[position:]
+        self.pending = None
 
     def generate(
         self,

@@ -204,12 +204,6 @@ class CoreMLEngine(EngineBase):
         assert logits is not None
         return logits
 
-    def rollback(self, position: int) -> None:
-        if not 0 <= position <= self.position:
-            raise ValueError(f"rollback position {position} outside [0, {self.position}]")
-        del self.tokens[position:]
-        self.pending = None
-
     def read_kv(self, length: int) -> list[tuple[Tensor, Tensor]]:
         """Prefix K/V per layer ``(n_kv, length, hd)`` (for the prompt cache)."""
         if length > self.position:

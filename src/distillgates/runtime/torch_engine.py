@@ -117,13 +117,6 @@ class TorchEngine(EngineBase):
         """Append tokens (e.g. a tool result) to the conversation; logits ``(V,)`` of the last one."""
         return self.extend_all(token_ids)[-1]
 
-    def rollback(self, position: int) -> None:
-        """Forget every token at or after ``position`` (static cache: only the position moves)."""
-        if not 0 <= position <= self.position:
-            raise ValueError(f"rollback position {position} outside [0, {self.position}]")
-        del self.tokens[position:]
-        self.pending = None
-
     # ---- KV state access (prompt cache) ----------------------------------------------
 
     def read_kv(self, length: int) -> list[tuple[Tensor, Tensor]]:
