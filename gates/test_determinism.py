@@ -37,6 +37,19 @@ def test_fingerprint_present(gate, report, key):
                 f"report header fingerprint {key} is a non-empty string (found {value!r})")
 
 
+@pytest.mark.determinism
+def test_api_teacher_made_no_retries(gate, report):
+    """HTTP determinism mode: an API teacher's KD set is reproducible only if it was built in determinism
+    mode (temperature 0, fixed seed) and no request was retried."""
+    kind = report.get("gate_inputs.teacher.kind")
+    if kind != "openai":
+        pytest.skip(f"teacher kind {kind!r}: the HTTP determinism gate applies to API teachers")
+    gate.equals("determinism.teacher_determinism_mode", report.get("gate_inputs.teacher.determinism"), True,
+                "the KD set was built with teacher.determinism: true")
+    gate.equals("determinism.teacher_retries", report.get("gate_inputs.teacher.retries"), 0,
+                "requests the HTTP teacher retried while building the KD set (any retry fails)")
+
+
 CODE_FINGERPRINTS = {"tool_registry_sha256": tool_registry_sha256, "prompt_wrapper_sha256": prompt_wrapper_sha256}
 
 

@@ -177,6 +177,8 @@ class TeacherConfig:
     warmup_steps: int = 30  # toy teacher: linear warmup, then cosine to min_lr_ratio * lr
     min_lr_ratio: float = 0.1
     weight_decay: float = 0.01
+    value_weight: float = 1.0  # toy teacher: loss weight of argument-value and integration tokens (the facts)
+    curriculum_steps: int = 0  # toy teacher: first N steps without the system prompt (see teacher/toy.py)
     backoff_base_s: float = 0.5  # openai: full-jitter exponential backoff base and cap
     backoff_max_s: float = 30.0
     usd_per_1k_prompt_tokens: float = 0.0  # budget accounting (cost = tokens * price)
@@ -193,6 +195,8 @@ class TeacherConfig:
             raise ValueError("base_url is required when kind is 'openai'")
         if self.top_k <= 0:
             raise ValueError(f"top_k must be > 0, got {self.top_k}")
+        if self.value_weight <= 0 or self.curriculum_steps < 0:
+            raise ValueError("value_weight must be > 0 and curriculum_steps >= 0")
         if self.max_new_tokens <= 0 or self.max_turns <= 0 or self.kd_batch_size <= 0 or self.ckpt_every <= 0:
             raise ValueError("max_new_tokens, max_turns, kd_batch_size and ckpt_every must be > 0")
 
@@ -219,8 +223,13 @@ class LengthLossConfig:
     # "teacher": target = the teacher's length (spec default); "evidence": target = the reference up to its last
     # required evidence value, and only positions after that evidence get the stop gradient (cuts filler only)
     target: str = "teacher"
+    # do not imitate what the latency losses call excess: no CE/KD/process on the preamble before the first
+    # tool call of tool items, nor on the answer after its last required evidence (target "evidence" only)
+    mask_excess: bool = False
 
     def __post_init__(self) -> None:
+        if self.mask_excess and self.target != "evidence":
+            raise ValueError("mask_excess needs target: evidence (it masks what that target counts as excess)")
         if self.target not in ("teacher", "evidence"):
             raise ValueError(f"target must be teacher/evidence, got {self.target!r}")
         if self.max_new_tokens <= 0:
@@ -272,8 +281,14 @@ class TrainConfig:
     eval_every: int = 100
     log_every: int = 10
     fsdp: bool = False
+    # "scratch", or "teacher": start from the local teacher's embeddings and its most influential
+    # layers (the student must have the teacher's width; see distillgates/train/init.py)
+    init_from: str = "scratch"
+    init_layers: list[int] | None = None  # teacher layers to keep (None: by block influence)
 
     def __post_init__(self) -> None:
+        if self.init_from not in ("scratch", "teacher"):
+            raise ValueError(f"init_from must be scratch/teacher, got {self.init_from!r}")
         if self.mixed_precision not in ("no", "bf16", "fp16"):
             raise ValueError(f"mixed_precision must be no/bf16/fp16, got {self.mixed_precision!r}")
         if self.teacher_mode not in ("offline", "online"):

@@ -199,6 +199,11 @@ def step_kd(cfg: Config, run_dir: Path) -> dict[str, Any]:
     result = build_kd_set(cfg, teacher, _train_items(run_dir), out, resume=True, cache_dir=run_dir / "cache" / "kd")
     if not result.complete:
         raise RuntimeError(f"KD set incomplete: {result.message}")
+    # gate_inputs.teacher: an API teacher's KD set is reproducible only in determinism mode with no retry
+    atomic_write_json(run_dir / "kd" / "build.json", {
+        "kind": cfg.teacher.kind, "determinism": cfg.teacher.determinism, "retries": result.retries,
+        "cache_hits": result.cache_hits, "records": result.n_done, "tokens": result.spent_tokens,
+    })
     return {"records": result.n_done, "tokens": result.spent_tokens, "status": result.status}
 
 
@@ -294,6 +299,7 @@ def step_report(cfg: Config, run_dir: Path) -> dict[str, Any]:
         "qat": json.loads((run_dir / "student" / "qat_probe.json").read_text()),
         **export_inputs,
         "prompt_cache": speed_report["prompt_cache"],
+        "teacher": json.loads((run_dir / "kd" / "build.json").read_text()),
     }
     if speed_report.get("speculative") is not None:
         gate_inputs["speculative"] = speed_report["speculative"]

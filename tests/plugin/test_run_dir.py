@@ -37,6 +37,12 @@ VIOLATIONS = [
      ["test_sharded_equals_unsharded[coverage]", "test_sharded_equals_unsharded[duplicates]",
       "test_sharded_equals_unsharded[missing]"], "coverage"),
     ("single_shard", {"gate_inputs.determinism.n_shards": 1}, "determinism", ["test_more_than_one_shard"], "n_shards"),
+    ("api_teacher_retried", {"gate_inputs.teacher.retries": 2}, "determinism",
+     ["test_api_teacher_made_no_retries"], "measured 2 == threshold 0"),
+    ("api_teacher_not_deterministic", {"gate_inputs.teacher.determinism": False}, "determinism",
+     ["test_api_teacher_made_no_retries"], "teacher.determinism: true"),
+    ("missing_teacher_inputs", {"gate_inputs.teacher": DELETE}, "determinism",
+     ["test_api_teacher_made_no_retries"], "missing key 'gate_inputs.teacher.kind'"),
     ("missing_fingerprint", {"header.fingerprints.model_fingerprint": DELETE}, "determinism",
      ["test_fingerprint_present[model_fingerprint]"], "found None"),
     ("null_fingerprint", {"header.fingerprints.runner_fingerprint": None}, "determinism",
@@ -87,7 +93,7 @@ def test_good_run_passes_every_gate(pytester, gates_project, make_run, own_profi
     common = [f"--run-dir={run}", f"--hw-profile={own_profile}"]
     pytester.runpytest(*BASELINED, *common, "--bless").assert_outcomes(passed=7)
     result = pytester.runpytest("gates", *common, "-rA")
-    result.assert_outcomes(passed=44, skipped=3, deselected=5)
+    result.assert_outcomes(passed=45, skipped=3, deselected=5)
     for name in GATE_FILES:
         assert f"PASSED gates/test_{name}.py::" in result.stdout.str(), name
     assert "requires macOS" in result.stdout.str()

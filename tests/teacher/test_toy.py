@@ -5,12 +5,20 @@ from __future__ import annotations
 import itertools
 import json
 
+import pytest
 import torch
 
 from distillgates.config import Config, ModelConfig
 from distillgates.teacher.base import TurnResult
 from distillgates.teacher.local import LocalTeacher
-from distillgates.teacher.toy import build_toy_teacher, encode_for_training, evaluate_teacher, lr_at
+from distillgates.teacher.toy import (
+    build_toy_teacher,
+    encode_for_training,
+    evaluate_teacher,
+    lr_at,
+    weighted_ce,
+    without_system_prompt,
+)
 
 from .conftest import ReplayTeacher, kd_teacher_config
 
@@ -33,6 +41,33 @@ def test_loss_mask_covers_exactly_the_generated_tokens(toy_items, tiny_tokenizer
             assert call["name"] in masked
 
 
+def test_value_weight_lands_on_argument_values_and_answer_facts(toy_items, tiny_tokenizer):
+    item = next(i for i in toy_items if i["kind"] == "single")
+    (ids, weights), = encode_for_training(tiny_tokenizer, [item], max_len=10_000, value_weight=4.0)
+    heavy = tiny_tokenizer.decode([i for i, w in zip(ids, weights) if w == 4.0])
+    for value in item["expected_calls"][0]["arguments"].values():
+        assert str(value) in heavy
+    for fact in item["integration_fields"]:
+        assert fact in heavy
+    assert set(weights) == {0.0, 1.0, 4.0}
+    assert item["expected_calls"][0]["name"] not in heavy  # template tokens keep weight 1
+
+
+def test_weighted_ce_counts_weighted_targets_only():
+    logits = torch.randn(1, 4, 7)
+    ids = torch.tensor([[1, 2, 3, 4]])
+    plain = torch.nn.functional.cross_entropy(logits[0, :-1], ids[0, 1:], reduction="none")
+    assert torch.allclose(weighted_ce(logits, ids, torch.tensor([[0.0, 1.0, 1.0, 0.0]])), plain[:2].mean())
+    assert torch.allclose(weighted_ce(logits, ids, torch.tensor([[0.0, 3.0, 1.0, 0.0]])), (3 * plain[0] + plain[1]) / 2)
+
+
+def test_curriculum_phase_drops_only_the_system_prompt(toy_items):
+    stripped = without_system_prompt(toy_items)
+    for before, after in zip(toy_items, stripped):
+        assert [m for m in before["messages"] if m["role"] != "system"] == after["messages"]
+        assert after["reference"] == before["reference"] and before["messages"][0]["role"] == "system"
+
+
 def test_lr_schedule_warms_up_then_decays(tiny_tokenizer):
     tcfg = _cfg(tiny_tokenizer, train_steps=100, warmup_steps=10, lr=1.0, min_lr_ratio=0.1).teacher
     lrs = [lr_at(s, tcfg) for s in range(100)]
@@ -40,13 +75,16 @@ def test_lr_schedule_warms_up_then_decays(tiny_tokenizer):
     assert all(a >= b for a, b in itertools.pairwise(lrs[9:])) and abs(lrs[-1] - 0.1) < 0.01
 
 
-def test_trained_tiny_teacher_solves_a_memorized_item(toy_items, tiny_tokenizer, tmp_path):
-    """Overfit one tool-call item: the saved teacher then solves it end to end (call, result, answer)."""
+@pytest.mark.parametrize("recipe", [{}, {"curriculum_steps": 20, "value_weight": 3.0}], ids=["plain", "curriculum"])
+def test_trained_tiny_teacher_solves_a_memorized_item(toy_items, tiny_tokenizer, tmp_path, recipe):
+    """Overfit one tool-call item: the saved teacher then solves it end to end (call, result, answer),
+    with the system prompt, also after a curriculum phase that trained without it."""
     items = [next(it for it in toy_items if it["kind"] == "single" and it["style"] == "terse")]
     torch.manual_seed(0)
     report = build_toy_teacher(
-        _cfg(tiny_tokenizer, train_steps=60, batch_size=1), tiny_tokenizer, items, items, tmp_path
+        _cfg(tiny_tokenizer, train_steps=60, batch_size=1, **recipe), tiny_tokenizer, items, items, tmp_path
     )
+    assert report["train"]["curriculum_steps"] == recipe.get("curriculum_steps", 0)
     assert report["train"]["final_loss"] < 0.1 * report["train"]["first_loss"]
     assert report["tool_selection"] == 1.0 and report["json_validity"] == 1.0, report["failures"]
     assert report["arg_match_strict"] == 1.0 and report["answered"] == 1.0

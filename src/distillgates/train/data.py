@@ -51,6 +51,7 @@ class Row:
     evidence_end: int = -1  # prediction position of the last required-evidence token of the answer (-1: none)
     length: int = 0  # tokens of the full conversation before truncation (sampler bucketing)
     early: list[int] = field(default_factory=list)  # tool-call prefix ids for the early-tool loss (may be empty)
+    excess: list[int] = field(default_factory=list)  # prediction positions of preamble/filler (see excess_positions)
 
 
 @dataclass
@@ -87,12 +88,35 @@ def shape_for(n_tokens: int, lengths: Sequence[int]) -> int:
 PROCESS_KINDS = ("tool_name", "arguments", "integration")  # span kinds of distillgates.data.targets
 
 
+def excess_positions(ids: Sequence[int], prompt_len: int, evidence_end: int, tool_call_id: int, end_id: int,
+                     tool_item: bool) -> list[int]:
+    """Prediction positions whose targets the latency objective calls excess.
+
+    - the preamble of a tool item: the tokens of the first assistant turn before its
+      ``<|tool_call|>`` (the early tool-call loss wants the call first);
+    - the answer after its last required evidence token, up to (not including) the position
+      that predicts the closing ``<|end|>`` (the "evidence" length target ends there).
+    """
+    out: list[int] = []
+    if tool_item:
+        call = next((j for j in range(prompt_len, len(ids)) if ids[j] == tool_call_id), None)
+        if call is not None:
+            out += range(prompt_len - 1, call - 1)  # position q predicts token q + 1
+    if evidence_end >= 0:
+        q = evidence_end + 1
+        while q + 1 < len(ids) and ids[q + 1] != end_id:
+            out.append(q)
+            q += 1
+    return out
+
+
 def build_row(
     item: dict[str, Any],
     tokenizer: Any,
     lengths: Sequence[int],
     kd: Mapping[str, Any] | None = None,
     early_first_n: int = 0,
+    mask_excess: bool = False,
 ) -> Row:
     """Tokenize one item (and align its KD record) into a :class:`Row`."""
     from distillgates.data.targets import encode_item
@@ -132,6 +156,10 @@ def build_row(
         target = early_tool_target(item, teacher_text, encode, early_first_n)
         if target is not None:
             row.early = target.ids
+    if mask_excess:
+        ids_of = tokenizer.convert_tokens_to_ids
+        row.excess = excess_positions(ids, p, row.evidence_end, ids_of("<|tool_call|>"), ids_of("<|end|>"),
+                                      bool(item.get("tool_should_be_used")))
     return row
 
 
@@ -150,7 +178,9 @@ def collate(rows: Sequence[Row], pad_id: int, assistant_id: int, end_id: int) ->
     teacher_len = torch.zeros(R)
     evidence_end = torch.tensor([r.evidence_end for r in rows], dtype=torch.long)
     tool = torch.zeros(R, dtype=torch.bool)
+    keep = torch.ones(R, L)  # 0 at excess positions: no CE/KD/process there
     for i, r in enumerate(rows):
+        keep[i, [q for q in r.excess if 0 <= q < L]] = 0.0
         input_ids[i, : len(r.ids)] = torch.tensor(r.ids)
         pos = [q for q in r.process if 0 <= q < L - 1]
         process_mask[i, pos] = 1.0
@@ -173,11 +203,11 @@ def collate(rows: Sequence[Row], pad_id: int, assistant_id: int, end_id: int) ->
     return Batch(
         input_ids=input_ids,
         targets=targets,
-        ce_mask=turn_mask.float(),
+        ce_mask=turn_mask.float() * keep,
         turn_mask=turn_mask,
         turn_start=turn_start,
-        process_mask=process_mask * turn_mask.float(),
-        kd_mask=kd_mask * turn_mask.float(),  # KD only where the student generates
+        process_mask=process_mask * turn_mask.float() * keep,
+        kd_mask=kd_mask * turn_mask.float() * keep,  # KD only where the student generates
         kd_ids=kd_ids,
         kd_logprobs=kd_lp,
         teacher_len=teacher_len,

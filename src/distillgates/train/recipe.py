@@ -136,6 +136,7 @@ class Recipe:
         out_dir: where checkpoints, the log, the model and the QAT probe go.
         kd_records: offline KD records by item id (``teacher_mode: offline``).
         teacher: a callable ``input_ids (B, T) -> logits (B, T, V)`` (``teacher_mode: online``).
+        init_teacher: the teacher as a :class:`Transformer` (``init_from: teacher``).
         device: ``cpu``/``cuda``/``auto``.
         max_steps: stop early after this many steps (tests, time-boxed runs); the schedule still
             follows ``train_cfg.steps``.
@@ -154,6 +155,7 @@ class Recipe:
         kd_records: dict[str, dict[str, Any]] | None = None,
         teacher: Any = None,
         device: str = "auto",
+        init_teacher: Transformer | None = None,
         max_steps: int | None = None,
         progress: bool = True,
         speed_prompts: int = 4,
@@ -170,6 +172,9 @@ class Recipe:
             raise ValueError("teacher_mode 'offline' needs a KD set (kd_path); got none")
         if train_cfg.teacher_mode == "online" and teacher is None and train_cfg.kd.weight > 0:
             raise ValueError("teacher_mode 'online' needs a teacher; got none")
+        if train_cfg.init_from == "teacher" and init_teacher is None:
+            raise ValueError("train.init_from 'teacher' needs the teacher model; got none")
+        self.init_teacher = init_teacher
 
     # ------------------------------------------------------------------ setup
 
@@ -187,7 +192,8 @@ class Recipe:
         early_n = cfg.early_tool.first_n_tokens if cfg.early_tool.weight > 0 else 0
         kd = self.kd_records if cfg.teacher_mode == "offline" else None
         self.rows = [
-            build_row(item, tok, self.shapes.lengths, (kd or {}).get(item["id"]), early_n) for item in self.train_items
+            build_row(item, tok, self.shapes.lengths, (kd or {}).get(item["id"]), early_n, cfg.length.mask_excess)
+            for item in self.train_items
         ]
         missing = sum(1 for item in self.train_items if kd is not None and item["id"] not in kd)
         if kd is not None and missing == len(self.train_items):
@@ -198,7 +204,10 @@ class Recipe:
             raise ValueError(f"batch_size {cfg.batch_size} must be divisible by world_size*grad_accum = {per_step}")
         # batch_at(step) is a pure function of (seed, step): the data position is the step itself
         self.sampler = ShapeSampler([r.length for r in self.rows], self.shapes, cfg.batch_size, cfg.steps, cfg.seed)
-        self.model = Transformer(self.model_cfg).to(self.device)
+        self.model = Transformer(self.model_cfg)
+        if cfg.init_from == "teacher" and not (self.out_dir / CKPT_NAME).exists():  # a resume loads its own
+            self._init_from_teacher()
+        self.model.to(self.device)
         if cfg.fsdp and self.dist.world > 1:
             if cfg.qat.enabled:
                 raise ValueError("train.fsdp with train.qat.enabled is not supported: QAT swaps modules after sharding")
@@ -221,6 +230,20 @@ class Recipe:
             self.out_dir.mkdir(parents=True, exist_ok=True)
             atomic_write_text(self.log_path, "")
         self._wrap()
+
+    def _init_from_teacher(self) -> None:
+        """Depth-pruned teacher init (:mod:`distillgates.train.init`); the choice goes to ``init.json``."""
+        from distillgates.train.init import block_influence, init_from_teacher, select_layers
+
+        assert self.init_teacher is not None
+        probe_ids = [torch.tensor([r.ids]) for r in self.rows[:32]]
+        influence = block_influence(self.init_teacher, probe_ids)
+        layers = self.cfg.init_layers or select_layers(influence, self.model_cfg.n_layers)
+        init_from_teacher(self.model, self.init_teacher, layers)
+        if self.dist.main:
+            self.out_dir.mkdir(parents=True, exist_ok=True)
+            atomic_write_json(self.out_dir / "init.json", {"from": "teacher", "layers": list(layers),
+                                                         "block_influence": influence, "probe_items": len(probe_ids)})
 
     def _wrap(self) -> None:
         """The module the training forward calls: QAT graph or model, under DDP/FSDP if distributed."""
@@ -599,10 +622,25 @@ def train_student(
         train_cfg, model_cfg, cfg.shapes, tokenizer, train_items, eval_items, run_dir / role,
         kd_records=kd_records, teacher=teacher_fn, device=device, max_steps=max_steps, progress=progress,
         speed_prompts=min(cfg.speed.n_prompts, 4),
+        init_teacher=_init_teacher(cfg, run_dir) if train_cfg.init_from == "teacher" else None,
     )
     recipe.setup()
     recipe.train()
     return recipe.cleanup()
+
+
+def _init_teacher(cfg: Config, run_dir: Path) -> Transformer:
+    """The local teacher (``teacher.path``, else ``<run_dir>/teacher``) as a :class:`Transformer`."""
+    from transformers import AutoModelForCausalLM
+
+    from distillgates.model import from_hf
+
+    if cfg.teacher is None or cfg.teacher.kind != "local":
+        raise ValueError("train.init_from 'teacher' needs a local teacher (teacher.kind: local)")
+    path = Path(cfg.teacher.path) if cfg.teacher.path else run_dir / "teacher"
+    if not (path / "config.json").exists():
+        raise FileNotFoundError(f"train.init_from 'teacher': no teacher model at {path} (run the teacher step first)")
+    return from_hf(AutoModelForCausalLM.from_pretrained(path).float())
 
 
 def _teacher_fn(teacher: Any) -> Any:

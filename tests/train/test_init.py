@@ -1,0 +1,79 @@
+"""Depth-pruned teacher init: block influence, layer choice, weight copy, and the recipe wiring."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from distillgates.model import Transformer, load_model, to_hf
+from distillgates.train import train_student
+from distillgates.train.init import block_influence, init_from_teacher, select_layers
+
+
+def test_block_influence_ranks_a_near_identity_block_last(make_tiny_cfg: Any) -> None:
+    teacher = Transformer(make_tiny_cfg(n_layers=3)).eval()
+    with torch.no_grad():  # block 1 adds (almost) nothing to the residual stream
+        teacher.layers[1].attn.o_proj.weight.mul_(1e-4)
+        teacher.layers[1].mlp.down_proj.weight.mul_(1e-4)
+    influence = block_influence(teacher, [torch.randint(0, 96, (2, 16)) for _ in range(2)])
+    assert len(influence) == 3 and influence[1] < 1e-3 < min(influence[0], influence[2])
+    assert select_layers(influence, 2) == [0, 2]
+    assert not any(block._forward_hooks for block in teacher.layers)  # hooks removed
+
+
+def test_select_layers_keeps_model_order_and_checks_count() -> None:
+    assert select_layers([0.1, 0.9, 0.5, 0.7], 2) == [1, 3]
+    with pytest.raises(ValueError, match="cannot keep 5"):
+        select_layers([0.1, 0.2], 5)
+
+
+def test_pruned_student_equals_teacher_with_blocks_removed(make_tiny_cfg: Any) -> None:
+    teacher = Transformer(make_tiny_cfg(n_layers=4)).eval()
+    student = Transformer(make_tiny_cfg(n_layers=2)).eval()
+    init_from_teacher(student, teacher, [0, 3])
+    reference = Transformer(make_tiny_cfg(n_layers=4)).eval()
+    reference.load_state_dict(teacher.state_dict())
+    reference.layers = torch.nn.ModuleList([reference.layers[0], reference.layers[3]])
+    ids = torch.randint(0, 96, (1, 12))
+    with torch.no_grad():
+        torch.testing.assert_close(student(ids), reference(ids))
+    assert student.layers[0].attn.q_proj.weight.data_ptr() != teacher.layers[0].attn.q_proj.weight.data_ptr()
+
+
+def test_width_mismatch_names_the_field(make_tiny_cfg: Any) -> None:
+    teacher = Transformer(make_tiny_cfg(n_layers=4))
+    with pytest.raises(ValueError, match="d_model to equal the teacher's"):
+        init_from_teacher(Transformer(make_tiny_cfg(d_model=48)), teacher, [0, 1])
+    with pytest.raises(ValueError, match=r"init layers \[0, 7\]"):
+        init_from_teacher(Transformer(make_tiny_cfg()), teacher, [0, 7])
+
+
+def test_recipe_starts_from_the_teacher_and_records_the_choice(artifacts: dict[str, Any], tmp_path: Path) -> None:
+    torch.set_num_threads(1)
+    cfg = artifacts["make_config"](len(artifacts["tokenizer"]), steps=3, lr=1e-9, warmup_steps=1, init_from="teacher")
+    teacher_cfg = cfg.student.__class__(**{**cfg.student.__dict__, "n_layers": 3})
+    torch.manual_seed(7)
+    teacher = Transformer(teacher_cfg).eval()
+    to_hf(teacher).save_pretrained(tmp_path / "teacher")
+    from distillgates.config import TeacherConfig
+
+    cfg.teacher = TeacherConfig(kind="local")
+    path = train_student(cfg, "student", tmp_path, kd_path=artifacts["kd_path"], tokenizer=artifacts["tokenizer"],
+                         train_items=artifacts["train"], eval_items=artifacts["eval"], progress=False, device="cpu")
+    init = json.loads((tmp_path / "student" / "init.json").read_text())
+    assert init["from"] == "teacher" and len(init["block_influence"]) == 3 and len(init["layers"]) == 2
+    student = load_model(path)
+    kept = teacher.layers[init["layers"][1]].mlp.up_proj.weight
+    # lr 1e-9: three steps leave the copied weights where the teacher had them
+    torch.testing.assert_close(student.layers[1].mlp.up_proj.weight, kept, atol=1e-5, rtol=0)
+
+
+def test_recipe_without_a_local_teacher_says_so(artifacts: dict[str, Any], tmp_path: Path) -> None:
+    cfg = artifacts["make_config"](len(artifacts["tokenizer"]), steps=3, init_from="teacher")
+    with pytest.raises(ValueError, match="needs a local teacher"):
+        train_student(cfg, "student", tmp_path, kd_path=artifacts["kd_path"], tokenizer=artifacts["tokenizer"],
+                      train_items=artifacts["train"], eval_items=artifacts["eval"], progress=False, device="cpu")
