@@ -2,8 +2,8 @@
 
 ``distillgates run`` runs the whole pipeline; the other subcommands run one step of it with
 the same config and run directory (``data``, ``teacher``, ``kd``, ``train``, ``export``,
-``speed``, ``eval``), render a report (``report``) or show the hardware profile
-(``profile``).
+``speed``, ``eval``), render a report (``report``), show the hardware profile
+(``profile``) or serve a local teacher as an OpenAI-compatible API (``serve``).
 """
 
 from __future__ import annotations
@@ -58,6 +58,10 @@ def build_parser() -> argparse.ArgumentParser:
     profile.add_argument("--profiles", default="configs/hardware_profiles.yaml", help="hardware profiles YAML")
     profile.add_argument("--hw-profile", default=None, help="check this profile key against the detected machine")
     profile.set_defaults(func=pipeline.cli_profile)
+
+    from distillgates.teacher import cli as teacher_cli
+
+    teacher_cli.add_parser(sub)
     return parser
 
 

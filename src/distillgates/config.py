@@ -150,6 +150,13 @@ class DataConfig:
     n_train: int = 2000
     n_eval: int = 200
     locales: list[str] = field(default_factory=lambda: ["en", "de"])
+    # share of references in the chatty style (preamble before the call, filler after the facts): the teacher
+    # learns to talk like a big chat model; the student's latency losses make it terse
+    verbose_share: float = 0.5
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.verbose_share <= 1.0:
+            raise ValueError(f"verbose_share must be in [0, 1], got {self.verbose_share}")
 
 
 @dataclass

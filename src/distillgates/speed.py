@@ -17,7 +17,6 @@ Definitions (DESIGN.md "Speed metrics"), per prompt at batch 1 after warm-up:
 
 from __future__ import annotations
 
-import argparse
 import json
 import resource
 import sys
@@ -31,7 +30,7 @@ import jsonschema
 import numpy as np
 import torch
 
-from distillgates.config import Config, ModelConfig, SpeedConfig, load_config
+from distillgates.config import Config, ModelConfig, SpeedConfig
 from distillgates.data.registry import parse_tool_call, validate_call
 from distillgates.io import atomic_write_json
 from distillgates.runtime.base import EngineBase
@@ -343,28 +342,3 @@ def run_speed(
     return report
 
 
-def add_parser(subparsers: Any) -> argparse.ArgumentParser:
-    """Register ``distillgates speed``."""
-    parser = subparsers.add_parser(
-        "speed", help="measure TTFT/TPS/TTFA, prompt cache and speculative decoding of the trained student",
-        description="Speed harness at batch 1 after warm-up; writes a schema-validated reports/speed.json.",
-    )  # fmt: skip
-    parser.add_argument("config", nargs="?", default="configs/toy.yaml", help="pipeline YAML")
-    parser.add_argument("--run-dir", default=None, help="run directory (default runs/<config name>)")
-    parser.add_argument("--engine", choices=("torch", "coreml"), default=None, help="default: speed.engine")
-    parser.add_argument("--out", default=None, help="report path (default <run-dir>/reports/speed.json)")
-    parser.add_argument("--hw-profile", default=None, help="hardware profile key to record")
-    parser.set_defaults(func=run)
-    return parser
-
-
-def run(args: argparse.Namespace) -> int:
-    cfg = load_config(args.config)
-    run_dir = Path(args.run_dir) if args.run_dir else Path("runs") / cfg.name
-    report = run_speed(cfg, run_dir, engine=args.engine, out=args.out, hw_profile=args.hw_profile)
-    speed = report["speed"]
-    print(
-        f"ttft p50 {speed['ttft_ms']['p50']:.2f} ms  tps p50 {speed['tps']['p50'] or 0:.1f}  "
-        f"ttfa p95 {speed['ttfa_tokens']['p95']} tokens  -> {args.out or run_dir / 'reports' / 'speed.json'}"
-    )
-    return 0

@@ -64,3 +64,14 @@ def test_verbose_style_has_preamble_terse_calls_at_once(toy_items):
             continue
         preamble = item["reference"].split("<|tool_call|>", 1)[0]
         assert bool(preamble) == (item["style"] == "verbose"), item["id"]
+
+
+def test_verbose_share_sets_the_style_mix():
+    def share(value: float) -> float:
+        items = generate_items(0, 400, verbose_share=value)
+        return sum(item["style"] == "verbose" for item in items) / len(items)
+
+    assert share(0.0) == 0.0 and share(1.0) == 1.0
+    assert 0.74 < share(0.8) < 0.86
+    chatty = [i for i in generate_items(0, 80, verbose_share=1.0) if i["kind"] == "single"]
+    assert chatty and all(not i["reference"].startswith("<|tool_call|>") for i in chatty)  # a preamble first

@@ -27,7 +27,8 @@ def items() -> list[dict[str, Any]]:
 
 def test_verbose_tool_item_masks_preamble_and_filler_only(artifacts: dict[str, Any], items) -> None:
     tok = artifacts["tokenizer"]
-    rows = [build_row(i, tok, WIDE, mask_excess=True) for i in items if i["kind"] == "single" and i["style"] == "verbose"]
+    verbose = [i for i in items if i["kind"] == "single" and i["style"] == "verbose"]
+    rows = [build_row(i, tok, WIDE, mask_excess=True) for i in verbose]
     row = next(r for r in rows if r.length <= WIDE[-1])  # the whole answer fits the largest shape
     item = row.item
     excess = _decode(tok, row.ids, row.excess)

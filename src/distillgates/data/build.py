@@ -36,8 +36,8 @@ def build_toy_data(cfg: Config, out_dir: str | Path) -> ToyData:
     out_dir = Path(out_dir)
     data = cfg.data
     splits = {
-        "train": generate_items(data.seed, data.n_train, data.locales, split="train"),
-        "eval": generate_items(data.seed, data.n_eval, data.locales, split="eval"),
+        "train": generate_items(data.seed, data.n_train, data.locales, split="train", verbose_share=data.verbose_share),
+        "eval": generate_items(data.seed, data.n_eval, data.locales, split="eval", verbose_share=data.verbose_share),
     }
     tok = train_tokenizer(
         (render_conversation(item) for item in splits["train"]), cfg.tokenizer.vocab_size, cfg.tokenizer.min_frequency

@@ -293,13 +293,17 @@ def _tool_item(item: dict[str, Any], turns: list[ToolTurn], rng: random.Random, 
 
 
 def generate_item(
-    seed: int, index: int, locales: tuple[str, ...] | list[str] = ("en", "de"), split: str = "train"
+    seed: int,
+    index: int,
+    locales: tuple[str, ...] | list[str] = ("en", "de"),
+    split: str = "train",
+    verbose_share: float = 0.5,
 ) -> dict[str, Any]:
     """The item ``index`` of ``split`` for ``seed`` (independent of any other item)."""
     rng = random.Random(f"{seed}:{split}:{index}")
     kind = rng.choices(KINDS, weights=KIND_WEIGHTS)[0]
     locale = rng.choice(tuple(locales))
-    style = rng.choice(STYLES)
+    style = STYLES[0] if rng.random() < verbose_share else STYLES[1]
     item = _item(f"toy-{split}-{index:06d}", kind, locale, style, "")
     tools = tuple(TOOL_GENERATORS)
     if kind == "single":
@@ -340,7 +344,12 @@ def check_item(item: dict[str, Any]) -> None:
 
 
 def generate_items(
-    seed: int, n: int, locales: tuple[str, ...] | list[str] = ("en", "de"), split: str = "train", start: int = 0
+    seed: int,
+    n: int,
+    locales: tuple[str, ...] | list[str] = ("en", "de"),
+    split: str = "train",
+    start: int = 0,
+    verbose_share: float = 0.5,
 ) -> list[dict[str, Any]]:
     """Items ``start .. start+n-1`` of ``split``."""
-    return [generate_item(seed, i, locales, split) for i in range(start, start + n)]
+    return [generate_item(seed, i, locales, split, verbose_share) for i in range(start, start + n)]

@@ -1,6 +1,6 @@
 """Core ML export: prefill (enumerated shapes) + stateful decode, compression, contract, lints, ANE checks."""
 
-from distillgates.export.api import ExportResult, add_parser, export_model, export_transformer, run
+from distillgates.export.api import ExportResult, export_model, export_transformer
 from distillgates.export.compute_plan import ane_residency
 from distillgates.export.contract import describe_package, kv_layout, verify_contract
 from distillgates.export.convert import ExportError, int8_grid_scale
@@ -16,7 +16,6 @@ __all__ = [
     "ExportResult",
     "PrefillModule",
     "StandardLayout",
-    "add_parser",
     "ane_report",
     "ane_residency",
     "build_layout",
@@ -30,6 +29,5 @@ __all__ = [
     "lint_int64_attention",
     "lint_mil_ops",
     "lint_shapes",
-    "run",
     "verify_contract",
 ]

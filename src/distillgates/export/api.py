@@ -11,7 +11,6 @@ on its own; the decode model continues from a prefill by copying the state buffe
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import shutil
 import sys
@@ -22,7 +21,7 @@ from typing import Any
 import coremltools as ct
 import torch
 
-from distillgates.config import Config, ExportConfig, load_config, to_dict
+from distillgates.config import Config, ExportConfig, to_dict
 from distillgates.export.contract import (
     CONTRACT_VERSION,
     LOGITS_SEMANTICS,
@@ -170,35 +169,3 @@ def export_model(
         model, cfg.export, list(cfg.shapes.lengths), out_dir, tokenizer_fingerprint,
         cosine_min=cfg.gates.export_cosine_min, raise_on_error=raise_on_error,
     )  # fmt: skip
-
-
-# --------------------------------------------------------------------------------------
-# CLI: distillgates export
-
-
-def add_parser(subparsers: Any) -> argparse.ArgumentParser:
-    parser = subparsers.add_parser("export", help="export a checkpoint to Core ML (prefill + stateful decode)")
-    parser.add_argument("--config", required=True, help="pipeline YAML (export, shapes and gates sections)")
-    parser.add_argument("--ckpt", required=True, help="model checkpoint (config travels with the weights)")
-    parser.add_argument("--out", required=True, help="output directory for the .mlpackage files and contract")
-    parser.add_argument("--tokenizer-fingerprint", required=True, help="fingerprint of the tokenizer used in training")
-    parser.add_argument("--quantize", choices=["none", "int8", "palettize4", "palettize6", "palettize8"])
-    parser.add_argument("--layout", choices=["standard", "ane"])
-    parser.set_defaults(func=run)
-    return parser
-
-
-def run(args: argparse.Namespace) -> int:
-    cfg = load_config(args.config)
-    overrides = {k: v for k, v in (("quantize", args.quantize), ("layout", args.layout)) if v is not None}
-    if overrides:
-        cfg = dataclasses.replace(cfg, export=dataclasses.replace(cfg.export, **overrides))
-    try:
-        result = export_model(args.ckpt, cfg, args.out, args.tokenizer_fingerprint)
-    except ExportError as err:
-        print(f"distillgates export: {err}", file=sys.stderr)
-        return 1
-    shares = ", ".join(f"{k}: {v:.5f}" for k, v in result.parity["cosine_by_shape"].items())
-    print(f"exported {', '.join(str(p) for p in result.packages.values())}")
-    print(f"cosine by shape: {shares}; ANE share ({result.ane['source']}): {result.ane['estimated_share']:.3f}")
-    return 0

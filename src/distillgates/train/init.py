@@ -25,9 +25,8 @@ from distillgates.model import Transformer
 
 log = logging.getLogger(__name__)
 
-_SHARED_FIELDS = (
-    "vocab_size", "d_model", "n_heads", "n_kv_heads", "head_dim", "ffn_hidden", "tie_embeddings", "rope_theta", "norm_eps"
-)
+_SHARED_FIELDS = ("vocab_size", "d_model", "n_heads", "n_kv_heads", "head_dim", "ffn_hidden", "tie_embeddings",
+                  "rope_theta", "norm_eps")  # fmt: skip
 
 
 @torch.no_grad()
@@ -40,10 +39,11 @@ def block_influence(teacher: Transformer, batches: Sequence[Tensor]) -> list[flo
     """
     scores = torch.zeros(len(teacher.layers))
     captured: list[Tensor] = []
-    hooks = [
-        block.register_forward_hook(lambda _m, args, out: captured.append(1 - torch.cosine_similarity(args[0], out, -1)))
-        for block in teacher.layers
-    ]
+
+    def hook(_module: torch.nn.Module, args: tuple[Tensor, ...], out: Tensor) -> None:
+        captured.append(1 - torch.cosine_similarity(args[0], out, -1))  # (B, T)
+
+    hooks = [block.register_forward_hook(hook) for block in teacher.layers]
     try:
         teacher.eval()
         for ids in batches:
@@ -79,7 +79,9 @@ def init_from_teacher(student: Transformer, teacher: Transformer, layers: Sequen
                 f"({getattr(s_cfg, name)} != {getattr(t_cfg, name)}); only the depth may differ"
             )
     if len(layers) != s_cfg.n_layers or not all(0 <= i < t_cfg.n_layers for i in layers):
-        raise ValueError(f"init layers {list(layers)} must be {s_cfg.n_layers} indices of the teacher's {t_cfg.n_layers}")
+        raise ValueError(
+            f"init layers {list(layers)} must be {s_cfg.n_layers} indices of the teacher's {t_cfg.n_layers}"
+        )
     t_state = teacher.state_dict()
     state = {}
     for name in student.state_dict():
