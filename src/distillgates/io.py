@@ -22,11 +22,20 @@ class ChecksumError(ValueError):
     """A checksummed file does not match its recorded sha256 (corrupted or truncated)."""
 
 
+def _default_mode() -> int:
+    """``0o666`` minus the process umask: what ``open(path, "w")`` would give (mkstemp gives 0o600)."""
+    umask = os.umask(0)
+    os.umask(umask)
+    return 0o666 & ~umask
+
+
 def atomic_write_bytes(path: str | Path, data: bytes) -> None:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
+    mode = path.stat().st_mode & 0o777 if path.exists() else _default_mode()
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
+        os.fchmod(fd, mode)  # a replaced file keeps its mode; a new one gets the usual one
         with os.fdopen(fd, "wb") as f:
             f.write(data)
             f.flush()

@@ -105,8 +105,12 @@ def test_phone_number_leak_detected_digits_only() -> None:
     assert score([item], [out])["privacy_ok_rate"] == 0.0
 
 
-def _first(kind: str) -> dict[str, Any]:
-    return next(i for i in (generate_item(0, n, split="eval") for n in range(500)) if i["kind"] == kind)
+def _first(kind: str, where: Any = lambda item: True) -> dict[str, Any]:
+    return next(i for i in (generate_item(0, n, split="eval") for n in range(500)) if i["kind"] == kind and where(i))
+
+
+def _string_result(item: dict[str, Any]) -> bool:
+    return any(isinstance(v, str) and len(v) >= 3 for v in item["fixtures"][0]["result"].values())
 
 
 @pytest.mark.parametrize("kind", ["control", "decline"])
@@ -123,7 +127,7 @@ def test_control_with_tool_call_is_counted(kind: str) -> None:
 
 
 def test_control_answer_with_tool_result_value_is_counted() -> None:
-    control, single = _first("control"), _first("single")
+    control, single = _first("control"), _first("single", _string_result)
     out = reference_output(control)
     value = next(v for v in single["fixtures"][0]["result"].values() if isinstance(v, str) and len(v) >= 3)
     out["answer"] = f"It is {value} today."
@@ -155,7 +159,8 @@ def test_invalid_json_and_unknown_tool_and_reasons() -> None:
     assert match_call({"name": name, "arguments": {**args, "bogus": 1}}, call, lax=False) == "unexpected_param"
     assert match_call({"name": name, "arguments": {}}, call, lax=False) == "missing_required"
     assert match_call({"name": name, "arguments": {**args, first_key: [1]}}, call, lax=True) == "type_error"
-    assert match_call({"name": "calculate", "arguments": args}, call, lax=False) == "wrong_func_name"
+    other = "get_weather" if name == "calculate" else "calculate"
+    assert match_call({"name": other, "arguments": args}, call, lax=False) == "wrong_func_name"
 
 
 def test_value_error_strict_vs_lax() -> None:

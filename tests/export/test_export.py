@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import argparse
 import json
 from pathlib import Path
 from typing import Any
@@ -17,21 +16,20 @@ from coremltools.converters.mil.mil import types
 from coremltools.models.utils import _convert_model_spec_to_pymil_prog
 from torch import Tensor, nn
 
-from distillgates.config import ExportConfig
+from distillgates.config import ExportConfig, load_config
 from distillgates.export import (
     ANETransformer,
     ExportError,
     PrefillModule,
-    add_parser,
     ane_report,
     build_layout,
+    export_model,
     export_transformer,
     int8_grid_scale,
     kv_layout,
     lint_int64_attention,
     lint_mil_ops,
     lint_shapes,
-    run,
     verify_contract,
 )
 from distillgates.export.convert import export_program
@@ -272,19 +270,15 @@ def test_ane_report_rules() -> None:
 
 
 # --------------------------------------------------------------------------------------
-# CLI
+# Errors
 
 
-def test_cli_reports_export_errors(tiny_ckpt, tmp_path, capsys) -> None:
+def test_shapes_beyond_max_seq_len_are_an_export_error(tiny_ckpt, tmp_path) -> None:
     config = tmp_path / "c.yaml"
     config.write_text("shapes:\n  lengths: [16, 64]\n  mix: [0.5, 0.5]\nexport:\n  quantize: none\n")
-    parser = argparse.ArgumentParser()
-    add_parser(parser.add_subparsers())
-    args = parser.parse_args(["export", "--config", str(config), "--ckpt", str(tiny_ckpt), "--out",
-                              str(tmp_path / "out"), "--tokenizer-fingerprint", "t", "--layout", "ane"])  # fmt: skip
-    assert args.func is run and args.layout == "ane"
-    assert run(args) == 1
-    assert "exceed the model's max_seq_len 48" in capsys.readouterr().err
+    with pytest.raises(ExportError, match="exceed the model's max_seq_len 48"):
+        export_model(tiny_ckpt, load_config(config), tmp_path / "out", "t")
+    assert not (tmp_path / "out" / "prefill.mlpackage").exists()
 
 
 # --------------------------------------------------------------------------------------
