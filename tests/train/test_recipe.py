@@ -182,14 +182,16 @@ def test_resume_after_sigkill_is_bit_exact(artifacts: dict[str, Any], tmp_path: 
 
 @pytest.mark.skipif(shutil.which("torchrun") is None and not (Path(sys.executable).parent / "torchrun").exists(),
                     reason="torchrun not installed")
-def test_torchrun_two_processes_match_one(artifacts: dict[str, Any], tmp_path: Path) -> None:
-    """2 ranks x 2 rows == 1 process with 2 accumulation steps of 2 rows (same global batch of 4)."""
+@pytest.mark.parametrize("fsdp", [False, True], ids=["ddp", "fsdp"])
+def test_torchrun_two_processes_match_one(artifacts: dict[str, Any], tmp_path: Path, fsdp: bool) -> None:
+    """2 ranks x 2 rows == 1 process with 2 accumulation steps of 2 rows (same global batch of 4),
+    under DDP and under FSDP2 (``fully_shard``, gloo on CPU)."""
     root = str(artifacts["root"])
     torchrun = str(Path(sys.executable).parent / "torchrun")
     one = _run([sys.executable, str(RUN_TINY), root, str(tmp_path / "one"), json.dumps({"steps": 4, "grad_accum": 2})])
     assert one.returncode == 0, one.stderr[-3000:]
     two = _run([torchrun, "--standalone", "--nproc_per_node=2", str(RUN_TINY), root, str(tmp_path / "two"),
-                json.dumps({"steps": 4, "grad_accum": 1})])
+                json.dumps({"steps": 4, "grad_accum": 1, "fsdp": fsdp, "ckpt_every": 2})])
     assert two.returncode == 0, two.stderr[-3000:]
     l1 = [r["total"] for r in _log(tmp_path / "one" / "student" / "train_log.jsonl") if "total" in r]
     l2 = [r["total"] for r in _log(tmp_path / "two" / "student" / "train_log.jsonl") if "total" in r]
@@ -199,3 +201,5 @@ def test_torchrun_two_processes_match_one(artifacts: dict[str, Any], tmp_path: P
     m2 = load_model(tmp_path / "two" / "student" / "model.pt").state_dict()
     for k in m1:
         torch.testing.assert_close(m2[k], m1[k], rtol=1e-3, atol=1e-5)
+    ckpt = load_checksummed(tmp_path / "two" / "student" / "checkpoint.pt")  # gathered, not rank 0's shards
+    assert ckpt["step"] == 4 and all(ckpt["model"][k].shape == m1[k].shape for k in m1)

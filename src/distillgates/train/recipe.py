@@ -261,13 +261,34 @@ class Recipe:
 
     # ------------------------------------------------------------------ checkpoints
 
+    @property
+    def _sharded(self) -> bool:
+        return self.cfg.fsdp and self.dist.world > 1
+
+    def _model_state(self) -> dict[str, Any]:
+        """The full (unsharded) model state; under FSDP a collective every rank must call."""
+        if not self._sharded:
+            return self.model.state_dict()
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        return get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+
+    def _optimizer_state(self) -> dict[str, Any]:
+        if not self._sharded:
+            return self.optimizer.state_dict()
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+
+        options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+        return get_optimizer_state_dict(self.model, self.optimizer, options=options)
+
     def _checkpoint(self) -> None:
+        model_state, optimizer_state = self._model_state(), self._optimizer_state()  # collectives under FSDP
         if not self.dist.main:
             return
         state = {
             "step": self.step,
-            "model": self.model.state_dict(),
-            "optimizer": self.optimizer.state_dict(),
+            "model": model_state,
+            "optimizer": optimizer_state,
             "scheduler": self.scheduler.state_dict(),
             "rng": rng_state(),
             "qat": self.qat.state_dict() if self.qat is not None else None,
@@ -281,8 +302,19 @@ class Recipe:
         state = load_checksummed(self.ckpt_path, map_location=self.device)
         if state["model_config"] != to_dict(self.model_cfg):
             raise ValueError(f"{self.ckpt_path}: checkpoint was written for another model config")
-        self.model.load_state_dict(state["model"])
-        self.optimizer.load_state_dict(state["optimizer"])
+        if self._sharded:  # every rank reads the full state and keeps its shards
+            from torch.distributed.checkpoint.state_dict import (
+                StateDictOptions,
+                set_model_state_dict,
+                set_optimizer_state_dict,
+            )
+
+            options = StateDictOptions(full_state_dict=True)
+            set_model_state_dict(self.model, state["model"], options=options)
+            set_optimizer_state_dict(self.model, self.optimizer, state["optimizer"], options=options)
+        else:
+            self.model.load_state_dict(state["model"])
+            self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
         self.step = int(state["step"])
         if state["qat"] is not None:
@@ -521,6 +553,11 @@ class Recipe:
                           "steps": self.step}
                 atomic_write_json(self.out_dir / "qat_probe.json", report)
         path = self.out_dir / "model.pt"
+        if self._sharded:  # gather the shards into a plain model (QAT is refused with FSDP at setup)
+            full = self._model_state()
+            final = Transformer(self.model_cfg)
+            if self.dist.main:
+                final.load_state_dict(full)
         if self.dist.main:
             save_model(path, final.cpu(), **extra)
         if self.dist.world > 1 and dist.is_initialized():
