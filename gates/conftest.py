@@ -18,10 +18,12 @@ import pytest
 from distillgates.config import GatesConfig, SpeedConfig, load_config
 from distillgates.gates import BaselineEntry
 from distillgates.gates.session import RunArtifacts
+from distillgates.hardware import GatingPolicy, load_profiles
 from distillgates.io import sha256_file
 
 GATES_CONFIG = Path("configs/gates.yaml")  # thresholds (a `gates:` section); defaults when absent
 TOY_CONFIG = Path("configs/toy.yaml")
+PROFILES = Path("configs/hardware_profiles.yaml")
 
 
 def _shapes(config: pytest.Config) -> list[str]:
@@ -41,6 +43,22 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
 def thresholds(pytestconfig: pytest.Config) -> GatesConfig:
     path = Path(pytestconfig.rootpath) / GATES_CONFIG
     return load_config(path).gates if path.exists() else GatesConfig()
+
+
+@pytest.fixture(scope="session")
+def speed_policy(pytestconfig: pytest.Config, hardware_profile: str, thresholds: GatesConfig,
+                 gate_session: Any) -> GatingPolicy:
+    """The speed gating policy of the selected hardware profile (``configs/hardware_profiles.yaml``):
+    its ``max_regression`` is the gate threshold and every measurement round takes at least its
+    ``min_samples``. A machine without a profile (a generated key) uses ``gates.speed_regression_max``."""
+    path = Path(pytestconfig.rootpath) / PROFILES
+    profiles = {p.key: p for p in load_profiles(path)} if path.exists() else {}
+    if hardware_profile not in profiles:
+        return GatingPolicy(max_regression=thresholds.speed_regression_max, min_samples=2)
+    policy = profiles[hardware_profile].gating
+    speed = gate_session.context.speed
+    speed.samples = max(speed.samples, policy.min_samples)
+    return policy
 
 
 @pytest.fixture(scope="session")

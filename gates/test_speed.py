@@ -16,10 +16,10 @@ STATS = {"p50": 0.5, "p95": 0.95}
 @pytest.mark.speed
 @pytest.mark.parametrize("stat", list(STATS))
 @pytest.mark.parametrize(("metric", "higher_is_better"), METRICS, ids=[m for m, _ in METRICS])
-def test_speed_no_regression(gate, speed_measure, speed_reference, reference_model_provenance, thresholds,
-                             metric, higher_is_better, stat):
+def test_speed_no_regression(gate, speed_policy, speed_measure, speed_reference, reference_model_provenance,
+                             thresholds, metric, higher_is_better, stat):
     gate.speed_no_regression(
-        f"{metric}.{stat}", speed_measure(metric), f"{metric}.{stat}", threshold=thresholds.speed_regression_max,
+        f"{metric}.{stat}", speed_measure(metric), f"{metric}.{stat}", threshold=speed_policy.max_regression,
         higher_is_better=higher_is_better, quantile=STATS[stat], alpha=thresholds.significance_alpha,
         definition=f"{stat} of {metric} at batch 1 (speed harness; Core ML on macOS, else PyTorch), raw samples",
         measure_reference=lambda entry: speed_reference(entry)(metric), bless_extra=reference_model_provenance,

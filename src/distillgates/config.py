@@ -230,8 +230,8 @@ class LengthLossConfig:
     # "teacher": target = the teacher's length (spec default); "evidence": target = the reference up to its last
     # required evidence value, and only positions after that evidence get the stop gradient (cuts filler only)
     target: str = "teacher"
-    # do not imitate what the latency losses call excess: no CE/KD/process on the preamble before the first
-    # tool call of tool items, nor on the answer after its last required evidence (target "evidence" only)
+    # do not imitate what the latency losses call excess: tool items are trained without the preamble before
+    # the first call, and no CE/KD/process on the answer after its last required evidence (target "evidence")
     mask_excess: bool = False
 
     def __post_init__(self) -> None:

@@ -74,3 +74,36 @@ def test_ttfa_p95(pytester, gates_project, make_run, own_profile):
     result = pytester.runpytest(SPEED, "-m", "speed", "-k", "ttfa", f"--run-dir={run}", f"--hw-profile={own_profile}")
     result.assert_outcomes(failed=1, deselected=4)
     result.stdout.fnmatch_lines(["*ttfa_tokens_p95 FAILED: measured 30 <= threshold 25*"])
+
+
+def _profile_yaml(key: str, max_regression: float, min_samples: int) -> str:
+    return f"""version: 1
+profiles:
+  - key: {key}
+    soc_regex: '.*'
+    min_ram_gb: 1
+    shapes: {{lengths: [128, 192, 256], mix: [0.5, 0.35, 0.15]}}
+    speed_bands: {{ttft_ms_p50: [1, 2], ttft_ms_p95: [1, 3], tps_p50: [1, 2], tps_p95: [1, 2]}}
+    gating: {{max_regression: {max_regression}, min_samples: {min_samples}}}
+    batch: {{interactive: 1, offline_max: 2}}
+    kv: {{precision: fp16, max_context: 2048}}
+    quant: {{weights: int8, activations: fp16}}
+"""
+
+
+def test_the_profile_gating_policy_sets_threshold_and_min_samples(pytester, gates_project, make_run, own_profile):
+    """configs/hardware_profiles.yaml: the selected profile's gating.max_regression is the threshold and
+    gating.min_samples the least samples per round (a 20% slowdown fails at 5%, passes at 30%)."""
+    run, key = make_run(), "test-box"  # the project's profiles file: this machine is a "test-box"
+    (pytester.path / "configs").mkdir(exist_ok=True)
+    profiles = pytester.path / "configs" / "hardware_profiles.yaml"
+    profiles.write_text(_profile_yaml(key, 0.30, 30))
+    data = bless(pytester, gates_project, run, key, "--speed-samples=7")
+    assert len(data["entries"]["ttft_ms.p50"]["samples"]) == 30  # raised to the profile's min_samples
+    args = [SPEED, "-m", "speed", f"--run-dir={run}", f"--hw-profile={key}"]
+    gates_project(slowdown=1.2)
+    pytester.runpytest(*args).assert_outcomes(passed=5)
+    profiles.write_text(_profile_yaml(key, 0.05, 30))
+    result = pytester.runpytest(*args)
+    result.assert_outcomes(passed=1, failed=4)
+    result.stdout.fnmatch_lines(["*gate speed/ttft_ms.p50 FAILED*threshold 0.05*"])

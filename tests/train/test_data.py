@@ -25,17 +25,19 @@ def items() -> list[dict[str, Any]]:
     return generate_items(0, 60, split="train")
 
 
-def test_verbose_tool_item_masks_preamble_and_filler_only(artifacts: dict[str, Any], items) -> None:
+def test_verbose_tool_item_drops_the_preamble_and_masks_the_filler(artifacts: dict[str, Any], items) -> None:
     tok = artifacts["tokenizer"]
     verbose = [i for i in items if i["kind"] == "single" and i["style"] == "verbose"]
     rows = [build_row(i, tok, WIDE, mask_excess=True) for i in verbose]
     row = next(r for r in rows if r.length <= WIDE[-1])  # the whole answer fits the largest shape
     item = row.item
+    preamble = next(i for i in verbose if i["id"] == item["id"])["reference"].split("<|tool_call|>")[0]
+    assert preamble and item["reference"].startswith("<|tool_call|>")
+    assert tok.decode(row.ids[row.prompt_len :]).startswith("<|tool_call|>")  # trained to call first
     excess = _decode(tok, row.ids, row.excess)
-    preamble = item["reference"].split("<|tool_call|>")[0]
     answer = item["reference"].rsplit("<|assistant|>", 1)[1].split("<|end|>")[0]
     last_fact = max(answer.rfind(f) + len(f) for f in item["integration_fields"])
-    assert excess == preamble + answer[last_fact:]
+    assert excess == answer[last_fact:]
     for fact in item["integration_fields"]:
         assert fact not in excess
     batch = collate([row], *_ids(tok))
@@ -53,3 +55,19 @@ def test_terse_and_control_items_keep_their_targets(artifacts: dict[str, Any], i
     terse = row.item
     assert _decode(tok, row.ids, row.excess) == "."  # the full stop after the last fact
     assert build_row(terse, tok, WIDE).excess == []  # off by default
+
+
+def test_kd_record_loses_the_same_preamble(artifacts: dict[str, Any]) -> None:
+    from distillgates.train.data import read_kd_set
+
+    tok = artifacts["tokenizer"]
+    records = read_kd_set(artifacts["kd_path"])
+    call_id = tok.convert_tokens_to_ids("<|tool_call|>")
+    item = next(i for i in artifacts["train"] if i["tool_should_be_used"] and not i["reference"].startswith("<|tool"))
+    record = records[item["id"]]
+    cut = record["completion_ids"].index(call_id)
+    row = build_row(item, tok, WIDE, kd=record, mask_excess=True)
+    assert cut > 0 and row.ids[row.prompt_len] == call_id
+    assert row.kd_ids[0] == record["topk_ids"][cut] and len(row.kd_ids) > 1
+    plain = build_row(item, tok, WIDE, kd=record)
+    assert plain.kd_ids[0] == record["topk_ids"][0] and plain.teacher_len == row.teacher_len

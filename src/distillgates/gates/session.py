@@ -75,8 +75,12 @@ class RunArtifacts:
         return self.report.get("header", {})
 
 
-def resolve_hardware(selected: str | None) -> tuple[str, str | None, dict[str, Any]]:
+def resolve_hardware(
+    selected: str | None, profiles_path: Path | None = None
+) -> tuple[str, str | None, dict[str, Any]]:
     """(profile key, mismatch message or None, hardware header) for this machine.
+
+    ``profiles_path``: the project's hardware profiles (default: the package's).
 
     ``--hw-profile`` selects a profile explicitly; when this machine is not that profile the
     mismatch message (from :func:`distillgates.hardware.select_profile`) makes every
@@ -85,12 +89,13 @@ def resolve_hardware(selected: str | None) -> tuple[str, str | None, dict[str, A
     from distillgates import hardware  # lazy: only sessions that gate something need it
 
     detected = hardware.detect_hardware()
-    own = hardware.profile_key(detected)
+    profiles = hardware.load_profiles(profiles_path) if profiles_path else hardware.load_profiles()
+    own = hardware.profile_key(detected, profiles)
     key = selected or own
     mismatch = None
     if key != own:
         try:
-            hardware.select_profile(key, detected, allow_cross_hw=False)
+            hardware.select_profile(key, detected, allow_cross_hw=False, profiles=profiles)
         except hardware.HardwareMismatchError as err:
             mismatch = str(err)  # recorded, and every hardware-dependent gate fails with it
     return key, mismatch, hardware.hardware_header(profile_key=key)
@@ -115,7 +120,8 @@ class GateSession:
 
     @cached_property
     def hardware(self) -> tuple[str, str | None, dict[str, Any]]:
-        return resolve_hardware(self.options.hw_profile)
+        project_profiles = self.rootdir / "configs" / "hardware_profiles.yaml"  # a project's own, if it has one
+        return resolve_hardware(self.options.hw_profile, project_profiles if project_profiles.exists() else None)
 
     @property
     def profile(self) -> str:

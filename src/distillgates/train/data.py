@@ -88,6 +88,13 @@ def shape_for(n_tokens: int, lengths: Sequence[int]) -> int:
 PROCESS_KINDS = ("tool_name", "arguments", "integration")  # span kinds of distillgates.data.targets
 
 
+def without_preamble(item: dict[str, Any]) -> dict[str, Any]:
+    """``item`` with the reference text before its first ``<|tool_call|>`` removed."""
+    reference = item["reference"]
+    at = reference.find("<|tool_call|>")
+    return {**item, "reference": reference[at:]} if at > 0 else item
+
+
 def excess_positions(ids: Sequence[int], prompt_len: int, evidence_end: int, tool_call_id: int, end_id: int,
                      tool_item: bool) -> list[int]:
     """Prediction positions whose targets the latency objective calls excess.
@@ -118,9 +125,19 @@ def build_row(
     early_first_n: int = 0,
     mask_excess: bool = False,
 ) -> Row:
-    """Tokenize one item (and align its KD record) into a :class:`Row`."""
+    """Tokenize one item (and align its KD record) into a :class:`Row`.
+
+    With ``mask_excess`` a tool item's row is its reference *without the preamble* (the student
+    is trained in the context it generates in: the call first; the teacher's completion and its
+    top-k lose the same leading turn text, the rest of its distribution was conditioned on the
+    preamble: an approximation), and the answer after its last fact is masked
+    (:func:`excess_positions`).
+    """
     from distillgates.data.targets import encode_item
 
+    strip = mask_excess and bool(item.get("tool_should_be_used"))
+    if strip:
+        item = without_preamble(item)
     enc = encode_item(tokenizer, item)  # ids of render_conversation(item) + per-kind token masks
     p = enc.prompt_len
     full = enc.input_ids
@@ -134,16 +151,20 @@ def build_row(
               length=len(full))
     if kd is not None:
         completion = list(kd["completion_ids"])
+        asst = tokenizer.convert_tokens_to_ids("<|assistant|>")
+        end = tokenizer.convert_tokens_to_ids("<|end|>")
+        row.teacher_len = float(turn_masks(torch.tensor([prompt_ids[-1:] + completion]), asst, end)[0].sum())
+        topk_ids, topk_lps = kd["topk_ids"], kd["topk_logprobs"]
+        call_id = tokenizer.convert_tokens_to_ids("<|tool_call|>")
+        if strip and call_id in completion:
+            cut = completion.index(call_id)
+            completion, topk_ids, topk_lps = completion[cut:], topk_ids[cut:], topk_lps[cut:]
         agree = 0
         while agree < min(len(completion), len(ref_ids)) and completion[agree] == ref_ids[agree]:
             agree += 1
         n = min(agree + 1, len(completion), len(ids) - p + 1)  # position `agree` still has the right prefix
-        row.kd_ids = [list(r) for r in kd["topk_ids"][:n]]
-        row.kd_logprobs = [list(r) for r in kd["topk_logprobs"][:n]]
-        asst = tokenizer.convert_tokens_to_ids("<|assistant|>")
-        end = tokenizer.convert_tokens_to_ids("<|end|>")
-        seq = torch.tensor([prompt_ids[-1:] + completion])
-        row.teacher_len = float(turn_masks(seq, asst, end)[0].sum())
+        row.kd_ids = [list(r) for r in topk_ids[:n]]
+        row.kd_logprobs = [list(r) for r in topk_lps[:n]]
         teacher_text = kd.get("completion_text")
     else:
         teacher_text = None
