@@ -22,10 +22,12 @@ from distillgates.train import train_student  # noqa: E402
 def main() -> None:
     root, out = Path(sys.argv[1]), Path(sys.argv[2])
     overrides = json.loads(sys.argv[3]) if len(sys.argv) > 3 else {}
+    max_steps = overrides.pop("max_steps", None)  # stop early (an interrupted run), schedule unchanged
     art = build_artifacts(root)
     cfg = tiny_config(len(art["tokenizer"]), **overrides)
     train_student(cfg, "student", out, kd_path=art["kd_path"], tokenizer=art["tokenizer"],
-                  train_items=art["train"], eval_items=art["eval"], progress=False, device="cpu")
+                  train_items=art["train"], eval_items=art["eval"], progress=False, device="cpu",
+                  max_steps=max_steps)
 
 
 if __name__ == "__main__":

@@ -203,3 +203,26 @@ def test_torchrun_two_processes_match_one(artifacts: dict[str, Any], tmp_path: P
         torch.testing.assert_close(m2[k], m1[k], rtol=1e-3, atol=1e-5)
     ckpt = load_checksummed(tmp_path / "two" / "student" / "checkpoint.pt")  # gathered, not rank 0's shards
     assert ckpt["step"] == 4 and all(ckpt["model"][k].shape == m1[k].shape for k in m1)
+
+
+@pytest.mark.skipif(shutil.which("torchrun") is None and not (Path(sys.executable).parent / "torchrun").exists(),
+                    reason="torchrun not installed")
+def test_fsdp_resume_continues_like_an_uninterrupted_run(artifacts: dict[str, Any], tmp_path: Path) -> None:
+    """FSDP checkpoints hold the full state; a 2-rank run stopped after step 2 and started again
+    ends where an uninterrupted 2-rank run does."""
+    root = str(artifacts["root"])
+    torchrun = [str(Path(sys.executable).parent / "torchrun"), "--standalone", "--nproc_per_node=2", str(RUN_TINY)]
+    cfg = {"steps": 4, "grad_accum": 1, "fsdp": True, "ckpt_every": 2}
+    full = _run([*torchrun, root, str(tmp_path / "full"), json.dumps(cfg)])
+    assert full.returncode == 0, full.stderr[-3000:]
+    part = _run([*torchrun, root, str(tmp_path / "resumed"), json.dumps({**cfg, "max_steps": 2})])
+    assert part.returncode == 0, part.stderr[-3000:]
+    assert load_checksummed(tmp_path / "resumed" / "student" / "checkpoint.pt")["step"] == 2
+    rest = _run([*torchrun, root, str(tmp_path / "resumed"), json.dumps(cfg)])
+    assert rest.returncode == 0, rest.stderr[-3000:]
+    a = load_model(tmp_path / "full" / "student" / "model.pt").state_dict()
+    b = load_model(tmp_path / "resumed" / "student" / "model.pt").state_dict()
+    for k in a:
+        torch.testing.assert_close(b[k], a[k], rtol=1e-5, atol=1e-6)
+    steps = [r["step"] for r in _log(tmp_path / "resumed" / "student" / "train_log.jsonl") if "total" in r]
+    assert steps == [1, 2, 3, 4]
