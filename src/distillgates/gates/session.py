@@ -89,7 +89,7 @@ def resolve_hardware(
     from distillgates import hardware  # lazy: only sessions that gate something need it
 
     detected = hardware.detect_hardware()
-    profiles = hardware.load_profiles(profiles_path) if profiles_path else hardware.load_profiles()
+    profiles = hardware.load_profiles(profiles_path or hardware.DEFAULT_PROFILES_PATH)
     own = hardware.profile_key(detected, profiles)
     key = selected or own
     mismatch = None

@@ -149,13 +149,11 @@ def build_row(
     shape = shape_for(len(full), lengths)
     row = Row(item=item, ids=ids, prompt_len=p, shape=shape, process=process, evidence_end=max(evidence, default=-1),
               length=len(full))
+    asst, end, call_id = tokenizer.convert_tokens_to_ids(["<|assistant|>", "<|end|>", "<|tool_call|>"])
     if kd is not None:
         completion = list(kd["completion_ids"])
-        asst = tokenizer.convert_tokens_to_ids("<|assistant|>")
-        end = tokenizer.convert_tokens_to_ids("<|end|>")
         row.teacher_len = float(turn_masks(torch.tensor([prompt_ids[-1:] + completion]), asst, end)[0].sum())
         topk_ids, topk_lps = kd["topk_ids"], kd["topk_logprobs"]
-        call_id = tokenizer.convert_tokens_to_ids("<|tool_call|>")
         if strip and call_id in completion:
             cut = completion.index(call_id)
             completion, topk_ids, topk_lps = completion[cut:], topk_ids[cut:], topk_lps[cut:]
@@ -169,8 +167,6 @@ def build_row(
     else:
         teacher_text = None
     if not row.teacher_len:
-        asst = tokenizer.convert_tokens_to_ids("<|assistant|>")
-        end = tokenizer.convert_tokens_to_ids("<|end|>")
         row.teacher_len = float(turn_masks(torch.tensor([prompt_ids[-1:] + ref_ids]), asst, end)[0].sum())
     if early_first_n > 0:
         encode: Callable[[str], list[int]] = lambda text: tokenizer.encode(text, add_special_tokens=False)  # noqa: E731
@@ -178,8 +174,7 @@ def build_row(
         if target is not None:
             row.early = target.ids
     if mask_excess:
-        ids_of = tokenizer.convert_tokens_to_ids
-        row.excess = excess_positions(ids, p, row.evidence_end, ids_of("<|tool_call|>"), ids_of("<|end|>"),
+        row.excess = excess_positions(ids, p, row.evidence_end, call_id, end,
                                       bool(item.get("tool_should_be_used")))
     return row
 
