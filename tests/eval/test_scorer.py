@@ -190,6 +190,15 @@ def test_no_spans_in_answer_scores_zero_f1() -> None:
     assert metrics["tool_selection"] == 1.0
 
 
+def test_malformed_number_is_an_ungrounded_span_not_a_crash() -> None:
+    assert parse_number("0.07.4") is None and parse_number("1.234,5", "de") == 1234.5
+    item = _first("single")
+    out = reference_output(item)
+    out["answer"] = "It costs 0.07.4 now."
+    metrics = score([item], [out])
+    assert metrics["f1_lax_macro"] == 0.0
+
+
 def test_german_decimal_comma_is_lax_grounded() -> None:
     item = _first("single")
     item["fixtures"][0]["result"] = {"amount": 21.5, "currency": "EUR"}

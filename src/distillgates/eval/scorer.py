@@ -85,8 +85,10 @@ def parse_number(text: str, locale: str = "en") -> float | None:
         decimal = "," if locale == "de" and (len(groups) > 2 or len(groups[-1]) == 3) else "."
     else:
         decimal = "."
-    thousands_sep = "," if decimal == "." else "."
-    return float(text.replace(thousands_sep, "").replace(decimal, "."))
+    number = text.replace("," if decimal == "." else ".", "")
+    if number.count(decimal) > 1:  # "0.07.4": number-like model output that is no number
+        return None
+    return float(number.replace(decimal, "."))
 
 
 def numbers_close(a: float, b: float) -> bool:
