@@ -186,6 +186,7 @@ class TeacherConfig:
     weight_decay: float = 0.01
     value_weight: float = 1.0  # toy teacher: loss weight of argument-value and integration tokens (the facts)
     curriculum_steps: int = 0  # toy teacher: first N steps without the system prompt (see teacher/toy.py)
+    copy_steps: int = 0  # toy teacher: first N steps on synthetic copy rows, before the curriculum (teacher/toy.py)
     backoff_base_s: float = 0.5  # openai: full-jitter exponential backoff base and cap
     backoff_max_s: float = 30.0
     usd_per_1k_prompt_tokens: float = 0.0  # budget accounting (cost = tokens * price)
@@ -202,8 +203,8 @@ class TeacherConfig:
             raise ValueError("base_url is required when kind is 'openai'")
         if self.top_k <= 0:
             raise ValueError(f"top_k must be > 0, got {self.top_k}")
-        if self.value_weight <= 0 or self.curriculum_steps < 0:
-            raise ValueError("value_weight must be > 0 and curriculum_steps >= 0")
+        if self.value_weight <= 0 or self.curriculum_steps < 0 or self.copy_steps < 0:
+            raise ValueError("value_weight must be > 0, curriculum_steps and copy_steps >= 0")
         if self.max_new_tokens <= 0 or self.max_turns <= 0 or self.kd_batch_size <= 0 or self.ckpt_every <= 0:
             raise ValueError("max_new_tokens, max_turns, kd_batch_size and ckpt_every must be > 0")
 

@@ -13,6 +13,7 @@ from distillgates.teacher.base import TurnResult
 from distillgates.teacher.local import LocalTeacher
 from distillgates.teacher.toy import (
     build_toy_teacher,
+    copy_rows,
     encode_for_training,
     evaluate_teacher,
     lr_at,
@@ -66,6 +67,39 @@ def test_curriculum_phase_drops_only_the_system_prompt(toy_items):
     for before, after in zip(toy_items, stripped):
         assert [m for m in before["messages"] if m["role"] != "system"] == after["messages"]
         assert after["reference"] == before["reference"] and before["messages"][0]["role"] == "system"
+
+
+def test_copy_rows_repeat_a_span_with_loss_on_the_repeat_only():
+    rows = copy_rows(vocab_size=50, first_id=9, n=20, length=16, seed=0)
+    assert rows == copy_rows(vocab_size=50, first_id=9, n=20, length=16, seed=0)
+    for ids, weights in rows:
+        half = len(ids) // 2
+        assert ids[:half] == ids[half:] and 4 <= half <= 8 and all(9 <= i < 50 for i in ids)
+        assert weights == [0.0] * half + [1.0] * half
+
+
+def test_copy_phase_teaches_copying_from_the_context(toy_items, tiny_tokenizer, tmp_path):
+    """After copy rows only, a tiny model predicts tokens of the context on spans it never saw: the
+    "this token is in the context, emit it" circuit the task alone never builds for rare tokens."""
+    from transformers import LlamaForCausalLM
+
+    from distillgates.teacher.toy import train_toy_teacher
+
+    cfg = _cfg(tiny_tokenizer, train_steps=150, copy_steps=150, batch_size=16, lr=1e-2, warmup_steps=10)
+    train_toy_teacher(cfg, tiny_tokenizer, toy_items, tmp_path, seed=0)
+    model = LlamaForCausalLM.from_pretrained(tmp_path).eval()
+    first = len(tiny_tokenizer.all_special_ids)
+    in_context = total = 0
+    chance = 0.0  # expected share of argmaxes in the span for a model that ignores the context
+    for ids, weights in copy_rows(len(tiny_tokenizer), first, n=32, length=32, seed=123):
+        with torch.no_grad():
+            pred = model(torch.tensor([ids])).logits[0].argmax(-1).tolist()  # (T,)
+        span = set(ids)
+        for j in range(1, len(ids)):
+            if weights[j]:
+                in_context, total = in_context + (pred[j - 1] in span), total + 1
+                chance += len(span) / (len(tiny_tokenizer) - first)
+    assert in_context / total > 5 * chance / total, (in_context / total, chance / total)
 
 
 def test_lr_schedule_warms_up_then_decays(tiny_tokenizer):

@@ -19,6 +19,14 @@ Design choices:
   the answer is read from the request and the tool result (measured: argument values are
   copied after ~400 steps without it, ~800 with it). Once that is learned, the constant prefix
   is taken in within a few hundred steps of the full conversations.
+- Copy pretraining: the first ``copy_steps`` steps train on synthetic rows (a random token span,
+  then the same span again; loss on the repeat, :func:`copy_rows`). A teacher trained from scratch
+  on the task alone copies numbers (they are copied everywhere in the task) but never learns to
+  copy a word that only a tool result holds: measured, the weather condition stayed at chance
+  (1 in 5) after 1400 steps, because no head maps those tokens to themselves, so there is no
+  gradient to attend to them. 200 copy steps (short rows, cheap) first, and the same 600 task
+  steps then copy the condition 33/33 and argument values 0.95 (from 0.82). A pretrained LLM
+  brings this circuit to a real distillation; the toy teacher gets it here.
 - AdamW, linear warmup then cosine decay to ``min_lr_ratio * lr``; batches are padded to the
   longest sequence in the batch (right padding, padded positions masked out of the loss).
 - Evaluation drives the teacher through the same multi-turn loop as the KD builder
@@ -76,6 +84,21 @@ def encode_for_training(
     return out
 
 
+def copy_rows(vocab_size: int, first_id: int, n: int, length: int, seed: int) -> list[Row]:
+    """Synthetic copy rows: a random span of ordinary tokens, then the same span again.
+
+    The loss is on the repeat only, which can be predicted by nothing but looking the tokens up
+    in the span (an induction/copy circuit over the whole vocabulary: what a pretrained LM
+    brings to distillation and a model trained on the toy task alone lacks).
+    """
+    rng = random.Random(seed)
+    rows = []
+    for _ in range(n):
+        span = [rng.randrange(first_id, vocab_size) for _ in range(rng.randint(4, length // 2))]
+        rows.append((span + span, [0.0] * len(span) + [1.0] * len(span)))
+    return rows
+
+
 def without_system_prompt(items: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """The items with their system message removed (the curriculum's first phase)."""
     return [{**item, "messages": [m for m in item["messages"] if m["role"] != "system"]} for item in items]
@@ -121,9 +144,14 @@ def train_toy_teacher(
     torch.manual_seed(seed)
     rng = random.Random(seed)
     rows = encode_for_training(tokenizer, train_items, tcfg.model.max_seq_len, tcfg.value_weight)
-    phases = [(tcfg.curriculum_steps, encode_for_training(
-        tokenizer, without_system_prompt(train_items), tcfg.model.max_seq_len, tcfg.value_weight
-    ))] if tcfg.curriculum_steps else []
+    phases: list[tuple[int, list[Row]]] = []  # (step the phase ends at, its rows)
+    if tcfg.copy_steps:
+        first_id = len(tokenizer.all_special_ids)
+        phases.append((tcfg.copy_steps, copy_rows(len(tokenizer), first_id, 4096, 64, seed)))
+    if tcfg.curriculum_steps:
+        phases.append((tcfg.copy_steps + tcfg.curriculum_steps, encode_for_training(
+            tokenizer, without_system_prompt(train_items), tcfg.model.max_seq_len, tcfg.value_weight
+        )))
     phases.append((tcfg.train_steps, rows))
     model = LlamaForCausalLM(hf_config(tcfg.model)).train()
     decay = [p for n, p in model.named_parameters() if p.ndim >= 2]
@@ -138,7 +166,7 @@ def train_toy_teacher(
     start = time.perf_counter()
     bar = ProgressBar("teacher", tcfg.train_steps, loss=float("nan"))
     for step in range(tcfg.train_steps):
-        if step == phases[0][0]:  # curriculum phase over: the full conversations from here on
+        if step == phases[0][0]:  # phase over: the next one's rows from here on
             phases.pop(0)
             order = []
         rows = phases[0][1]
@@ -172,6 +200,7 @@ def train_toy_teacher(
         "loss_on": "generated assistant tokens",
         "value_weight": tcfg.value_weight,
         "curriculum_steps": tcfg.curriculum_steps,
+        "copy_steps": tcfg.copy_steps,
     }
     atomic_write_json(out / "teacher_train.json", stats)
     return stats
