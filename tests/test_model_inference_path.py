@@ -84,3 +84,42 @@ def test_fused_weights_are_plain_tensors_usable_under_no_grad() -> None:
     assert model._plan is not None and not model._plan.head.is_inference()
     logits = model.decode(idx[:, 3:4], torch.tensor([3]))  # no_grad, not inference mode
     assert logits.shape == (1, CFG.vocab_size)
+
+
+@pytest.mark.parametrize("n_layers", [1, 2])
+@pytest.mark.parametrize("prompt", [1, 6, 20])
+def test_last_only_gives_the_last_row_and_the_same_cache(n_layers: int, prompt: int) -> None:
+    """``last_only`` skips the last layer's attention and MLP for every row but the last: the last row's
+    logits and every K/V slot are those of the full forward (the next forward reads them)."""
+    cfg = ModelConfig(**{**CFG.__dict__, "n_layers": n_layers})
+    model = _model(4, cfg)
+    idx = torch.randint(0, cfg.vocab_size, (2, prompt + 3), generator=torch.Generator().manual_seed(4))
+    runs = []
+    for last_only in (False, True):
+        model.setup_caches(2)
+        with torch.inference_mode():
+            prefill = model(idx[:, :prompt], torch.arange(prompt), last_only=last_only)[:, -1]
+            after = model(idx[:, prompt:], torch.arange(prompt, prompt + 3))
+        runs.append((prefill, after))
+    torch.testing.assert_close(runs[1], runs[0], atol=1e-5, rtol=1e-4)
+    with torch.enable_grad():  # the module path slices the same way
+        model.setup_caches(2)
+        module = model(idx[:, :prompt], torch.arange(prompt), last_only=True).detach()
+    assert module.shape == (2, 1, cfg.vocab_size)
+    torch.testing.assert_close(module[:, -1], runs[0][0], atol=1e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("last_only", [False, True])
+@pytest.mark.parametrize("length", [4, 20])
+def test_positions_out_of_order_match_module_path(last_only: bool, length: int) -> None:
+    """Engines write contiguous positions (RoPE and mask rows as views); any other order takes the gather."""
+    model = _model(5)
+    idx = torch.randint(0, CFG.vocab_size, (1, length + 3), generator=torch.Generator().manual_seed(5))
+    positions = torch.randperm(length, generator=torch.Generator().manual_seed(6))
+    out = []
+    for ctx in (torch.inference_mode(), torch.enable_grad()):
+        model.setup_caches(1)
+        with ctx:
+            first = model(idx[:, :length], positions, last_only=last_only)
+            out.append(torch.cat([first, model(idx[:, length:], torch.arange(length, length + 3))], dim=1).detach())
+    torch.testing.assert_close(out[0], out[1], atol=1e-5, rtol=1e-4)

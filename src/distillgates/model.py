@@ -186,6 +186,7 @@ class _InferencePlan(NamedTuple):
     stamp: tuple[tuple[int, int], ...]  # (data_ptr, _version) of each source at build time
     layers: list[tuple[Tensor, Tensor, Tensor, Tensor]]  # (qkv_r^T, o^T, gate_up^T, down^T)
     head: Tensor  # lm_head^T with the final norm folded in
+    caches: list[tuple[Tensor, Tensor]]  # (k_cache, v_cache) of each layer, (B_max, n_kv, S_max, hd)
 
 
 def _drop_plan_hook(module: Transformer, _incompatible_keys: Any) -> None:
@@ -271,6 +272,7 @@ class Transformer(nn.Module):
         One extra copy of the linear weights, kept while every source parameter keeps its storage and
         version (in-place updates and ``.to()`` are seen; ``load_state_dict``, ``setup_caches`` and
         ``remove_caches`` drop it; after replacing a Parameter object call :meth:`drop_inference_plan`).
+        The plan also lists each layer's cache buffers, so the per-token loop makes no module lookups.
         """
         plan = self._plan
         if plan is not None and plan.stamp == tuple((p.data_ptr(), p._version) for p in plan.sources):
@@ -298,50 +300,77 @@ class Transformer(nn.Module):
             sources += [self.norm.weight, self.lm_head.weight, self.embed.weight]
             head = folded(self.norm.weight, self.lm_head.weight)
         stamp = tuple((p.data_ptr(), p._version) for p in sources)
-        self._plan = _InferencePlan(sources, stamp, layers, head)
+        caches = [(layer.attn.kv_cache.k_cache, layer.attn.kv_cache.v_cache) for layer in self.layers]
+        self._plan = _InferencePlan(sources, stamp, layers, head, caches)
         return self._plan
 
-    def _forward_cached(self, idx: Tensor, input_pos: Tensor, attention_mask: Tensor | None) -> Tensor:
-        """Eager inference with the KV cache: the module path's math over the same parameters, with
-        fewer ops (per-token decode of a small model is bound by op dispatch, not FLOPs):
+    def _cached_mask(
+        self, input_pos: Tensor, attention_mask: Tensor | None, contiguous: bool, kv_len: int, last_row: bool
+    ) -> Tensor | None:
+        """Boolean SDPA mask over the filled prefix ``[:kv_len]`` for GQA-grouped query rows (row ``g*T + t``
+        is query ``t``, see :func:`gqa_attention`); ``last_row``: the last query only. None when every query
+        sees the whole prefix (one query at the last slot, no padding)."""
+        T, groups = input_pos.shape[0], self.config.n_heads // self.config.n_kv_heads
+        if attention_mask is None and contiguous:
+            if T == 1 or last_row:
+                return None
+            return torch.cat([self.causal_mask[kv_len - T : kv_len, :kv_len]] * groups)  # (G*T, S): views, one copy
+        mask = self._mask(T, input_pos, attention_mask)[..., :kv_len]  # (B|1, 1, T, S)
+        if last_row:
+            mask = mask[..., -1:, :]  # (B|1, 1, 1, S)
+        return mask.repeat(1, 1, groups, 1)  # (B|1, 1, G*T, S)
 
+    def _forward_cached(
+        self, idx: Tensor, input_pos: Tensor, attention_mask: Tensor | None, last_only: bool = False
+    ) -> Tensor:
+        """Eager inference with the KV cache: the module path's math over the same parameters, with
+        fewer ops (decode and short extends of a small model are bound by op dispatch, not FLOPs):
+
+        - one host read of ``input_pos``; contiguous positions (every engine call) take RoPE rows and
+          causal-mask rows as views, no index gather; masks are built outside the layer loop;
         - attend only the filled prefix ``[:kv_len]`` of the cache, not all ``S_max`` slots (later
           slots are masked anyway), and with no mask at all for one query without padding;
         - GQA by query grouping (:func:`gqa_attention`), never ``repeat_interleave`` of the cache;
         - four matmuls per layer over fused, pre-transposed weights with RoPE's rotation and the norm
           weights folded in (:meth:`_inference_plan`; state-dict names unchanged), residual adds fused
-          into ``addmm``, no module calls; the mask is built once per forward.
+          into ``addmm``, no module calls;
+        - ``last_only`` (prefill, extend): the last layer writes K/V for every row but computes attention,
+          MLP and the LM head (the largest matmul) for the last row only; nothing reads the other rows' outputs.
         """
         cfg = self.config
         B, T = idx.shape
         H, n_kv, hd, d_eps = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.d_model * cfg.norm_eps
         plan = self._inference_plan()
-        kv_len = int(input_pos.max()) + 1  # one host read per forward
-        if T == 1:  # decode: a narrow view instead of an index gather
-            cos, sin = self.rope_cos.narrow(0, kv_len - 1, 1), self.rope_sin.narrow(0, kv_len - 1, 1)  # (1, hd)
+        positions = input_pos.tolist()  # the one host read per forward
+        start = positions[0]
+        contiguous = positions == list(range(start, start + T))
+        kv_len = start + T if contiguous else max(positions) + 1
+        if contiguous:  # views, no gather
+            cos, sin = self.rope_cos[start : start + T], self.rope_sin[start : start + T]  # (T, hd)
         else:
             cos, sin = self.rope_cos[input_pos], self.rope_sin[input_pos]  # (T, hd)
-        mask = None  # decode: one query at slot kv_len - 1 sees the whole prefix
-        if T > 1 or attention_mask is not None:
-            mask = self._mask(T, input_pos, attention_mask)[..., :kv_len].repeat(1, 1, H // n_kv, 1)  # (B|1,1,G*T,S)
+        # with ``last_only`` the last layer writes every row's K/V but computes the last row's output only
+        last_layer = len(plan.layers) - 1 if last_only and T > 1 else -1
+        mask = None if last_layer == 0 else self._cached_mask(input_pos, attention_mask, contiguous, kv_len, False)
         x = F.embedding(idx.reshape(-1), self.embed.weight)  # (B*T, d): 2-D rows for torch.mm
-        cast = self.layers[0].attn.kv_cache.k_cache.dtype != x.dtype
-        for (qkv_r_t, o_t, gate_up_t, down_t), layer in zip(plan.layers, self.layers):
+        cast = plan.caches[0][0].dtype != x.dtype
+        for i, ((qkv_r_t, o_t, gate_up_t, down_t), (k_cache, v_cache)) in enumerate(zip(plan.layers, plan.caches)):
             qkv = torch.mm(_rms(x, d_eps), qkv_r_t)  # (B*T, (2H+3n_kv)*hd)
             # (B, heads, T, hd); with T == 1 the transpose is a plain view
             qkv = qkv.view(B, -1, 1, hd) if T == 1 else qkv.view(B, T, -1, hd).transpose(1, 2)
             qk, v, qk_rot = qkv.split_with_sizes([H + n_kv, n_kv, H + n_kv], dim=1)  # (B, heads, T, hd)
             qk = torch.addcmul(qk * cos, qk_rot, sin)  # RoPE on q and k: x * cos + rotate_half(x) * sin
             q, k = qk.split_with_sizes([H, n_kv], dim=1)  # (B, H, T, hd), (B, n_kv, T, hd)
-            cache = layer.attn.kv_cache
-            k_cache, v_cache = cache.k_cache, cache.v_cache  # (B_max, n_kv, S_max, hd)
             if k_cache.shape[0] != B:
-                k_cache, v_cache = k_cache[:B], v_cache[:B]
+                k_cache, v_cache = k_cache[:B], v_cache[:B]  # (B, n_kv, S_max, hd)
             k_cache.index_copy_(2, input_pos, k.to(k_cache.dtype) if cast else k)
             v_cache.index_copy_(2, input_pos, v.to(v_cache.dtype) if cast else v)
             k, v = k_cache.narrow(2, 0, kv_len), v_cache.narrow(2, 0, kv_len)  # (B, n_kv, S, hd)
             if cast:
                 k, v = k.to(q.dtype), v.to(q.dtype)
+            if i == last_layer:  # nothing reads the other rows' outputs: one query row from here on
+                q, x, T = q[:, :, -1:], x.view(B, T, -1)[:, -1], 1  # (B, H, 1, hd), (B, d)
+                mask = self._cached_mask(input_pos, attention_mask, contiguous, kv_len, True)
             y = F.scaled_dot_product_attention(q.reshape(B, n_kv, -1, hd), k, v, attn_mask=mask)  # (B,n_kv,G*T,hd)
             # GQA by query grouping (see gqa_attention); one query row per head needs no transpose
             y = y.reshape(B, H * hd) if T == 1 else y.view(B, H, T, hd).transpose(1, 2).reshape(B * T, H * hd)
@@ -351,9 +380,10 @@ class Transformer(nn.Module):
         return torch.mm(_rms(x, d_eps), plan.head).view(B, T, -1)  # (B, T, V)
 
     def forward(
-        self, idx: Tensor, input_pos: Tensor | None = None, attention_mask: Tensor | None = None
-    ) -> Tensor:
-        """Logits ``(B, T, V)``.
+        self, idx: Tensor, input_pos: Tensor | None = None, attention_mask: Tensor | None = None,
+        last_only: bool = False,
+    ) -> Tensor:  # fmt: skip
+        """Logits ``(B, T, V)``, or ``(B, 1, V)`` for the last position with ``last_only``.
 
         Args:
             idx: token ids ``(B, T)``.
@@ -361,9 +391,11 @@ class Transformer(nn.Module):
                 decode: ``[pos]``). ``None`` runs without the cache (training).
             attention_mask: key validity, True = real token. Without cache ``(B, T)``; with cache
                 ``(B, S_max)`` over cache slots.
+            last_only: logits of the last position only (prefill needs no more); the cached path then
+                also skips the last layer's attention and MLP for the other positions.
         """
         if input_pos is not None and not torch.is_grad_enabled() and not torch.compiler.is_compiling():
-            return self._forward_cached(idx, input_pos, attention_mask)
+            return self._forward_cached(idx, input_pos, attention_mask, last_only)
         T = idx.shape[1]
         if input_pos is None:
             cos, sin = self.rope_cos[:T], self.rope_sin[:T]
@@ -376,6 +408,8 @@ class Transformer(nn.Module):
                 x = checkpoint(layer, x, cos, sin, mask, input_pos, use_reentrant=False)
             else:
                 x = layer(x, cos, sin, mask, input_pos)
+        if last_only:
+            x = x[:, -1:]  # (B, 1, d)
         return self.lm_head(self.norm(x))  # (B, T, V)
 
     @torch.no_grad()

@@ -1,5 +1,7 @@
 from __future__ import annotations
 
+import random
+
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
@@ -42,7 +44,8 @@ def test_greedy_output_identical_to_worker_alone(
 def test_perfect_drafter_accepts_everything_and_grows_k(make_model):
     worker = TorchEngine(make_model(1, dtype=torch.float64))
     twin = TorchEngine(make_model(1, dtype=torch.float64))  # same weights: every draft is right
-    decoder = SpeculativeDecoder(worker, twin, k=2, k_max=5)
+    # a twin costs as much as the worker, so only a cheap draft step (fixed, not timed) makes long drafts pay
+    decoder = SpeculativeDecoder(worker, twin, k=2, k_max=5, draft_cost=0.1)
     out = list(decoder.generate([1, 2, 3], max_new_tokens=30))
     assert out == list(TorchEngine(make_model(1, dtype=torch.float64)).generate([1, 2, 3], max_new_tokens=30))
     assert decoder.stats.acceptance_rate == 1.0 and decoder.stats.rollback_rate == 0.0
@@ -59,6 +62,28 @@ def test_bad_drafter_shrinks_k_and_rolls_back(make_model):
     assert decoder.k == 1
 
 
+@pytest.mark.parametrize(("acceptance", "draft_cost", "best_k"), [(0.8, 0.65, 1), (0.9, 0.65, 2), (0.9, 0.1, 10)])
+def test_adaptive_k_maximises_expected_tokens_per_cost(make_model, acceptance, draft_cost, best_k):
+    """Cycles whose drafts are each accepted with probability ``acceptance`` settle k where
+    ``E(k) / (k * draft_cost + 1)`` peaks (Leviathan et al. eq. 1), not at the longest all-accepted run."""
+    engine = TorchEngine(make_model(0))
+    decoder = SpeculativeDecoder(engine, engine, k=4, draft_cost=draft_cost)
+    ks = range(1, decoder.k_max + 1)
+    gain = {k: (1 - acceptance ** (k + 1)) / (1 - acceptance) / (k * draft_cost + 1) for k in ks}
+    assert max(gain, key=gain.get) == best_k
+    rng = random.Random(0)
+    chosen = []
+    for _ in range(2000):
+        k = decoder.k
+        accepted = 0
+        while accepted < k and rng.random() < acceptance:
+            accepted += 1
+        decoder._adapt(accepted, k, step_s=None, verify_s=1.0)
+        chosen.append(decoder.k)
+    # the running acceptance estimate wobbles; the k it picks stays near the peak
+    assert sum(gain[k] for k in chosen) / len(chosen) > 0.97 * gain[best_k]
+
+
 def test_stop_id_and_cache_edge(make_model):
     worker = TorchEngine(make_model(4, dtype=torch.float64, max_seq_len=24))
     drafter = TorchEngine(make_model(4, dtype=torch.float64, max_seq_len=24))
@@ -70,9 +95,23 @@ def test_stop_id_and_cache_edge(make_model):
     assert list(decoder.generate([1, 2], max_new_tokens=22, stop_ids=[stop])) == expected
 
 
+def test_drafting_stops_at_a_stop_id(make_model):
+    """Nothing after a stop id is ever emitted, so the drafter proposes nothing after one."""
+    worker = TorchEngine(make_model(5, dtype=torch.float64))
+    twin = TorchEngine(make_model(5, dtype=torch.float64))
+    free = list(worker.generate([3, 4], max_new_tokens=20))
+    stop = free[6]
+    expected = free[: free.index(stop) + 1]
+    decoder = SpeculativeDecoder(worker, twin, k=12, adaptive=False)
+    assert list(decoder.generate([3, 4], max_new_tokens=20, stop_ids=[stop])) == expected
+    assert decoder.stats.proposed == decoder.stats.accepted == len(expected) - 1  # the first token is the prefill's
+
+
 def test_rejects_mismatched_vocab_and_bad_k(make_model):
     worker = TorchEngine(make_model(0))
     with pytest.raises(ValueError, match="vocab"):
         SpeculativeDecoder(worker, TorchEngine(make_model(0, vocab_size=40)))
     with pytest.raises(ValueError, match="k_min"):
         SpeculativeDecoder(worker, TorchEngine(make_model(1)), k=9, k_max=8)
+    with pytest.raises(ValueError, match="draft_cost"):
+        SpeculativeDecoder(worker, TorchEngine(make_model(1)), draft_cost=0.0)

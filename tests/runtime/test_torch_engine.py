@@ -141,6 +141,18 @@ def test_batch_matches_single_rows(make_model):
         torch.testing.assert_close(logits[row], engine.prefill(prompt), atol=1e-5, rtol=1e-5)
 
 
+def test_long_batch_prefill_matches_single_rows(make_model):
+    """Left-padded prompts through ``last_only`` (the last layer computes the last position only)."""
+    engine = TorchEngine(make_model(11, dtype=torch.float64), max_batch_size=2)
+    prompts = [list(range(1, 25)), list(range(30, 47))]
+    logits = engine.prefill_batch(prompts)  # (B, V)
+    for row, prompt in enumerate(prompts):
+        torch.testing.assert_close(logits[row], engine.prefill(prompt), atol=1e-5, rtol=1e-5)
+    assert engine.generate_batch(prompts, max_new_tokens=6) == [
+        list(engine.generate(p, max_new_tokens=6)) for p in prompts
+    ]
+
+
 def test_batch_stop_ids_per_row(make_model):
     engine = TorchEngine(make_model(10, dtype=torch.float64), max_batch_size=2)
     prompts = [[1, 2, 3], [4, 5]]

@@ -10,7 +10,9 @@ Design choices (gpt-fast style):
   True = real token), which ``Transformer.forward`` supports. RoPE is relative, so a row shifted
   right by its padding attends exactly as it would alone.
 - Eager decode runs ``Transformer._forward_cached`` (under ``inference_mode``): fused, pre-transposed
-  weights, attention over the filled prefix only, no module calls. ``torch.compile`` of the decode
+  weights, attention over the filled prefix only, no module calls. ``prefill``/``extend`` need the
+  last position's logits only (``last_only``: the last layer and the LM head skip the other rows);
+  ``extend_all`` (speculative verification) returns every row. ``torch.compile`` of the decode
   step is optional (``compile=True``) and off by default: it costs ~20 s of compilation and the
   benchmark ``benchmarks/bench_decode_vs_hf.py --compile`` measures whether it pays.
 """
@@ -76,22 +78,22 @@ class TorchEngine(EngineBase):
             raise ValueError(f"sequence of {self.position + n} tokens exceeds max_seq_len {self.max_seq_len}")
 
     @torch.inference_mode()
-    def _write(self, token_ids: Sequence[int]) -> Tensor:
-        """Write ``token_ids`` at the current position; logits ``(T, V)``."""
+    def _write(self, token_ids: list[int], last_only: bool) -> Tensor:
+        """Write ``token_ids`` at the current position; logits ``(T, V)``, or ``(1, V)`` with ``last_only``."""
         if len(token_ids) == 0:
             raise ValueError("need at least one token to write")
         self._check_room(len(token_ids))
         start = self.position
-        idx = torch.tensor([list(token_ids)], dtype=torch.long, device=self.device)  # (1, T)
-        logits = self.model(idx, self._positions[start : start + len(token_ids)])[0]  # (T, V)
-        self.tokens.extend(int(t) for t in token_ids)
-        return logits
+        idx = torch.tensor([token_ids], dtype=torch.long, device=self.device)  # (1, T)
+        logits = self.model(idx, self._positions[start : start + len(token_ids)], last_only=last_only)  # (1, T, V)
+        self.tokens.extend(token_ids)
+        return logits[0]
 
     def prefill(self, prompt_ids: Sequence[int]) -> Tensor:
         """Reset the conversation and write the prompt; logits ``(V,)`` of the last prompt position."""
         self.tokens = []
         self.pending = None
-        return self._write(prompt_ids)[-1]
+        return self._write([int(t) for t in prompt_ids], last_only=True)[-1]
 
     @torch.inference_mode()
     def decode_step(self, token: int) -> Tensor:
@@ -109,13 +111,16 @@ class TorchEngine(EngineBase):
     def extend_all(self, token_ids: Sequence[int]) -> Tensor:
         """Write the pending token (if any) then ``token_ids`` in one forward; logits ``(T, V)`` for every
         written token. Speculative verification uses the rows; multi-turn continuation the last."""
-        ids = ([self.pending] if self.pending is not None else []) + [int(t) for t in token_ids]
-        self.pending = None
-        return self._write(ids)
+        return self._write(self._take_pending(token_ids), last_only=False)
 
     def extend(self, token_ids: Sequence[int]) -> Tensor:
         """Append tokens (e.g. a tool result) to the conversation; logits ``(V,)`` of the last one."""
-        return self.extend_all(token_ids)[-1]
+        return self._write(self._take_pending(token_ids), last_only=True)[-1]
+
+    def _take_pending(self, token_ids: Sequence[int]) -> list[int]:
+        ids = ([self.pending] if self.pending is not None else []) + [int(t) for t in token_ids]
+        self.pending = None
+        return ids
 
     # ---- KV state access (prompt cache) ----------------------------------------------
 
@@ -168,7 +173,7 @@ class TorchEngine(EngineBase):
         self.tokens, self.pending = [], None
         self._batch_rows, self._batch_len = rows, length
         mask = self._batch_mask[:rows]  # (B, S_max)
-        return self.model(idx, self._positions[:length], mask)[:, -1]  # (B, V)
+        return self.model(idx, self._positions[:length], mask, last_only=True)[:, -1]  # (B, V)
 
     @torch.inference_mode()
     def decode_batch(self, tokens: Sequence[int]) -> Tensor:
