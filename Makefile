@@ -22,7 +22,7 @@ test: setup
 	$(BIN)/ruff check .
 	$(BIN)/python -m pytest -q
 
-# The acceptance checklist on the toy pipeline (builds runs/gates-<fingerprint> once, ~10 min on 2 cores).
+# The acceptance checklist on the toy pipeline (runs/toy: reuses `make run`'s fresh steps, else ~10 min on 2 cores).
 gates: setup
 	$(BIN)/python -m pytest gates
 

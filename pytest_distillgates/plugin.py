@@ -187,9 +187,9 @@ def pipeline_run(gate_session: GateSession, tmp_path_factory: pytest.TempPathFac
             from distillgates.config import load_config
             from distillgates.pipeline import run_pipeline  # lazy: heavy, only when nothing was given
 
+            # the run `distillgates run` / `make run` writes: its step cache reuses every fresh step
             config_path = gate_session.rootdir / "configs" / "toy.yaml"
-            cache = gate_session.rootdir / "runs" / f"gates-{load_config(config_path).fingerprint()[:16]}"
-            run_dir = run_pipeline(config_path, cache)
+            run_dir = run_pipeline(config_path, gate_session.rootdir / "runs" / load_config(config_path).name)
         gate_session.attach_run(RunArtifacts(run_dir))
     assert gate_session.run is not None
     return gate_session.run
