@@ -195,6 +195,7 @@ class TeacherConfig:
     max_turns: int = 4  # assistant turns per conversation (calls + answer)
     kd_batch_size: int = 32  # local teacher: items generated together by the KD builder
     ckpt_every: int = 256  # KD builder: checkpoint every N items (rounded up to kd_batch_size)
+    kd_items: int = 0  # KD set: the teacher answers the first N training items (0: all); the rest train on references
 
     def __post_init__(self) -> None:
         if self.kind not in ("local", "openai"):
@@ -207,6 +208,8 @@ class TeacherConfig:
             raise ValueError("value_weight must be > 0, curriculum_steps and copy_steps >= 0")
         if self.max_new_tokens <= 0 or self.max_turns <= 0 or self.kd_batch_size <= 0 or self.ckpt_every <= 0:
             raise ValueError("max_new_tokens, max_turns, kd_batch_size and ckpt_every must be > 0")
+        if self.kd_items < 0:
+            raise ValueError(f"kd_items must be >= 0 (0: every training item), got {self.kd_items}")
 
 
 @dataclass

@@ -321,7 +321,7 @@ STEPS: list[Step] = [
          "data"),
     Step("teacher", "train the toy teacher (LlamaForCausalLM) and check it solves the task", ("teacher",),
          ("data",), step_teacher, "teacher"),
-    Step("kd", "query the teacher for every training prompt and write the KD set", ("teacher",),
+    Step("kd", "query the teacher for the training prompts and write the KD set", ("teacher",),
          ("data", "teacher"), step_kd, "kd", resumable=True),
     Step("student", "distill the student (KD + latency-aware losses, enumerated shapes, late QAT)",
          ("student", "train", "shapes"), ("data", "kd"), _train("student"), "student", resumable=True),

@@ -240,3 +240,13 @@ def test_kd_command_line(tiny_teacher_dir, tiny_tokenizer, toy_items, tmp_path, 
     header, records = read_kd_set(out)
     assert [r["id"] for r in records] == [it["id"] for it in toy_items] and header["top_k"] == 3
     assert any(Path(tmp_path / "kd.jsonl.cache").rglob("*.json"))  # default cache next to the output
+
+
+def test_kd_items_limits_the_kd_set_to_the_first_items(toy_items, tiny_tokenizer, tmp_path):
+    """``teacher.kd_items``: the teacher answers the first N training items only; 0 means all."""
+    teacher = ReplayTeacher(toy_items, tiny_tokenizer)
+    build_kd_set(kd_teacher_config(kd_items=2), teacher, toy_items, tmp_path / "kd.jsonl", progress=False)
+    header, records = read_kd_set(tmp_path / "kd.jsonl")
+    assert header["total"] == 2 and [r["id"] for r in records] == [i["id"] for i in toy_items[:2]]
+    with pytest.raises(ValueError, match="kd_items must be >= 0"):
+        kd_teacher_config(kd_items=-1)

@@ -17,7 +17,7 @@ from distillgates.teacher.toy import (
     encode_for_training,
     evaluate_teacher,
     lr_at,
-    weighted_ce,
+    target_ce,
     without_system_prompt,
 )
 
@@ -54,12 +54,18 @@ def test_value_weight_lands_on_argument_values_and_answer_facts(toy_items, tiny_
     assert item["expected_calls"][0]["name"] not in heavy  # template tokens keep weight 1
 
 
-def test_weighted_ce_counts_weighted_targets_only():
-    logits = torch.randn(1, 4, 7)
+def test_target_ce_counts_weighted_targets_only():
+    """The LM head at target positions only gives the weighted token-mean CE of the full logits."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=7, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                         num_attention_heads=2, num_key_value_heads=1))  # fmt: skip
     ids = torch.tensor([[1, 2, 3, 4]])
-    plain = torch.nn.functional.cross_entropy(logits[0, :-1], ids[0, 1:], reduction="none")
-    assert torch.allclose(weighted_ce(logits, ids, torch.tensor([[0.0, 1.0, 1.0, 0.0]])), plain[:2].mean())
-    assert torch.allclose(weighted_ce(logits, ids, torch.tensor([[0.0, 3.0, 1.0, 0.0]])), (3 * plain[0] + plain[1]) / 2)
+    plain = torch.nn.functional.cross_entropy(model(input_ids=ids).logits[0, :-1], ids[0, 1:], reduction="none")
+    assert torch.allclose(target_ce(model, ids, torch.tensor([[0.0, 1.0, 1.0, 0.0]])), plain[:2].mean(), atol=1e-6)
+    assert torch.allclose(target_ce(model, ids, torch.tensor([[0.0, 3.0, 1.0, 0.0]])), (3 * plain[0] + plain[1]) / 2,
+                          atol=1e-6)  # fmt: skip
 
 
 def test_curriculum_phase_drops_only_the_system_prompt(toy_items):

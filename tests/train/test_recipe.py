@@ -50,6 +50,26 @@ def test_training_lowers_validation_loss(artifacts: dict[str, Any], tmp_path: Pa
     assert any(r["early_tool"] > 0 for r in steps) and steps[0]["early_tool_weight"] == 0.0
 
 
+def test_items_without_a_kd_record_train_on_their_references(artifacts: dict[str, Any], tmp_path: Path) -> None:
+    """A KD set over part of the data (``teacher.kd_items``): the other rows get no KD targets and
+    their reference length, and training runs on all rows."""
+    torch.set_num_threads(1)
+    records = read_kd_set(artifacts["kd_path"])
+    half = dict(list(records.items())[: len(records) // 2])
+    cfg = artifacts["make_config"](len(artifacts["tokenizer"]), steps=4, lr=1e-2)
+    recipe = Recipe(
+        cfg.train, cfg.student, cfg.shapes, artifacts["tokenizer"], artifacts["train"], artifacts["eval"], tmp_path,
+        kd_records=half, device="cpu", progress=False, speed_prompts=0,
+    )
+    recipe.setup()
+    covered = [row.item["id"] in half for row in recipe.rows]
+    assert any(covered) and not all(covered)
+    assert all(bool(row.kd_ids) == cov and row.teacher_len > 0 for row, cov in zip(recipe.rows, covered))
+    recipe.train()
+    steps = [r for r in _log(tmp_path / "train_log.jsonl") if "total" in r]
+    assert len(steps) == 4 and all(r["ce"] > 0 for r in steps)
+
+
 def test_early_tool_loss_makes_tool_call_first(artifacts: dict[str, Any], tmp_path: Path) -> None:
     """With the early-tool loss, ``<|tool_call|>`` right after ``<|assistant|>`` gets likelier on
     verbose tool items (whose references start with a preamble) than with the same run without it."""

@@ -395,7 +395,7 @@ def build_kd_set(
     cache_dir: str | Path | None = None,
     progress: bool = True,
 ) -> KDBuildResult:
-    """Build (or resume) the KD set for ``items`` at ``out_path``.
+    """Build (or resume) the KD set for ``items`` (the first ``teacher.kd_items`` of them) at ``out_path``.
 
     Raises:
         KDCheckpointError: ``resume`` found a corrupted checkpoint or one of another build.
@@ -404,6 +404,7 @@ def build_kd_set(
     tcfg = cfg.teacher if isinstance(cfg, Config) else cfg
     if tcfg is None:
         raise ValueError("config has no teacher section")
+    items = items[: tcfg.kd_items] if tcfg.kd_items else items
     ids = [it["id"] for it in items]
     if len(set(ids)) != len(ids):
         dup = next(i for i in ids if ids.count(i) > 1)

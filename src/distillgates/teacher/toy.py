@@ -28,7 +28,10 @@ Design choices:
   steps then copy the condition 33/33 and argument values 0.95 (from 0.82). A pretrained LLM
   brings this circuit to a real distillation; the toy teacher gets it here.
 - AdamW, linear warmup then cosine decay to ``min_lr_ratio * lr``; batches are padded to the
-  longest sequence in the batch (right padding, padded positions masked out of the loss).
+  longest sequence in the batch (right padding, padded positions masked out of the loss). The LM
+  head runs only at target positions (a third of the tokens; measured 0.28 -> 0.26 s a step).
+  Length-grouped batches (HF's ``group_by_length``) were 1.5x faster still, but the teacher got
+  worse at equal steps (argument match 0.92 -> 0.84) and no better at equal time.
 - Evaluation drives the teacher through the same multi-turn loop as the KD builder
   (generate until ``<|end|>``, inject the fixture result after a call, continue) and scores
   tool selection (called tool names in order == expected names; ``[]`` for no-tool items) and
@@ -111,11 +114,14 @@ def _batch(rows: list[Row], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
     return ids, weights  # (B, T), (B, T)
 
 
-def weighted_ce(logits: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-    """Next-token CE weighted per target token, normalised by the number of target tokens."""
-    nll = F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), ids[:, 1:].flatten(), reduction="none")
-    w = weights[:, 1:].flatten()
-    return (nll * w).sum() / (w > 0).sum().clamp(min=1)
+def target_ce(model: Any, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """Next-token CE of a ``LlamaForCausalLM`` weighted per target token, normalised by the number of
+    target tokens; the LM head runs at target positions only."""
+    hidden = model.model(input_ids=ids).last_hidden_state[:, :-1]  # (B, T-1, D)
+    w = weights[:, 1:]
+    mask = w > 0
+    nll = F.cross_entropy(model.lm_head(hidden[mask]).float(), ids[:, 1:][mask], reduction="none")  # (N,)
+    return (nll * w[mask]).sum() / mask.sum().clamp(min=1)
 
 
 def lr_at(step: int, cfg: TeacherConfig) -> float:
@@ -174,7 +180,7 @@ def train_toy_teacher(
             order += rng.sample(range(len(rows)), len(rows))  # epochs of shuffled items
         batch, order = order[: tcfg.batch_size], order[tcfg.batch_size :]
         ids, weights = _batch([rows[i] for i in batch], tokenizer.pad_token_id)
-        loss = weighted_ce(model(input_ids=ids).logits, ids, weights)  # logits (B, T, V)
+        loss = target_ce(model, ids, weights)
         for group in optimizer.param_groups:
             group["lr"] = lr_at(step, tcfg)
         optimizer.zero_grad(set_to_none=True)
