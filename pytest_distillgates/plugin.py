@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import io
 import re
+import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -185,11 +186,15 @@ def pipeline_run(gate_session: GateSession, tmp_path_factory: pytest.TempPathFac
         run_dir = gate_session.options.run_dir
         if run_dir is None:
             from distillgates.config import load_config
-            from distillgates.pipeline import run_pipeline  # lazy: heavy, only when nothing was given
 
-            # the run `distillgates run` / `make run` writes: its step cache reuses every fresh step
+            # exactly `distillgates run` (what `make run` does), in a fresh process: the build must not
+            # inherit this session's torch state (tests change the thread count); the step cache
+            # reuses every fresh step, so after `make run` nothing is rebuilt
             config_path = gate_session.rootdir / "configs" / "toy.yaml"
-            run_dir = run_pipeline(config_path, gate_session.rootdir / "runs" / load_config(config_path).name)
+            run_dir = gate_session.rootdir / "runs" / load_config(config_path).name
+            cli = "import sys; from distillgates.cli import main; sys.exit(main(sys.argv[1:]))"
+            subprocess.run([sys.executable, "-c", cli, "run", str(config_path), "--run-dir", str(run_dir)],
+                           check=True, cwd=gate_session.rootdir)  # fmt: skip
         gate_session.attach_run(RunArtifacts(run_dir))
     assert gate_session.run is not None
     return gate_session.run
