@@ -19,11 +19,9 @@ run: setup
 	$(BIN)/distillgates run $(CONFIG)
 
 # tests/, then the acceptance checklist gates/ on runs/toy (built once, ~10 min, unless `make run` made it).
-# Two sessions: the plugin's pytester tests run in-process and would pick up gates/conftest.py.
 test: setup
 	$(BIN)/ruff check .
 	$(BIN)/python -m pytest -q
-	$(BIN)/python -m pytest -q gates
 
 # The acceptance checklist on the toy pipeline (runs/toy: reuses `make run`'s fresh steps, else ~10 min on 2 cores).
 gates: setup

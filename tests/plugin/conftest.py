@@ -9,6 +9,7 @@ from __future__ import annotations
 import copy
 import json
 import shutil
+import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -144,8 +145,16 @@ def own_profile() -> str:
 
 
 @pytest.fixture
-def gates_project(pytester: pytest.Pytester) -> Callable[..., Path]:
-    """Copy gates/ into the pytester dir; ``slowdown`` swaps in synthetic speed samples."""
+def gates_project(pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch) -> Callable[..., Path]:
+    """Copy gates/ into the pytester dir; ``slowdown`` swaps in synthetic speed samples.
+
+    When this session also collected the repo's gates/ (a bare ``pytest`` runs tests/ and gates/),
+    its modules sit in ``sys.modules`` as ``gates.conftest``, ``gates.test_*``; with importlib
+    mode the in-process runs below would reuse them instead of importing the copies. They are
+    hidden for the duration of the test (``monkeypatch`` puts them back).
+    """
+    for name in [n for n in sys.modules if n == "gates" or n.startswith("gates.")]:
+        monkeypatch.delitem(sys.modules, name)
 
     def make(slowdown: float | None = None, noise: float | list[float] = 0.02) -> Path:
         target = pytester.path / "gates"
