@@ -165,3 +165,13 @@ def test_parse_retry_after():
     assert parse_retry_after(None) is None and parse_retry_after("soon") is None
     date = email.utils.formatdate(time.time() + 10, usegmt=True)
     assert 8.0 <= parse_retry_after(date) <= 10.5
+
+
+def test_server_is_quiet_about_clients_that_gave_up(server, capsys):
+    """A client that timed out (``slow``) or dropped leaves a broken pipe: not an error worth a traceback."""
+    for error, printed in ((BrokenPipeError(), False), (ConnectionResetError(), False), (ValueError("bug"), True)):
+        try:
+            raise error
+        except Exception:
+            server._httpd.handle_error(None, ("127.0.0.1", 1))
+        assert ("Exception occurred" in capsys.readouterr().err) is printed

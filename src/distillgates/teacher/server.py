@@ -17,6 +17,7 @@ from __future__ import annotations
 import collections
 import itertools
 import json
+import sys
 import threading
 import time
 from dataclasses import dataclass
@@ -44,6 +45,15 @@ class Fault:
             raise ValueError(f"fault kind must be one of {FAULT_KINDS}, got {self.kind!r}")
 
 
+class _HTTPServer(ThreadingHTTPServer):
+    daemon_threads = True
+
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        if isinstance(sys.exc_info()[1], ConnectionError):  # the client gave up (timeout, drop): no one to answer
+            return
+        super().handle_error(request, client_address)
+
+
 class TeacherServer:
     """Owns the HTTP server thread; use as a context manager or call start()/stop()."""
 
@@ -65,8 +75,7 @@ class TeacherServer:
         self.requests_seen = 0
         self._ids = itertools.count(1)
         self._lock = threading.Lock()
-        self._httpd = ThreadingHTTPServer((host, port), _make_handler(self))
-        self._httpd.daemon_threads = True
+        self._httpd = _HTTPServer((host, port), _make_handler(self))
         self._thread: threading.Thread | None = None
 
     @property
