@@ -20,11 +20,15 @@ import hashlib
 import json
 import types
 import typing
+from collections.abc import Hashable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import yaml
+
+if TYPE_CHECKING:
+    from _typeshed import DataclassInstance
 
 
 class ConfigError(ValueError):
@@ -420,7 +424,7 @@ class _LineLoader(yaml.SafeLoader):
     """SafeLoader that remembers the line of every mapping key (``__lines__``)."""
 
 
-def _construct_mapping(loader: _LineLoader, node: yaml.MappingNode) -> dict[str, Any]:
+def _construct_mapping(loader: _LineLoader, node: yaml.MappingNode) -> dict[Hashable, Any]:
     mapping = loader.construct_mapping(node, deep=True)
     mapping["__lines__"] = {k.value: k.start_mark.line + 1 for k, _ in node.value}  # 1-based
     return mapping
@@ -449,7 +453,7 @@ def _check_type(value: Any, hint: Any, source: str, path: str, line: int | None)
             return None
         inner = [a for a in args if a is not type(None)]
         return _check_type(value, inner[0], source, path, line)
-    if dataclasses.is_dataclass(hint):
+    if isinstance(hint, type) and dataclasses.is_dataclass(hint):
         return from_dict(hint, value, source, path, line)
     if origin is list:
         if not isinstance(value, list):
@@ -533,7 +537,7 @@ def load_model_config(path: str | Path, role: str = "student") -> ModelConfig:
 
 def to_dict(obj: Any) -> Any:
     """Dataclass -> plain JSON-able dict (recursively)."""
-    return dataclasses.asdict(obj) if dataclasses.is_dataclass(obj) else obj
+    return dataclasses.asdict(cast("DataclassInstance", obj)) if dataclasses.is_dataclass(obj) else obj
 
 
 def sha256_json(obj: Any) -> str:

@@ -19,8 +19,9 @@ References: gpt-fast ``model.py``; HF ``modeling_llama.py``; Llama 3 RoPE scalin
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, Generic, NamedTuple, TypeVar, cast, overload
 
 import torch
 import torch.nn.functional as F
@@ -29,6 +30,22 @@ from torch.utils.checkpoint import checkpoint
 
 from distillgates.config import ModelConfig, RopeScaling, from_dict, sha256_json, to_dict
 from distillgates.io import load_checksummed, save_checksummed
+
+if TYPE_CHECKING:
+    _M = TypeVar("_M", bound=nn.Module)
+
+    class ModuleListOf(nn.ModuleList, Generic[_M]):
+        """Type-checking view of an ``nn.ModuleList`` whose items are all ``_M`` (no runtime class)."""
+
+        def __iter__(self) -> Iterator[_M]: ...
+
+        @overload
+        def __getitem__(self, idx: slice) -> nn.ModuleList: ...
+
+        @overload
+        def __getitem__(self, idx: int) -> _M: ...
+
+        def __getitem__(self, idx: int | slice) -> _M | nn.ModuleList: ...
 
 
 class RMSNorm(nn.Module):
@@ -73,6 +90,7 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None) -> T
 
 def rope_tables(cfg: ModelConfig) -> tuple[Tensor, Tensor]:
     """cos/sin tables ``(max_seq_len, head_dim)`` in the HF duplicated-half layout."""
+    assert cfg.head_dim is not None  # set by ModelConfig.__post_init__
     inv_freq = rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
     freqs = torch.outer(torch.arange(cfg.max_seq_len, dtype=torch.float32), inv_freq)  # (S, hd/2)
     emb = torch.cat([freqs, freqs], dim=-1)  # (S, hd)
@@ -104,6 +122,9 @@ def gqa_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None) -> Tenso
 class KVCache(nn.Module):
     """Static pre-allocated cache for one layer, written by position index."""
 
+    k_cache: Tensor  # buffers, (B, n_kv, S_max, hd)
+    v_cache: Tensor
+
     def __init__(self, batch: int, n_kv_heads: int, max_seq_len: int, head_dim: int, dtype: torch.dtype) -> None:
         super().__init__()
         shape = (batch, n_kv_heads, max_seq_len, head_dim)
@@ -128,6 +149,7 @@ class KVCache(nn.Module):
 class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
+        assert cfg.head_dim is not None  # set by ModelConfig.__post_init__
         self.n_heads, self.n_kv_heads, self.head_dim = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
         self.q_proj = nn.Linear(cfg.d_model, cfg.n_heads * cfg.head_dim, bias=False)
         self.k_proj = nn.Linear(cfg.d_model, cfg.n_kv_heads * cfg.head_dim, bias=False)
@@ -196,11 +218,15 @@ def _drop_plan_hook(module: Transformer, _incompatible_keys: Any) -> None:
 class Transformer(nn.Module):
     """Decoder-only LM. ``forward(idx, input_pos=None, attention_mask=None) -> logits``."""
 
+    rope_cos: Tensor  # buffers, see __init__
+    rope_sin: Tensor
+    causal_mask: Tensor
+
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.config = cfg
         self.embed = nn.Embedding(cfg.vocab_size, cfg.d_model)
-        self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
+        self.layers = cast("ModuleListOf[Block]", nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers)))
         self.norm = RMSNorm(cfg.d_model, cfg.norm_eps)
         self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
         if cfg.tie_embeddings:
@@ -223,6 +249,7 @@ class Transformer(nn.Module):
         """Pre-allocate one :class:`KVCache` per layer for ``max_batch_size`` sequences."""
         dtype = dtype or self.embed.weight.dtype
         cfg = self.config
+        assert cfg.head_dim is not None  # set by ModelConfig.__post_init__
         for layer in self.layers:
             layer.attn.kv_cache = KVCache(max_batch_size, cfg.n_kv_heads, cfg.max_seq_len, cfg.head_dim, dtype).to(
                 self.embed.weight.device
@@ -277,6 +304,7 @@ class Transformer(nn.Module):
         plan = self._plan
         if plan is not None and plan.stamp == tuple((p.data_ptr(), p._version) for p in plan.sources):
             return plan
+        assert self.config.head_dim is not None  # set by ModelConfig.__post_init__
         half = self.config.head_dim // 2
 
         def rotated(w: Tensor, heads: int) -> Tensor:  # rows of rotate_half(w @ x), per head
@@ -300,7 +328,11 @@ class Transformer(nn.Module):
             sources += [self.norm.weight, self.lm_head.weight, self.embed.weight]
             head = folded(self.norm.weight, self.lm_head.weight)
         stamp = tuple((p.data_ptr(), p._version) for p in sources)
-        caches = [(layer.attn.kv_cache.k_cache, layer.attn.kv_cache.v_cache) for layer in self.layers]
+        caches = []
+        for layer in self.layers:
+            cache = layer.attn.kv_cache
+            assert cache is not None, "the cached path needs setup_caches()"
+            caches.append((cache.k_cache, cache.v_cache))
         self._plan = _InferencePlan(sources, stamp, layers, head, caches)
         return self._plan
 
@@ -339,6 +371,7 @@ class Transformer(nn.Module):
         """
         cfg = self.config
         B, T = idx.shape
+        assert cfg.head_dim is not None  # set by ModelConfig.__post_init__
         H, n_kv, hd, d_eps = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.d_model * cfg.norm_eps
         plan = self._inference_plan()
         positions = input_pos.tolist()  # the one host read per forward
@@ -548,7 +581,8 @@ def to_hf(model: Transformer) -> Any:
     """Copy weights into a new ``LlamaForCausalLM`` (same logits)."""
     from transformers import LlamaForCausalLM
 
-    hf = LlamaForCausalLM(hf_config(model.config)).to(model.embed.weight.dtype)
+    # transformers types PreTrainedModel.to (@wraps(Module.to)) as taking the model as its first argument
+    hf = LlamaForCausalLM(hf_config(model.config)).to(model.embed.weight.dtype)  # type: ignore[arg-type]
     state = {_hf_name(k): v for k, v in model.state_dict().items()}
     if model.config.tie_embeddings:
         state.pop("lm_head.weight", None)

@@ -70,7 +70,7 @@ class Pipeline:
 
     def is_fresh(self, step: Step) -> bool:
         entry = self.manifest.get(step.name)
-        return bool(entry) and entry.get("fingerprint") == self.fingerprint(step)
+        return bool(entry and entry.get("fingerprint") == self.fingerprint(step))
 
     def run_step(self, step: Step, force: bool | None = None) -> dict[str, Any]:
         force = self.force if force is None else force

@@ -24,7 +24,7 @@ import time
 from collections.abc import Callable, Sequence
 from importlib import resources
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import jsonschema
 import numpy as np
@@ -162,7 +162,9 @@ def measure_speed(
 def _cache_elem_size(engine: EngineBase) -> int:
     inner = getattr(engine, "engine", engine)  # PromptCachedEngine wraps a TorchEngine
     if isinstance(inner, TorchEngine):
-        return inner.model.layers[0].attn.kv_cache.k_cache.element_size()
+        cache = inner.model.layers[0].attn.kv_cache
+        assert cache is not None  # TorchEngine sets up the caches
+        return cache.k_cache.element_size()
     return 4
 
 
@@ -314,7 +316,8 @@ def run_speed(
     backend = engine or cfg.speed.engine
     tokenizer = load_tokenizer(run_dir / "data" / "tokenizer")
     prompts = [render_prompt(item) for item in _read_items(run_dir / "data" / "eval.jsonl")]
-    end_id, eos_id = tokenizer.convert_tokens_to_ids(END_TOKEN), tokenizer.convert_tokens_to_ids(EOS)
+    end_id = cast(int, tokenizer.convert_tokens_to_ids(END_TOKEN))  # one token -> one id
+    eos_id = cast(int, tokenizer.convert_tokens_to_ids(EOS))
     model = load_model(run_dir / "student" / "model.pt")
     export_dir = run_dir / "export"
     if backend == "coreml":

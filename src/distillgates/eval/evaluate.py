@@ -12,7 +12,7 @@ import json
 import tempfile
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal, overload
 
 from distillgates.data.chat import prompt_wrapper_sha256, render_conversation
 from distillgates.data.registry import tool_registry_sha256
@@ -46,6 +46,36 @@ def as_runner(
 def item_lengths(items: Sequence[Mapping[str, Any]], tokenizer: Any) -> dict[str, int]:
     """Token length of each item's reference conversation (its enumerated-shape bucket)."""
     return {str(i["id"]): len(tokenizer.encode(render_conversation(dict(i)), add_special_tokens=False)) for i in items}
+
+
+@overload
+def evaluate(
+    engine_or_runner: Any,
+    items: Sequence[Mapping[str, Any]],
+    tokenizer: Any,
+    *,
+    lengths: Sequence[int] | None = ...,
+    max_calls: int = ...,
+    max_new_tokens: int = ...,
+    return_outputs: Literal[False] = ...,
+    dataset_sha256: str | None = ...,
+    progress: bool = ...,
+) -> dict[str, Any]: ...
+
+
+@overload
+def evaluate(
+    engine_or_runner: Any,
+    items: Sequence[Mapping[str, Any]],
+    tokenizer: Any,
+    *,
+    lengths: Sequence[int] | None = ...,
+    max_calls: int = ...,
+    max_new_tokens: int = ...,
+    return_outputs: Literal[True],
+    dataset_sha256: str | None = ...,
+    progress: bool = ...,
+) -> tuple[dict[str, Any], list[dict[str, Any]]]: ...
 
 
 def evaluate(

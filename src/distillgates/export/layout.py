@@ -16,7 +16,7 @@ the Apple Neural Engine" (Apple ML research, 2022).
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 import torch.nn.functional as F
@@ -24,6 +24,9 @@ from torch import Tensor, nn
 
 from distillgates.config import ModelConfig
 from distillgates.model import Transformer, apply_rope, rope_tables
+
+if TYPE_CHECKING:
+    from distillgates.model import ModuleListOf
 
 
 class StandardLayout(nn.Module):
@@ -127,11 +130,14 @@ class ANETransformer(nn.Module):
     different shape), so tying is not kept: the export stores both.
     """
 
+    rope_cos: Tensor  # buffers, see __init__
+    rope_sin: Tensor
+
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.config = cfg
         self.embed = nn.Embedding(cfg.vocab_size, cfg.d_model)
-        self.layers = nn.ModuleList(_ANEBlock(cfg) for _ in range(cfg.n_layers))
+        self.layers = cast("ModuleListOf[_ANEBlock]", nn.ModuleList(_ANEBlock(cfg) for _ in range(cfg.n_layers)))
         self.norm = ANERMSNorm(cfg.d_model, cfg.norm_eps)
         self.lm_head = _conv(cfg.d_model, cfg.vocab_size)
         cos, sin = rope_tables(cfg)

@@ -38,6 +38,8 @@ def state_names(n_layers: int) -> list[str]:
 
 
 class _KVModule(nn.Module):
+    slots: Tensor  # buffer (S_max,) int32, see __init__
+
     def __init__(self, core: Layout) -> None:
         super().__init__()
         self.core = core

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator, Sequence
-from typing import Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 import torch
 from torch import Tensor
@@ -116,7 +116,13 @@ class EngineBase(ABC):
 
     pending: int | None = None
     tokens: list[int]  # the conversation in the KV state (engines that support rollback keep it)
-    position: int  # tokens written to the KV state (a property in the engines)
+
+    if TYPE_CHECKING:
+
+        @property
+        def position(self) -> int:
+            """Tokens written to the KV state (a property in the engines)."""
+            ...
 
     @abstractmethod
     def prefill(self, prompt_ids: Sequence[int]) -> Tensor:

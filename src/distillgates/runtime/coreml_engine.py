@@ -56,7 +56,7 @@ class MLPackageRunner:
         if sys.platform != "darwin":
             raise RuntimeError(f"Core ML prediction needs macOS; cannot run {path} on {sys.platform}")
         self.path = Path(path)
-        self.model = ct.models.MLModel(str(path), compute_units=getattr(ct.ComputeUnit, compute_units))
+        self.model: Any = ct.models.MLModel(str(path), compute_units=getattr(ct.ComputeUnit, compute_units))
 
     def new_state(self) -> Any:
         return self.model.make_state()

@@ -131,6 +131,7 @@ class TorchEngine(EngineBase):
         out = []
         for layer in self.model.layers:
             cache = layer.attn.kv_cache
+            assert cache is not None  # set up in __init__
             out.append((cache.k_cache[0, :, :length].clone(), cache.v_cache[0, :, :length].clone()))
         return out
 
@@ -143,6 +144,7 @@ class TorchEngine(EngineBase):
             raise ValueError(f"{length} cached tokens exceed max_seq_len {self.max_seq_len}")
         for layer, (k, v) in zip(self.model.layers, kv, strict=True):
             cache = layer.attn.kv_cache
+            assert cache is not None  # set up in __init__
             cache.k_cache[0, :, :length].copy_(k)
             cache.v_cache[0, :, :length].copy_(v)
         self.tokens = [int(t) for t in token_ids]

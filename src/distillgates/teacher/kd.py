@@ -43,7 +43,7 @@ import re
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypedDict
 
 from distillgates.config import Config, TeacherConfig, load_config, sha256_json
 from distillgates.data.chat import parse_assistant_turn, prompt_wrapper_sha256, render_prompt, tool_result_text
@@ -302,14 +302,25 @@ def _dumps(obj: dict[str, Any]) -> bytes:
     return (json.dumps(obj, ensure_ascii=False, separators=(",", ":")) + "\n").encode()
 
 
-def _save_ckpt(path: Path, state: dict[str, Any]) -> None:
+class _KDState(TypedDict):
+    """Build progress saved in the checkpoint (JSON)."""
+
+    header_sha256: str
+    n_done: int  # items written
+    offset: int  # bytes of the .partial file the checkpoint vouches for
+    prefix_sha256: str  # sha256 of those bytes
+    tokens: int  # teacher tokens spent
+    usd: float  # teacher spend
+
+
+def _save_ckpt(path: Path, state: _KDState) -> None:
     atomic_write_json(path, {"version": CKPT_VERSION, "sha256": sha256_json(state), "state": state})
 
 
-def _load_ckpt(path: Path) -> dict[str, Any]:
+def _load_ckpt(path: Path) -> _KDState:
     try:
         data = json.loads(path.read_text())
-        state = data["state"]
+        state: _KDState = data["state"]
         digest = data["sha256"]
     except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError) as err:
         raise KDCheckpointError(
@@ -339,11 +350,19 @@ class _Progress:
         self.bar.close()
 
 
+class _TurnArgs(TypedDict):
+    """Keyword arguments of ``Teacher.complete``/``complete_batch`` after the messages."""
+
+    max_new_tokens: int
+    top_k: int
+    temperature: float
+
+
 def _complete_all(
     teacher: Teacher, cfg: TeacherConfig, cache: ResponseCache | None, conversations: list[list[dict[str, Any]]]
 ) -> tuple[list[TurnResult], list[bool]]:
     """Turns for every conversation: cache hits first, the misses in one batch (or one by one)."""
-    kwargs = {"max_new_tokens": cfg.max_new_tokens, "top_k": cfg.top_k, "temperature": cfg.temperature}
+    kwargs: _TurnArgs = {"max_new_tokens": cfg.max_new_tokens, "top_k": cfg.top_k, "temperature": cfg.temperature}
     payload_of = getattr(teacher, "payload", None)
     keys = [
         cache_key(teacher.model_id, payload_of(m, **kwargs) if payload_of else {"messages": m, **kwargs})
@@ -418,7 +437,14 @@ def build_kd_set(
     cache = ResponseCache(cache_dir) if cache_dir is not None else None
     total = len(items)
 
-    state = {"header_sha256": header_key, "n_done": 0, "offset": 0, "prefix_sha256": "", "tokens": 0, "usd": 0.0}
+    state: _KDState = {
+        "header_sha256": header_key,
+        "n_done": 0,
+        "offset": 0,
+        "prefix_sha256": "",
+        "tokens": 0,
+        "usd": 0.0,
+    }
     if resume and ckpt.exists():
         state = _resume_state(ckpt, partial, header_key)
         log.info("resuming %s at item %d/%d", out, state["n_done"], total)
@@ -500,7 +526,7 @@ class _Hasher:
         return self.h.hexdigest()
 
 
-def _resume_state(ckpt: Path, partial: Path, header_key: str) -> dict[str, Any]:
+def _resume_state(ckpt: Path, partial: Path, header_key: str) -> _KDState:
     state = _load_ckpt(ckpt)
     if state.get("header_sha256") != header_key:
         raise KDCheckpointError(
@@ -518,7 +544,7 @@ def _resume_state(ckpt: Path, partial: Path, header_key: str) -> dict[str, Any]:
     return state
 
 
-def _budget_message(cfg: TeacherConfig, state: dict[str, Any], total: int, ckpt: Path) -> str:
+def _budget_message(cfg: TeacherConfig, state: _KDState, total: int, ckpt: Path) -> str:
     over = []
     if cfg.budget_tokens and state["tokens"] >= cfg.budget_tokens:
         over.append(f"{state['tokens']} tokens >= budget_tokens {cfg.budget_tokens}")
@@ -584,11 +610,11 @@ def _parse_line(path: Path, n: int, text: str) -> dict[str, Any]:
 
 
 def _check_record(path: Path, n: int, record: dict[str, Any]) -> None:
-    for name, kind in RECORD_FIELDS.items():
+    for name, expected in RECORD_FIELDS.items():
         if name not in record:
             raise _fail(path, n, name, "missing field")
-        if not isinstance(record[name], kind):
-            raise _fail(path, n, name, f"expected {kind}, got {type(record[name]).__name__}")
+        if not isinstance(record[name], expected):
+            raise _fail(path, n, name, f"expected {expected}, got {type(record[name]).__name__}")
     n_tok = len(record["completion_ids"])
     for name in ("topk_ids", "topk_logprobs"):
         if len(record[name]) != n_tok:

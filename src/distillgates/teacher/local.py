@@ -11,7 +11,7 @@ from __future__ import annotations
 import hashlib
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
@@ -56,12 +56,13 @@ class LocalTeacher:
         self.path = Path(path)
         if not (self.path / "config.json").exists():
             raise FileNotFoundError(f"{self.path}: not a model directory (config.json missing)")
-        self.model = AutoModelForCausalLM.from_pretrained(self.path, dtype=dtype).to(device).eval()
+        # transformers types PreTrainedModel.to (@wraps(Module.to)) as taking the model as its first argument
+        self.model = AutoModelForCausalLM.from_pretrained(self.path, dtype=dtype).to(device).eval()  # type: ignore[arg-type]
         self.tokenizer = AutoTokenizer.from_pretrained(self.path)
         self.device = torch.device(device)
         self.model_id = f"local:{self.path.name}:{_weights_digest(self.path)[:16]}"
         self.max_positions = int(getattr(self.model.config, "max_position_embeddings", 1 << 30))
-        self.end_id = self.tokenizer.convert_tokens_to_ids(END)
+        self.end_id = cast(int, self.tokenizer.convert_tokens_to_ids(END))  # one token -> one id
 
     def __repr__(self) -> str:
         return f"LocalTeacher({self.model_id!r})"
@@ -204,7 +205,8 @@ class LocalTeacher:
         return list(self.tokenizer.encode(text, add_special_tokens=False))
 
     def _decode(self, ids: list[int]) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
+        text = self.tokenizer.decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
+        return cast(str, text)  # one sequence -> one string
 
 
 def _maybe(t: Tensor | None, device: torch.device) -> Tensor | None:

@@ -23,7 +23,7 @@ import time
 from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 from distillgates.teacher.base import END, render_messages
 from distillgates.teacher.local import LocalTeacher
@@ -81,6 +81,7 @@ class TeacherServer:
     @property
     def base_url(self) -> str:
         host, port = self._httpd.server_address[:2]
+        assert isinstance(host, str)  # getsockname() of an AF_INET socket
         return f"http://{host}:{port}/v1"
 
     def start(self) -> TeacherServer:
@@ -122,7 +123,7 @@ class TeacherServer:
         k = int(body.get("top_logprobs") or 0) if body.get("logprobs") else 0
         stop = body.get("stop") or [END]
         stops = [stop] if isinstance(stop, str) else stop
-        stop_ids = [self.teacher.tokenizer.convert_tokens_to_ids(s) for s in stops]
+        stop_ids = [cast(int, self.teacher.tokenizer.convert_tokens_to_ids(s)) for s in stops]  # one token each
         prompt_ids = self.teacher.encode(render_messages(messages))
         with self._lock:  # one generation at a time
             gen = self.teacher.generate(

@@ -51,8 +51,8 @@ def block_influence(teacher: Transformer, batches: Sequence[Tensor]) -> list[flo
             teacher(ids)
             scores += torch.stack([c.mean() for c in captured])
     finally:
-        for hook in hooks:
-            hook.remove()
+        for handle in hooks:
+            handle.remove()
     return (scores / max(1, len(batches))).tolist()
 
 

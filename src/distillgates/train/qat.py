@@ -27,7 +27,7 @@ those with symmetric per-channel int8 at export is lossless.
 from __future__ import annotations
 
 import copy
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import Tensor, nn
@@ -126,7 +126,7 @@ class QAT:
         for name, module in final.named_modules():
             if hasattr(module, "get_weight") and name.startswith("model."):
                 target = out.get_submodule(name.removeprefix("model."))
-                target.weight.copy_(module.get_weight())  # dequantized int8 grid values
+                cast(Tensor, target.weight).copy_(module.get_weight())  # dequantized int8 grid values
                 meta["modules"][name.removeprefix("model.")] = {"scale": module.weight_scale.detach().cpu().tolist()}
         return out, meta
 
