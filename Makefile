@@ -21,6 +21,7 @@ run: setup
 # tests/, then the acceptance checklist gates/ on runs/toy (built once, ~10 min, unless `make run` made it).
 test: setup
 	$(BIN)/ruff check .
+	$(BIN)/mypy src/distillgates
 	$(BIN)/python -m pytest -q
 
 # The acceptance checklist on the toy pipeline (runs/toy: reuses `make run`'s fresh steps, else ~10 min on 2 cores).
