@@ -75,6 +75,29 @@ def test_rerun_skips_fresh_steps_and_a_changed_section_reruns_only_its_steps(
     assert rerun == {"speed", "report"}
 
 
+def test_constrained_tool_calls_rerun_only_eval(tiny_run: tuple[Path, Path], tmp_path: Path) -> None:
+    """``eval.constrained_tool_calls``: the student is evaluated (and its shards re-run) under
+    constrained JSON decoding; a different runner fingerprint, nothing upstream re-runs."""
+    config, run_dir = tiny_run
+    run_dir = Path(shutil.copytree(run_dir, tmp_path / "run"))
+    before = json.loads((run_dir / "manifest.json").read_text())
+    old = read_report(run_dir / "reports" / "report.json")
+    data = yaml.safe_load(config.read_text())
+    data["eval"] = {"constrained_tool_calls": True}
+    changed = tmp_path / "constrained.yaml"
+    changed.write_text(yaml.safe_dump(data))
+    run_pipeline(changed, run_dir)
+    after = json.loads((run_dir / "manifest.json").read_text())
+    assert {name for name in before if name != "_started" and after[name] != before[name]} == {"eval", "report"}
+    new = read_report(run_dir / "reports" / "report.json")
+    runner = "runner_fingerprint"
+    assert new["quality"]["student"]["fingerprints"][runner] != old["quality"]["student"]["fingerprints"][runner]
+    assert new["quality"]["teacher"]["fingerprints"][runner] == old["quality"]["teacher"]["fingerprints"][runner]
+    assert new["quality"]["student"]["json_validity"] in (None, 1.0)  # None: the tiny student called no tool
+    determinism = new["gate_inputs"]["determinism"]
+    assert determinism["coverage"] == 1.0 and determinism["mismatches"] == 0
+
+
 def test_force_redoes_a_step(tiny_run: tuple[Path, Path], tmp_path: Path) -> None:
     config, run_dir = tiny_run
     run_dir = Path(shutil.copytree(run_dir, tmp_path / "run"))

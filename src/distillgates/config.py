@@ -354,6 +354,22 @@ class SpeedConfig:
 
 
 @dataclass
+class EvalConfig:
+    """How the pipeline's eval step runs the student (and a local teacher)."""
+
+    max_new_tokens: int = 96  # per assistant turn
+    max_calls: int = 4  # tool calls allowed per item
+    # the student decodes tool calls with the runtime's constrained JSON decoding (runtime/constrained.py),
+    # as a deployment that turns it on would: every call that ends within the turn's token budget and the
+    # context then parses and matches its tool's schema (part of the student's runner fingerprint)
+    constrained_tool_calls: bool = False
+
+    def __post_init__(self) -> None:
+        if self.max_new_tokens < 1 or self.max_calls < 1:
+            raise ValueError(f"max_new_tokens and max_calls must be >= 1, got {self.max_new_tokens}, {self.max_calls}")
+
+
+@dataclass
 class GatesConfig:
     """Gate thresholds (defaults from DESIGN.md; a config may tighten them)."""
 
@@ -398,6 +414,7 @@ class Config:
     drafter_train: TrainConfig | None = None
     export: ExportConfig = field(default_factory=ExportConfig)
     speed: SpeedConfig = field(default_factory=SpeedConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
     gates: GatesConfig = field(default_factory=GatesConfig)
 
     def __post_init__(self) -> None:

@@ -269,16 +269,19 @@ def step_eval(cfg: Config, run_dir: Path) -> dict[str, Any]:
         from distillgates.eval.runners import TeacherRunner
         from distillgates.teacher.http import HTTPTeacher
 
-        teacher: Any = TeacherRunner(HTTPTeacher(cfg.teacher, tokenizer))
+        teacher: Any = TeacherRunner(HTTPTeacher(cfg.teacher, tokenizer), cfg.eval.max_new_tokens)
     else:  # a local teacher runs through the same engine and runner (identical weights via from_hf)
         teacher = TorchEngine(from_hf(_teacher(cfg, run_dir).model).eval())
     quality = {}
     for role, engine in (("student", TorchEngine(load_model(run_dir / "student" / "model.pt").eval())),
                          ("teacher", teacher)):
         quality[role] = evaluate(engine, items, tokenizer, lengths=cfg.shapes.lengths, dataset_sha256=eval_sha,
-                                 progress=True)
+                                 max_calls=cfg.eval.max_calls, max_new_tokens=cfg.eval.max_new_tokens,
+                                 constrained=role == "student" and cfg.eval.constrained_tool_calls, progress=True)
     spec = {"dataset": str(run_dir / "data" / "eval.jsonl"), "tokenizer": str(run_dir / "data" / "tokenizer"),
-            "model": str(run_dir / "student" / "model.pt"), "runner": "engine", "max_new_tokens": 96}
+            "model": str(run_dir / "student" / "model.pt"), "runner": "engine",
+            "max_new_tokens": cfg.eval.max_new_tokens, "max_calls": cfg.eval.max_calls,
+            "constrained_tool_calls": cfg.eval.constrained_tool_calls}
     (run_dir / "eval" / "shards").mkdir(parents=True, exist_ok=True)
     determinism = sharded_determinism(spec, world_size=2, work_dir=run_dir / "eval" / "shards")
     atomic_write_json(run_dir / "eval" / "quality.json", quality)
@@ -331,7 +334,7 @@ STEPS: list[Step] = [
          ("export", "shapes", "gates"), ("student",), step_export, "export"),
     Step("speed", "measure TTFT/TPS/TTFA, prompt cache and speculative decoding", ("speed",),
          ("student", "drafter"), step_speed),
-    Step("eval", "evaluate student and teacher on held-out items; sharded determinism", ("shapes",),
+    Step("eval", "evaluate student and teacher on held-out items; sharded determinism", ("shapes", "eval"),
          ("student", "teacher"), step_eval),
     Step("report", "write the validated report", (), ("eval", "speed", "export"), step_report),
 ]

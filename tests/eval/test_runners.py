@@ -6,6 +6,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
 from distillgates.config import TeacherConfig
 from distillgates.eval.runners import EngineRunner, HFRunner, TeacherRunner, eval_prompt_item, run_items
@@ -48,3 +49,29 @@ def test_engine_hf_and_http_runners_agree(tiny_run: dict[str, Any], hf_dir: Path
     assert runner.decoding["determinism"] is True
     for a, b, c in zip(engine_out, hf_out, http_out):
         assert normalize_output(a) == normalize_output(b) == normalize_output(c)
+
+
+def test_constrained_runner_emits_only_valid_calls(tiny_run: dict[str, Any]) -> None:
+    """A model that always wants ``<|tool_call|>`` next: unconstrained, no call it emits is valid;
+    under constrained decoding every call parses and matches its tool's schema."""
+    from distillgates.eval import evaluate
+    from distillgates.eval.runners import runner_fingerprint_of
+
+    items, tok = tiny_run["items"][:4], tiny_run["tokenizer"]
+    model = load_model(tiny_run["model"]).eval()
+    with torch.no_grad():  # residual channel 0 is 1 for every token; the (tied) head reads it as <|tool_call|>
+        for layer in model.layers:
+            layer.attn.o_proj.weight[0] = 0.0
+            layer.mlp.down_proj.weight[0] = 0.0
+        model.embed.weight[:, 0] = 1.0
+        model.embed.weight[tok.convert_tokens_to_ids("<|tool_call|>"), 0] = 200.0
+    runners = {c: EngineRunner(TorchEngine(model), tok, model_fingerprint(model), 64, constrained=c)
+               for c in (False, True)}  # fmt: skip
+    free = evaluate(runners[False], items, tok, max_calls=2)
+    constrained = evaluate(runners[True], items, tok, max_calls=2)  # (more would run out of context mid-call)
+    assert free["json_validity"] == 0.0
+    assert constrained["json_validity"] == 1.0
+    assert free["fingerprints"]["runner_fingerprint"] != constrained["fingerprints"]["runner_fingerprint"]
+    assert runner_fingerprint_of(runners[True]) == constrained["fingerprints"]["runner_fingerprint"]
+    with pytest.raises(ValueError, match="needs a runtime engine"):
+        evaluate(HFRunner(model, tok, "m" * 64), items, tok, constrained=True)

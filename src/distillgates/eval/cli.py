@@ -32,6 +32,8 @@ def add_eval_parser(subparsers: Any) -> argparse.ArgumentParser:
     parser.add_argument("--lengths", type=int, nargs="*", default=None, help="enumerated shapes for the shape slice")
     parser.add_argument("--max-new-tokens", type=int, default=96)
     parser.add_argument("--max-calls", type=int, default=4)
+    parser.add_argument("--constrained-tool-calls", action="store_true",
+                        help="engine runner: decode tool calls under constrained JSON decoding")
     parser.add_argument("--limit", type=int, default=None, help="first N items only")
     parser.add_argument("--shards", type=int, default=0, help="also run N shard processes and check determinism")
     parser.add_argument("--out", required=True, help="report.json to write")
@@ -51,7 +53,10 @@ def spec_from_args(args: argparse.Namespace) -> dict[str, Any]:
     spec: dict[str, Any] = {
         "dataset": args.dataset, "tokenizer": args.tokenizer, "model": args.model, "runner": args.runner,
         "max_new_tokens": args.max_new_tokens, "max_calls": args.max_calls, "limit": args.limit,
+        "constrained_tool_calls": args.constrained_tool_calls,
     }  # fmt: skip
+    if args.constrained_tool_calls and args.runner != "engine":
+        raise ValueError("--constrained-tool-calls needs the engine runner")
     if args.runner == "openai":
         spec["teacher"] = {"base_url": args.base_url, "model_name": args.model_name, "determinism": args.determinism}
     elif not args.model:

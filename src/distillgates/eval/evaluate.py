@@ -29,17 +29,22 @@ from distillgates.tokenizer import tokenizer_fingerprint
 
 
 def as_runner(
-    engine_or_runner: Any, tokenizer: Any, model_fingerprint: str | None = None, max_new_tokens: int = 96
+    engine_or_runner: Any, tokenizer: Any, model_fingerprint: str | None = None, max_new_tokens: int = 96,
+    constrained: bool = False,
 ) -> Runner:
-    """A runner as is; a runtime engine wrapped in a greedy :class:`EngineRunner`."""
+    """A runner as is; a runtime engine wrapped in a greedy :class:`EngineRunner` (``constrained``:
+    tool calls under constrained JSON decoding)."""
     if hasattr(engine_or_runner, "session"):
+        if constrained and not getattr(engine_or_runner, "constrained", False):
+            raise ValueError("constrained tool-call decoding needs a runtime engine (or an EngineRunner built "
+                             f"with constrained=True); got a {type(engine_or_runner).__name__}")
         return engine_or_runner
     if hasattr(engine_or_runner, "continue_generate") or hasattr(engine_or_runner, "generate"):
         if model_fingerprint is None:
             from distillgates.model import model_fingerprint as fingerprint_of
 
             model_fingerprint = fingerprint_of(engine_or_runner.model)
-        return EngineRunner(engine_or_runner, tokenizer, model_fingerprint, max_new_tokens)
+        return EngineRunner(engine_or_runner, tokenizer, model_fingerprint, max_new_tokens, constrained)
     raise TypeError(f"expected a runner or a runtime engine, got {type(engine_or_runner).__name__}")
 
 
@@ -60,6 +65,7 @@ def evaluate(
     return_outputs: Literal[False] = ...,
     dataset_sha256: str | None = ...,
     progress: bool = ...,
+    constrained: bool = ...,
 ) -> dict[str, Any]: ...
 
 
@@ -75,6 +81,7 @@ def evaluate(
     return_outputs: Literal[True],
     dataset_sha256: str | None = ...,
     progress: bool = ...,
+    constrained: bool = ...,
 ) -> tuple[dict[str, Any], list[dict[str, Any]]]: ...
 
 
@@ -89,6 +96,7 @@ def evaluate(
     return_outputs: bool = False,
     dataset_sha256: str | None = None,
     progress: bool = False,
+    constrained: bool = False,
 ) -> dict[str, Any] | tuple[dict[str, Any], list[dict[str, Any]]]:
     """Run and score ``items``; returns METRICS (with slices and ``fingerprints``).
 
@@ -102,8 +110,9 @@ def evaluate(
         return_outputs: also return the per-item outputs.
         dataset_sha256: the eval file's sha256 (``distillgates.data.fingerprints.dataset_sha256``);
             default: sha256 of the items.
+        constrained: an engine decodes tool calls under constrained JSON decoding (not for runners).
     """
-    runner = as_runner(engine_or_runner, tokenizer, max_new_tokens=max_new_tokens)
+    runner = as_runner(engine_or_runner, tokenizer, max_new_tokens=max_new_tokens, constrained=constrained)
     outputs = run_items(runner, items, max_calls=max_calls, progress=progress)
     metrics = score(items, outputs, shapes=item_lengths(items, tokenizer) if lengths else None, lengths=lengths)
     metrics["fingerprints"] = collect_fingerprints(runner, items, tokenizer, dataset_sha256)
@@ -139,7 +148,8 @@ def build_runner(spec: Mapping[str, Any], tokenizer: Any) -> Runner:
         from distillgates.runtime import TorchEngine
 
         model = load_model(spec["model"])
-        return EngineRunner(TorchEngine(model), tokenizer, model_fingerprint(model), budget)
+        constrained = bool(spec.get("constrained_tool_calls", False))
+        return EngineRunner(TorchEngine(model), tokenizer, model_fingerprint(model), budget, constrained)
     if kind == "hf":
         return HFRunner.from_pretrained(spec["model"], tokenizer, budget)
     if kind == "openai":

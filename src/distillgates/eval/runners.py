@@ -158,9 +158,18 @@ class _TokenSession:
 class EngineSession(_TokenSession):
     """A conversation on a runtime engine; tool results extend the KV state."""
 
-    def __init__(self, engine: Any, tokenizer: Any, max_new_tokens: int) -> None:
+    def __init__(self, engine: Any, tokenizer: Any, max_new_tokens: int, constrained: bool = False) -> None:
         super().__init__(tokenizer, max_new_tokens)
         self.engine = engine
+        self.constrained = constrained
+
+    def _decode(self) -> dict[str, Any]:
+        """Generation arguments of one turn: stop tokens, and a fresh tool-call constraint when enabled."""
+        if not self.constrained:
+            return {"stop_ids": self.stop_ids}
+        from distillgates.runtime.constrained import tool_call_processor
+
+        return {"stop_ids": self.stop_ids, "logits_processor": tool_call_processor(self.tokenizer)}
 
     def _budget(self, used: int) -> int:
         """New tokens that still fit the engine's context (``used`` tokens already in it)."""
@@ -172,32 +181,38 @@ class EngineSession(_TokenSession):
         budget = self._budget(len(prompt))
         if budget == 0:  # the prompt alone fills the context: an empty (failed) answer, not a crash
             return Turn(text="", tokens=0, stopped=False)
-        return self.turn(list(self.engine.generate(prompt, max_new_tokens=budget, stop_ids=self.stop_ids)))
+        return self.turn(list(self.engine.generate(prompt, max_new_tokens=budget, **self._decode())))
 
     def next_turn(self, result: dict[str, Any]) -> Turn:
         ids = self.encode(tool_result_text(result))
         budget = self._budget(self.engine.position + 1 + len(ids))  # + the pending stop token
         if budget == 0:
             return Turn(text="", tokens=0, stopped=False)
-        return self.turn(list(self.engine.continue_generate(ids, max_new_tokens=budget, stop_ids=self.stop_ids)))
+        return self.turn(list(self.engine.continue_generate(ids, max_new_tokens=budget, **self._decode())))
 
 
 @dataclass
 class EngineRunner:
-    """Greedy local runner over a runtime engine (``TorchEngine`` or the Core ML engine)."""
+    """Greedy local runner over a runtime engine (``TorchEngine`` or the Core ML engine).
+
+    ``constrained``: tool calls decode under the runtime's constrained JSON decoding
+    (:func:`distillgates.runtime.constrained.tool_call_processor`); part of the runner fingerprint.
+    """
 
     engine: Any
     tokenizer: Any
     model_fingerprint: str
     max_new_tokens: int = 96
+    constrained: bool = False
     kind: str = "local_engine"
 
     @property
     def decoding(self) -> dict[str, Any]:
-        return {"greedy": True, "max_new_tokens": self.max_new_tokens, "engine": type(self.engine).__name__}
+        return {"greedy": True, "max_new_tokens": self.max_new_tokens, "engine": type(self.engine).__name__,
+                "constrained_tool_calls": self.constrained}
 
     def session(self) -> Session:
-        return EngineSession(self.engine, self.tokenizer, self.max_new_tokens)
+        return EngineSession(self.engine, self.tokenizer, self.max_new_tokens, self.constrained)
 
 
 class HFSession(_TokenSession):
