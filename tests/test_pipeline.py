@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -96,6 +99,28 @@ def test_constrained_tool_calls_rerun_only_eval(tiny_run: tuple[Path, Path], tmp
     assert new["quality"]["student"]["json_validity"] in (None, 1.0)  # None: the tiny student called no tool
     determinism = new["gate_inputs"]["determinism"]
     assert determinism["coverage"] == 1.0 and determinism["mismatches"] == 0
+
+
+NOISE = ("Failed to load _MLModelProxy", "has not been tested with coremltools", "Core ML only supports fp16 states",
+         "Running MIL", "LeafSpec")  # fmt: skip
+
+
+@pytest.mark.skipif(sys.platform == "darwin", reason="the coremltools native-runtime warnings are Linux-only")
+def test_the_command_keeps_third_party_noise_out(tiny_run: tuple[Path, Path], tmp_path: Path) -> None:
+    """`distillgates export` prints its own progress; DISTILLGATES_VERBOSE=1 shows what it hides."""
+    config, run_dir = tiny_run
+    run_dir = Path(shutil.copytree(run_dir, tmp_path / "run"))
+    command = [sys.executable, "-m", "distillgates.cli", "export", str(config), "--run-dir", str(run_dir), "--force"]
+    env = {k: v for k, v in os.environ.items() if k not in ("DISTILLGATES_VERBOSE", "TQDM_DISABLE")}
+    outputs = {}
+    for verbose in (False, True):
+        extra = {"DISTILLGATES_VERBOSE": "1"} if verbose else {}
+        done = subprocess.run(command, env={**env, **extra}, capture_output=True, text=True, timeout=300)
+        assert done.returncode == 0, done.stderr
+        outputs[verbose] = done.stdout + done.stderr
+    assert [n for n in NOISE if n in outputs[False]] == []
+    assert "export" in outputs[False]
+    assert [n for n in NOISE if n not in outputs[True]] == []
 
 
 def test_force_redoes_a_step(tiny_run: tuple[Path, Path], tmp_path: Path) -> None:

@@ -9,11 +9,48 @@ the same config and run directory (``data``, ``teacher``, ``kd``, ``train``, ``e
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import sys
+import warnings
 from collections.abc import Sequence
 
 DEFAULT_CONFIG = "configs/toy.yaml"
+
+# Third-party output a user of the command can do nothing about; the checks it warns of are ours.
+_EXPECTED_WARNINGS = (
+    (FutureWarning, r"`isinstance\(treespec, LeafSpec\)` is deprecated"),  # torch.export internals (torch 2.13)
+    (UserWarning, r"torch\.quantize_per_tensor, torch\.quantize_per_channel"),  # torch.ao reference modules (QAT)
+)
+
+
+class _DropMessage(logging.Filter):
+    def __init__(self, text: str) -> None:
+        super().__init__()
+        self.text = text
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return self.text not in record.getMessage()
+
+
+def quiet_third_party() -> None:
+    """Keep the command's output to its own progress and results (``DISTILLGATES_VERBOSE=1`` keeps it all).
+
+    - tqdm bars (coremltools' MIL passes, transformers' weight loading): the steps show ``rich`` progress;
+    - known deprecation warnings of torch internals (``_EXPECTED_WARNINGS``);
+    - coremltools' "Core ML only supports fp16 states" per KV buffer: fp16 states are the export's design;
+    - off macOS, coremltools' warnings ("Failed to load _MLModelProxy", untested torch version): it
+      converts there but cannot load its native runtime, which the export step already accounts for.
+    """
+    os.environ.setdefault("TQDM_DISABLE", "1")
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    for category, message in _EXPECTED_WARNINGS:
+        warnings.filterwarnings("ignore", message=message, category=category)
+    converter = logging.getLogger("coremltools.converters.mil.frontend.torch.converter")
+    if not any(isinstance(f, _DropMessage) for f in converter.filters):
+        converter.addFilter(_DropMessage("Core ML only supports fp16 states"))
+    if sys.platform != "darwin":
+        logging.getLogger("coremltools").setLevel(logging.ERROR)
 
 
 def _add_common(parser: argparse.ArgumentParser) -> None:
@@ -66,6 +103,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    if not os.environ.get("DISTILLGATES_VERBOSE"):
+        quiet_third_party()  # before anything imports tqdm (it reads TQDM_* once, at import)
     args = build_parser().parse_args(argv)
     try:
         return int(args.func(args) or 0)
