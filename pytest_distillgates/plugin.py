@@ -153,7 +153,8 @@ def pytest_terminal_summary(terminalreporter: Any, config: pytest.Config) -> Non
         from distillgates.gates.report import rich_table
 
         buffer = io.StringIO()
-        Console(file=buffer, width=max(config.get_terminal_writer().fullwidth, 100), force_terminal=False).print(
+        # at least 132 columns: CI logs report 80, and the check names are long
+        Console(file=buffer, width=max(config.get_terminal_writer().fullwidth, 132), force_terminal=False).print(
             rich_table(records))
         terminalreporter.write(buffer.getvalue())
     for message in gate_session.messages:

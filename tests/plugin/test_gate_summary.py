@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 
 def test_markdown_summary(pytester, gates_project, make_run, own_profile):
     gates_project()
@@ -17,7 +19,13 @@ def test_markdown_summary(pytester, gates_project, make_run, own_profile):
 
 def test_terminal_table(pytester, gates_project, make_run, own_profile):
     gates_project()
-    result = pytester.runpytest("gates/test_speculative.py", f"--run-dir={make_run()}", f"--hw-profile={own_profile}")
-    result.assert_outcomes(passed=3)
+    run = make_run()
+    result = pytester.runpytest("gates/test_speculative.py", "gates/test_determinism.py", f"--run-dir={run}",
+                                f"--hw-profile={own_profile}")
+    result.assert_outcomes(passed=19)
+    # one line per check, even in an 80-column log: names whole, sha256 digests as a 12-character prefix
     result.stdout.fnmatch_lines(["*distillgates gates*", "*verdict*gate*check*measured*threshold*baseline*",
-                                 "*pass*speculative*speculative.identi*"])
+                                 "*pass*speculative*speculative.identical *",
+                                 "*pass*determinism*fingerprint.tool_registry_sha256.eval_set *"])
+    registry = json.loads((run / "data" / "eval.jsonl").read_text().splitlines()[0])["tool_registry_sha256"]
+    assert f"{registry[:12]}…" in result.stdout.str() and registry not in result.stdout.str()

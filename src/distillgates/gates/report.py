@@ -3,6 +3,7 @@ the ``rich`` terminal table. All written atomically at session end."""
 
 from __future__ import annotations
 
+import re
 from collections import Counter
 from pathlib import Path
 from typing import Any
@@ -16,13 +17,20 @@ from distillgates.io import atomic_write_json, atomic_write_text
 VERDICT_STYLE = {"pass": "green", "blessed": "cyan", "fail": "bold red", "inconclusive": "yellow"}
 
 
+_DIGEST = re.compile(r"[0-9a-f]{32,}")
+
+
 def _short(value: Any) -> str:
+    """A table cell: floats to 4 significant digits, digests to a 12-character prefix, other text
+    cut at 24 characters (the JSON report has every value whole)."""
     if value is None:
         return "—"
     if isinstance(value, float):
         return f"{value:.4g}"
     text = str(value)
-    return text if len(text) <= 40 else text[:37] + "..."
+    if _DIGEST.fullmatch(text):
+        return text[:12] + "…"
+    return text if len(text) <= 24 else text[:23] + "…"
 
 
 def summarize(records: list[GateRecord]) -> dict[str, int]:
@@ -66,8 +74,10 @@ def write_markdown_summary(path: str | Path, records: list[GateRecord], session:
 
 def rich_table(records: list[GateRecord]) -> Table:
     table = Table(title="distillgates gates", show_lines=False)
-    for column in ("verdict", "gate", "check", "measured", "threshold", "baseline"):
+    for column in ("verdict", "gate", "check"):
         table.add_column(column, overflow="fold")
+    for column in ("measured", "threshold", "baseline"):  # narrow value columns leave the width to the names
+        table.add_column(column, overflow="fold", max_width=16)
     for r in records:
         style = VERDICT_STYLE.get(r.verdict, "")
         # Text, not markup: check names such as "cosine[shape=128]" must not be read as style tags.
