@@ -128,11 +128,16 @@ def test_measure_speed_report_validates(tokenizer, model):
 
 
 def test_prompt_cache_and_speculative_gate_inputs(tokenizer, model):
-    torch.set_num_threads(1)
     end_id = tokenizer.convert_tokens_to_ids(END)
     ids = [tokenizer.encode(system_prompt("en") + f"<|end|><|user|>q{i}", add_special_tokens=False) for i in range(3)]
     engine = TorchEngine(model)
-    cache = measure_prompt_cache(engine, ids, prefix_until(end_id), repeats=2)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        cache = measure_prompt_cache(engine, ids, prefix_until(end_id), repeats=2)
+        assert torch.get_num_threads() == 2  # measured on one thread, the caller's setting restored
+    finally:
+        torch.set_num_threads(threads)
     assert len(cache["ttft_cold_ms"]) == len(cache["ttft_hit_ms"]) == 6 and cache["hit_rate"] == 1.0
     drafter = TorchEngine(Transformer(model.config).eval())
     spec = measure_speculative(engine, drafter, ids, max_new_tokens=8)
