@@ -25,6 +25,8 @@ import platform
 import re
 import subprocess
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -399,3 +401,16 @@ def hardware_header(export_path: str | Path | None = None, profile_key: str | No
         "export_path": None if export_path is None else str(export_path),
         "hardware_profile_key": profile_key,
     }
+
+
+@contextmanager
+def torch_threads(n: int) -> Iterator[None]:
+    """Run the block on ``n`` torch intra-op threads, then restore the caller's setting."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)

@@ -32,6 +32,7 @@ import torch
 
 from distillgates.config import Config, ModelConfig, SpeedConfig
 from distillgates.data.registry import parse_tool_call, validate_call
+from distillgates.hardware import torch_threads
 from distillgates.io import atomic_write_json
 from distillgates.runtime.base import EngineBase
 from distillgates.runtime.prompt_cache import PromptCache, PromptCachedEngine
@@ -184,34 +185,24 @@ def measure_prompt_cache(
     dispatch-bound, and a second OpenMP thread added sync noise that hid the cache's effect (toy
     student, 2 cores, 6 trials each: reduction 0.28-0.41 with 2 threads, 0.45-0.47 with 1).
     """
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        return _measure_prompt_cache(engine, prompts, prefix_len, repeats, max_bytes)
-    finally:
-        torch.set_num_threads(threads)
-
-
-def _measure_prompt_cache(
-    engine: TorchEngine, prompts: Sequence[Sequence[int]], prefix_len: Callable[[Sequence[int]], int], repeats: int,
-    max_bytes: int,
-) -> dict[str, Any]:  # fmt: skip
     cache = PromptCache(max_bytes)
     cached = PromptCachedEngine(engine, cache, prefix_len)
-    for prompt in prompts:  # warm-up: fills the cache and warms both paths
-        engine.prefill(prompt)
-        cached.prefill(prompt)
-    cache.stats.hits = cache.stats.misses = 0
-    cold, hit = [], []
-    for _ in range(repeats):
-        for prompt in prompts:
-            t0 = time.perf_counter()
-            int(torch.argmax(engine.prefill(prompt)))
-            t1 = time.perf_counter()
-            int(torch.argmax(cached.prefill(prompt)))
-            t2 = time.perf_counter()
-            cold.append((t1 - t0) * 1e3)
-            hit.append((t2 - t1) * 1e3)
+    cold: list[float] = []
+    hit: list[float] = []
+    with torch_threads(1):
+        for prompt in prompts:  # warm-up: fills the cache and warms both paths
+            engine.prefill(prompt)
+            cached.prefill(prompt)
+        cache.stats.hits = cache.stats.misses = 0
+        for _ in range(repeats):
+            for prompt in prompts:
+                t0 = time.perf_counter()
+                int(torch.argmax(engine.prefill(prompt)))
+                t1 = time.perf_counter()
+                int(torch.argmax(cached.prefill(prompt)))
+                t2 = time.perf_counter()
+                cold.append((t1 - t0) * 1e3)
+                hit.append((t2 - t1) * 1e3)
     return {
         "ttft_cold_ms": cold,
         "ttft_hit_ms": hit,

@@ -182,15 +182,11 @@ def run_spec(spec: Mapping[str, Any], rank: int = 0, world_size: int = 1) -> lis
 
 def sharded_determinism(spec: Mapping[str, Any], world_size: int, work_dir: str | Path | None = None) -> dict[str, Any]:
     """Run the spec unsharded (this process) and in ``world_size`` worker processes; compare per item."""
-    import torch
+    from distillgates.hardware import torch_threads
 
     items, _, _ = load_spec_items(spec)
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # same kernels (reduction order) as the single-threaded ranks
-    try:
+    with torch_threads(1):  # same kernels (reduction order) as the single-threaded ranks
         unsharded = run_spec(spec)
-    finally:
-        torch.set_num_threads(threads)
     with tempfile.TemporaryDirectory(dir=work_dir) as tmp:
         spec_path = Path(tmp) / "spec.json"
         spec_path.write_text(json.dumps(dict(spec)))
