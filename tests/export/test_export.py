@@ -32,7 +32,7 @@ from distillgates.export import (
     lint_shapes,
     verify_contract,
 )
-from distillgates.export.convert import export_program
+from distillgates.export.convert import convert_program, export_program
 from distillgates.model import load_model, model_fingerprint
 
 requires_macos = pytest.mark.requires_macos  # skipped off macOS by the plugin, with the reason
@@ -306,3 +306,16 @@ def test_mlcomputeplan_residency(standard_export) -> None:
     assert report["source"] == "mlcomputeplan"
     assert 0.0 <= report["estimated_share"] <= 1.0
     assert "linear" in report["by_op_type"]
+
+
+def test_an_op_coremltools_cannot_convert_is_an_export_error():
+    """coremltools' NotImplementedError ("Unsupported fx node ...") becomes an ExportError naming the program."""
+
+    class KthValue(nn.Module):
+        def forward(self, input_ids: Tensor, position: Tensor) -> Tensor:
+            return torch.kthvalue(input_ids.float(), 1).values  # no Core ML conversion for kthvalue
+
+    args = (torch.zeros(1, 1, dtype=torch.int32), torch.zeros(1, dtype=torch.int32))
+    ep = torch.export.export(KthValue().eval(), args).run_decompositions({})
+    with pytest.raises(ExportError, match=r"unsupported op in the decode program: .*kthvalue"):
+        convert_program(ep, "decode", [128, 192], ExportConfig())
