@@ -86,21 +86,19 @@ def _speed_probe(run: RunArtifacts, model_path: Path, coreml: bool = False) -> S
     import torch
 
     from distillgates.data.chat import render_prompt
-    from distillgates.data.dataset import read_dataset
     from distillgates.model import load_model
     from distillgates.runtime import TorchEngine
     from distillgates.speed import measure_speed
-    from distillgates.tokenizer import END, EOS, load_tokenizer
+    from distillgates.tokenizer import END, EOS
 
     torch.set_num_threads(1)  # shared CI cores: one thread gives the least noisy samples
-    tokenizer = load_tokenizer(run.file("data/tokenizer"))
-    _, items = read_dataset(run.file("data/eval.jsonl"))
-    prompts = [render_prompt(item) for item in items[:8]]
+    tokenizer = run.run.tokenizer()
+    prompts = [render_prompt(item) for item in run.run.items("eval")[:8]]
     model = load_model(model_path)
     if coreml:  # macOS only: MLModel.predict cannot run elsewhere
         from distillgates.runtime.coreml_engine import CoreMLEngine
 
-        engine: Any = CoreMLEngine.from_export_dir(run.file("export"))
+        engine: Any = CoreMLEngine.from_export_dir(run.run.require(run.run.export_dir))
     else:
         engine = TorchEngine(model)
     backend = "coreml" if coreml else "torch"
@@ -137,9 +135,8 @@ def speed_measure(report: RunArtifacts, gate_session: Any) -> SpeedMeasure:
     Paired mode measures both arms with the PyTorch engine (the blessed reference is a
     checkpoint), so the two arms always run on the same engine.
     """
-    coreml = (sys.platform == "darwin" and (report.path / "export" / "contract.json").exists()
-              and not gate_session.options.speed.paired)
-    return _speed_probe(report, report.file("student/model.pt"), coreml=coreml)
+    coreml = sys.platform == "darwin" and report.run.contract.exists() and not gate_session.options.speed.paired
+    return _speed_probe(report, report.run.require(report.run.model_path()), coreml=coreml)
 
 
 @pytest.fixture(scope="session")
@@ -160,7 +157,7 @@ def speed_reference(report: RunArtifacts) -> Callable[[BaselineEntry], SpeedMeas
 @pytest.fixture(scope="session")
 def reference_model_provenance(report: RunArtifacts) -> dict[str, Any]:
     """Recorded when blessing a speed gate so ``--speed-paired`` can re-measure the blessed model."""
-    path = (report.path / "student" / "model.pt").resolve()
+    path = report.run.model_path().resolve()
     if not path.is_file():
         return {"reference_model": None}  # paired mode then refuses loudly (speed_reference)
     return {"reference_model": {"path": str(path), "sha256": sha256_file(path)}}
@@ -169,5 +166,5 @@ def reference_model_provenance(report: RunArtifacts) -> dict[str, Any]:
 @pytest.fixture(scope="session")
 def eval_set_header(report: RunArtifacts) -> dict[str, Any]:
     """The header line of the run's eval set (dataset version and fingerprints)."""
-    with report.file("data/eval.jsonl").open() as f:
+    with report.run.require(report.run.dataset("eval")).open() as f:
         return json.loads(f.readline())

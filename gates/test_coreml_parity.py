@@ -12,14 +12,12 @@ def test_coreml_parity(gate, report, thresholds, shape):
     import coremltools as ct
     import numpy as np
 
-    from distillgates.model import load_model
-
     length = int(shape)
-    model = load_model(report.file("student/model.pt")).eval()
+    model = report.run.load_model()
     ids = torch.randint(0, model.config.vocab_size, (1, length), generator=torch.Generator().manual_seed(length))
     with torch.no_grad():
         eager = model(ids)[0, -1].double()  # (V,) logits of the last token
-    mlmodel = ct.models.MLModel(str(report.file("export/prefill.mlpackage")))
+    mlmodel = ct.models.MLModel(str(report.run.require(report.run.export_dir / "prefill.mlpackage")))
     output = mlmodel.get_spec().description.output[0].name
     inputs = {"input_ids": ids.numpy().astype(np.int32), "length": np.array([length], dtype=np.int32)}
     coreml = torch.from_numpy(np.asarray(mlmodel.predict(inputs, state=mlmodel.make_state())[output])).double()

@@ -138,7 +138,7 @@ def test_a_step_alone_names_what_to_run_first(tmp_path: Path, capsys: pytest.Cap
     config = tiny_config(tmp_path)
     assert cli_main(["eval", str(config), "--run-dir", str(tmp_path / "empty")]) == 2
     err = capsys.readouterr().err
-    assert "needs student, teacher" in err and "distillgates student" in err
+    assert "needs data, teacher, student" in err and "distillgates data" in err
 
 
 def test_changed_inputs_clear_a_resumable_steps_folder(tmp_path: Path) -> None:
@@ -155,3 +155,43 @@ def test_changed_inputs_clear_a_resumable_steps_folder(tmp_path: Path) -> None:
     stale.write_bytes(b"interrupted attempt of the same inputs")
     pipeline._prepare_output(student, force=False)  # same fingerprint as the recorded attempt: resume
     assert stale.exists()
+
+
+def test_a_corrupted_artifact_in_a_cached_run_is_detected_and_rebuilt(
+    tiny_run: tuple[Path, Path], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The manifest records a checksum of every output: a malformed ``data/eval.jsonl`` is not reused."""
+    config, run_dir = tiny_run
+    run_dir = Path(shutil.copytree(run_dir, tmp_path / "run"))
+    before = json.loads((run_dir / "manifest.json").read_text())
+    eval_set = run_dir / "data" / "eval.jsonl"
+    good = eval_set.read_bytes()
+    eval_set.write_bytes(good + b'{"id": "broken"\n')
+    run_pipeline(config, run_dir)
+    assert "data/eval.jsonl changed since the step wrote it" in capsys.readouterr().err
+    after = json.loads((run_dir / "manifest.json").read_text())
+    assert after["data"]["finished_at"] >= before["data"]["finished_at"] and eval_set.read_bytes() == good
+    # the rebuilt data is byte-identical, so nothing downstream re-runs (it depends on output checksums)
+    assert {name for name in before if name not in ("_started", "data") and after[name] != before[name]} == set()
+
+
+def test_the_report_step_runs_without_qat(tiny_run: tuple[Path, Path], tmp_path: Path) -> None:
+    """With ``train.qat.enabled: false`` there is no ``student/qat_probe.json``: the report has no qat inputs."""
+    config, run_dir = tiny_run
+    run_dir = Path(shutil.copytree(run_dir, tmp_path / "run"))
+    (run_dir / "student" / "qat_probe.json").unlink()
+    pipeline = Pipeline(load_config(config), run_dir)
+    pipeline.run_step(next(s for s in STEPS if s.name == "report"), force=True)
+    report = read_report(run_dir / "reports" / "report.json")
+    assert "qat" not in report["gate_inputs"] and "determinism" in report["gate_inputs"]
+
+
+def test_the_report_is_the_eval_run_and_its_unsharded_arm(tiny_run: tuple[Path, Path]) -> None:
+    """The student is evaluated once: the reported outputs are the determinism check's unsharded arm."""
+    from distillgates.eval.sharding import outputs_sha256, read_outputs
+
+    _, run_dir = tiny_run
+    outputs = read_outputs(run_dir / "eval" / "outputs.jsonl")
+    report = read_report(run_dir / "reports" / "report.json")
+    assert len(outputs) == report["quality"]["student"]["n"]
+    assert report["gate_inputs"]["determinism"]["unsharded_sha256"] == outputs_sha256(outputs)

@@ -363,8 +363,13 @@ class EvalConfig:
     # as a deployment that turns it on would: every call that ends within the turn's token budget and the
     # context then parses and matches its tool's schema (part of the student's runner fingerprint)
     constrained_tool_calls: bool = False
+    # torch threads of the student's eval and of each of the determinism check's shard workers: the same
+    # kernels (reduction order), so the reported outputs are the check's unsharded arm, compared bit for bit
+    threads: int = 1
 
     def __post_init__(self) -> None:
+        if self.threads < 1:
+            raise ValueError(f"threads must be >= 1, got {self.threads}")
         if self.max_new_tokens < 1 or self.max_calls < 1:
             raise ValueError(f"max_new_tokens and max_calls must be >= 1, got {self.max_new_tokens}, {self.max_calls}")
 

@@ -1,17 +1,24 @@
 """The main job: data → teacher → KD set → student → drafter → export → speed → eval → report.
 
-Every step is cached by a fingerprint of its inputs (the config sections it reads, the
-fingerprints of the steps it depends on, and the package version): a re-run skips finished
-steps whose inputs did not change, ``--force`` redoes them. The manifest
+Every step is cached. Its fingerprint covers exactly what can change its output:
+
+- the config fields it reads (``Step.config``, dotted paths, defaults included);
+- the code it runs: the step function and the package modules it imports, transitively
+  (:mod:`distillgates.codeversion`; docstrings and comments do not count);
+- the checksums of the outputs of the steps it depends on (content, not their inputs: a
+  re-run upstream that writes the same bytes leaves it cached).
+
+A re-run skips a step whose fingerprint is unchanged **and** whose outputs still have the
+checksums recorded when it finished: a corrupted or hand-edited artifact is detected and the
+step runs again, saying which file changed. ``--force`` redoes steps. The manifest
 (``<run_dir>/manifest.json``) is written atomically after each step, so an interrupted run
-resumes at the first unfinished step.
+resumes at the first unfinished step (training and the KD set continue from their checkpoints).
 """
 
 from __future__ import annotations
 
 import argparse
 import functools
-import hashlib
 import json
 import shutil
 import time
@@ -23,86 +30,142 @@ from typing import Any
 
 from rich.console import Console
 
-import distillgates
+from distillgates.codeversion import step_code
 from distillgates.config import Config, load_config, sha256_json, to_dict
-from distillgates.io import atomic_write_json
+from distillgates.io import atomic_write_json, sha256_file
+from distillgates.rundir import RunDir
 
 console = Console(stderr=True)
+
+Outputs = Callable[[Config, RunDir], tuple[Path, ...]]
 
 
 @dataclass(frozen=True)
 class Step:
     name: str
     help: str
-    sections: tuple[str, ...]  # config sections whose values change the step's output
+    config: tuple[str, ...]  # dotted config fields whose values change the step's output ("*": all of it)
     depends: tuple[str, ...]
-    run: Callable[[Config, Path], dict[str, Any]]  # returns a small JSON summary
-    out: str | None = None  # the step's own folder in the run dir (cleared when its inputs change)
+    run: Callable[[Config, RunDir], dict[str, Any]]  # returns a small JSON summary
+    outputs: Outputs  # what the step writes: checksummed in the manifest; folders in the run dir are cleared
     resumable: bool = False  # an interrupted run of the same inputs continues from its checkpoint
 
+    @functools.cached_property
+    def code(self) -> dict[str, str]:
+        """``{module or module:function: sha256}`` of the code the step runs (:func:`codeversion.step_code`)."""
+        return step_code(self.run.__module__, self.run.__name__)
 
-@functools.cache
-def code_version() -> str:
-    """sha256 over the package's sources: a code change invalidates cached steps too."""
-    package = Path(distillgates.__file__).parent
-    digest = hashlib.sha256(distillgates.__version__.encode())
-    for path in sorted(package.rglob("*.py")) + sorted(package.rglob("*.json")):
-        digest.update(str(path.relative_to(package)).encode())
-        digest.update(path.read_bytes())
-    return digest.hexdigest()
+
+def config_value(cfg: Config, dotted: str) -> Any:
+    """The JSON value of config field ``a.b.c`` (None below a missing optional section)."""
+    if dotted == "*":
+        return to_dict(cfg)
+    node: Any = cfg
+    for part in dotted.split("."):
+        node = getattr(node, part) if node is not None else None
+    return to_dict(node)
+
+
+def output_checksums(paths: tuple[Path, ...], run: RunDir) -> dict[str, str]:
+    """``{path: sha256}`` of every file under ``paths`` (run-dir relative where inside it)."""
+    files: list[Path] = []
+    for path in paths:
+        if path.is_dir():
+            files += sorted(p for p in path.rglob("*") if p.is_file())
+        elif path.is_file():
+            files.append(path)
+    root = run.root.resolve()
+    sums = {}
+    for file in files:
+        resolved = file.resolve()
+        key = str(resolved.relative_to(root)) if resolved.is_relative_to(root) else str(resolved)
+        sums[key] = sha256_file(file)
+    return sums
 
 
 class Pipeline:
     """Runs steps in order with fingerprint caching and a manifest."""
 
-    def __init__(self, cfg: Config, run_dir: Path, force: bool = False) -> None:
-        self.cfg, self.run_dir, self.force = cfg, run_dir, force
-        self.manifest_path = run_dir / "manifest.json"
+    def __init__(self, cfg: Config, run_dir: str | Path | RunDir, force: bool = False) -> None:
+        self.cfg, self.force = cfg, force
+        self.run_dir = run_dir if isinstance(run_dir, RunDir) else RunDir(run_dir)
         self.manifest: dict[str, Any] = (
-            json.loads(self.manifest_path.read_text()) if self.manifest_path.exists() else {}
+            json.loads(self.run_dir.manifest.read_text()) if self.run_dir.manifest.exists() else {}
         )
 
+    def inputs(self, step: Step) -> dict[str, Any]:
+        """Everything the step's output depends on (what its fingerprint hashes)."""
+        upstream = {dep: sha256_json(self.manifest.get(dep, {}).get("outputs")) for dep in step.depends}
+        config = {field: config_value(self.cfg, field) for field in step.config}
+        return {"step": step.name, "config": config, "seed": self.cfg.seed, "code": step.code, "upstream": upstream}
+
     def fingerprint(self, step: Step) -> str:
-        sections = {name: to_dict(getattr(self.cfg, name)) for name in step.sections}
-        upstream = {dep: self.manifest.get(dep, {}).get("fingerprint") for dep in step.depends}
-        return sha256_json({"step": step.name, "sections": sections, "upstream": upstream, "seed": self.cfg.seed,
-                            "code": code_version()})
+        return sha256_json(self.inputs(step))
+
+    def stale_reason(self, step: Step) -> str | None:
+        """None when the cached result of ``step`` can be reused, else why not (config, code, upstream, outputs)."""
+        entry = self.manifest.get(step.name)
+        if not entry:
+            return "not run yet"
+        if entry.get("fingerprint") != self.fingerprint(step):
+            before, current = entry.get("inputs", {}), self.inputs(step)
+            changed = [f"{kind} {name}" for kind in ("config", "code", "upstream")
+                       for name in sorted(set(before.get(kind, {})) | set(current[kind]))
+                       if before.get(kind, {}).get(name) != current[kind].get(name)]  # fmt: skip
+            return "inputs changed: " + (", ".join(changed[:6]) + (" ..." if len(changed) > 6 else "") or "seed")
+        recorded = entry.get("outputs", {})
+        current = output_checksums(step.outputs(self.cfg, self.run_dir), self.run_dir)
+        for path in sorted(set(recorded) | set(current)):
+            if recorded.get(path) != current.get(path):
+                was, now = recorded.get(path) or "none", current.get(path) or "missing"
+                return f"{path} changed since the step wrote it (sha256 {was[:12]} -> {now[:12]})"
+        return None
 
     def is_fresh(self, step: Step) -> bool:
-        entry = self.manifest.get(step.name)
-        return bool(entry and entry.get("fingerprint") == self.fingerprint(step))
+        return self.stale_reason(step) is None
 
     def run_step(self, step: Step, force: bool | None = None) -> dict[str, Any]:
         force = self.force if force is None else force
-        if not force and self.is_fresh(step):
+        reason = "--force" if force else self.stale_reason(step)
+        if reason is None:
             console.print(f"[dim]✓ {step.name}: cached ({self.manifest[step.name]['seconds']:.1f}s before)[/dim]")
             return self.manifest[step.name]["summary"]
         console.rule(f"[bold]{step.name}[/bold] — {step.help}")
+        if reason != "not run yet":
+            console.print(f"[dim]running {step.name}: {reason}[/dim]")
         self._prepare_output(step, force)
         started = time.perf_counter()
         summary = step.run(self.cfg, self.run_dir)
         seconds = time.perf_counter() - started
         self.manifest[step.name] = {
             "fingerprint": self.fingerprint(step),
+            "inputs": self.inputs(step),
+            "outputs": output_checksums(step.outputs(self.cfg, self.run_dir), self.run_dir),
             "seconds": round(seconds, 2),
             "finished_at": datetime.now(UTC).isoformat(timespec="seconds"),
             "summary": summary,
         }
-        atomic_write_json(self.manifest_path, self.manifest)
+        atomic_write_json(self.run_dir.manifest, self.manifest)
         console.print(f"[green]✓ {step.name}[/green] in {seconds:.1f}s")
         return summary
 
     def _prepare_output(self, step: Step, force: bool) -> None:
-        """Keep a resumable step's folder only when the interrupted attempt had the same inputs."""
-        if step.out is None:
-            return
+        """Clear the step's outputs in the run dir; a resumable step keeps its folder only when the
+        interrupted attempt had the same inputs."""
         fingerprint = self.fingerprint(step)
         started = self.manifest.get("_started", {}).get(step.name)
-        out = self.run_dir / step.out
-        if out.exists() and (force or not step.resumable or started != fingerprint):
-            shutil.rmtree(out)
+        keep = step.resumable and not force and started == fingerprint
+        root = self.run_dir.root.resolve()
+        for out in step.outputs(self.cfg, self.run_dir):
+            if keep or not out.resolve().is_relative_to(root):  # never delete outside the run dir (teacher.path)
+                continue
+            if out.is_dir():
+                shutil.rmtree(out)
+            elif out.exists():
+                out.unlink()
+        self.manifest.pop(step.name, None)  # a half-written output is never "cached"
         self.manifest.setdefault("_started", {})[step.name] = fingerprint
-        atomic_write_json(self.manifest_path, self.manifest)
+        atomic_write_json(self.run_dir.manifest, self.manifest)
 
     def run(self, names: list[str] | None = None) -> dict[str, Any]:
         for step in STEPS:
@@ -111,7 +174,7 @@ class Pipeline:
                 if missing:
                     raise FileNotFoundError(
                         f"step {step.name!r} needs {', '.join(missing)} first: run `distillgates "
-                        f"{missing[0]} ...` or `distillgates run ...` with the same --run-dir ({self.run_dir})"
+                        f"{missing[0]} ...` or `distillgates run ...` with the same --run-dir ({self.run_dir.root})"
                     )
                 self.run_step(step)
         return self.manifest
@@ -143,10 +206,10 @@ def run_pipeline(config_path: str | Path, run_dir: str | Path | None = None, for
 # Steps
 
 
-def step_data(cfg: Config, run_dir: Path) -> dict[str, Any]:
+def step_data(cfg: Config, run: RunDir) -> dict[str, Any]:
     from distillgates.data.build import build_toy_data
 
-    toy = build_toy_data(cfg, run_dir / "data")
+    toy = build_toy_data(cfg, run.data_dir)
     return {
         "tokenizer_fingerprint": toy.tokenizer_fingerprint,
         "dataset_sha256": toy.dataset_sha256,
@@ -155,92 +218,70 @@ def step_data(cfg: Config, run_dir: Path) -> dict[str, Any]:
     }
 
 
-def _train_items(run_dir: Path) -> list[dict[str, Any]]:
-    from distillgates.data.dataset import read_dataset
-
-    return read_dataset(run_dir / "data" / "train.jsonl")[1]
-
-
-def _teacher(cfg: Config, run_dir: Path) -> Any:
-    """The local teacher: ``teacher.path`` when given, else the toy teacher this run trained."""
-    from distillgates.teacher.local import LocalTeacher
-
-    assert cfg.teacher is not None
-    return LocalTeacher(cfg.teacher.path or run_dir / "teacher")
-
-
-def step_teacher(cfg: Config, run_dir: Path) -> dict[str, Any]:
+def step_teacher(cfg: Config, run: RunDir) -> dict[str, Any]:
     if cfg.teacher is None:
         raise ValueError("config has no teacher section")
     if cfg.teacher.kind == "openai":
         return {"kind": "openai", "base_url": cfg.teacher.base_url, "model": cfg.teacher.model_name}
-    if cfg.teacher.path:  # a given AutoModelForCausalLM directory: nothing to train
+    if cfg.teacher.path:  # a given AutoModelForCausalLM directory: nothing to train (its files are checksummed)
         return {"kind": "local", "path": cfg.teacher.path}
-    from distillgates.teacher.toy import build_toy_teacher
+    from distillgates.teacher.toy import train_toy_teacher
 
-    report = build_toy_teacher(cfg, _tokenizer(run_dir), _train_items(run_dir), _eval_items(run_dir),
-                               run_dir / "teacher")
-    return {key: report[key] for key in ("tool_selection", "json_validity", "n") if key in report}
+    # its quality is measured once, by the eval step, on the held-out items with the student's scorer
+    stats = train_toy_teacher(cfg, run.tokenizer(), run.items("train"), run.teacher_dir, seed=cfg.seed)
+    return {key: stats[key] for key in ("steps", "final_loss", "n_params")}
 
 
-def step_kd(cfg: Config, run_dir: Path) -> dict[str, Any]:
+def step_kd(cfg: Config, run: RunDir) -> dict[str, Any]:
     from distillgates.teacher.kd import build_kd_set
 
     assert cfg.teacher is not None
     if cfg.teacher.kind == "openai":
         from distillgates.teacher.http import HTTPTeacher
 
-        teacher: Any = HTTPTeacher(cfg.teacher, _tokenizer(run_dir))
+        teacher: Any = HTTPTeacher(cfg.teacher, run.tokenizer())
     else:
-        teacher = _teacher(cfg, run_dir)
-    out = run_dir / "kd" / "kd.jsonl"
+        from distillgates.teacher.local import LocalTeacher
+
+        teacher = LocalTeacher(run.teacher_model_dir(cfg))
     # resume is safe: the builder refuses a checkpoint of another build (different teacher/items); the
     # response cache lives outside kd/ so it survives a config change (keys are request hashes)
-    result = build_kd_set(cfg, teacher, _train_items(run_dir), out, resume=True, cache_dir=run_dir / "cache" / "kd")
+    result = build_kd_set(cfg, teacher, run.items("train"), run.kd_set, resume=True, cache_dir=run.kd_cache)
     if not result.complete:
         raise RuntimeError(f"KD set incomplete: {result.message}")
     # gate_inputs.teacher: an API teacher's KD set is reproducible only in determinism mode with no retry
-    atomic_write_json(run_dir / "kd" / "build.json", {
+    atomic_write_json(run.kd_build, {
         "kind": cfg.teacher.kind, "determinism": cfg.teacher.determinism, "retries": result.retries,
         "cache_hits": result.cache_hits, "records": result.n_done, "tokens": result.spent_tokens,
     })
     return {"records": result.n_done, "tokens": result.spent_tokens, "status": result.status}
 
 
-def _train(role: str) -> Callable[[Config, Path], dict[str, Any]]:
-    def step(cfg: Config, run_dir: Path) -> dict[str, Any]:
-        from distillgates.train import train_student
+def train_role(cfg: Config, run: RunDir, role: str) -> dict[str, Any]:
+    from distillgates.train import train_student
 
-        path = train_student(cfg, role, run_dir, kd_path=run_dir / "kd" / "kd.jsonl")
-        summary: dict[str, Any] = {"model": str(path)}
-        probe = run_dir / role / "qat_probe.json"
-        if probe.exists():
-            summary["qat_probe_cosine_min"] = json.loads(probe.read_text()).get("probe_cosine_min")
-        return summary
-
-    return step
+    path = train_student(cfg, role, run)
+    summary: dict[str, Any] = {"model": str(path)}
+    probe = run.optional_json(run.qat_probe(role))
+    if probe is not None:
+        summary["qat_probe_cosine_min"] = probe.get("probe_cosine_min")
+    return summary
 
 
-def _tokenizer(run_dir: Path) -> Any:
-    from distillgates.tokenizer import load_tokenizer
-
-    return load_tokenizer(run_dir / "data" / "tokenizer")
+def step_student(cfg: Config, run: RunDir) -> dict[str, Any]:
+    return train_role(cfg, run, "student")
 
 
-def _eval_items(run_dir: Path) -> list[dict[str, Any]]:
-    from distillgates.data.dataset import read_dataset
-
-    return read_dataset(run_dir / "data" / "eval.jsonl")[1]
+def step_drafter(cfg: Config, run: RunDir) -> dict[str, Any]:
+    return train_role(cfg, run, "drafter")
 
 
-def step_export(cfg: Config, run_dir: Path) -> dict[str, Any]:
+def step_export(cfg: Config, run: RunDir) -> dict[str, Any]:
     from distillgates.export import export_model
     from distillgates.tokenizer import tokenizer_fingerprint
 
-    result = export_model(
-        run_dir / "student" / "model.pt", cfg, run_dir / "export", tokenizer_fingerprint(_tokenizer(run_dir))
-    )
-    atomic_write_json(run_dir / "export" / "gate_inputs.json", result.gate_inputs)
+    result = export_model(run.model_path(), cfg, run.export_dir, tokenizer_fingerprint(run.tokenizer()))
+    atomic_write_json(run.export_gate_inputs, result.gate_inputs)
     return {
         "packages": {name: str(path) for name, path in result.packages.items()},
         "ane_estimated_share": result.gate_inputs["ane"]["estimated_share"],
@@ -248,22 +289,27 @@ def step_export(cfg: Config, run_dir: Path) -> dict[str, Any]:
     }
 
 
-def step_speed(cfg: Config, run_dir: Path) -> dict[str, Any]:
+def step_speed(cfg: Config, run: RunDir) -> dict[str, Any]:
     from distillgates.speed import run_speed
 
-    report = run_speed(cfg, run_dir)
+    report = run_speed(cfg, run)
     speed = report["speed"]
     return {"ttft_ms_p50": speed["ttft_ms"]["p50"], "tps_p50": speed["tps"]["p50"], "backend": speed["backend"]}
 
 
-def step_eval(cfg: Config, run_dir: Path) -> dict[str, Any]:
+def step_eval(cfg: Config, run: RunDir) -> dict[str, Any]:
+    """Student and teacher on the held-out items, each evaluated once; the student's outputs are also
+    the unsharded arm of the determinism check (the shards re-run it, on the same thread count)."""
     from distillgates.data.fingerprints import dataset_sha256
     from distillgates.eval import evaluate
     from distillgates.eval.evaluate import sharded_determinism
-    from distillgates.model import from_hf, load_model
+    from distillgates.eval.sharding import write_outputs
+    from distillgates.hardware import torch_threads
+    from distillgates.model import from_hf
     from distillgates.runtime import TorchEngine
-    tokenizer, items = _tokenizer(run_dir), _eval_items(run_dir)
-    eval_sha = dataset_sha256(run_dir / "data" / "eval.jsonl")
+
+    tokenizer, items = run.tokenizer(), run.items("eval")
+    eval_sha = dataset_sha256(run.dataset("eval"))
     assert cfg.teacher is not None
     if cfg.teacher.kind == "openai":
         from distillgates.eval.runners import TeacherRunner
@@ -271,39 +317,41 @@ def step_eval(cfg: Config, run_dir: Path) -> dict[str, Any]:
 
         teacher: Any = TeacherRunner(HTTPTeacher(cfg.teacher, tokenizer), cfg.eval.max_new_tokens)
     else:  # a local teacher runs through the same engine and runner (identical weights via from_hf)
-        teacher = TorchEngine(from_hf(_teacher(cfg, run_dir).model).eval())
-    quality = {}
-    for role, engine in (("student", TorchEngine(load_model(run_dir / "student" / "model.pt").eval())),
-                         ("teacher", teacher)):
-        quality[role] = evaluate(engine, items, tokenizer, lengths=cfg.shapes.lengths, dataset_sha256=eval_sha,
-                                 max_calls=cfg.eval.max_calls, max_new_tokens=cfg.eval.max_new_tokens,
-                                 constrained=role == "student" and cfg.eval.constrained_tool_calls, progress=True)
-    spec = {"dataset": str(run_dir / "data" / "eval.jsonl"), "tokenizer": str(run_dir / "data" / "tokenizer"),
-            "model": str(run_dir / "student" / "model.pt"), "runner": "engine",
-            "max_new_tokens": cfg.eval.max_new_tokens, "max_calls": cfg.eval.max_calls,
-            "constrained_tool_calls": cfg.eval.constrained_tool_calls}
-    (run_dir / "eval" / "shards").mkdir(parents=True, exist_ok=True)
-    determinism = sharded_determinism(spec, world_size=2, work_dir=run_dir / "eval" / "shards")
-    atomic_write_json(run_dir / "eval" / "quality.json", quality)
-    atomic_write_json(run_dir / "eval" / "determinism.json", determinism)
-    student = quality["student"]
+        from distillgates.teacher.local import LocalTeacher
+
+        teacher = TorchEngine(from_hf(LocalTeacher(run.teacher_model_dir(cfg)).model).eval())
+    common: dict[str, Any] = {"lengths": cfg.shapes.lengths, "dataset_sha256": eval_sha, "progress": True,
+                              "max_calls": cfg.eval.max_calls, "max_new_tokens": cfg.eval.max_new_tokens}
+    with torch_threads(cfg.eval.threads):  # the shard workers' thread count: the same kernels, bit for bit
+        student, outputs = evaluate(TorchEngine(run.load_model()), items, tokenizer, return_outputs=True,
+                                    constrained=cfg.eval.constrained_tool_calls, **common)
+    quality = {"student": student, "teacher": evaluate(teacher, items, tokenizer, **common)}
+    write_outputs(run.eval_outputs, outputs)
+    spec = {"dataset": str(run.dataset("eval")), "tokenizer": str(run.tokenizer_dir), "model": str(run.model_path()),
+            "runner": "engine", "max_new_tokens": cfg.eval.max_new_tokens, "max_calls": cfg.eval.max_calls,
+            "constrained_tool_calls": cfg.eval.constrained_tool_calls, "threads": cfg.eval.threads}
+    run.shards_dir.mkdir(parents=True, exist_ok=True)
+    determinism = sharded_determinism(spec, world_size=2, work_dir=run.shards_dir, unsharded=outputs)
+    atomic_write_json(run.quality, quality)
+    atomic_write_json(run.determinism, determinism)
     return {key: student.get(key) for key in ("tool_selection", "json_validity", "f1_lax_macro", "privacy_ok_rate")}
 
 
-def step_report(cfg: Config, run_dir: Path) -> dict[str, Any]:
+def step_report(cfg: Config, run: RunDir) -> dict[str, Any]:
     from distillgates.eval import build_report, write_report
     from distillgates.hardware import hardware_header
 
-    quality = json.loads((run_dir / "eval" / "quality.json").read_text())
-    speed_report = json.loads((run_dir / "reports" / "speed.json").read_text())
-    export_inputs = json.loads((run_dir / "export" / "gate_inputs.json").read_text())
+    quality = run.read_json(run.quality)
+    speed_report = run.read_json(run.speed_report)
     gate_inputs = {
-        "determinism": json.loads((run_dir / "eval" / "determinism.json").read_text()),
-        "qat": json.loads((run_dir / "student" / "qat_probe.json").read_text()),
-        **export_inputs,
+        "determinism": run.read_json(run.determinism),
+        **run.read_json(run.export_gate_inputs),
         "prompt_cache": speed_report["prompt_cache"],
-        "teacher": json.loads((run_dir / "kd" / "build.json").read_text()),
+        "teacher": run.read_json(run.kd_build),
     }
+    qat = run.optional_json(run.qat_probe())  # absent when train.qat.enabled is off
+    if qat is not None:
+        gate_inputs["qat"] = qat
     if speed_report.get("speculative") is not None:
         gate_inputs["speculative"] = speed_report["speculative"]
     report = build_report(
@@ -311,32 +359,45 @@ def step_report(cfg: Config, run_dir: Path) -> dict[str, Any]:
         quality=quality,
         speed=speed_report["speed"],
         gate_inputs=gate_inputs,
-        hardware=hardware_header(export_path=str(run_dir / "export")),
+        hardware=hardware_header(export_path=str(run.export_dir)),
         config_sha256=cfg.fingerprint(),
         config=to_dict(cfg),
     )
-    path = write_report(run_dir / "reports" / "report.json", report)
+    path = write_report(run.report, report)
     return {"report": str(path)}
+
+
+def _teacher_outputs(cfg: Config, run: RunDir) -> tuple[Path, ...]:
+    if cfg.teacher is not None and cfg.teacher.kind == "openai":
+        return ()
+    # a given teacher.path is checksummed too (never cleared): a changed model there re-runs KD
+    return (run.teacher_model_dir(cfg),)
 
 
 STEPS: list[Step] = [
     Step("data", "generate the toy dataset and train the tokenizer", ("data", "tokenizer", "shapes"), (), step_data,
-         "data"),
-    Step("teacher", "train the toy teacher (LlamaForCausalLM) and check it solves the task", ("teacher",),
-         ("data",), step_teacher, "teacher"),
-    Step("kd", "query the teacher for the training prompts and write the KD set", ("teacher",),
-         ("data", "teacher"), step_kd, "kd", resumable=True),
+         lambda cfg, run: (run.data_dir,)),
+    Step("teacher", "train the toy teacher (LlamaForCausalLM)",
+         ("teacher",), ("data",), step_teacher,
+         _teacher_outputs),
+    Step("kd", "query the teacher for the training prompts and write the KD set",
+         ("teacher",), ("data", "teacher"), step_kd, lambda cfg, run: (run.kd_dir,),
+         resumable=True),
     Step("student", "distill the student (KD + latency-aware losses, enumerated shapes, late QAT)",
-         ("student", "train", "shapes"), ("data", "kd"), _train("student"), "student", resumable=True),
-    Step("drafter", "distill the drafter for speculative decoding", ("drafter", "drafter_train", "train", "shapes"),
-         ("data", "kd"), _train("drafter"), "drafter", resumable=True),
+         ("student", "train", "shapes", "speed.n_prompts"), ("data", "teacher", "kd"), step_student,
+         lambda cfg, run: (run.model_dir("student"),), resumable=True),
+    Step("drafter", "distill the drafter for speculative decoding",
+         ("drafter", "drafter_train", "train", "shapes", "speed.n_prompts"), ("data", "teacher", "kd"), step_drafter,
+         lambda cfg, run: (run.model_dir("drafter"),), resumable=True),
     Step("export", "export the student to Core ML (prefill + stateful decode), lint, parity",
-         ("export", "shapes", "gates"), ("student",), step_export, "export"),
+         ("export", "shapes", "gates"), ("data", "student"), step_export, lambda cfg, run: (run.export_dir,)),
     Step("speed", "measure TTFT/TPS/TTFA, prompt cache and speculative decoding", ("speed",),
-         ("student", "drafter"), step_speed),
-    Step("eval", "evaluate student and teacher on held-out items; sharded determinism", ("shapes", "eval"),
-         ("student", "teacher"), step_eval),
-    Step("report", "write the validated report", (), ("eval", "speed", "export"), step_report),
+         ("data", "student", "drafter"), step_speed, lambda cfg, run: (run.speed_report,)),
+    Step("eval", "evaluate student and teacher on held-out items; sharded determinism",
+         ("shapes", "eval", "teacher"), ("data", "teacher", "student"), step_eval,
+         lambda cfg, run: (run.eval_dir,)),
+    Step("report", "write the validated report", ("*",), ("eval", "speed", "export", "kd", "student"), step_report,
+         lambda cfg, run: (run.report,)),
 ]
 
 

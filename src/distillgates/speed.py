@@ -34,6 +34,7 @@ from distillgates.config import Config, ModelConfig, SpeedConfig
 from distillgates.data.registry import parse_tool_call, validate_call
 from distillgates.hardware import torch_threads
 from distillgates.io import atomic_write_json
+from distillgates.rundir import RunDir
 from distillgates.runtime.base import EngineBase
 from distillgates.runtime.prompt_cache import PromptCache, PromptCachedEngine
 from distillgates.runtime.speculative import SpeculativeDecoder
@@ -290,49 +291,33 @@ def write_report(path: str | Path, report: dict[str, Any]) -> None:
 # The ``distillgates speed`` step
 
 
-def _read_items(path: Path) -> list[dict[str, Any]]:
-    items = []
-    with path.open(encoding="utf-8") as fh:
-        for line_no, line in enumerate(fh, 1):
-            if not line.strip():
-                continue
-            try:
-                obj = json.loads(line)
-            except json.JSONDecodeError as err:
-                raise ValueError(f"{path}:{line_no}: not JSON: {err.msg}") from err
-            if not obj.get("__header__"):
-                items.append(obj)
-    return items
-
-
 def run_speed(
-    cfg: Config, run_dir: str | Path, *, engine: str | None = None, out: str | Path | None = None,
+    cfg: Config, run_dir: str | Path | RunDir, *, engine: str | None = None, out: str | Path | None = None,
     hw_profile: str | None = None,
 ) -> dict[str, Any]:  # fmt: skip
     """Measure the trained student of ``run_dir`` (SPEED + prompt cache + speculative when a drafter
     exists) and write ``reports/speed.json``. Returns the validated report."""
     from distillgates.data.chat import render_prompt
     from distillgates.hardware import hardware_header
-    from distillgates.model import load_model
     from distillgates.runtime.prompt_cache import prefix_until
     from distillgates.tokenizer import END as END_TOKEN
-    from distillgates.tokenizer import EOS, load_tokenizer
+    from distillgates.tokenizer import EOS
 
-    run_dir = Path(run_dir)
+    run = run_dir if isinstance(run_dir, RunDir) else RunDir(run_dir)
     backend = engine or cfg.speed.engine
-    tokenizer = load_tokenizer(run_dir / "data" / "tokenizer")
-    prompts = [render_prompt(item) for item in _read_items(run_dir / "data" / "eval.jsonl")]
+    tokenizer = run.tokenizer()
+    prompts = [render_prompt(item) for item in run.items("eval")]
     end_id = cast(int, tokenizer.convert_tokens_to_ids(END_TOKEN))  # one token -> one id
     eos_id = cast(int, tokenizer.convert_tokens_to_ids(EOS))
-    model = load_model(run_dir / "student" / "model.pt")
-    export_dir = run_dir / "export"
+    model = run.load_model()
     if backend == "coreml":
         from distillgates.runtime.coreml_engine import CoreMLEngine
 
-        speed_engine: EngineBase = CoreMLEngine.from_export_dir(export_dir)
+        speed_engine: EngineBase = CoreMLEngine.from_export_dir(run.export_dir)
     else:
         speed_engine = TorchEngine(model)
-    hardware = hardware_header(export_path=str(export_dir) if backend == "coreml" else None, profile_key=hw_profile)
+    hardware = hardware_header(export_path=str(run.export_dir) if backend == "coreml" else None,
+                               profile_key=hw_profile)  # fmt: skip
     speed = measure_speed(
         speed_engine, tokenizer, prompts, cfg.speed, model_config=model.config, backend=backend,
         export=backend == "coreml", hardware_profile_key=hardware["hardware_profile_key"], stop_ids=(end_id, eos_id),
@@ -342,14 +327,14 @@ def run_speed(
     # milliseconds a sample: 10+ rounds steady the medians the gate compares
     prompt_cache = measure_prompt_cache(torch_engine, ids, prefix_until(end_id), repeats=max(cfg.speed.repeats, 10))
     speculative = None
-    if (run_dir / "drafter" / "model.pt").exists():
-        drafter = TorchEngine(load_model(run_dir / "drafter" / "model.pt"))
+    if run.has_model("drafter"):
+        drafter = TorchEngine(run.load_model("drafter"))
         speculative = measure_speculative(
             torch_engine, drafter, ids, max_new_tokens=cfg.speed.max_new_tokens, stop_ids=(end_id, eos_id),
             repeats=cfg.speed.repeats,
         )
     report = speed_report(hardware, speed, prompt_cache, speculative)
-    write_report(out or run_dir / "reports" / "speed.json", report)
+    write_report(out or run.speed_report, report)
     return report
 
 

@@ -9,7 +9,7 @@ import pytest
 
 from distillgates.eval.evaluate import evaluate, sharded_determinism
 from distillgates.eval.report import build_report, validate_report
-from distillgates.eval.sharding import determinism_check, shard_items, shard_of
+from distillgates.eval.sharding import determinism_check, outputs_sha256, shard_items, shard_of
 from distillgates.model import load_model
 from distillgates.runtime import TorchEngine
 
@@ -34,7 +34,7 @@ def test_determinism_check_counts_duplicates_missing_mismatches() -> None:
     same = [_out(i, f"answer  {i} ") for i in reversed(ids)]  # whitespace-normalized equal
     assert determinism_check(ids, same, unsharded, 2) | {"mismatched_ids": []} == {
         "coverage": 1.0, "duplicates": 0, "missing": 0, "mismatches": 0, "sharded_equal": True, "n_shards": 2,
-        "mismatched_ids": [],
+        "mismatched_ids": [], "unsharded_sha256": outputs_sha256(same),  # whitespace-normalized, order-free
     }  # fmt: skip
     broken = [_out("a", "answer a"), _out("a", "answer a"), _out("b", "other"), _out("c", "answer c")]
     result = determinism_check(ids, broken, unsharded, 2)

@@ -60,6 +60,8 @@ VIOLATIONS = [
     ("qat_broken_weights_nan", {"gate_inputs.qat.probe_cosine_min": NAN, "gate_inputs.qat.has_nan": True,
                                 "gate_inputs.qat.probe_cosine.layer0_attn": NAN}, "qat_cosine",
      ["test_probe_cosine_min", "test_probe_cosine_every_module", "test_no_nan"], "nan"),
+    ("qat_probe_missing", {"gate_inputs.qat": DELETE}, "qat_cosine",
+     ["test_probe_cosine_min", "test_probe_cosine_every_module", "test_no_nan"], "missing key 'gate_inputs.qat'"),
     ("export_mismatch", {"gate_inputs.export.cosine_by_shape.192": 0.98}, "export", ["test_export_cosine[192]"],
      "0.98"),
     ("export_shape_missing", {"gate_inputs.export.cosine_by_shape.256": DELETE}, "export",
@@ -113,3 +115,12 @@ def test_violation_fails_its_gate(pytester, gates_project, make_run, own_profile
     assert failed_tests(result) == sorted(expected), result.stdout.str()
     assert fragment in result.stdout.str()
     assert result.ret == pytest.ExitCode.TESTS_FAILED
+
+
+def test_qat_gates_skip_a_run_trained_without_qat(pytester, gates_project, make_run, own_profile):
+    """No probe because ``train.qat.enabled`` is off: the QAT gates do not apply, and say why."""
+    gates_project()
+    run = make_run("no_qat", **{"gate_inputs.qat": DELETE, "header.config": {"train": {"qat": {"enabled": False}}}})
+    result = pytester.runpytest("gates/test_qat_cosine.py", f"--run-dir={run}", f"--hw-profile={own_profile}", "-rs")
+    result.assert_outcomes(skipped=3)
+    assert "QAT is off in this run" in result.stdout.str()

@@ -1,4 +1,4 @@
-"""Toy teacher recipe: training on generated tokens, save_pretrained, and the multi-turn evaluator."""
+"""Toy teacher recipe: training on generated tokens, save_pretrained, and a trained teacher solving items."""
 
 from __future__ import annotations
 
@@ -9,19 +9,20 @@ import pytest
 import torch
 
 from distillgates.config import Config, ModelConfig
-from distillgates.teacher.base import TurnResult
+from distillgates.eval import evaluate
+from distillgates.model import from_hf
+from distillgates.runtime import TorchEngine
 from distillgates.teacher.local import LocalTeacher
 from distillgates.teacher.toy import (
-    build_toy_teacher,
     copy_rows,
     encode_for_training,
-    evaluate_teacher,
     lr_at,
     target_ce,
+    train_toy_teacher,
     without_system_prompt,
 )
 
-from .conftest import ReplayTeacher, kd_teacher_config
+from .conftest import kd_teacher_config
 
 
 def _cfg(tokenizer, **teacher) -> Config:
@@ -118,38 +119,17 @@ def test_lr_schedule_warms_up_then_decays(tiny_tokenizer):
 @pytest.mark.parametrize("recipe", [{}, {"curriculum_steps": 20, "value_weight": 3.0}], ids=["plain", "curriculum"])
 def test_trained_tiny_teacher_solves_a_memorized_item(toy_items, tiny_tokenizer, tmp_path, recipe):
     """Overfit one tool-call item: the saved teacher then solves it end to end (call, result, answer),
-    with the system prompt, also after a curriculum phase that trained without it."""
+    with the system prompt, also after a curriculum phase that trained without it. Scored as the eval
+    step scores every teacher: the same engine, runner and scorer as the student."""
     items = [next(it for it in toy_items if it["kind"] == "single" and it["style"] == "terse")]
     torch.manual_seed(0)
-    report = build_toy_teacher(
-        _cfg(tiny_tokenizer, train_steps=60, batch_size=1, **recipe), tiny_tokenizer, items, items, tmp_path
-    )
-    assert report["train"]["curriculum_steps"] == recipe.get("curriculum_steps", 0)
-    assert report["train"]["final_loss"] < 0.1 * report["train"]["first_loss"]
-    assert report["tool_selection"] == 1.0 and report["json_validity"] == 1.0, report["failures"]
-    assert report["arg_match_strict"] == 1.0 and report["answered"] == 1.0
-    saved = json.loads((tmp_path / "teacher_eval.json").read_text())
-    assert saved["tool_selection"] == report["tool_selection"] and saved["n"] == 1
+    stats = train_toy_teacher(_cfg(tiny_tokenizer, train_steps=60, batch_size=1, **recipe), tiny_tokenizer, items,
+                              tmp_path, seed=0)  # fmt: skip
+    assert stats["curriculum_steps"] == recipe.get("curriculum_steps", 0)
+    assert stats["final_loss"] < 0.1 * stats["first_loss"]
+    assert json.loads((tmp_path / "teacher_train.json").read_text())["steps"] == 60
     teacher = LocalTeacher(tmp_path)  # plain save_pretrained dir: model + tokenizer
     assert teacher.tokenizer.get_vocab() == tiny_tokenizer.get_vocab()
-
-
-def test_evaluator_scores_reference_and_wrong_answers(toy_items, tiny_tokenizer):
-    cfg = _cfg(tiny_tokenizer)
-    perfect = evaluate_teacher(ReplayTeacher(toy_items, tiny_tokenizer), cfg, toy_items)
-    assert perfect["tool_selection"] == 1.0 and perfect["json_validity"] == 1.0 and perfect["arg_match_strict"] == 1.0
-
-    class WrongTool(ReplayTeacher):
-        def complete(self, messages, **kwargs) -> TurnResult:
-            turn = super().complete(messages, **kwargs)
-            if "get_weather" in turn.text:
-                turn.text = turn.text.replace('"get_weather"', '"get_wether"')
-                turn.token_ids = self.tokenizer.encode(turn.text, add_special_tokens=False)
-                turn.topk_ids = turn.topk_logprobs = [[] for _ in turn.token_ids]
-            return turn
-
-    weather = [it for it in toy_items if any(c["name"] == "get_weather" for c in it["expected_calls"])]
-    assert weather, "fixture items should include a weather call"
-    scored = evaluate_teacher(WrongTool(toy_items, tiny_tokenizer), cfg, toy_items)
-    assert scored["tool_selection"] == 1.0 - len(weather) / len(toy_items)
-    assert scored["json_validity"] < 1.0  # unknown tool fails the schema validator
+    scored = evaluate(TorchEngine(from_hf(teacher.model).eval()), items, tiny_tokenizer, max_new_tokens=48)
+    assert scored["tool_selection"] == 1.0 and scored["json_validity"] == 1.0
+    assert scored["arg_match_strict"] == 1.0 and scored["fixture_hit_rate"] == 1.0

@@ -180,15 +180,23 @@ def run_spec(spec: Mapping[str, Any], rank: int = 0, world_size: int = 1) -> lis
     return run_items(runner, shard_items(items, rank, world_size), max_calls=int(spec.get("max_calls", 4)))
 
 
-def sharded_determinism(spec: Mapping[str, Any], world_size: int, work_dir: str | Path | None = None) -> dict[str, Any]:
-    """Run the spec unsharded (this process) and in ``world_size`` worker processes; compare per item."""
+def sharded_determinism(
+    spec: Mapping[str, Any], world_size: int, work_dir: str | Path | None = None,
+    unsharded: Sequence[Mapping[str, Any]] | None = None,
+) -> dict[str, Any]:  # fmt: skip
+    """Run the spec in ``world_size`` worker processes and compare per item with the unsharded outputs.
+
+    ``unsharded``: the outputs of the run being reported (evaluated once, on ``spec["threads"]`` threads,
+    the workers' count); None runs the spec unsharded here first.
+    """
     from distillgates.hardware import torch_threads
 
     items, _, _ = load_spec_items(spec)
-    with torch_threads(1):  # same kernels (reduction order) as the single-threaded ranks
-        unsharded = run_spec(spec)
+    if unsharded is None:
+        with torch_threads(int(spec.get("threads", 1))):  # same kernels (reduction order) as the ranks
+            unsharded = run_spec(spec)
     with tempfile.TemporaryDirectory(dir=work_dir) as tmp:
         spec_path = Path(tmp) / "spec.json"
         spec_path.write_text(json.dumps(dict(spec)))
         sharded = merge_shards(launch_shards(spec_path, tmp, world_size))
-    return determinism_check([str(i["id"]) for i in items], sharded, unsharded, world_size)
+    return determinism_check([str(i["id"]) for i in items], sharded, list(unsharded), world_size)

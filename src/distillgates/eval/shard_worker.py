@@ -22,10 +22,10 @@ def main(argv: list[str] | None = None) -> int:
     if len(args) != 2:
         print("usage: python -m distillgates.eval.shard_worker SPEC_JSON OUT_DIR", file=sys.stderr)
         return 2
-    torch.set_num_threads(1)  # ranks share the machine's cores
     rank, world_size = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
     with open(args[0]) as f:
         spec = json.load(f)
+    torch.set_num_threads(int(spec.get("threads", 1)))  # the unsharded run's count: the same kernels
     outputs = run_spec(spec, rank, world_size)
     write_outputs(shard_path(args[1], rank, world_size), outputs)
     return 0

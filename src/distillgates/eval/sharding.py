@@ -75,6 +75,12 @@ def normalize_output(output: Mapping[str, Any]) -> str:
     return json.dumps(clean(keep), sort_keys=True, ensure_ascii=False)
 
 
+def outputs_sha256(outputs: Iterable[Mapping[str, Any]]) -> str:
+    """sha256 of a run's outputs as the determinism check compares them (order-independent)."""
+    lines = sorted(normalize_output(o) for o in outputs)
+    return hashlib.sha256("\n".join(lines).encode()).hexdigest()
+
+
 def determinism_check(
     item_ids: Sequence[str],
     sharded: Sequence[Mapping[str, Any]],
@@ -100,6 +106,7 @@ def determinism_check(
         "sharded_equal": not mismatched and not missing and not duplicates and covered == len(expected) > 0,
         "n_shards": n_shards,
         "mismatched_ids": mismatched[:20],
+        "unsharded_sha256": outputs_sha256(unsharded),  # the reported eval's outputs (eval/outputs.jsonl)
     }
 
 

@@ -7,7 +7,6 @@ The pytest plugin builds one :class:`GateSession` per pytest session (kept in
 from __future__ import annotations
 
 import datetime as dt
-import json
 import shlex
 import subprocess
 from dataclasses import dataclass, field
@@ -18,12 +17,7 @@ from typing import Any
 from distillgates.gates.baselines import BaselineStore
 from distillgates.gates.core import Gate, GateContext, SpeedSettings
 from distillgates.gates.report import write_json_report, write_markdown_summary
-
-REPORT_PATH = "reports/report.json"
-
-
-class RunArtifactError(ValueError):
-    """A pipeline run directory lacks a file or a report key a gate needs."""
+from distillgates.rundir import RunArtifactError, RunDir
 
 
 @dataclass
@@ -42,17 +36,15 @@ class GateOptions:
 
 
 class RunArtifacts:
-    """Read-only view of a pipeline run directory (layout in the contract / docs/gates.md)."""
+    """Read-only view of a pipeline run for the gates: its report, and its :class:`RunDir` (``.run``)."""
 
     def __init__(self, run_dir: str | Path) -> None:
-        self.path = Path(run_dir)
-        self.report_path = self.path / REPORT_PATH
+        self.run = RunDir(run_dir)
+        self.path = self.run.root
+        self.report_path = self.run.report
         if not self.report_path.is_file():
             raise RunArtifactError(f"{self.report_path}: run report not found (is {self.path} a pipeline run dir?)")
-        try:
-            self.report: dict[str, Any] = json.loads(self.report_path.read_text())
-        except json.JSONDecodeError as err:
-            raise RunArtifactError(f"{self.report_path}:{err.lineno}: invalid JSON: {err.msg}") from err
+        self.report: dict[str, Any] = self.run.read_json(self.report_path)
 
     def get(self, dotted: str) -> Any:
         """``report["a"]["b"]`` for ``"a.b"``; a missing key names the file and the key path."""
@@ -63,12 +55,6 @@ class RunArtifacts:
                 raise RunArtifactError(f"{self.report_path}: missing key {dotted!r} (no {part!r} under {found})")
             node = node[part]
         return node
-
-    def file(self, relative: str) -> Path:
-        path = self.path / relative
-        if not path.exists():
-            raise RunArtifactError(f"{path}: artifact not found in run dir {self.path}")
-        return path
 
     @property
     def header(self) -> dict[str, Any]:

@@ -32,15 +32,12 @@ Design choices:
   head runs only at target positions (a third of the tokens; measured 0.28 -> 0.26 s a step).
   Length-grouped batches (HF's ``group_by_length``) were 1.5x faster still, but the teacher got
   worse at equal steps (argument match 0.92 -> 0.84) and no better at equal time.
-- Evaluation drives the teacher through the same multi-turn loop as the KD builder
-  (generate until ``<|end|>``, inject the fixture result after a call, continue) and scores
-  tool selection (called tool names in order == expected names; ``[]`` for no-tool items) and
-  JSON validity (every emitted call parses and passes ``validate_call``).
+- No evaluation here: the pipeline's eval step scores the trained teacher once, on the held-out
+  items, with the same engine, runner and scorer as the student.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import math
 import random
@@ -52,7 +49,6 @@ import torch
 import torch.nn.functional as F
 
 from distillgates.config import Config, TeacherConfig
-from distillgates.data.registry import validate_call
 from distillgates.data.targets import encode_item
 from distillgates.io import atomic_write_json
 from distillgates.model import hf_config
@@ -210,59 +206,3 @@ def train_toy_teacher(
     }
     atomic_write_json(out / "teacher_train.json", stats)
     return stats
-
-
-def evaluate_teacher(teacher: Any, cfg: Config, items: list[dict[str, Any]]) -> dict[str, Any]:
-    """Tool-selection accuracy and JSON validity of ``teacher`` on ``items`` (multi-turn, greedy)."""
-    from distillgates.teacher.kd import _run_chunk
-
-    tcfg = cfg.teacher
-    assert tcfg is not None
-    greedy = dataclasses.replace(tcfg, temperature=0.0)
-    chunk = greedy.kd_batch_size
-    records = []
-    for start in range(0, len(items), chunk):
-        recs, _, _ = _run_chunk(teacher, greedy, None, items[start : start + chunk])
-        records += recs
-    n_calls = n_valid = n_selected = n_args = n_answered = 0
-    failures: dict[str, int] = {}
-    for item, record in zip(items, records):
-        expected = [c["name"] for c in item["expected_calls"]]
-        called = [c["name"] if c else None for c in record["calls"]]
-        ok_select = called == expected
-        n_selected += ok_select
-        n_answered += record["answer"] is not None
-        n_args += ok_select and record["calls"] == item["expected_calls"]
-        for call in record["calls"]:
-            n_calls += 1
-            n_valid += call is not None and not validate_call(call)
-        if not ok_select:
-            key = f"{item['kind']}:{record['finish']}"
-            failures[key] = failures.get(key, 0) + 1
-    return {
-        "n": len(items),
-        "tool_selection": n_selected / max(1, len(items)),
-        "json_validity": n_valid / n_calls if n_calls else None,  # no call emitted: not measurable
-        "arg_match_strict": n_args / max(1, len(items)),
-        "answered": n_answered / max(1, len(items)),
-        "n_calls": n_calls,
-        "failures": failures,
-    }
-
-
-def build_toy_teacher(
-    cfg: Config,
-    tokenizer: Any,
-    train_items: list[dict[str, Any]],
-    eval_items: list[dict[str, Any]],
-    out_dir: str | Path,
-) -> dict[str, Any]:
-    """Train, save and evaluate the toy teacher; writes ``<out_dir>/teacher_eval.json``."""
-    from distillgates.teacher.local import LocalTeacher
-
-    stats = train_toy_teacher(cfg, tokenizer, train_items, out_dir, seed=cfg.seed)
-    start = time.perf_counter()
-    metrics = evaluate_teacher(LocalTeacher(out_dir), cfg, eval_items)
-    report = {**metrics, "eval_seconds": time.perf_counter() - start, "train": stats}
-    atomic_write_json(Path(out_dir) / "teacher_eval.json", report)
-    return report

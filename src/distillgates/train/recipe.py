@@ -46,6 +46,7 @@ from distillgates.config import Config, ModelConfig, ShapesConfig, SpeedConfig, 
 from distillgates.data.shapes import ShapeSampler
 from distillgates.io import atomic_write_json, atomic_write_text, load_checksummed, save_checksummed
 from distillgates.model import Transformer, save_model
+from distillgates.rundir import RunDir
 from distillgates.train.data import Batch, Row, build_row, collate, read_kd_set
 from distillgates.train.qat import QAT, probe
 
@@ -607,16 +608,10 @@ def _progress(enabled: bool, total: int, start: int) -> Any:
 # ---------------------------------------------------------------------- entry points
 
 
-def _load_items(path: Path) -> list[dict[str, Any]]:
-    from distillgates.data.dataset import read_dataset
-
-    return read_dataset(path)[1]
-
-
 def train_student(
     cfg: Config,
     role: str,
-    run_dir: str | Path,
+    run_dir: str | Path | RunDir,
     kd_path: str | Path | None = None,
     teacher: Any = None,
     *,
@@ -629,11 +624,9 @@ def train_student(
 ) -> Path:
     """Distill ``role`` ("student" or "drafter") into ``<run_dir>/<role>/model.pt``.
 
-    Reads the tokenizer and datasets from the run directory layout (``data/tokenizer``,
-    ``data/train.jsonl``, ``data/eval.jsonl``) unless given. ``kd_path`` is the offline KD
-    set (default ``<run_dir>/kd/kd.jsonl`` in offline mode); ``teacher`` (online mode) is a
-    ``LocalTeacher``/HF model/callable returning logits. Resumes from
-    ``<role>/checkpoint.pt`` when present.
+    Reads the tokenizer, the datasets and the offline KD set from the run directory
+    (:class:`~distillgates.rundir.RunDir`) unless given; ``teacher`` (online mode) is a
+    ``LocalTeacher``/HF model/callable returning logits. Resumes from ``<role>/checkpoint.pt`` when present.
 
     Returns:
         the path of the saved model.
@@ -644,37 +637,34 @@ def train_student(
     if model_cfg is None:
         raise ValueError(f"config has no '{role}' section")
     train_cfg = cfg.drafter_train if role == "drafter" and cfg.drafter_train is not None else cfg.train
-    run_dir = Path(run_dir)
-    if tokenizer is None:
-        from distillgates.tokenizer import load_tokenizer
-
-        tokenizer = load_tokenizer(run_dir / "data" / "tokenizer")
-    train_items = train_items if train_items is not None else _load_items(run_dir / "data" / "train.jsonl")
-    eval_items = eval_items if eval_items is not None else _load_items(run_dir / "data" / "eval.jsonl")
+    run = run_dir if isinstance(run_dir, RunDir) else RunDir(run_dir)
+    tokenizer = tokenizer if tokenizer is not None else run.tokenizer()
+    train_items = train_items if train_items is not None else run.items("train")
+    eval_items = eval_items if eval_items is not None else run.items("eval")
     kd_records = None
     if train_cfg.teacher_mode == "offline" and train_cfg.kd.weight > 0:
-        kd_records = read_kd_set(kd_path or run_dir / "kd" / "kd.jsonl")
+        kd_records = read_kd_set(kd_path or run.kd_set)
     teacher_fn = _teacher_fn(teacher) if teacher is not None else None
     recipe = Recipe(
-        train_cfg, model_cfg, cfg.shapes, tokenizer, train_items, eval_items, run_dir / role,
+        train_cfg, model_cfg, cfg.shapes, tokenizer, train_items, eval_items, run.model_dir(role),
         kd_records=kd_records, teacher=teacher_fn, device=device, max_steps=max_steps, progress=progress,
         speed_prompts=min(cfg.speed.n_prompts, 4),
-        init_teacher=_init_teacher(cfg, run_dir) if train_cfg.init_from == "teacher" else None,
+        init_teacher=_init_teacher(cfg, run) if train_cfg.init_from == "teacher" else None,
     )
     recipe.setup()
     recipe.train()
     return recipe.cleanup()
 
 
-def _init_teacher(cfg: Config, run_dir: Path) -> Transformer:
-    """The local teacher (``teacher.path``, else ``<run_dir>/teacher``) as a :class:`Transformer`."""
+def _init_teacher(cfg: Config, run: RunDir) -> Transformer:
+    """The local teacher (``teacher.path``, else the run's toy teacher) as a :class:`Transformer`."""
     from transformers import AutoModelForCausalLM
 
     from distillgates.model import from_hf
 
     if cfg.teacher is None or cfg.teacher.kind != "local":
         raise ValueError("train.init_from 'teacher' needs a local teacher (teacher.kind: local)")
-    path = Path(cfg.teacher.path) if cfg.teacher.path else run_dir / "teacher"
+    path = run.teacher_model_dir(cfg)
     if not (path / "config.json").exists():
         raise FileNotFoundError(f"train.init_from 'teacher': no teacher model at {path} (run the teacher step first)")
     return from_hf(AutoModelForCausalLM.from_pretrained(path).float())
