@@ -260,7 +260,8 @@ def step_eval(cfg: Config, run_dir: Path) -> dict[str, Any]:
     from distillgates.data.fingerprints import dataset_sha256
     from distillgates.eval import evaluate
     from distillgates.eval.evaluate import sharded_determinism
-    from distillgates.model import from_hf, load_model
+    from distillgates.hf import from_hf
+    from distillgates.model import load_model
     from distillgates.runtime import TorchEngine
     tokenizer, items = _tokenizer(run_dir), _eval_items(run_dir)
     eval_sha = dataset_sha256(run_dir / "data" / "eval.jsonl")
