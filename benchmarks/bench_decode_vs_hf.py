@@ -19,7 +19,7 @@ from collections.abc import Callable
 import torch
 from _bench import common_args, toy_model
 
-from distillgates.model import to_hf
+from distillgates.hf import to_hf
 from distillgates.runtime import TorchEngine
 
 

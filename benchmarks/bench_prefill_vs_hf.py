@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 from _bench import common_args, median_time, toy_model
 
-from distillgates.model import to_hf
+from distillgates.hf import to_hf
 from distillgates.runtime import TorchEngine
 
 

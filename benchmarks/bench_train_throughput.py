@@ -25,7 +25,8 @@ import torch.nn.functional as F
 from distillgates.config import load_config
 from distillgates.data.chat import render_conversation, render_prompt
 from distillgates.data.generator import generate_items
-from distillgates.model import Transformer, hf_config
+from distillgates.hf import hf_config
+from distillgates.model import Transformer
 from distillgates.tokenizer import train_tokenizer
 from distillgates.train import Recipe
 

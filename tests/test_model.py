@@ -10,16 +10,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from distillgates.config import ModelConfig, RopeScaling
+from distillgates.hf import from_hf, to_hf
 from distillgates.io import ChecksumError
-from distillgates.model import (
-    RMSNorm,
-    Transformer,
-    from_hf,
-    load_model,
-    model_fingerprint,
-    save_model,
-    to_hf,
-)
+from distillgates.model import RMSNorm, Transformer, load_model, model_fingerprint, save_model
 
 CFG = ModelConfig(vocab_size=96, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_hidden=64, max_seq_len=48)
 
@@ -40,9 +33,9 @@ def test_kv_cache_decode_equals_full_forward(prompt_len: int, n_decode: int, bat
     with torch.no_grad():
         full = MODEL(idx)  # (B, T, V)
         MODEL.setup_caches(batch)
-        steps = [MODEL.prefill(idx[:, :prompt_len])]
+        steps = [MODEL(idx[:, :prompt_len], torch.arange(prompt_len))]
         for pos in range(prompt_len, prompt_len + n_decode):
-            steps.append(MODEL.decode(idx[:, pos : pos + 1], torch.tensor([pos]))[:, None])
+            steps.append(MODEL(idx[:, pos : pos + 1], torch.tensor([pos])))
         MODEL.remove_caches()
     torch.testing.assert_close(torch.cat(steps, dim=1), full, atol=1e-5, rtol=1e-5)
 
@@ -76,7 +69,7 @@ def test_left_padded_batch_in_cache_matches_unpadded_sequences() -> None:
     slots[0, :7], slots[1, 3:7] = True, True
     with torch.no_grad():
         MODEL.setup_caches(2)
-        logits = MODEL.prefill(idx, attention_mask=slots)
+        logits = MODEL(idx, torch.arange(7), attention_mask=slots)
         MODEL.remove_caches()
         # rope is relative: shifting all positions of seq_b by 3 leaves attention scores unchanged
         torch.testing.assert_close(logits[1, 3:], MODEL(seq_b[None])[0], atol=1e-4, rtol=1e-4)

@@ -305,7 +305,7 @@ def step_eval(cfg: Config, run: RunDir) -> dict[str, Any]:
     from distillgates.eval.evaluate import sharded_determinism
     from distillgates.eval.sharding import write_outputs
     from distillgates.hardware import torch_threads
-    from distillgates.model import from_hf
+    from distillgates.hf import from_hf
     from distillgates.runtime import TorchEngine
 
     tokenizer, items = run.tokenizer(), run.items("eval")

@@ -11,7 +11,8 @@ import torch
 from distillgates.config import TeacherConfig
 from distillgates.eval.runners import EngineRunner, HFRunner, TeacherRunner, eval_prompt_item, run_items
 from distillgates.eval.sharding import normalize_output
-from distillgates.model import load_model, model_fingerprint, to_hf
+from distillgates.hf import to_hf
+from distillgates.model import load_model, model_fingerprint
 from distillgates.runtime import TorchEngine
 from distillgates.teacher.http import HTTPTeacher
 from distillgates.teacher.local import LocalTeacher

@@ -11,7 +11,7 @@ import torch
 from distillgates.config import ModelConfig, TeacherConfig
 from distillgates.data.chat import render_conversation
 from distillgates.data.generator import generate_items
-from distillgates.model import hf_config
+from distillgates.hf import hf_config
 from distillgates.teacher.base import TurnResult
 from distillgates.tokenizer import END, train_tokenizer
 

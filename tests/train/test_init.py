@@ -9,7 +9,8 @@ from typing import Any
 import pytest
 import torch
 
-from distillgates.model import Transformer, load_model, to_hf
+from distillgates.hf import to_hf
+from distillgates.model import Transformer, load_model
 from distillgates.train import train_student
 from distillgates.train.init import block_influence, init_from_teacher, select_layers
 

@@ -9,12 +9,14 @@ Design choices (gpt-fast style):
 - Small batches use left padding and an attention mask over cache slots (``(B, S_max)``,
   True = real token), which ``Transformer.forward`` supports. RoPE is relative, so a row shifted
   right by its padding attends exactly as it would alone.
-- Eager decode runs ``Transformer._forward_cached`` (under ``inference_mode``): fused, pre-transposed
-  weights, attention over the filled prefix only, no module calls. ``prefill``/``extend`` need the
-  last position's logits only (``last_only``: the last layer and the LM head skip the other rows);
-  ``extend_all`` (speculative verification) returns every row. ``torch.compile`` of the decode
-  step is optional (``compile=True``) and off by default: it costs ~20 s of compilation and the
-  benchmark ``benchmarks/bench_decode_vs_hf.py --compile`` measures whether it pays.
+- Every write runs a :class:`~distillgates.runtime.decoder.FusedDecoder` built from the model
+  (under ``inference_mode``): fused, pre-transposed weights, attention over the filled prefix
+  only, no module calls. ``prefill``/``extend`` need the last position's logits only
+  (``last_only``: the last layer and the LM head skip the other rows); ``extend_all``
+  (speculative verification) returns every row. ``torch.compile`` of the one-token decode step
+  is optional (``compile=True``) and off by default: it compiles the model's own forward (same
+  cache buffers), costs ~20 s of compilation, and ``benchmarks/bench_decode_vs_hf.py --compile``
+  measures whether it pays.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from torch import Tensor
 
 from distillgates.model import Transformer
 from distillgates.runtime.base import EngineBase, make_generator, sample_token
+from distillgates.runtime.decoder import FusedDecoder
 
 
 class TorchEngine(EngineBase):
@@ -35,7 +38,7 @@ class TorchEngine(EngineBase):
         model: the transformer; put in eval mode and given a static cache of ``max_batch_size``.
         max_batch_size: rows of the static cache (1 for interactive use, 2-4 offline).
         cache_dtype: KV cache dtype (default: the weights' dtype).
-        compile: ``torch.compile`` the one-token decode forward.
+        compile: ``torch.compile`` the one-token decode step (the model's forward, not the decoder).
     """
 
     def __init__(
@@ -53,13 +56,14 @@ class TorchEngine(EngineBase):
         self.max_batch_size = max_batch_size
         self.device = model.embed.weight.device
         model.setup_caches(max_batch_size, cache_dtype)
+        self.decoder = FusedDecoder(model)
         self._positions = torch.arange(self.max_seq_len, device=self.device)  # (S_max,) sliced, never rebuilt
         self._token = torch.zeros(1, 1, dtype=torch.long, device=self.device)  # (1, 1) decode input
         self._pos = torch.zeros(1, dtype=torch.long, device=self.device)  # (1,) decode position
         self._batch_tokens = torch.zeros(max_batch_size, 1, dtype=torch.long, device=self.device)  # (B, 1)
         self._batch_mask = torch.ones(max_batch_size, self.max_seq_len, dtype=torch.bool, device=self.device)
         self._batch_rows = 0
-        self._decode = torch.compile(self._decode_forward, dynamic=False) if compile else self._decode_forward
+        self._decode = torch.compile(self._decode_compiled, dynamic=False) if compile else self._decode_eager
         self.tokens: list[int] = []  # token ids in the KV state (batch-1 conversation)
         self.pending = None
 
@@ -70,8 +74,11 @@ class TorchEngine(EngineBase):
         """Number of tokens in the KV state (the next write position)."""
         return len(self.tokens)
 
-    def _decode_forward(self, token: Tensor, pos: Tensor) -> Tensor:
-        return self.model(token, pos).view(-1)  # (1, 1, V) -> (V,): a view, no indexing op
+    def _decode_eager(self, token: Tensor, pos: Tensor) -> Tensor:
+        return self.decoder.forward(token, pos).view(-1)  # (1, 1, V) -> (V,): a view, no indexing op
+
+    def _decode_compiled(self, token: Tensor, pos: Tensor) -> Tensor:
+        return self.model(token, pos).view(-1)  # traced by torch.compile: the module path, same cache
 
     def _check_room(self, n: int) -> None:
         if self.position + n > self.max_seq_len:
@@ -85,7 +92,8 @@ class TorchEngine(EngineBase):
         self._check_room(len(token_ids))
         start = self.position
         idx = torch.tensor([token_ids], dtype=torch.long, device=self.device)  # (1, T)
-        logits = self.model(idx, self._positions[start : start + len(token_ids)], last_only=last_only)  # (1, T, V)
+        positions = self._positions[start : start + len(token_ids)]
+        logits = self.decoder.forward(idx, positions, last_only=last_only)  # (1, T, V), or (1, 1, V)
         self.tokens.extend(token_ids)
         return logits[0]
 
@@ -128,12 +136,7 @@ class TorchEngine(EngineBase):
         """Copies of the first ``length`` cache slots per layer: ``[(k, v)]`` each ``(n_kv, length, hd)``."""
         if length > self.position:
             raise ValueError(f"only {self.position} tokens in the KV state, asked for {length}")
-        out = []
-        for layer in self.model.layers:
-            cache = layer.attn.kv_cache
-            assert cache is not None  # set up in __init__
-            out.append((cache.k_cache[0, :, :length].clone(), cache.v_cache[0, :, :length].clone()))
-        return out
+        return [(k[0, :, :length].clone(), v[0, :, :length].clone()) for k, v in self.decoder.caches]
 
     def write_kv(self, token_ids: Sequence[int], kv: Sequence[tuple[Tensor, Tensor]]) -> None:
         """Reset the conversation to ``token_ids`` whose K/V (from :meth:`read_kv`) are copied in."""
@@ -142,11 +145,9 @@ class TorchEngine(EngineBase):
             raise ValueError(f"KV slices do not match {len(self.model.layers)} layers x {length} tokens")
         if length > self.max_seq_len:
             raise ValueError(f"{length} cached tokens exceed max_seq_len {self.max_seq_len}")
-        for layer, (k, v) in zip(self.model.layers, kv, strict=True):
-            cache = layer.attn.kv_cache
-            assert cache is not None  # set up in __init__
-            cache.k_cache[0, :, :length].copy_(k)
-            cache.v_cache[0, :, :length].copy_(v)
+        for (k_cache, v_cache), (k, v) in zip(self.decoder.caches, kv, strict=True):
+            k_cache[0, :, :length].copy_(k)
+            v_cache[0, :, :length].copy_(v)
         self.tokens = [int(t) for t in token_ids]
         self.pending = None
 
@@ -175,7 +176,7 @@ class TorchEngine(EngineBase):
         self.tokens, self.pending = [], None
         self._batch_rows, self._batch_len = rows, length
         mask = self._batch_mask[:rows]  # (B, S_max)
-        return self.model(idx, self._positions[:length], mask, last_only=True)[:, -1]  # (B, V)
+        return self.decoder.forward(idx, self._positions[:length], mask, last_only=True)[:, -1]  # (B, V)
 
     @torch.inference_mode()
     def decode_batch(self, tokens: Sequence[int]) -> Tensor:
@@ -188,7 +189,7 @@ class TorchEngine(EngineBase):
         for row, token in enumerate(tokens):
             self._batch_tokens[row, 0] = token
         self._pos.fill_(self._batch_len)
-        logits = self.model(self._batch_tokens[:rows], self._pos, self._batch_mask[:rows])[:, -1]  # (B, V)
+        logits = self.decoder.forward(self._batch_tokens[:rows], self._pos, self._batch_mask[:rows])[:, -1]  # (B, V)
         self._batch_len += 1
         return logits
 

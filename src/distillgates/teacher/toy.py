@@ -1,7 +1,7 @@
 """The toy teacher recipe: train a small ``LlamaForCausalLM`` on the toy conversations on CPU.
 
 Design choices:
-- Architecture from ``cfg.teacher.model`` through :func:`distillgates.model.hf_config`, so the
+- Architecture from ``cfg.teacher.model`` through :func:`distillgates.hf.hf_config`, so the
   teacher is a stock HF model that :class:`~distillgates.teacher.local.LocalTeacher` (and any
   HF tooling) loads from ``save_pretrained``.
 - Loss on the assistant-generated tokens only (``generated`` spans of
@@ -50,8 +50,8 @@ import torch.nn.functional as F
 
 from distillgates.config import Config, TeacherConfig
 from distillgates.data.targets import encode_item
+from distillgates.hf import hf_config
 from distillgates.io import atomic_write_json
-from distillgates.model import hf_config
 from distillgates.progress import ProgressBar
 
 log = logging.getLogger(__name__)

@@ -660,7 +660,7 @@ def _init_teacher(cfg: Config, run: RunDir) -> Transformer:
     """The local teacher (``teacher.path``, else the run's toy teacher) as a :class:`Transformer`."""
     from transformers import AutoModelForCausalLM
 
-    from distillgates.model import from_hf
+    from distillgates.hf import from_hf
 
     if cfg.teacher is None or cfg.teacher.kind != "local":
         raise ValueError("train.init_from 'teacher' needs a local teacher (teacher.kind: local)")

@@ -1,9 +1,12 @@
-"""The eager cached inference path (``Transformer._forward_cached``) against the module path.
+"""The fused decoder (``runtime.decoder.FusedDecoder``) against the model's own forward.
 
-The module path (``torch.is_grad_enabled()``) is the reference: same parameters, no fused weights.
+``Transformer.forward`` with ``input_pos`` is the reference: same parameters and cache buffers,
+no fused weights.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -12,8 +15,10 @@ from hypothesis import strategies as st
 
 from distillgates.config import ModelConfig
 from distillgates.model import Transformer
+from distillgates.runtime.decoder import FusedDecoder
 
 CFG = ModelConfig(vocab_size=96, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_hidden=64, max_seq_len=48)
+Forward = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (idx, input_pos) -> logits
 
 
 def _model(seed: int = 0, cfg: ModelConfig = CFG) -> Transformer:
@@ -26,27 +31,30 @@ def _model(seed: int = 0, cfg: ModelConfig = CFG) -> Transformer:
     return model
 
 
-def _run(model: Transformer, idx: torch.Tensor, start: int, fast: bool) -> torch.Tensor:
+def _decoder(model: Transformer, batch: int = 1) -> FusedDecoder:
+    model.setup_caches(batch)
+    return FusedDecoder(model)
+
+
+def _run(forward: Forward, idx: torch.Tensor, start: int) -> torch.Tensor:
     """Prefill ``idx[:, :start]`` then decode the rest one token at a time; logits ``(B, T, V)``."""
-    ctx = torch.inference_mode() if fast else torch.enable_grad()  # grad enabled -> module path
-    with ctx:
-        out = [model(idx[:, :start], torch.arange(start))]
+    with torch.inference_mode():
+        out = [forward(idx[:, :start], torch.arange(start))]
         for pos in range(start, idx.shape[1]):
-            out.append(model(idx[:, pos : pos + 1], torch.tensor([pos])))
-    return torch.cat(out, dim=1).detach()
+            out.append(forward(idx[:, pos : pos + 1], torch.tensor([pos])))
+    return torch.cat(out, dim=1).clone()
 
 
 @settings(max_examples=15, deadline=None)
 @given(start=st.integers(1, 10), n=st.integers(1, 8), batch=st.integers(1, 2), seed=st.integers(0, 50),
        n_kv=st.sampled_from([1, 2, 4]))  # fmt: skip
-def test_fast_path_matches_module_path(start: int, n: int, batch: int, seed: int, n_kv: int) -> None:
+def test_decoder_matches_module_path(start: int, n: int, batch: int, seed: int, n_kv: int) -> None:
     cfg = ModelConfig(**{**CFG.__dict__, "n_kv_heads": n_kv})
     model = _model(seed, cfg)
     idx = torch.randint(0, cfg.vocab_size, (batch, start + n), generator=torch.Generator().manual_seed(seed))
     model.setup_caches(batch)
-    ref = _run(model, idx, start, fast=False)
-    model.setup_caches(batch)
-    got = _run(model, idx, start, fast=True)
+    ref = _run(model, idx, start)
+    got = _run(_decoder(model, batch).forward, idx, start)
     torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-4)
 
 
@@ -54,36 +62,42 @@ def test_in_place_weight_update_is_seen() -> None:
     """The fused weights are a cache: an optimizer-style in-place update must invalidate them."""
     model = _model()
     idx = torch.randint(0, CFG.vocab_size, (1, 6), generator=torch.Generator().manual_seed(1))
-    model.setup_caches(1)
-    before = _run(model, idx, 3, fast=True)
+    decoder = _decoder(model)
+    before = _run(decoder.forward, idx, 3)
     with torch.no_grad():
         model.layers[1].attn.k_proj.weight.mul_(3.0)
         model.layers[0].mlp_norm.weight.add_(0.5)
-    after = _run(model, idx, 3, fast=True)
+    after = _run(decoder.forward, idx, 3)
     assert not torch.allclose(before, after)
-    torch.testing.assert_close(after, _run(model, idx, 3, fast=False), atol=1e-5, rtol=1e-4)
+    torch.testing.assert_close(after, _run(model, idx, 3), atol=1e-5, rtol=1e-4)
 
 
 @pytest.mark.parametrize("assign", [False, True])
 def test_load_state_dict_drops_the_plan(assign: bool) -> None:
     model, other = _model(0), _model(1)
     idx = torch.randint(0, CFG.vocab_size, (1, 5), generator=torch.Generator().manual_seed(2))
-    model.setup_caches(1)
-    _run(model, idx, 2, fast=True)  # builds the plan from model's own weights
+    decoder = _decoder(model)
+    _run(decoder.forward, idx, 2)  # builds the plan from model's own weights
     model.load_state_dict(other.state_dict(), assign=assign)
     other.setup_caches(1)
-    torch.testing.assert_close(_run(model, idx, 2, fast=True), _run(other, idx, 2, fast=False), atol=1e-5, rtol=1e-4)
+    torch.testing.assert_close(_run(decoder.forward, idx, 2), _run(other, idx, 2), atol=1e-5, rtol=1e-4)
 
 
 def test_fused_weights_are_plain_tensors_usable_under_no_grad() -> None:
-    """Built inside ``inference_mode``, the plan must still work from ``torch.no_grad`` (Transformer.decode)."""
+    """Built inside ``inference_mode``, the plan must still work from ``torch.no_grad``."""
     model = _model()
     idx = torch.randint(0, CFG.vocab_size, (1, 4), generator=torch.Generator().manual_seed(3))
-    model.setup_caches(1)
-    _run(model, idx, 2, fast=True)
-    assert model._plan is not None and not model._plan.head.is_inference()
-    logits = model.decode(idx[:, 3:4], torch.tensor([3]))  # no_grad, not inference mode
-    assert logits.shape == (1, CFG.vocab_size)
+    decoder = _decoder(model)
+    _run(decoder.forward, idx, 2)
+    assert not decoder.plan().head.is_inference()
+    with torch.no_grad():  # not inference mode
+        logits = decoder.forward(idx[:, 3:4], torch.tensor([3]))
+    assert logits.shape == (1, 1, CFG.vocab_size)
+
+
+def test_decoder_needs_the_kv_cache() -> None:
+    with pytest.raises(ValueError, match=r"setup_caches"):
+        FusedDecoder(_model())
 
 
 @pytest.mark.parametrize("n_layers", [1, 2])
@@ -96,15 +110,15 @@ def test_last_only_gives_the_last_row_and_the_same_cache(n_layers: int, prompt: 
     idx = torch.randint(0, cfg.vocab_size, (2, prompt + 3), generator=torch.Generator().manual_seed(4))
     runs = []
     for last_only in (False, True):
-        model.setup_caches(2)
+        decoder = _decoder(model, 2)
         with torch.inference_mode():
-            prefill = model(idx[:, :prompt], torch.arange(prompt), last_only=last_only)[:, -1]
-            after = model(idx[:, prompt:], torch.arange(prompt, prompt + 3))
-        runs.append((prefill, after))
+            prefill = decoder.forward(idx[:, :prompt], torch.arange(prompt), last_only=last_only)[:, -1]
+            after = decoder.forward(idx[:, prompt:], torch.arange(prompt, prompt + 3))
+        runs.append((prefill.clone(), after.clone()))
     torch.testing.assert_close(runs[1], runs[0], atol=1e-5, rtol=1e-4)
-    with torch.enable_grad():  # the module path slices the same way
-        model.setup_caches(2)
-        module = model(idx[:, :prompt], torch.arange(prompt), last_only=True).detach()
+    model.setup_caches(2)
+    with torch.inference_mode():  # the module path slices the same way
+        module = model(idx[:, :prompt], torch.arange(prompt), last_only=True).clone()
     assert module.shape == (2, 1, cfg.vocab_size)
     torch.testing.assert_close(module[:, -1], runs[0][0], atol=1e-5, rtol=1e-4)
 
@@ -117,9 +131,26 @@ def test_positions_out_of_order_match_module_path(last_only: bool, length: int) 
     idx = torch.randint(0, CFG.vocab_size, (1, length + 3), generator=torch.Generator().manual_seed(5))
     positions = torch.randperm(length, generator=torch.Generator().manual_seed(6))
     out = []
-    for ctx in (torch.inference_mode(), torch.enable_grad()):
-        model.setup_caches(1)
-        with ctx:
-            first = model(idx[:, :length], positions, last_only=last_only)
-            out.append(torch.cat([first, model(idx[:, length:], torch.arange(length, length + 3))], dim=1).detach())
+    for forward in (_decoder(model).forward, model):
+        with torch.inference_mode():
+            first = forward(idx[:, :length], positions, last_only=last_only)
+            rest = forward(idx[:, length:], torch.arange(length, length + 3))
+        out.append(torch.cat([first, rest], dim=1).clone())
+    torch.testing.assert_close(out[0], out[1], atol=1e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("last_only", [False, True])
+def test_left_padded_batch_matches_module_path(last_only: bool) -> None:
+    """An attention mask over cache slots (the engine's left-padded batches): prefill, then decode steps."""
+    model = _model(7)
+    idx = torch.randint(1, CFG.vocab_size, (2, 10), generator=torch.Generator().manual_seed(7))
+    slots = torch.ones(2, CFG.max_seq_len, dtype=torch.bool)
+    slots[1, :4] = False  # row 1: 4 pad slots, then a 3-token prompt
+    out = []
+    for forward in (_decoder(model, 2).forward, model):
+        with torch.inference_mode():
+            steps = [forward(idx[:, :7], torch.arange(7), slots, last_only=last_only)]
+            for pos in range(7, 10):
+                steps.append(forward(idx[:, pos : pos + 1], torch.tensor([pos]), slots))
+        out.append(torch.cat(steps, dim=1).clone())
     torch.testing.assert_close(out[0], out[1], atol=1e-5, rtol=1e-4)

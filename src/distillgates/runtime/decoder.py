@@ -1,0 +1,199 @@
+"""Fused eager decoder over a :class:`~distillgates.model.Transformer` and its static KV cache.
+
+``Transformer.forward`` is the one model forward (training, and prefill/decode through
+``input_pos``). :class:`FusedDecoder` computes the same logits over the same parameters and
+cache buffers with fewer ops: decode and short extends of a small model are bound by op
+dispatch, not FLOPs. The PyTorch engine runs it eagerly; ``torch.compile`` and ``torch.export``
+trace the model's own forward.
+
+Design choices (measured in docs/benchmarks.md section 1):
+- four matmuls per layer over fused, pre-transposed weights (``x @ W^T`` with a contiguous
+  ``W^T`` is the fast one-row matmul on CPU), residual adds fused into ``addmm``, no module calls;
+- RoPE's ``rotate_half`` folded into the QKV weight and each RMSNorm weight folded into the
+  matmul that follows it (:meth:`FusedDecoder.plan`);
+- one host read of ``input_pos``; contiguous positions (every engine call) take RoPE and
+  causal-mask rows as views; attention over the filled prefix ``[:kv_len]`` only, with no mask
+  at all for one query without padding;
+- GQA by query grouping (:func:`~distillgates.model.gqa_attention`), never ``repeat_interleave``
+  of the cache.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, NamedTuple
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from distillgates.model import Transformer
+
+
+def _rms(x: Tensor, d_eps: float) -> Tensor:
+    """``rms_norm(x) / sqrt(d)`` without its weight: ``x * rsqrt(sum(x^2) + d * eps)``. The plan folds
+    ``weight * sqrt(d)`` into the next matmul (``sum`` is one op, ``mean`` two)."""
+    if x.dtype == torch.float32:
+        return x * torch.rsqrt(x.pow(2).sum(-1, keepdim=True) + d_eps)
+    x32 = x.float()
+    return (x32 * torch.rsqrt(x32.pow(2).sum(-1, keepdim=True) + d_eps)).to(x.dtype)
+
+
+class _Plan(NamedTuple):
+    sources: list[Tensor]  # the parameters the fused tensors were built from
+    stamp: tuple[tuple[int, int], ...]  # (data_ptr, _version) of each source at build time
+    layers: list[tuple[Tensor, Tensor, Tensor, Tensor]]  # (qkv_r^T, o^T, gate_up^T, down^T)
+    head: Tensor  # lm_head^T with the final norm folded in
+
+
+class FusedDecoder:
+    """Inference forward with the KV cache over ``model``'s parameters and cache buffers.
+
+    Build it after ``model.setup_caches``: it writes those buffers for its whole life (after another
+    ``setup_caches``, build a new decoder). Call it under ``torch.inference_mode`` or ``no_grad``.
+
+    Args:
+        model: the transformer, with its static cache set up.
+
+    Raises:
+        ValueError: the model has no KV cache.
+    """
+
+    def __init__(self, model: Transformer) -> None:
+        caches = [layer.attn.kv_cache for layer in model.layers]
+        if any(cache is None for cache in caches):
+            raise ValueError("FusedDecoder needs the model's KV cache: call model.setup_caches(batch) first")
+        self.model = model
+        self.config = model.config
+        self.caches = [(c.k_cache, c.v_cache) for c in caches if c is not None]  # per layer, (B_max, n_kv, S_max, hd)
+        self._plan: _Plan | None = None
+        # a load_state_dict(assign=True) replaces Parameter objects, which the stamp cannot see
+        model.register_load_state_dict_post_hook(self._drop_plan_hook)
+
+    def _drop_plan_hook(self, _module: Any, _incompatible_keys: Any) -> None:
+        self.drop_plan()
+
+    def drop_plan(self) -> None:
+        """Free the fused weights (rebuilt on the next forward)."""
+        self._plan = None
+
+    def plan(self) -> _Plan:
+        """The model's weights folded so that each layer is four matmuls:
+
+        - per layer ``(qkv_r^T, o^T, gate_up^T, down^T)``, then ``head^T``; transposed contiguous
+          (``x @ W^T`` with a contiguous ``W^T`` is the fast one-row matmul on CPU);
+        - ``qkv_r`` = rows ``[q; k; v; R q; R k]`` where ``R`` is RoPE's ``rotate_half`` (a signed
+          permutation of rows, so ``R W x`` is exactly ``rotate_half(W x)``): RoPE is then 3 elementwise ops;
+        - each RMSNorm weight (times ``sqrt(d)``, see :func:`_rms`) is folded into the columns of the
+          matmul that follows it (``(w * n) @ W^T == n @ (w * W)^T`` up to float rounding).
+
+        One extra copy of the linear weights, kept while every source parameter keeps its storage and
+        version (in-place updates and ``.to()`` are seen; ``load_state_dict`` drops it; after replacing
+        a Parameter object otherwise, call :meth:`drop_plan`).
+        """
+        plan = self._plan
+        if plan is not None and plan.stamp == tuple((p.data_ptr(), p._version) for p in plan.sources):
+            return plan
+        cfg = self.config
+        assert cfg.head_dim is not None  # set by ModelConfig.__post_init__
+        half = cfg.head_dim // 2
+
+        def rotated(w: Tensor, heads: int) -> Tensor:  # rows of rotate_half(w @ x), per head
+            w = w.view(heads, 2, half, -1)
+            return torch.cat([-w[:, 1], w[:, 0]], dim=1).reshape(heads * 2 * half, -1)
+
+        def folded(norm: Tensor, *ws: Tensor) -> Tensor:  # (in, out) contiguous, norm weight folded in
+            return (torch.cat(ws).float() * (norm.float() * math.sqrt(cfg.d_model))).to(ws[0].dtype).t().contiguous()
+
+        model, layers, sources = self.model, [], []
+        with torch.inference_mode(False), torch.no_grad():  # plain tensors: usable outside inference mode
+            for layer in model.layers:
+                a, m = layer.attn, layer.mlp
+                wq, wk, wv = a.q_proj.weight, a.k_proj.weight, a.v_proj.weight
+                norms = [layer.attn_norm.weight, layer.mlp_norm.weight]
+                sources += [wq, wk, wv, a.o_proj.weight, m.gate_proj.weight, m.up_proj.weight, m.down_proj.weight]
+                sources += norms
+                qkv_r = folded(norms[0], wq, wk, wv, rotated(wq, cfg.n_heads), rotated(wk, cfg.n_kv_heads))
+                gate_up = folded(norms[1], m.gate_proj.weight, m.up_proj.weight)
+                layers.append((qkv_r, a.o_proj.weight.t().contiguous(), gate_up, m.down_proj.weight.t().contiguous()))
+            sources += [model.norm.weight, model.lm_head.weight, model.embed.weight]
+            head = folded(model.norm.weight, model.lm_head.weight)
+        stamp = tuple((p.data_ptr(), p._version) for p in sources)
+        self._plan = _Plan(sources, stamp, layers, head)
+        return self._plan
+
+    def _mask(
+        self, input_pos: Tensor, attention_mask: Tensor | None, contiguous: bool, kv_len: int, last_row: bool
+    ) -> Tensor | None:
+        """Boolean SDPA mask over the filled prefix ``[:kv_len]`` for GQA-grouped query rows (row ``g*T + t``
+        is query ``t``, see :func:`~distillgates.model.gqa_attention`); ``last_row``: the last query only.
+        None when every query sees the whole prefix (one query at the last slot, no padding)."""
+        T, groups = input_pos.shape[0], self.config.n_heads // self.config.n_kv_heads
+        if attention_mask is None and contiguous:
+            if T == 1 or last_row:
+                return None
+            causal = self.model.causal_mask[kv_len - T : kv_len, :kv_len]  # (T, S): a view
+            return torch.cat([causal] * groups)  # (G*T, S): one copy
+        mask = self.model.make_mask(T, input_pos, attention_mask)[..., :kv_len]  # (B|1, 1, T, S)
+        if last_row:
+            mask = mask[..., -1:, :]  # (B|1, 1, 1, S)
+        return mask.repeat(1, 1, groups, 1)  # (B|1, 1, G*T, S)
+
+    def forward(
+        self, idx: Tensor, input_pos: Tensor, attention_mask: Tensor | None = None, last_only: bool = False
+    ) -> Tensor:
+        """Write ``idx`` into the cache at ``input_pos``; logits as ``Transformer.forward`` returns them.
+
+        Args:
+            idx: token ids ``(B, T)``.
+            input_pos: cache positions ``(T,)`` (prefill: ``arange(T)``; decode: ``[pos]``).
+            attention_mask: ``(B, S_max)`` over cache slots, True = real token; None: all real.
+            last_only: logits ``(B, 1, V)`` of the last position only (prefill, extend): the last layer
+                writes K/V for every row but computes attention, MLP and the LM head (the largest
+                matmul) for the last row only; nothing reads the other rows' outputs.
+
+        Returns:
+            Logits ``(B, T, V)``, or ``(B, 1, V)`` with ``last_only``.
+        """
+        cfg, model = self.config, self.model
+        B, T = idx.shape
+        assert cfg.head_dim is not None  # set by ModelConfig.__post_init__
+        H, n_kv, hd, d_eps = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.d_model * cfg.norm_eps
+        plan = self.plan()
+        positions = input_pos.tolist()  # the one host read per forward
+        start = positions[0]
+        contiguous = positions == list(range(start, start + T))
+        kv_len = start + T if contiguous else max(positions) + 1
+        if contiguous:  # views, no gather
+            cos, sin = model.rope_cos[start : start + T], model.rope_sin[start : start + T]  # (T, hd)
+        else:
+            cos, sin = model.rope_cos[input_pos], model.rope_sin[input_pos]  # (T, hd)
+        # with ``last_only`` the last layer writes every row's K/V but computes the last row's output only
+        last_layer = len(plan.layers) - 1 if last_only and T > 1 else -1
+        mask = None if last_layer == 0 else self._mask(input_pos, attention_mask, contiguous, kv_len, False)
+        x = F.embedding(idx.reshape(-1), model.embed.weight)  # (B*T, d): 2-D rows for torch.mm
+        cast = self.caches[0][0].dtype != x.dtype
+        for i, ((qkv_r_t, o_t, gate_up_t, down_t), (k_cache, v_cache)) in enumerate(zip(plan.layers, self.caches)):
+            qkv = torch.mm(_rms(x, d_eps), qkv_r_t)  # (B*T, (2H+3n_kv)*hd)
+            # (B, heads, T, hd); with T == 1 the transpose is a plain view
+            qkv = qkv.view(B, -1, 1, hd) if T == 1 else qkv.view(B, T, -1, hd).transpose(1, 2)
+            qk, v, qk_rot = qkv.split_with_sizes([H + n_kv, n_kv, H + n_kv], dim=1)  # (B, heads, T, hd)
+            qk = torch.addcmul(qk * cos, qk_rot, sin)  # RoPE on q and k: x * cos + rotate_half(x) * sin
+            q, k = qk.split_with_sizes([H, n_kv], dim=1)  # (B, H, T, hd), (B, n_kv, T, hd)
+            if k_cache.shape[0] != B:
+                k_cache, v_cache = k_cache[:B], v_cache[:B]  # (B, n_kv, S_max, hd)
+            k_cache.index_copy_(2, input_pos, k.to(k_cache.dtype) if cast else k)
+            v_cache.index_copy_(2, input_pos, v.to(v_cache.dtype) if cast else v)
+            k, v = k_cache.narrow(2, 0, kv_len), v_cache.narrow(2, 0, kv_len)  # (B, n_kv, S, hd)
+            if cast:
+                k, v = k.to(q.dtype), v.to(q.dtype)
+            if i == last_layer:  # nothing reads the other rows' outputs: one query row from here on
+                q, x, T = q[:, :, -1:], x.view(B, T, -1)[:, -1], 1  # (B, H, 1, hd), (B, d)
+                mask = self._mask(input_pos, attention_mask, contiguous, kv_len, True)
+            y = F.scaled_dot_product_attention(q.reshape(B, n_kv, -1, hd), k, v, attn_mask=mask)  # (B,n_kv,G*T,hd)
+            # GQA by query grouping (see gqa_attention); one query row per head needs no transpose
+            y = y.reshape(B, H * hd) if T == 1 else y.view(B, H, T, hd).transpose(1, 2).reshape(B * T, H * hd)
+            x = torch.addmm(x, y, o_t)  # x + y @ o^T
+            gate, up = torch.mm(_rms(x, d_eps), gate_up_t).chunk(2, dim=-1)  # (B*T, ffn) each
+            x = torch.addmm(x, F.silu(gate) * up, down_t)  # (B*T, d)
+        return torch.mm(_rms(x, d_eps), plan.head).view(B, T, -1)  # (B, T, V)
