@@ -38,9 +38,9 @@ from distillgates.runtime.base import EngineBase
 from distillgates.runtime.prompt_cache import PromptCache, PromptCachedEngine
 from distillgates.runtime.speculative import SpeculativeDecoder
 from distillgates.runtime.torch_engine import TorchEngine
+from distillgates.tokenizer import END, EOS, TOOL_CALL, load_tokenizer
 
 SCHEMA_VERSION = 1
-TOOL_CALL, END = "<|tool_call|>", "<|end|>"
 
 
 def percentiles(samples: Sequence[float]) -> dict[str, Any]:
@@ -315,14 +315,12 @@ def run_speed(
     from distillgates.hardware import hardware_header
     from distillgates.model import load_model
     from distillgates.runtime.prompt_cache import prefix_until
-    from distillgates.tokenizer import END as END_TOKEN
-    from distillgates.tokenizer import EOS, load_tokenizer
 
     run_dir = Path(run_dir)
     backend = engine or cfg.speed.engine
     tokenizer = load_tokenizer(run_dir / "data" / "tokenizer")
     prompts = [render_prompt(item) for item in _read_items(run_dir / "data" / "eval.jsonl")]
-    end_id = cast(int, tokenizer.convert_tokens_to_ids(END_TOKEN))  # one token -> one id
+    end_id = cast(int, tokenizer.convert_tokens_to_ids(END))  # one token -> one id
     eos_id = cast(int, tokenizer.convert_tokens_to_ids(EOS))
     model = load_model(run_dir / "student" / "model.pt")
     export_dir = run_dir / "export"

@@ -46,6 +46,7 @@ from distillgates.config import Config, ModelConfig, ShapesConfig, SpeedConfig, 
 from distillgates.data.shapes import ShapeSampler
 from distillgates.io import atomic_write_json, atomic_write_text, load_checksummed, save_checksummed
 from distillgates.model import Transformer, save_model
+from distillgates.tokenizer import ASSISTANT, END
 from distillgates.train.data import Batch, Row, build_row, collate, read_kd_set
 from distillgates.train.qat import QAT, probe
 
@@ -187,8 +188,8 @@ class Recipe:
         seed_everything(cfg.seed, cfg.deterministic, self.device)
         tok = self.tokenizer
         self.pad_id = tok.pad_token_id if tok.pad_token_id is not None else 0
-        self.assistant_id = tok.convert_tokens_to_ids("<|assistant|>")
-        self.end_id = tok.convert_tokens_to_ids("<|end|>")
+        self.assistant_id = tok.convert_tokens_to_ids(ASSISTANT)
+        self.end_id = tok.convert_tokens_to_ids(END)
         early_n = cfg.early_tool.first_n_tokens if cfg.early_tool.weight > 0 else 0
         kd = self.kd_records if cfg.teacher_mode == "offline" else None
         self.rows = [
@@ -351,7 +352,7 @@ class Recipe:
                 if batch.turn_start[i, t]:
                     turns.append([])
                 turns[-1].append(int(pred[i, t]))
-            text = "".join("<|assistant|>" + self.tokenizer.decode(t) for t in turns)
+            text = "".join(ASSISTANT + self.tokenizer.decode(t) for t in turns)
             calls, answer = parse_transcript(text)
             out[i] = not losses.coverage_met(item, calls, answer)
         return out
