@@ -28,7 +28,6 @@ from __future__ import annotations
 import argparse
 import copy
 import json
-import math
 import os
 import random
 import time
@@ -49,6 +48,7 @@ from distillgates.model import Transformer, save_model
 from distillgates.tokenizer import ASSISTANT, END
 from distillgates.train.data import Batch, Row, build_row, collate, read_kd_set
 from distillgates.train.qat import QAT, probe
+from distillgates.train.schedule import warmup_cosine
 
 CKPT_NAME = "checkpoint.pt"
 
@@ -75,15 +75,13 @@ def init_distributed(device: str) -> Dist:
 
 
 def lr_lambda(cfg: TrainConfig) -> Any:
-    """Linear warm-up, cosine decay to ``min_lr_ratio``, times ``qat.lr_scale`` once QAT starts."""
+    """:func:`~distillgates.train.schedule.warmup_cosine` as a ``LambdaLR`` factor, times ``qat.lr_scale``
+    once QAT starts."""
     qat_start = qat_start_step(cfg)
 
     def factor(step: int) -> float:
-        if step < cfg.warmup_steps:
-            f = (step + 1) / cfg.warmup_steps
-        else:
-            progress = (step - cfg.warmup_steps) / max(1, cfg.steps - cfg.warmup_steps)
-            f = cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
+        f = warmup_cosine(step, peak=1.0, warmup_steps=cfg.warmup_steps, total_steps=cfg.steps,
+                          min_lr_ratio=cfg.min_lr_ratio)  # fmt: skip
         if qat_start is not None and step >= qat_start:
             f *= cfg.qat.lr_scale
         return f
