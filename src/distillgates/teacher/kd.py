@@ -35,17 +35,15 @@ at the limit the builder checkpoints and stops with a message saying how to cont
 
 from __future__ import annotations
 
-import argparse
 import json
 import logging
 import os
 import re
-import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypedDict
 
-from distillgates.config import Config, TeacherConfig, load_config, sha256_json
+from distillgates.config import Config, TeacherConfig, sha256_json
 from distillgates.data.chat import parse_assistant_turn, prompt_wrapper_sha256, render_prompt, tool_result_text
 from distillgates.data.registry import canonical_call, tool_registry_sha256
 from distillgates.data.targets import SPAN_KINDS, reference_spans
@@ -554,7 +552,8 @@ def _budget_message(cfg: TeacherConfig, state: _KDState, total: int, ckpt: Path)
         return ""
     return (
         f"teacher budget reached ({'; '.join(over)}) after {state['n_done']}/{total} items; progress is saved in "
-        f"{ckpt}. Raise teacher.budget_tokens/budget_usd and rerun with --resume to continue."
+        f"{ckpt} and answered requests in the response cache. Raise teacher.budget_tokens/budget_usd and run "
+        "`distillgates kd` again to continue (requests already answered are not paid for twice)."
     )
 
 
@@ -632,81 +631,3 @@ def _check_record(path: Path, n: int, record: dict[str, Any]) -> None:
         for span in spans:
             if not (isinstance(span, list) and len(span) == 2 and 0 <= span[0] <= span[1] <= text_len):
                 raise _fail(path, n, f"spans.{kind}", f"span {span!r} outside completion_text (length {text_len})")
-
-
-# --------------------------------------------------------------------------------------
-# CLI: ``distillgates kd ...`` and ``python -m distillgates.teacher.kd``
-
-
-def add_parser(subparsers: Any) -> argparse.ArgumentParser:
-    parser = subparsers.add_parser("kd", help="build the KD set: the teacher completes every train prompt")
-    parser.add_argument("config", help="pipeline YAML (teacher section)")
-    parser.add_argument("--data", required=True, help="dataset JSONL (items with a header line)")
-    parser.add_argument("--out", required=True, help="KD set JSONL to write")
-    parser.add_argument("--teacher-dir", default=None, help="local teacher directory (overrides teacher.path)")
-    parser.add_argument("--cache-dir", default=None, help="response cache directory (default <out>.cache)")
-    parser.add_argument("--resume", action="store_true", help="continue from the last checkpoint")
-    parser.add_argument("--limit", type=int, default=None, help="only the first N items")
-    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
-    parser.set_defaults(func=run)
-    return parser
-
-
-def load_items(path: str | Path) -> list[dict[str, Any]]:
-    """Dataset items, validated by the dataset reader (errors name file, line and field)."""
-    from distillgates.data.dataset import read_dataset
-
-    return read_dataset(path)[1]
-
-
-def make_teacher(cfg: TeacherConfig, teacher_dir: str | None = None, tokenizer: Any = None) -> Teacher:
-    """A teacher from config: local directory, or the HTTP API (tokenizer: the local one for id mapping)."""
-    if cfg.kind == "local":
-        from distillgates.teacher.local import LocalTeacher
-
-        path = teacher_dir or cfg.path
-        if not path:
-            raise ValueError("teacher.path (or --teacher-dir) is required for a local teacher")
-        return LocalTeacher(path)
-    from distillgates.teacher.http import HTTPTeacher
-
-    if tokenizer is None:
-        raise ValueError("the HTTP teacher needs the local tokenizer (--teacher-dir or a tokenizer directory)")
-    return HTTPTeacher(cfg, tokenizer)
-
-
-def run(args: argparse.Namespace) -> int:
-    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
-    cfg = load_config(args.config)
-    if cfg.teacher is None:
-        raise ValueError(f"{args.config}: teacher section is missing")
-    tokenizer = None
-    if cfg.teacher.kind != "local" and args.teacher_dir:
-        from transformers import AutoTokenizer
-
-        tokenizer = AutoTokenizer.from_pretrained(args.teacher_dir)
-    teacher = make_teacher(cfg.teacher, args.teacher_dir, tokenizer)
-    items = load_items(args.data)[: args.limit]
-    result = build_kd_set(
-        cfg,
-        teacher,
-        items,
-        args.out,
-        resume=args.resume,
-        cache_dir=args.cache_dir or f"{args.out}.cache",
-        progress=not args.no_progress,
-    )
-    print(result.message, file=sys.stderr if not result.complete else sys.stdout)
-    return 0 if result.complete else 3
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m distillgates.teacher.kd")
-    sub = parser.add_subparsers(dest="command", required=True)
-    add_parser(sub)
-    args = parser.parse_args(["kd", *(sys.argv[1:] if argv is None else argv)])
-    return int(args.func(args))
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())
