@@ -106,20 +106,7 @@ MEANINGS = {
     "GatesConfig.speculative_speedup_min": "speculative: speedup >= this",
     "GatesConfig.speculative_acceptance_min": "speculative: acceptance rate >= this",
     "GatesConfig.significance_alpha": "speed: one-sided significance level of the regression test",
-    "HardwareProfile.speed_bands": "informative [lo, hi] ranges (not gates)",
-    "HardwareProfile.shapes": "enumerated shapes and production mix for this tier",
-    "HardwareProfile.gating": "speed-gating policy",
-    "HardwareProfile.batch": "batch policy",
-    "HardwareProfile.kv": "KV-cache policy",
-    "HardwareProfile.quant": "quantization policy",
     "HardwareProfile.description": "free text",
-    "SpeedBands.ttft_ms_p50": "[lo, hi] TTFT p50 in ms",
-    "SpeedBands.ttft_ms_p95": "[lo, hi] TTFT p95 in ms",
-    "SpeedBands.tps_p50": "[lo, hi] decode tokens/s p50",
-    "SpeedBands.tps_p95": "[lo, hi] decode tokens/s p95",
-    "BatchPolicy.interactive": "interactive batch size (must be 1)",
-    "BatchPolicy.offline_max": "largest offline batch (1..4)",
-    "QuantPolicy.granularity": "weight quantization granularity: per_channel, per_tensor or per_block",
 }
 
 
@@ -302,18 +289,13 @@ def _hardware_reference() -> list[str]:
         "",
     ]
     for cls, paths in classes.items():
-        if cls is config_module.ShapesConfig:
-            out += ["### `ShapesConfig`", "", "YAML: " + ", ".join(f"`{p}`" for p in paths)
-                    + " — same fields as the pipeline's [`ShapesConfig`](#shapesconfig).", ""]
-            continue
         out += _class_section(cls, paths, docs, namespace, anchors)
     out += ["### Shipped profiles", "",
-            "| key | soc_regex | min_ram_gb | shapes.lengths | kv.max_context | batch.offline_max | "
-            "gating.max_regression |",
-            "|---|---|---|---|---|---|---|"]
+            "| key | soc_regex | min_ram_gb | gating.max_regression | gating.min_samples |",
+            "|---|---|---|---|---|"]
     for p in hardware_module.load_profiles(ROOT / "configs" / "hardware_profiles.yaml"):
-        out.append(f"| `{p.key}` | `{_cell(p.soc_regex)}` | {p.min_ram_gb:g} | {p.shapes.lengths} | "
-                   f"{p.kv.max_context} | {p.batch.offline_max} | {p.gating.max_regression:g} |")
+        out.append(f"| `{p.key}` | `{_cell(p.soc_regex)}` | {p.min_ram_gb:g} | {p.gating.max_regression:g} | "
+                   f"{p.gating.min_samples} |")
     out.append("")
     return out
 

@@ -33,7 +33,6 @@ def test_hardware_profiles_yaml_is_validated_by_its_own_loader() -> None:
         ("student_8b_gqa", "student", 8),
         ("student_9b_gqa", "student", 9),
         ("drafter_4b", "drafter", 4),
-        ("judge_4b", "judge", 4),
     ],
 )
 def test_big_configs_have_the_parameter_count_of_their_name(name: str, role: str, billions: int) -> None:

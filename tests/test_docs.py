@@ -56,11 +56,10 @@ def _cli_help(add_parser) -> str:
 
 def _known_options(pytestconfig: pytest.Config) -> set[str]:
     from distillgates.cli import build_parser
-    from distillgates.teacher import kd
     from distillgates.train import recipe
 
     parser = build_parser()
-    texts = [parser.format_help(), _cli_help(kd.add_parser), _cli_help(recipe.add_parser)]
+    texts = [parser.format_help(), _cli_help(recipe.add_parser)]
     for action in parser._subparsers._group_actions:  # the distillgates subcommands
         texts += [sub.format_help() for sub in action.choices.values()]
     # every option string pytest (and its plugins) registered, aliases such as --junitxml included

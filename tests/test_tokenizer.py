@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from tokenizers import pre_tokenizers
 
 from distillgates.data.chat import render_conversation
 from distillgates.data.generator import generate_items
@@ -17,6 +18,7 @@ from distillgates.tokenizer import (
     SPECIAL_TOKENS,
     decode,
     encode,
+    gpt2_byte_decoder,
     load_tokenizer,
     save_tokenizer,
     tokenizer_fingerprint,
@@ -91,6 +93,17 @@ def test_training_is_deterministic_across_processes(tok, tmp_path):
         [sys.executable, "-c", script], capture_output=True, text=True, check=True, env={"PYTHONHASHSEED": "123"}
     )
     assert out.stdout.strip() == tokenizer_fingerprint(tok)
+
+
+def test_gpt2_byte_decoder_spells_every_token_as_its_bytes(tok):
+    decoder = gpt2_byte_decoder()
+    assert sorted(decoder.values()) == list(range(256))  # a bijection onto the bytes
+    assert set(decoder) == set(pre_tokenizers.ByteLevel.alphabet())  # the alphabet the BPE spells tokens in
+    special = set(tok.all_special_ids)
+    for token_id in range(len(tok)):
+        if token_id not in special:
+            piece = tok.convert_ids_to_tokens(token_id)
+            assert bytes(decoder[c] for c in piece).decode("utf-8", "replace") == tok.decode([token_id])
 
 
 def test_offsets_cover_the_text(tok):

@@ -410,7 +410,6 @@ class Config:
     threads: int = 0  # torch intra-op threads for the pipeline; 0 = torch's default (all cores)
     student: ModelConfig | None = None
     drafter: ModelConfig | None = None
-    judge: ModelConfig | None = None
     teacher: TeacherConfig | None = None
     tokenizer: TokenizerConfig = field(default_factory=TokenizerConfig)
     data: DataConfig = field(default_factory=DataConfig)
@@ -550,7 +549,7 @@ def load_config(path: str | Path) -> Config:
 
 
 def load_model_config(path: str | Path, role: str = "student") -> ModelConfig:
-    """Load one model section (``student``/``drafter``/``judge``) from a YAML file."""
+    """Load one model section (``student``/``drafter``) from a YAML file."""
     model = getattr(load_config(path), role)
     if model is None:
         raise ConfigError(f"{path}: {role}: section is missing")

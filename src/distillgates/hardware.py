@@ -33,7 +33,7 @@ from typing import Any
 
 import yaml
 
-from distillgates.config import ConfigError, ShapesConfig, from_dict, read_yaml
+from distillgates.config import ConfigError, from_dict, read_yaml
 
 DEFAULT_PROFILES_PATH = Path(__file__).resolve().parents[2] / "configs" / "hardware_profiles.yaml"
 
@@ -46,32 +46,12 @@ class HardwareMismatchError(ValueError):
 # Profile schema
 
 
-def _check_range(name: str, band: list[float]) -> None:
-    if len(band) != 2 or band[0] > band[1] or band[0] < 0:
-        raise ValueError(f"{name} must be [lo, hi] with 0 <= lo <= hi, got {band}")
-
-
-@dataclass
-class SpeedBands:
-    """Informative acceptance ranges ``[lo, hi]`` for a 7-9B int8 student at batch 1 (not gates)."""
-
-    ttft_ms_p50: list[float]
-    ttft_ms_p95: list[float]
-    tps_p50: list[float]
-    tps_p95: list[float]
-
-    def __post_init__(self) -> None:
-        for name in ("ttft_ms_p50", "ttft_ms_p95", "tps_p50", "tps_p95"):
-            _check_range(name, getattr(self, name))
-
-
 @dataclass
 class GatingPolicy:
     """Relative speed gating against the blessed baseline of the same profile."""
 
     max_regression: float = 0.05  # relative regression (TTFT up / TPS down) tolerated
     min_samples: int = 20  # raw samples per side before a significance test may decide
-    require_same_profile: bool = True  # refuse baselines of another profile unless --allow-cross-hw
 
     def __post_init__(self) -> None:
         if not 0.0 < self.max_regression < 1.0:
@@ -81,65 +61,13 @@ class GatingPolicy:
 
 
 @dataclass
-class BatchPolicy:
-    """Interactive inference at batch 1; offline batches only when they pay (DESIGN.md, Runtime)."""
-
-    interactive: int = 1
-    offline_max: int = 4
-    offline_min_tps_gain: float = 0.10  # offline batch b is used only if TPS improves by at least this
-    offline_max_p95_penalty: float = 0.10  # ... and p95 latency worsens by less than this
-
-    def __post_init__(self) -> None:
-        if self.interactive != 1:
-            raise ValueError(f"interactive batch must be 1 (p95 latency), got {self.interactive}")
-        if not 1 <= self.offline_max <= 4:
-            raise ValueError(f"offline_max must be in 1..4, got {self.offline_max}")
-
-
-@dataclass
-class KVPolicy:
-    precision: str = "fp16"  # KV-cache element type
-    max_context: int = 4096  # longest context gated on this profile (ANE efficiency drops beyond 4096)
-
-    def __post_init__(self) -> None:
-        if self.precision not in ("fp16", "fp32", "int8"):
-            raise ValueError(f"precision must be fp16/fp32/int8, got {self.precision!r}")
-        if self.max_context <= 0:
-            raise ValueError(f"max_context must be > 0, got {self.max_context}")
-
-    @property
-    def bytes_per_elem(self) -> int:
-        return {"fp16": 2, "fp32": 4, "int8": 1}[self.precision]
-
-
-@dataclass
-class QuantPolicy:
-    weights: str = "int8"  # the ANE's sweet spot: int8 weights ...
-    activations: str = "fp16"  # ... with fp16 activations
-    granularity: str = "per_channel"
-
-    def __post_init__(self) -> None:
-        if self.weights not in ("int8", "palettize4", "palettize6", "palettize8", "fp16"):
-            raise ValueError(f"weights must be int8/palettize4/palettize6/palettize8/fp16, got {self.weights!r}")
-        if self.activations not in ("fp16", "fp32"):
-            raise ValueError(f"activations must be fp16/fp32, got {self.activations!r}")
-        if self.granularity not in ("per_channel", "per_tensor", "per_block"):
-            raise ValueError(f"granularity must be per_channel/per_tensor/per_block, got {self.granularity!r}")
-
-
-@dataclass
 class HardwareProfile:
-    """One Apple-silicon tier: how to recognise it and how to measure and gate on it."""
+    """One Apple-silicon tier: how to recognise it and how to gate speed on it."""
 
     key: str  # e.g. "m1-max-64g"; names the baselines folder
     soc_regex: str  # matched (re.search) against the SoC brand string, e.g. "^Apple M1 Max$"
     min_ram_gb: float  # the machine needs at least this much RAM
-    speed_bands: SpeedBands
-    shapes: ShapesConfig = field(default_factory=ShapesConfig)
-    gating: GatingPolicy = field(default_factory=GatingPolicy)
-    batch: BatchPolicy = field(default_factory=BatchPolicy)
-    kv: KVPolicy = field(default_factory=KVPolicy)
-    quant: QuantPolicy = field(default_factory=QuantPolicy)
+    gating: GatingPolicy = field(default_factory=GatingPolicy)  # read by the speed gates (gates/conftest.py)
     description: str = ""
 
     def __post_init__(self) -> None:
@@ -151,10 +79,6 @@ class HardwareProfile:
             raise ValueError(f"soc_regex {self.soc_regex!r} is not a valid regular expression: {err}") from err
         if self.min_ram_gb <= 0:
             raise ValueError(f"min_ram_gb must be > 0, got {self.min_ram_gb}")
-        if self.kv.max_context < max(self.shapes.lengths):
-            raise ValueError(
-                f"kv.max_context ({self.kv.max_context}) is below the largest shape ({max(self.shapes.lengths)})"
-            )
 
     def matches(self, hw: DetectedHardware) -> bool:
         """SoC regex matches and the machine has at least ``min_ram_gb``."""

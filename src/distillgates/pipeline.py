@@ -428,9 +428,15 @@ def cli_step(args: argparse.Namespace) -> int:
 
 
 def cli_report(args: argparse.Namespace) -> int:
-    from distillgates.eval.cli import run_report
+    """``distillgates report``: validate a report.json, print it as a table (and write Markdown)."""
+    from distillgates.eval.report import read_report, render_report, report_markdown
+    from distillgates.io import atomic_write_text
 
-    return run_report(args)
+    report = read_report(args.path)
+    Console().print(render_report(report))
+    if args.markdown:
+        atomic_write_text(args.markdown, report_markdown(report))
+    return 0
 
 
 def cli_profile(args: argparse.Namespace) -> int:

@@ -39,9 +39,9 @@ from distillgates.runtime.base import EngineBase
 from distillgates.runtime.prompt_cache import PromptCache, PromptCachedEngine
 from distillgates.runtime.speculative import SpeculativeDecoder
 from distillgates.runtime.torch_engine import TorchEngine
+from distillgates.tokenizer import END, EOS, TOOL_CALL
 
 SCHEMA_VERSION = 1
-TOOL_CALL, END = "<|tool_call|>", "<|end|>"
 
 
 def percentiles(samples: Sequence[float]) -> dict[str, Any]:
@@ -300,14 +300,12 @@ def run_speed(
     from distillgates.data.chat import render_prompt
     from distillgates.hardware import hardware_header
     from distillgates.runtime.prompt_cache import prefix_until
-    from distillgates.tokenizer import END as END_TOKEN
-    from distillgates.tokenizer import EOS
 
     run = run_dir if isinstance(run_dir, RunDir) else RunDir(run_dir)
     backend = engine or cfg.speed.engine
     tokenizer = run.tokenizer()
     prompts = [render_prompt(item) for item in run.items("eval")]
-    end_id = cast(int, tokenizer.convert_tokens_to_ids(END_TOKEN))  # one token -> one id
+    end_id = cast(int, tokenizer.convert_tokens_to_ids(END))  # one token -> one id
     eos_id = cast(int, tokenizer.convert_tokens_to_ids(EOS))
     model = run.load_model()
     if backend == "coreml":

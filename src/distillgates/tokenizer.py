@@ -21,10 +21,14 @@ import hashlib
 import json
 import os
 from collections.abc import Iterable
+from functools import cache
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors, trainers
-from transformers import PreTrainedTokenizerFast
+
+if TYPE_CHECKING:  # transformers is imported where a tokenizer is built: the constants stay cheap to import
+    from transformers import PreTrainedTokenizerFast
 
 BOS = "<|bos|>"
 EOS = "<|eos|>"
@@ -45,6 +49,23 @@ SPECIAL_TOKENS: tuple[str, ...] = (BOS, EOS, PAD, SYSTEM, USER, ASSISTANT, TOOL_
 # - "_" joins letters (identifiers such as get_weather stay one pre-token);
 # - numbers keep inner separators ("2025-01-15", "10:30", "0.32") so a date can be one token.
 _SPLIT_PATTERN = r"""'(?:[sdmt]|ll|ve|re)|[\p{L}_]+|\p{N}+(?:[-:.,]\p{N}+)*| ?[^\s\p{L}\p{N}_]+|\s+(?!\S)|\s+"""
+
+
+@cache
+def gpt2_byte_decoder() -> dict[str, int]:
+    """Printable character -> byte of GPT-2's ``bytes_to_unicode`` (the ByteLevel alphabet).
+
+    A byte-level BPE vocabulary spells every token in this alphabet, so a token's raw bytes are
+    ``bytes(gpt2_byte_decoder()[c] for c in piece)``.
+    """
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    codes, n = printable[:], 0
+    for b in range(256):
+        if b not in printable:
+            printable.append(b)
+            codes.append(256 + n)
+            n += 1
+    return {chr(c): b for b, c in zip(printable, codes)}
 
 
 def train_tokenizer(texts: Iterable[str], vocab_size: int = 768, min_frequency: int = 2) -> PreTrainedTokenizerFast:
@@ -85,6 +106,8 @@ def train_tokenizer(texts: Iterable[str], vocab_size: int = 768, min_frequency: 
 
 def wrap_tokenizer(backend: Tokenizer) -> PreTrainedTokenizerFast:
     """Wrap a ``tokenizers.Tokenizer`` with bos/eos/pad and the chat specials set."""
+    from transformers import PreTrainedTokenizerFast
+
     return PreTrainedTokenizerFast(
         tokenizer_object=backend,
         bos_token=BOS,
@@ -111,6 +134,8 @@ def load_tokenizer(path: str | Path) -> PreTrainedTokenizerFast:
         FileNotFoundError: if ``path`` holds no ``tokenizer.json``.
         ValueError: if a chat special token is missing or not a single token.
     """
+    from transformers import PreTrainedTokenizerFast
+
     path = Path(path)
     if not (path / "tokenizer.json").exists():
         raise FileNotFoundError(f"{path}: no tokenizer.json (expected a save_pretrained directory)")

@@ -65,6 +65,18 @@ def test_round_trip_and_render(report: dict[str, Any], tmp_path: Path) -> None:
     assert render_report(loaded).row_count > len(FINGERPRINT_KEYS)
 
 
+def test_report_command_renders_and_writes_markdown(report: dict[str, Any], tmp_path: Path, capsys) -> None:
+    from distillgates.cli import main
+
+    path = write_report(tmp_path / "report.json", report)
+    assert main(["report", str(path), "--markdown", str(tmp_path / "summary.md")]) == 0
+    assert "tool_selection" in capsys.readouterr().out
+    assert (tmp_path / "summary.md").read_text() == report_markdown(read_report(path))
+    path.write_text(path.read_text()[:200])
+    assert main(["report", str(path)]) == 2  # a corrupted report: one clear error line, exit 2
+    assert "report.json" in capsys.readouterr().err
+
+
 def test_corrupted_file_rejected_with_position(report: dict[str, Any], tmp_path: Path) -> None:
     path = write_report(tmp_path / "report.json", report)
     path.write_text(path.read_text()[:200])  # truncated

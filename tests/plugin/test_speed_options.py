@@ -82,12 +82,7 @@ profiles:
   - key: {key}
     soc_regex: '.*'
     min_ram_gb: 1
-    shapes: {{lengths: [128, 192, 256], mix: [0.5, 0.35, 0.15]}}
-    speed_bands: {{ttft_ms_p50: [1, 2], ttft_ms_p95: [1, 3], tps_p50: [1, 2], tps_p95: [1, 2]}}
     gating: {{max_regression: {max_regression}, min_samples: {min_samples}}}
-    batch: {{interactive: 1, offline_max: 2}}
-    kv: {{precision: fp16, max_context: 2048}}
-    quant: {{weights: int8, activations: fp16}}
 """
 
 

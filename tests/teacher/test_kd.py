@@ -13,10 +13,12 @@ from pathlib import Path
 
 import pytest
 
-from distillgates.data.chat import render_prompt
-from distillgates.data.targets import reference_spans
+from distillgates.data.chat import parse_assistant_turn, render_prompt, tool_call_text
+from distillgates.eval.runners import TeacherRunner, run_item
+from distillgates.teacher.base import TurnResult
 from distillgates.teacher.cache import CacheError, ResponseCache
-from distillgates.teacher.kd import KDCheckpointError, KDSetError, build_kd_set, read_kd_set, token_masks
+from distillgates.teacher.kd import KDCheckpointError, KDSetError, build_kd_set, read_kd_set
+from distillgates.tokenizer import END
 
 from .conftest import ReplayTeacher, kd_teacher_config
 
@@ -33,17 +35,64 @@ def test_replayed_reference_gives_the_reference_completion(toy_items, tiny_token
         assert record["completion_text"] == item["reference"]
         assert record["calls"] == item["expected_calls"] and record["finish"] == "stop"
         assert all(record["fixture_hits"]) and len(record["request_ids"]) == len(item["expected_calls"]) + 1
-        offset = len(record["prompt_text"])
-        expected = {k: [[a - offset, b - offset] for a, b in v] for k, v in reference_spans(item).items()}
-        assert record["spans"] == expected
-        masks = token_masks(record, tiny_tokenizer)
-        ids = record["completion_ids"]
-        generated = [i for i, m in zip(ids, masks["generated"]) if m]
-        injected = [i for i, m, top in zip(ids, masks["generated"], record["topk_ids"]) if not m and top]
-        assert generated and injected == []  # injected tool results carry no teacher top-k
-        for start, end in record["spans"]["tool_name"]:
-            name_ids = [i for i, m in zip(ids, masks["tool_name"]) if m]
-            assert record["completion_text"][start:end] in tiny_tokenizer.decode(name_ids)
+        assert record["answer"] == item["reference"].rsplit("<|assistant|>", 1)[-1].removesuffix("<|end|><|eos|>")
+        # the teacher's tokens carry its top-k; injected tool results, <|eos|> (and the replay's <|end|>) none
+        with_topk = [i for i, top in zip(record["completion_ids"], record["topk_ids"]) if top]
+        assert tiny_tokenizer.decode(with_topk) == "".join(teacher.turns[item["messages"][1]["content"]])
+
+
+class ShoutingTeacher(ReplayTeacher):
+    """Replays the reference but writes every string argument in upper case with spaces around it."""
+
+    def complete(self, messages, **kwargs) -> TurnResult:
+        turn = super().complete(messages, **kwargs)
+        call = parse_assistant_turn(turn.text)
+        if isinstance(call, dict):
+            args = {k: f" {v.upper()} " if isinstance(v, str) else v for k, v in call["arguments"].items()}
+            turn.text = tool_call_text({**call, "arguments": args}).removesuffix(END)
+            turn.token_ids = self.tokenizer.encode(turn.text, add_special_tokens=False)
+            turn.topk_ids, turn.topk_logprobs = [[i] for i in turn.token_ids], [[0.0] for _ in turn.token_ids]
+        return turn
+
+
+def test_kd_conversations_are_the_eval_loop(toy_items, tiny_tokenizer, tmp_path):
+    """The KD builder plays each conversation through the eval loop: arguments match fixtures as the
+    broker normalizes them (case, spaces), and calls, answer and hits equal what run_item records."""
+    cfg = kd_teacher_config()
+    teacher = ShoutingTeacher(toy_items, tiny_tokenizer)
+    build_kd_set(cfg, teacher, toy_items, tmp_path / "kd.jsonl", progress=False)
+    _, records = read_kd_set(tmp_path / "kd.jsonl")
+    shouted = [r for r in records if any(isinstance(v, str) for c in r["calls"] for v in c["arguments"].values())]
+    assert shouted, "toy items should include calls with string arguments"
+    for item, record in zip(toy_items, records):
+        assert record["finish"] == "stop" and all(record["fixture_hits"])
+        for fixture in item["fixtures"]:  # every tool result reached the teacher, not a miss
+            assert json.dumps(fixture["result"], separators=(",", ":"), ensure_ascii=False) in record["completion_text"]
+        output = run_item(item, TeacherRunner(teacher).session(), max_calls=cfg.max_turns)
+        assert [c["call"] for c in output["calls"]] == record["calls"] and output["answer"] == record["answer"]
+        assert [c["fixture_hit"] for c in output["calls"]] == record["fixture_hits"]
+
+
+def test_an_unparsable_call_gets_an_error_result_and_the_teacher_goes_on(toy_items, tiny_tokenizer, tmp_path):
+    """As in evaluation, a broken call is answered with an error result, never dispatched."""
+
+    class Stutter(ReplayTeacher):  # a broken call first, then the reference turns
+        def complete(self, messages, **kwargs) -> TurnResult:
+            turn = super().complete(messages[:2] + messages[4:], **kwargs)
+            if len(messages) == 2:
+                turn.text = '<|tool_call|>{"name":'
+                turn.token_ids = self.tokenizer.encode(turn.text, add_special_tokens=False)
+                turn.topk_ids = turn.topk_logprobs = [[] for _ in turn.token_ids]
+            return turn
+
+    items = [it for it in toy_items if it["kind"] == "single"]
+    build_kd_set(kd_teacher_config(max_turns=3), Stutter(items, tiny_tokenizer), items, tmp_path / "kd.jsonl",
+                 progress=False)  # fmt: skip
+    _, records = read_kd_set(tmp_path / "kd.jsonl")
+    for item, record in zip(items, records):
+        assert record["calls"] == [None, *item["expected_calls"]] and record["fixture_hits"] == [None, True]
+        assert record["completion_text"].startswith('<|tool_call|>{"name":<|end|><|tool_result|>{"error":')
+        assert record["completion_text"].endswith(item["reference"]) and record["finish"] == "stop"
 
 
 def test_local_teacher_kd_set(tiny_teacher, toy_items, tmp_path):
@@ -147,7 +196,7 @@ def test_budget_stops_cleanly_and_resume_completes(tiny_teacher, toy_items, tmp_
     stopped = _interrupted_build(tiny_teacher, toy_items, out, tokens=1)
     assert stopped.status == "budget_exhausted" and not stopped.complete
     assert stopped.n_done == 2 and stopped.spent_tokens >= 1  # one chunk, then a clean stop
-    assert "budget reached" in stopped.message and "--resume" in stopped.message
+    assert "budget reached" in stopped.message and "distillgates kd" in stopped.message
     assert not out.exists() and Path(f"{out}.partial").read_bytes().count(b"\n") == 3  # header + 2 records
     resumed = build_kd_set(kd_teacher_config(budget_tokens=10**9), tiny_teacher, toy_items, out, resume=True,
                            progress=False)  # fmt: skip
@@ -201,8 +250,8 @@ def test_reader_names_file_line_and_field(toy_items, tiny_tokenizer, tmp_path):
         read_kd_set(broken(3, json.dumps({k: v for k, v in record.items() if k != "completion_ids"})))
     with pytest.raises(KDSetError, match=r"bad.jsonl:3: topk_ids: has 1 positions"):
         read_kd_set(broken(3, json.dumps({**record, "topk_ids": [[]]})))
-    with pytest.raises(KDSetError, match=r"bad.jsonl:3: spans.integration: span \[0, 100000\]"):
-        read_kd_set(broken(3, json.dumps({**record, "spans": {**record["spans"], "integration": [[0, 100000]]}})))
+    with pytest.raises(KDSetError, match=r"bad.jsonl:3: topk_ids\[0\]: top-k ids and log-probs must be lists of equal"):
+        read_kd_set(broken(3, json.dumps({**record, "topk_logprobs": [[], *record["topk_logprobs"][1:]]})))
     with pytest.raises(KDSetError, match=r"bad.jsonl:3: id: duplicate id"):
         read_kd_set(broken(3, lines[1]))
     with pytest.raises(KDSetError, match=r"bad.jsonl:1: __header__"):
@@ -213,33 +262,6 @@ def test_duplicate_item_ids_are_refused(toy_items, tiny_tokenizer, tmp_path):
     with pytest.raises(ValueError, match="duplicate item id"):
         build_kd_set(kd_teacher_config(), ReplayTeacher(toy_items, tiny_tokenizer), [toy_items[0]] * 2,
                      tmp_path / "kd.jsonl", progress=False)  # fmt: skip
-
-
-def test_kd_command_line(tiny_teacher_dir, tiny_tokenizer, toy_items, tmp_path, capsys):
-    from distillgates.data.dataset import write_dataset
-    from distillgates.teacher import kd
-    from distillgates.tokenizer import tokenizer_fingerprint
-
-    data = tmp_path / "train.jsonl"
-    write_dataset(data, toy_items, tokenizer_fingerprint(tiny_tokenizer), seed=0)
-    config = tmp_path / "cfg.yaml"
-    config.write_text("teacher: {kind: local, top_k: 3, max_new_tokens: 4, kd_batch_size: 4}\n")
-    out = tmp_path / "kd.jsonl"
-    args = [
-        str(config),
-        "--data",
-        str(data),
-        "--out",
-        str(out),
-        "--teacher-dir",
-        str(tiny_teacher_dir),
-        "--no-progress",
-    ]
-    assert kd.main(args) == 0
-    assert "KD set complete: 7 items" in capsys.readouterr().out
-    header, records = read_kd_set(out)
-    assert [r["id"] for r in records] == [it["id"] for it in toy_items] and header["top_k"] == 3
-    assert any(Path(tmp_path / "kd.jsonl.cache").rglob("*.json"))  # default cache next to the output
 
 
 def test_kd_items_limits_the_kd_set_to_the_first_items(toy_items, tiny_tokenizer, tmp_path):

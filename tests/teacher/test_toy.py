@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import itertools
 import json
 
 import pytest
@@ -10,13 +9,12 @@ import torch
 
 from distillgates.config import Config, ModelConfig
 from distillgates.eval import evaluate
-from distillgates.model import from_hf
+from distillgates.hf import from_hf
 from distillgates.runtime import TorchEngine
 from distillgates.teacher.local import LocalTeacher
 from distillgates.teacher.toy import (
     copy_rows,
     encode_for_training,
-    lr_at,
     target_ce,
     train_toy_teacher,
     without_system_prompt,
@@ -109,13 +107,6 @@ def test_copy_phase_teaches_copying_from_the_context(toy_items, tiny_tokenizer, 
     assert in_context / total > 5 * chance / total, (in_context / total, chance / total)
 
 
-def test_lr_schedule_warms_up_then_decays(tiny_tokenizer):
-    tcfg = _cfg(tiny_tokenizer, train_steps=100, warmup_steps=10, lr=1.0, min_lr_ratio=0.1).teacher
-    lrs = [lr_at(s, tcfg) for s in range(100)]
-    assert lrs[0] == 0.1 and lrs[9] == 1.0 and max(lrs) == 1.0
-    assert all(a >= b for a, b in itertools.pairwise(lrs[9:])) and abs(lrs[-1] - 0.1) < 0.01
-
-
 @pytest.mark.parametrize("recipe", [{}, {"curriculum_steps": 20, "value_weight": 3.0}], ids=["plain", "curriculum"])
 def test_trained_tiny_teacher_solves_a_memorized_item(toy_items, tiny_tokenizer, tmp_path, recipe):
     """Overfit one tool-call item: the saved teacher then solves it end to end (call, result, answer),
@@ -133,3 +124,4 @@ def test_trained_tiny_teacher_solves_a_memorized_item(toy_items, tiny_tokenizer,
     scored = evaluate(TorchEngine(from_hf(teacher.model).eval()), items, tiny_tokenizer, max_new_tokens=48)
     assert scored["tool_selection"] == 1.0 and scored["json_validity"] == 1.0
     assert scored["arg_match_strict"] == 1.0 and scored["fixture_hit_rate"] == 1.0
+    assert scored["f1_lax_macro"] == 1.0  # the answer states the tool result's values

@@ -41,7 +41,6 @@ def write_kd_set(path: Path, items: list[dict[str, Any]], tok: Any, k: int) -> N
     """A KD set in the teacher's format (``distillgates.teacher.kd``) from a tiny random teacher,
     teacher-forced on each reference (completion = reference); no top-k at injected tool results."""
     from distillgates.data.fingerprints import prompt_wrapper_sha256, tokenizer_fingerprint, tool_registry_sha256
-    from distillgates.data.targets import SPAN_KINDS
     from distillgates.teacher.kd import KD_VERSION
 
     torch.manual_seed(123)
@@ -70,8 +69,7 @@ def write_kd_set(path: Path, items: list[dict[str, Any]], tok: Any, k: int) -> N
         lines.append(json.dumps({
             "id": item["id"], "prompt_text": render_prompt(item), "completion_text": tok.decode(completion),
             "completion_ids": completion, "topk_ids": top_ids, "topk_logprobs": top_lps, "request_id": "r",
-            "request_ids": ["r"], "spans": {kind: [] for kind in SPAN_KINDS},
-            "calls": item["expected_calls"], "answer": None, "fixture_hits": [], "finish": "stop",
+            "request_ids": ["r"], "calls": item["expected_calls"], "answer": None, "fixture_hits": [], "finish": "stop",
         }))
     path.write_text("\n".join(lines) + "\n")
 

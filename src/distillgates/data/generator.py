@@ -25,6 +25,7 @@ from typing import Any
 
 from distillgates.data.chat import answer_text, system_prompt, tool_call_text, tool_result_text
 from distillgates.data.registry import CITIES, CURRENCIES, OPERATIONS, validate_call
+from distillgates.tokenizer import ASSISTANT
 
 KINDS = ("single", "multi", "control", "decline", "pii")
 KIND_WEIGHTS = (0.35, 0.2, 0.15, 0.1, 0.2)
@@ -336,7 +337,7 @@ def check_item(item: dict[str, Any]) -> None:
     """Internal invariants of a generated item (a generator bug, not bad user input)."""
     for call in item["expected_calls"]:
         assert not validate_call(call), (item["id"], validate_call(call))
-    answer = item["reference"].rsplit("<|assistant|>", 1)[-1]
+    answer = item["reference"].rsplit(ASSISTANT, 1)[-1]
     for value in item["integration_fields"]:
         assert value in answer, (item["id"], value)
     for value in item["pii"]:

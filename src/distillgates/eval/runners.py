@@ -1,7 +1,7 @@
 """Runners: drive a model through each eval item's multi-turn tool conversation.
 
-One loop (:func:`run_item`) serves every model kind; a *session* only knows how to produce the
-next assistant turn:
+One loop (:class:`Conversation`, driven by :func:`run_item`) serves every model kind, and the KD
+builder too; a *session* only knows how to produce the next assistant turn:
 
 - :class:`EngineSession`: the runtime engine (``distillgates.runtime``), token level; the tool
   result is appended to the KV state with ``continue_generate`` (no re-prefill).
@@ -78,42 +78,69 @@ def eval_prompt_item(item: Mapping[str, Any]) -> dict[str, Any]:
     return {"id": item["id"], "messages": [{"role": "system", "content": system_prompt(item["locale"])}, *users]}
 
 
-def run_item(item: Mapping[str, Any], session: Session, max_calls: int = 4) -> dict[str, Any]:
-    """Run one item: turns until an answer, at most ``max_calls`` tool calls."""
-    prompt_item = eval_prompt_item(item)
-    broker = ToolBroker.for_item(item)
-    turns: list[dict[str, Any]] = []
-    calls: list[dict[str, Any]] = []
-    tokens_out, ttfa, answer = 0, None, None
-    turn = session.first_turn(prompt_item, render_prompt(prompt_item))
-    while True:
-        tokens_out += turn.tokens
-        turns.append({"role": "assistant", "text": turn.text, "tokens": turn.tokens})
+class Conversation:
+    """One item's tool conversation, fed one generated turn at a time.
+
+    The one place that decides what follows a generated turn: an answer ends the conversation; a
+    call is parsed, validated and answered by the item's :class:`ToolBroker` (an unparsable call
+    gets an error result and is never dispatched); the conversation ends after ``max_calls`` calls
+    or a turn the token budget cut short. :func:`run_item` drives it with one session; the KD
+    builder (:mod:`distillgates.teacher.kd`) drives a batch of them with one teacher request per
+    turn.
+    """
+
+    def __init__(self, item: Mapping[str, Any], max_calls: int = 4) -> None:
+        self.id = str(item["id"])
+        self.broker = ToolBroker.for_item(item)
+        self.max_calls = max_calls
+        self.turns: list[dict[str, Any]] = []
+        self.calls: list[dict[str, Any]] = []
+        self.tokens_out = 0
+        self.ttfa: int | None = None
+        self.answer: str | None = None
+
+    def add_turn(self, turn: Turn) -> dict[str, Any] | None:
+        """Record a generated turn; returns the tool result the model gets next, None when the conversation is over."""
+        self.tokens_out += turn.tokens
+        self.turns.append({"role": "assistant", "text": turn.text, "tokens": turn.tokens})
         parsed = parse_assistant_turn(turn.text)
         if isinstance(parsed, str):
-            answer = parsed
-            break
+            self.answer = parsed
+            return None
         errors = ["malformed_call: $: not a JSON tool call"] if parsed is None else validate_call(parsed)
         if parsed is None:
             result, hit = {"error": "invalid tool call JSON"}, None
         else:
-            result, hit = broker.call(parsed["name"], parsed["arguments"])
-        if ttfa is None and parsed is not None and not errors:
-            ttfa = max(0, tokens_out - int(turn.stopped))
+            result, hit = self.broker.call(parsed["name"], parsed["arguments"])
+        if self.ttfa is None and parsed is not None and not errors:
+            self.ttfa = max(0, self.tokens_out - int(turn.stopped))
         raw = turn.text.split(TOOL_CALL, 1)[1] if TOOL_CALL in turn.text else turn.text
-        calls.append({"raw": raw, "call": parsed, "errors": errors, "fixture_hit": hit})
-        turns.append({"role": "tool", "result": result})
-        if len(calls) >= max_calls or not turn.stopped:
-            break
-        turn = session.next_turn(result)
-    return {
-        "id": str(item["id"]),
-        "turns": turns,
-        "calls": calls,
-        "answer": answer,
-        "tokens_out": tokens_out,
-        "ttfa_tokens": ttfa,
-    }
+        self.calls.append({"raw": raw, "call": parsed, "errors": errors, "fixture_hit": hit})
+        self.turns.append({"role": "tool", "result": result})
+        if len(self.calls) >= self.max_calls or not turn.stopped:
+            return None
+        return result
+
+    def output(self) -> dict[str, Any]:
+        """The per-item output the scorer consumes (module docstring)."""
+        return {
+            "id": self.id,
+            "turns": self.turns,
+            "calls": self.calls,
+            "answer": self.answer,
+            "tokens_out": self.tokens_out,
+            "ttfa_tokens": self.ttfa,
+        }
+
+
+def run_item(item: Mapping[str, Any], session: Session, max_calls: int = 4) -> dict[str, Any]:
+    """Run one item: turns until an answer, at most ``max_calls`` tool calls."""
+    prompt_item = eval_prompt_item(item)
+    conversation = Conversation(item, max_calls)
+    result = conversation.add_turn(session.first_turn(prompt_item, render_prompt(prompt_item)))
+    while result is not None:
+        result = conversation.add_turn(session.next_turn(result))
+    return conversation.output()
 
 
 def run_items(

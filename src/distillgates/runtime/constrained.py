@@ -44,11 +44,10 @@ import torch
 from jsonschema import Draft202012Validator
 from torch import Tensor
 
+from distillgates.tokenizer import END, TOOL_CALL, gpt2_byte_decoder
+
 State = tuple[tuple[Any, ...], ...]
 """Automaton state: a stack of frames (top last); hashable, used as the mask-cache key."""
-
-TOOL_CALL_TOKEN = "<|tool_call|>"
-END_TOKEN = "<|end|>"
 
 
 class UnsupportedSchemaError(ValueError):
@@ -61,22 +60,6 @@ class ConstraintViolation(ValueError):
 
 # --------------------------------------------------------------------------------------
 # Vocabulary: token bytes, byte trie, plain-string fast path
-
-
-def _bytes_to_unicode() -> dict[int, str]:
-    """GPT-2 byte <-> printable-unicode map used by byte-level BPE vocabularies."""
-    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
-    cs = bs[:]
-    n = 0
-    for b in range(256):
-        if b not in bs:
-            bs.append(b)
-            cs.append(256 + n)
-            n += 1
-    return dict(zip(bs, map(chr, cs)))
-
-
-_BYTE_DECODER = {c: b for b, c in _bytes_to_unicode().items()}
 
 
 def _plain_chars(data: bytes) -> int:
@@ -142,13 +125,14 @@ class TokenVocab:
         byte_level = "ByteLevel" in json.dumps([spec.get("decoder"), spec.get("pre_tokenizer")])
         special = {i for i, t in backend.get_added_tokens_decoder().items() if t.special}
         size = backend.get_vocab_size(with_added_tokens=True)
+        byte_decoder = gpt2_byte_decoder()
         out: list[bytes | None] = []
         for i in range(size):
             piece = backend.id_to_token(i)
             if piece is None or i in special:
                 out.append(None)
-            elif byte_level and all(c in _BYTE_DECODER for c in piece):
-                out.append(bytes(_BYTE_DECODER[c] for c in piece))
+            elif byte_level and all(c in byte_decoder for c in piece):
+                out.append(bytes(byte_decoder[c] for c in piece))
             elif len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">"):
                 out.append(bytes([int(piece[3:5], 16)]))
             else:
@@ -924,7 +908,7 @@ def tool_call_constraint(
     bounds = bounds or Bounds()
     key = (id(vocab), json.dumps(list(tools), sort_keys=True, default=str), bounds)
     if key not in _CONSTRAINTS:
-        _CONSTRAINTS[key] = ToolCallConstraint(tools, vocab, backend.token_to_id(END_TOKEN), bounds)
+        _CONSTRAINTS[key] = ToolCallConstraint(tools, vocab, backend.token_to_id(END), bounds)
     return _CONSTRAINTS[key]
 
 
@@ -942,8 +926,8 @@ def tool_call_processor(
         ids = list(engine.generate(prompt_ids, stop_ids=[end_id], logits_processor=proc))
     """
     backend = getattr(tokenizer, "backend_tokenizer", tokenizer)
-    for token in (TOOL_CALL_TOKEN, END_TOKEN):
+    for token in (TOOL_CALL, END):
         if backend.token_to_id(token) is None:
             raise ValueError(f"tokenizer has no {token} token")
     constraint = tool_call_constraint(tokenizer, tools, bounds)
-    return ToolCallProcessor(constraint, backend.token_to_id(TOOL_CALL_TOKEN), prompt_opens_call)
+    return ToolCallProcessor(constraint, backend.token_to_id(TOOL_CALL), prompt_opens_call)

@@ -1,15 +1,17 @@
 """KD-set builder: ask a teacher (local or HTTP) to complete every prompt, write a KD JSONL.
 
-Per item the teacher plays the whole assistant side: it generates a turn up to ``<|end|>``; a
-tool call gets the result from the item's fixtures injected (``<|tool_result|>..<|end|><|assistant|>``,
-exactly as the runtime broker does) and the teacher goes on, until it answers (then ``<|eos|>``),
-runs out of tokens, emits an unparsable call, or hits ``teacher.max_turns``.
+Per item the teacher plays the whole assistant side through the eval loop
+(:class:`distillgates.eval.runners.Conversation`: the same call parsing, fixture matching by the
+:class:`~distillgates.eval.broker.ToolBroker` and stop conditions as evaluation). It generates a
+turn up to ``<|end|>``; a tool call gets its result injected
+(``<|tool_result|>..<|end|><|assistant|>``, exactly as the runtime broker does) and the teacher
+goes on, until it answers (then ``<|eos|>``), runs out of tokens, or has made ``teacher.max_turns``
+calls. The conversations of a chunk advance together: one batched teacher request per turn.
 
 Record (one JSON line per item, after a header line)::
 
     id, prompt_text, completion_text, completion_ids, topk_ids, topk_logprobs, request_id,
-    request_ids, spans {tool_name, arguments, argument_values, integration, generated:
-    [[start, end], ...]}, calls, answer, fixture_hits, finish
+    request_ids, calls, answer, fixture_hits, finish
 
 - ``completion_ids`` are the teacher's own ids for generated tokens (so they align with its
   top-k) and the tokenizer's ids for injected text; ``decode(completion_ids) == completion_text``
@@ -20,9 +22,9 @@ Record (one JSON line per item, after a header line)::
   ``<|eos|>``, the ``<|end|>`` of an API teacher (stop sequences are not reported), and every
   token of an API turn whose tokens do not map onto our vocabulary (text-only KD; see
   :mod:`distillgates.teacher.http`). Log-probs are rounded to 5 decimals.
-- ``spans`` are character spans of ``completion_text`` in the kinds of
-  :mod:`distillgates.data.targets` (see :func:`process_spans`); :func:`token_masks` turns them
-  into masks over ``completion_ids``.
+- ``calls`` (parsed, ``None`` where unparsable), ``answer``, ``fixture_hits`` (per call; ``None``
+  for an unparsable one) come from the eval loop; ``finish`` is ``stop`` (answered), ``length``
+  (a turn hit ``max_new_tokens``) or ``max_turns``.
 
 Robustness: a SHA-256 keyed response cache (:mod:`.cache`), records appended to
 ``<out>.partial`` and a checkpoint ``<out>.ckpt`` (atomic JSON with an embedded sha256 of its
@@ -35,24 +37,21 @@ at the limit the builder checkpoints and stops with a message saying how to cont
 
 from __future__ import annotations
 
-import argparse
 import json
 import logging
 import os
-import re
-import sys
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypedDict
 
-from distillgates.config import Config, TeacherConfig, load_config, sha256_json
-from distillgates.data.chat import parse_assistant_turn, prompt_wrapper_sha256, render_prompt, tool_result_text
-from distillgates.data.registry import canonical_call, tool_registry_sha256
-from distillgates.data.targets import SPAN_KINDS, reference_spans
+from distillgates.config import Config, TeacherConfig, sha256_json
+from distillgates.data.chat import prompt_wrapper_sha256, render_prompt, tool_result_text
+from distillgates.data.registry import tool_registry_sha256
+from distillgates.eval.runners import Conversation, Turn
 from distillgates.io import atomic_write_json, sha256_bytes
 from distillgates.teacher.base import Teacher, TurnResult
 from distillgates.teacher.cache import ResponseCache, cache_key
-from distillgates.tokenizer import ASSISTANT, END, EOS, TOOL_CALL, TOOL_RESULT, tokenizer_fingerprint
+from distillgates.tokenizer import END, EOS, tokenizer_fingerprint
 
 log = logging.getLogger(__name__)
 
@@ -67,7 +66,6 @@ RECORD_FIELDS: dict[str, type | tuple[type, ...]] = {
     "topk_logprobs": list,
     "request_id": str,
     "request_ids": list,
-    "spans": dict,
     "calls": list,
     "answer": (str, type(None)),
     "fixture_hits": list,
@@ -106,32 +104,21 @@ class KDBuildResult:
 # One conversation
 
 
-def fixture_result(item: dict[str, Any], call: dict[str, Any]) -> tuple[dict[str, Any], bool]:
-    """The item's fixture result for ``call`` (exact name + arguments), else an error result."""
-    for fixture in item.get("fixtures", []):
-        if canonical_call(fixture) == canonical_call(call):
-            return fixture["result"], True
-    return {"error": f"no result for {call.get('name')!r} with these arguments"}, False
+class KDConversation:
+    """One training conversation's tokens: the teacher's ids and top-k for generated text, the
+    tokenizer's for injected text. What follows each turn is the eval loop's decision
+    (:class:`~distillgates.eval.runners.Conversation`)."""
 
-
-@dataclass
-class _Conversation:
-    item: dict[str, Any]
-    tokenizer: Any
-    messages: list[dict[str, Any]] = field(default_factory=list)
-    text: str = ""
-    ids: list[int] = field(default_factory=list)
-    topk_ids: list[list[int]] = field(default_factory=list)
-    topk_lp: list[list[float]] = field(default_factory=list)
-    request_ids: list[str] = field(default_factory=list)
-    calls: list[dict[str, Any] | None] = field(default_factory=list)
-    fixture_hits: list[bool] = field(default_factory=list)
-    answer: str | None = None
-    finish: str = ""
-    generated: list[list[int]] = field(default_factory=list)  # char spans the teacher produced
-
-    def __post_init__(self) -> None:
-        self.messages = [dict(m) for m in self.item["messages"]]
+    def __init__(self, item: dict[str, Any], tokenizer: Any, max_turns: int) -> None:
+        self.item, self.tokenizer = item, tokenizer
+        self.loop = Conversation(item, max_calls=max_turns)
+        self.messages = [dict(m) for m in item["messages"]]
+        self.text = ""
+        self.ids: list[int] = []
+        self.topk_ids: list[list[int]] = []
+        self.topk_lp: list[list[float]] = []
+        self.request_ids: list[str] = []
+        self.finish = ""  # set when the conversation is over
 
     def _inject(self, text: str) -> None:
         ids = self.tokenizer.encode(text, add_special_tokens=False)
@@ -140,9 +127,8 @@ class _Conversation:
         self.topk_ids += [[] for _ in ids]
         self.topk_lp += [[] for _ in ids]
 
-    def add_turn(self, turn: TurnResult, last_turn: bool) -> None:
+    def add_turn(self, turn: TurnResult) -> None:
         self.request_ids.append(turn.request_id)
-        turn_start = len(self.text)
         if turn.token_ids is None:  # API tokens not mappable: text-only for this turn
             self._inject(turn.text)
         else:
@@ -150,35 +136,25 @@ class _Conversation:
             self.ids += turn.token_ids
             self.topk_ids += turn.topk_ids
             self.topk_lp += [[round(v, 5) for v in row] for row in turn.topk_logprobs]
-        if turn.finish_reason != "stop":
-            self.generated.append([turn_start, len(self.text)])
+        stopped = turn.finish_reason == "stop"
+        if stopped:
+            self.text += END
+            self.ids.append(self.tokenizer.convert_tokens_to_ids(END))
+            self.topk_ids.append(list(turn.stop_topk_ids))
+            self.topk_lp.append([round(v, 5) for v in turn.stop_topk_logprobs])
+        result = self.loop.add_turn(Turn(text=turn.text, tokens=turn.completion_tokens, stopped=stopped))
+        if result is not None:
+            self._inject(tool_result_text(result))
+            self.messages.append({"role": "assistant", "content": turn.text})
+            self.messages.append({"role": "tool", "content": json.dumps(result, separators=(",", ":"),
+                                                                        ensure_ascii=False)})  # fmt: skip
+        elif not stopped:
             self.finish = "length"
-            return
-        end_id = self.tokenizer.convert_tokens_to_ids(END)
-        self.text += END
-        self.ids.append(end_id)
-        self.topk_ids.append(list(turn.stop_topk_ids))
-        self.topk_lp.append([round(v, 5) for v in turn.stop_topk_logprobs])
-        parsed = parse_assistant_turn(turn.text)
-        if isinstance(parsed, str):
-            self.answer = parsed
+        elif self.loop.answer is not None:
             self._inject(EOS)  # the reference's final <|eos|> counts as generated (targets.py)
-            self.generated.append([turn_start, len(self.text)])
             self.finish = "stop"
-            return
-        self.generated.append([turn_start, len(self.text)])
-        self.calls.append(parsed)
-        if parsed is None:
-            self.finish = "invalid_call"
-            return
-        if last_turn:
+        else:
             self.finish = "max_turns"
-            return
-        result, hit = fixture_result(self.item, parsed)
-        self.fixture_hits.append(hit)
-        self._inject(tool_result_text(result))
-        self.messages.append({"role": "assistant", "content": turn.text})
-        self.messages.append({"role": "tool", "content": json.dumps(result, separators=(",", ":"), ensure_ascii=False)})
 
     def record(self) -> dict[str, Any]:
         decoded = self.tokenizer.decode(self.ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
@@ -193,84 +169,11 @@ class _Conversation:
             "topk_logprobs": self.topk_lp,
             "request_id": self.request_ids[0] if self.request_ids else "",
             "request_ids": self.request_ids,
-            "spans": process_spans(self.item, self.text, self.calls, self.generated),
-            "calls": self.calls,
-            "answer": self.answer,
-            "fixture_hits": self.fixture_hits,
+            "calls": [c["call"] for c in self.loop.calls],
+            "answer": self.loop.answer,
+            "fixture_hits": [c["fixture_hit"] for c in self.loop.calls],
             "finish": self.finish,
         }
-
-
-_NAME_RE = re.compile(r'"name"\s*:\s*"([^"\\]*)"')
-_ARGS_RE = re.compile(r'"arguments"\s*:\s*(\{)')
-
-
-def process_spans(
-    item: dict[str, Any], text: str, calls: list[dict[str, Any] | None], generated: list[list[int]]
-) -> dict[str, list[list[int]]]:
-    """Character spans of ``text`` (the completion) in the kinds of :mod:`distillgates.data.targets`.
-
-    When the teacher's turns are well formed (canonical call JSON, answer ending ``<|end|><|eos|>``)
-    the spans come from :func:`distillgates.data.targets.reference_spans`, exactly as for the
-    reference. Otherwise a lenient scan: the ``"name"`` value and the ``"arguments"`` object of each
-    ``<|tool_call|>`` segment, and the occurrences of integration values in the final answer
-    (``argument_values`` stay empty). ``generated`` (teacher-produced text) is always what the
-    builder recorded.
-    """
-    prompt = render_prompt(item)
-    pseudo = {**item, "expected_calls": calls, "reference": text}
-    try:
-        if any(c is None for c in calls):
-            raise ValueError("unparsable call")
-        ref = reference_spans(pseudo)
-        spans = {k: [[a - len(prompt), b - len(prompt)] for a, b in v] for k, v in ref.items()}
-    except (ValueError, KeyError, TypeError):
-        spans = _lenient_spans(text, item.get("integration_fields", []))
-    spans["generated"] = [list(g) for g in generated]
-    return spans
-
-
-def _lenient_spans(text: str, integration_fields: list[str]) -> dict[str, list[list[int]]]:
-    spans: dict[str, list[list[int]]] = {kind: [] for kind in SPAN_KINDS}
-    for match in re.finditer(re.escape(TOOL_CALL), text):
-        start = match.end()
-        stop = text.find(END, start)
-        segment = text[start : len(text) if stop < 0 else stop]
-        name = _NAME_RE.search(segment)
-        if name:
-            spans["tool_name"].append([start + name.start(1), start + name.end(1)])
-        args = _ARGS_RE.search(segment)
-        close = segment.rstrip().rfind("}")
-        inner_close = segment.rfind("}", 0, close) if close > 0 else -1  # last "}" before the call's own
-        if args and inner_close >= args.start(1):
-            spans["arguments"].append([start + args.start(1), start + inner_close + 1])
-    answer_start = text.rfind(ASSISTANT)
-    answer_start = 0 if answer_start < 0 else answer_start + len(ASSISTANT)
-    tail = text[answer_start:]
-    if TOOL_CALL not in tail and TOOL_RESULT not in tail:
-        answer_end = text.find(END, answer_start)
-        answer_end = len(text) if answer_end < 0 else answer_end
-        for value in sorted({v for v in integration_fields if v}):
-            for m in re.finditer(re.escape(value), text[answer_start:answer_end]):
-                spans["integration"].append([answer_start + m.start(), answer_start + m.end()])
-        spans["integration"].sort()
-    return spans
-
-
-def token_masks(record: dict[str, Any], tokenizer: Any) -> dict[str, list[bool]]:
-    """Per span kind, a mask over ``completion_ids`` (a token is in if its characters overlap a span).
-
-    Token character ranges come from decoding ``completion_ids`` cumulatively, so the masks align
-    with the teacher's own ids (which may not be the canonical encoding of the text).
-    """
-    ends, ids = [], record["completion_ids"]
-    for i in range(1, len(ids) + 1):
-        ends.append(len(tokenizer.decode(ids[:i], skip_special_tokens=False, clean_up_tokenization_spaces=False)))
-    starts = [0, *ends[:-1]]
-    return {
-        kind: [any(s < b and e > a for a, b in ranges) for s, e in zip(starts, ends)]
-        for kind, ranges in record["spans"].items()
-    }
 
 
 # --------------------------------------------------------------------------------------
@@ -384,24 +287,21 @@ def _complete_all(
     return [r for r in results if r is not None], cached
 
 
-def _run_chunk(
+def play_chunk(
     teacher: Teacher, cfg: TeacherConfig, cache: ResponseCache | None, items: list[dict[str, Any]]
-) -> tuple[list[dict[str, Any]], int, float]:
-    """Records for ``items`` and the tokens / USD spent on uncached requests."""
-    convs = [_Conversation(item, teacher.tokenizer) for item in items]
+) -> tuple[list[KDConversation], int, float]:
+    """The conversations of ``items``, played together, and the tokens / USD spent on uncached requests."""
+    convs = [KDConversation(item, teacher.tokenizer, cfg.max_turns) for item in items]
     tokens, usd = 0, 0.0
-    for turn_index in range(cfg.max_turns):
-        active = [c for c in convs if not c.finish]
-        if not active:
-            break
+    while active := [c for c in convs if not c.finish]:
         turns, cached = _complete_all(teacher, cfg, cache, [c.messages for c in active])
         for conv, turn, hit in zip(active, turns, cached):
-            conv.add_turn(turn, last_turn=turn_index == cfg.max_turns - 1)
+            conv.add_turn(turn)
             if not hit:
                 tokens += turn.prompt_tokens + turn.completion_tokens
                 usd += (turn.prompt_tokens * cfg.usd_per_1k_prompt_tokens
                         + turn.completion_tokens * cfg.usd_per_1k_completion_tokens) / 1000  # fmt: skip
-    return [c.record() for c in convs], tokens, usd
+    return convs, tokens, usd
 
 
 def build_kd_set(
@@ -470,7 +370,8 @@ def build_kd_set(
             prefix = _Hasher(partial, state["offset"])
             while state["n_done"] < total:
                 start = state["n_done"]
-                records, tokens, usd = _run_chunk(teacher, tcfg, cache, items[start : start + chunk])
+                convs, tokens, usd = play_chunk(teacher, tcfg, cache, items[start : start + chunk])
+                records = [c.record() for c in convs]
                 data = b"".join(_dumps(r) for r in records)
                 f.write(data)
                 prefix.update(data)
@@ -554,7 +455,8 @@ def _budget_message(cfg: TeacherConfig, state: _KDState, total: int, ckpt: Path)
         return ""
     return (
         f"teacher budget reached ({'; '.join(over)}) after {state['n_done']}/{total} items; progress is saved in "
-        f"{ckpt}. Raise teacher.budget_tokens/budget_usd and rerun with --resume to continue."
+        f"{ckpt} and answered requests in the response cache. Raise teacher.budget_tokens/budget_usd and run "
+        "`distillgates kd` again to continue (requests already answered are not paid for twice)."
     )
 
 
@@ -624,89 +526,3 @@ def _check_record(path: Path, n: int, record: dict[str, Any]) -> None:
             raise _fail(path, n, f"topk_ids[{i}]", "top-k ids and log-probs must be lists of equal length")
     if not all(isinstance(t, int) for t in record["completion_ids"]):
         raise _fail(path, n, "completion_ids", "expected a list of ints")
-    text_len = len(record["completion_text"])
-    for kind in SPAN_KINDS:
-        spans = record["spans"].get(kind)
-        if not isinstance(spans, list):
-            raise _fail(path, n, f"spans.{kind}", "missing or not a list")
-        for span in spans:
-            if not (isinstance(span, list) and len(span) == 2 and 0 <= span[0] <= span[1] <= text_len):
-                raise _fail(path, n, f"spans.{kind}", f"span {span!r} outside completion_text (length {text_len})")
-
-
-# --------------------------------------------------------------------------------------
-# CLI: ``distillgates kd ...`` and ``python -m distillgates.teacher.kd``
-
-
-def add_parser(subparsers: Any) -> argparse.ArgumentParser:
-    parser = subparsers.add_parser("kd", help="build the KD set: the teacher completes every train prompt")
-    parser.add_argument("config", help="pipeline YAML (teacher section)")
-    parser.add_argument("--data", required=True, help="dataset JSONL (items with a header line)")
-    parser.add_argument("--out", required=True, help="KD set JSONL to write")
-    parser.add_argument("--teacher-dir", default=None, help="local teacher directory (overrides teacher.path)")
-    parser.add_argument("--cache-dir", default=None, help="response cache directory (default <out>.cache)")
-    parser.add_argument("--resume", action="store_true", help="continue from the last checkpoint")
-    parser.add_argument("--limit", type=int, default=None, help="only the first N items")
-    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
-    parser.set_defaults(func=run)
-    return parser
-
-
-def load_items(path: str | Path) -> list[dict[str, Any]]:
-    """Dataset items, validated by the dataset reader (errors name file, line and field)."""
-    from distillgates.data.dataset import read_dataset
-
-    return read_dataset(path)[1]
-
-
-def make_teacher(cfg: TeacherConfig, teacher_dir: str | None = None, tokenizer: Any = None) -> Teacher:
-    """A teacher from config: local directory, or the HTTP API (tokenizer: the local one for id mapping)."""
-    if cfg.kind == "local":
-        from distillgates.teacher.local import LocalTeacher
-
-        path = teacher_dir or cfg.path
-        if not path:
-            raise ValueError("teacher.path (or --teacher-dir) is required for a local teacher")
-        return LocalTeacher(path)
-    from distillgates.teacher.http import HTTPTeacher
-
-    if tokenizer is None:
-        raise ValueError("the HTTP teacher needs the local tokenizer (--teacher-dir or a tokenizer directory)")
-    return HTTPTeacher(cfg, tokenizer)
-
-
-def run(args: argparse.Namespace) -> int:
-    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
-    cfg = load_config(args.config)
-    if cfg.teacher is None:
-        raise ValueError(f"{args.config}: teacher section is missing")
-    tokenizer = None
-    if cfg.teacher.kind != "local" and args.teacher_dir:
-        from transformers import AutoTokenizer
-
-        tokenizer = AutoTokenizer.from_pretrained(args.teacher_dir)
-    teacher = make_teacher(cfg.teacher, args.teacher_dir, tokenizer)
-    items = load_items(args.data)[: args.limit]
-    result = build_kd_set(
-        cfg,
-        teacher,
-        items,
-        args.out,
-        resume=args.resume,
-        cache_dir=args.cache_dir or f"{args.out}.cache",
-        progress=not args.no_progress,
-    )
-    print(result.message, file=sys.stderr if not result.complete else sys.stdout)
-    return 0 if result.complete else 3
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m distillgates.teacher.kd")
-    sub = parser.add_subparsers(dest="command", required=True)
-    add_parser(sub)
-    args = parser.parse_args(["kd", *(sys.argv[1:] if argv is None else argv)])
-    return int(args.func(args))
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

@@ -3,35 +3,22 @@
 OpenAI-compatible servers report each token as a decoded string plus its UTF-8 ``bytes``. A
 byte-level BPE token is a byte string (possibly a partial UTF-8 sequence, whose decoded string
 is just U+FFFD), so the bytes, not the string, identify the token. :class:`TokenBytes` builds
-the bytes of every id once (GPT-2 byte alphabet inverted; added/special tokens as their UTF-8
-text) and the reverse map used by the HTTP client.
+the bytes of every id once (:func:`~distillgates.tokenizer.gpt2_byte_decoder`; added/special
+tokens as their UTF-8 text) and the reverse map used by the HTTP client.
 """
 
 from __future__ import annotations
 
-from functools import cache
 from typing import Any
 
-
-@cache
-def _byte_decoder() -> dict[str, int]:
-    """Inverse of GPT-2's ``bytes_to_unicode`` (the ByteLevel pre-tokenizer alphabet)."""
-    printable = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1))
-    printable += list(range(ord("®"), ord("ÿ") + 1))
-    codes, n = printable[:], 0
-    for b in range(256):
-        if b not in printable:
-            printable.append(b)
-            codes.append(256 + n)
-            n += 1
-    return {chr(c): b for b, c in zip(printable, codes)}
+from distillgates.tokenizer import gpt2_byte_decoder
 
 
 class TokenBytes:
     """Bytes of each token id of a (byte-level BPE) tokenizer, and the reverse map."""
 
     def __init__(self, tokenizer: Any) -> None:
-        decoder = _byte_decoder()
+        decoder = gpt2_byte_decoder()
         added = {int(i) for i in getattr(tokenizer, "added_tokens_decoder", {})}
         self.by_id: list[bytes] = []
         for i in range(len(tokenizer)):

@@ -39,7 +39,6 @@ Design choices:
 from __future__ import annotations
 
 import logging
-import math
 import random
 import time
 from pathlib import Path
@@ -48,11 +47,12 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from distillgates.config import Config, TeacherConfig
+from distillgates.config import Config
 from distillgates.data.targets import encode_item
 from distillgates.hf import hf_config
 from distillgates.io import atomic_write_json
 from distillgates.progress import ProgressBar
+from distillgates.train.schedule import warmup_cosine
 
 log = logging.getLogger(__name__)
 
@@ -120,14 +120,6 @@ def target_ce(model: Any, ids: torch.Tensor, weights: torch.Tensor) -> torch.Ten
     return (nll * w[mask]).sum() / mask.sum().clamp(min=1)
 
 
-def lr_at(step: int, cfg: TeacherConfig) -> float:
-    """Linear warmup to ``lr``, then cosine to ``min_lr_ratio * lr`` at ``train_steps``."""
-    if step < cfg.warmup_steps:
-        return cfg.lr * (step + 1) / cfg.warmup_steps
-    progress = (step - cfg.warmup_steps) / max(1, cfg.train_steps - cfg.warmup_steps)
-    return cfg.lr * (cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
-
-
 def train_toy_teacher(
     cfg: Config, tokenizer: Any, train_items: list[dict[str, Any]], out_dir: str | Path, seed: int = 0
 ) -> dict[str, Any]:
@@ -177,8 +169,10 @@ def train_toy_teacher(
         batch, order = order[: tcfg.batch_size], order[tcfg.batch_size :]
         ids, weights = _batch([rows[i] for i in batch], tokenizer.pad_token_id)
         loss = target_ce(model, ids, weights)
+        lr = warmup_cosine(step, peak=tcfg.lr, warmup_steps=tcfg.warmup_steps, total_steps=tcfg.train_steps,
+                           min_lr_ratio=tcfg.min_lr_ratio)  # fmt: skip
         for group in optimizer.param_groups:
-            group["lr"] = lr_at(step, tcfg)
+            group["lr"] = lr
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -186,7 +180,7 @@ def train_toy_teacher(
         losses.append(float(loss.detach()))
         bar.update(1, loss=losses[-1])
         if step % 50 == 0 or step == tcfg.train_steps - 1:
-            log.info("teacher step %d/%d loss %.4f lr %.2e", step, tcfg.train_steps, losses[-1], lr_at(step, tcfg))
+            log.info("teacher step %d/%d loss %.4f lr %.2e", step, tcfg.train_steps, losses[-1], lr)
     bar.close()
     seconds = time.perf_counter() - start
     out = Path(out_dir)

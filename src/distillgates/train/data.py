@@ -25,6 +25,7 @@ import torch
 from torch import Tensor
 
 from distillgates.losses import early_tool_positions, early_tool_target, turn_masks
+from distillgates.tokenizer import ASSISTANT, END, TOOL_CALL
 
 
 def read_kd_set(path: str | Path) -> dict[str, dict[str, Any]]:
@@ -91,7 +92,7 @@ PROCESS_KINDS = ("tool_name", "arguments", "integration")  # span kinds of disti
 def without_preamble(item: dict[str, Any]) -> dict[str, Any]:
     """``item`` with the reference text before its first ``<|tool_call|>`` removed."""
     reference = item["reference"]
-    at = reference.find("<|tool_call|>")
+    at = reference.find(TOOL_CALL)
     return {**item, "reference": reference[at:]} if at > 0 else item
 
 
@@ -149,7 +150,7 @@ def build_row(
     shape = shape_for(len(full), lengths)
     row = Row(item=item, ids=ids, prompt_len=p, shape=shape, process=process, evidence_end=max(evidence, default=-1),
               length=len(full))
-    asst, end, call_id = tokenizer.convert_tokens_to_ids(["<|assistant|>", "<|end|>", "<|tool_call|>"])
+    asst, end, call_id = tokenizer.convert_tokens_to_ids([ASSISTANT, END, TOOL_CALL])
     if kd is not None:
         completion = list(kd["completion_ids"])
         row.teacher_len = float(turn_masks(torch.tensor([prompt_ids[-1:] + completion]), asst, end)[0].sum())

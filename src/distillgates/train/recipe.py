@@ -28,7 +28,6 @@ from __future__ import annotations
 import argparse
 import copy
 import json
-import math
 import os
 import random
 import time
@@ -47,8 +46,10 @@ from distillgates.data.shapes import ShapeSampler
 from distillgates.io import atomic_write_json, atomic_write_text, load_checksummed, save_checksummed
 from distillgates.model import Transformer, save_model
 from distillgates.rundir import RunDir
+from distillgates.tokenizer import ASSISTANT, END
 from distillgates.train.data import Batch, Row, build_row, collate, read_kd_set
 from distillgates.train.qat import QAT, probe
+from distillgates.train.schedule import warmup_cosine
 
 CKPT_NAME = "checkpoint.pt"
 
@@ -75,15 +76,13 @@ def init_distributed(device: str) -> Dist:
 
 
 def lr_lambda(cfg: TrainConfig) -> Any:
-    """Linear warm-up, cosine decay to ``min_lr_ratio``, times ``qat.lr_scale`` once QAT starts."""
+    """:func:`~distillgates.train.schedule.warmup_cosine` as a ``LambdaLR`` factor, times ``qat.lr_scale``
+    once QAT starts."""
     qat_start = qat_start_step(cfg)
 
     def factor(step: int) -> float:
-        if step < cfg.warmup_steps:
-            f = (step + 1) / cfg.warmup_steps
-        else:
-            progress = (step - cfg.warmup_steps) / max(1, cfg.steps - cfg.warmup_steps)
-            f = cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
+        f = warmup_cosine(step, peak=1.0, warmup_steps=cfg.warmup_steps, total_steps=cfg.steps,
+                          min_lr_ratio=cfg.min_lr_ratio)  # fmt: skip
         if qat_start is not None and step >= qat_start:
             f *= cfg.qat.lr_scale
         return f
@@ -188,8 +187,8 @@ class Recipe:
         seed_everything(cfg.seed, cfg.deterministic, self.device)
         tok = self.tokenizer
         self.pad_id = tok.pad_token_id if tok.pad_token_id is not None else 0
-        self.assistant_id = tok.convert_tokens_to_ids("<|assistant|>")
-        self.end_id = tok.convert_tokens_to_ids("<|end|>")
+        self.assistant_id = tok.convert_tokens_to_ids(ASSISTANT)
+        self.end_id = tok.convert_tokens_to_ids(END)
         early_n = cfg.early_tool.first_n_tokens if cfg.early_tool.weight > 0 else 0
         kd = self.kd_records if cfg.teacher_mode == "offline" else None
         self.rows = [
@@ -352,7 +351,7 @@ class Recipe:
                 if batch.turn_start[i, t]:
                     turns.append([])
                 turns[-1].append(int(pred[i, t]))
-            text = "".join("<|assistant|>" + self.tokenizer.decode(t) for t in turns)
+            text = "".join(ASSISTANT + self.tokenizer.decode(t) for t in turns)
             calls, answer = parse_transcript(text)
             out[i] = not losses.coverage_met(item, calls, answer)
         return out
