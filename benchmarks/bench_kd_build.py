@@ -1,4 +1,4 @@
-"""KD-set build throughput of the local teacher: batched (kd_batch_size) vs one conversation at a time.
+"""KD-set build throughput of the local teacher: batched (kd.batch_size) vs one conversation at a time.
 
 Usage: .venv/bin/python benchmarks/bench_kd_build.py TEACHER_DIR [--items 128] [--batch 32]
 Prints items/s for both and the ratio (the pipeline budget is ~2000 toy items in < 60 s).
@@ -40,14 +40,14 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     cfg = load_config(args.config)
-    tcfg = dataclasses.replace(cfg.teacher, kd_batch_size=args.batch)
+    cfg = dataclasses.replace(cfg, kd=dataclasses.replace(cfg.kd, batch_size=args.batch))
     items = generate_items(cfg.data.seed, args.items, cfg.data.locales, "train")
     teacher = LocalTeacher(args.teacher_dir)
     rates = {}
     for name, t in (("batched", teacher), ("one_by_one", _OneByOne(teacher))):
         with tempfile.TemporaryDirectory() as tmp:
             start = time.perf_counter()
-            build_kd_set(tcfg, t, items, Path(tmp) / "kd.jsonl", progress=False)
+            build_kd_set(cfg, t, items, Path(tmp) / "kd.jsonl", progress=False)
             rates[name] = args.items / (time.perf_counter() - start)
         print(f"{name:>10}: {rates[name]:.1f} items/s")
     print(f"batched / one_by_one: {rates['batched'] / rates['one_by_one']:.2f}x")

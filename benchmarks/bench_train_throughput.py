@@ -64,7 +64,7 @@ def main() -> None:
     cfg.student.vocab_size = len(tok)
     lengths = list(cfg.shapes.lengths)
     teacher = Transformer(cfg.student).eval()
-    records = kd_records(items, tok, teacher, k=cfg.teacher.top_k if cfg.teacher else 20, max_len=lengths[-1])
+    records = kd_records(items, tok, teacher, k=cfg.kd.top_k, max_len=lengths[-1])
 
     with tempfile.TemporaryDirectory() as tmp:
         ours = Recipe(cfg.train, cfg.student, cfg.shapes, tok, items, [], tmp, kd_records=records, device="cpu",

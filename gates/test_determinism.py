@@ -45,7 +45,7 @@ def test_api_teacher_made_no_retries(gate, report):
     if kind != "openai":
         pytest.skip(f"teacher kind {kind!r}: the HTTP determinism gate applies to API teachers")
     gate.equals("determinism.teacher_determinism_mode", report.get("gate_inputs.teacher.determinism"), True,
-                "the KD set was built with teacher.determinism: true")
+                "the KD set was built with teacher.api.determinism: true")
     gate.equals("determinism.teacher_retries", report.get("gate_inputs.teacher.retries"), 0,
                 "requests the HTTP teacher retried while building the KD set (any retry fails)")
 

@@ -37,10 +37,10 @@ def test_configuration_reference_is_current():
 def test_generator_lists_every_config_field():
     from dataclasses import fields
 
-    from distillgates.config import Config, TeacherConfig
+    from distillgates.config import APIConfig, Config, KDConfig, TeacherConfig, ToyTeacherTrainConfig
 
     block = _generator().render()
-    for cls in (Config, TeacherConfig):
+    for cls in (Config, TeacherConfig, ToyTeacherTrainConfig, APIConfig, KDConfig):
         for f in fields(cls):
             assert f"| `{f.name}` |" in block, f"{cls.__name__}.{f.name} missing from the reference"
 

@@ -31,7 +31,8 @@ def tiny_config(path: Path) -> Path:
     cfg["student"].update(small)
     cfg["drafter"].update(small)
     cfg["teacher"]["model"].update(small)
-    cfg["teacher"].update(train_steps=4, batch_size=4, kd_batch_size=16, max_new_tokens=24)
+    cfg["teacher"]["train"].update(steps=4, batch_size=4)
+    cfg["kd"].update(batch_size=16, max_new_tokens=24)
     cfg["train"].update(steps=6, batch_size=4, warmup_steps=1, ckpt_every=3, eval_every=6, log_every=1)
     cfg["speed"].update(n_prompts=2, warmup=1, repeats=1, max_new_tokens=8)
     out = path / "tiny.yaml"

@@ -164,56 +164,81 @@ class DataConfig:
 
 
 @dataclass
-class TeacherConfig:
-    """The teacher: a local Hugging Face model (trained for the toy task) or an HTTP API."""
+class ToyTeacherTrainConfig:
+    """How the pipeline trains the toy teacher (``teacher.train``; read by :mod:`distillgates.teacher.toy`)."""
 
-    kind: str = "local"  # "local" (AutoModelForCausalLM dir) or "openai" (chat completions)
-    path: str | None = None  # local: model directory (None: the pipeline trains the toy teacher)
-    model: ModelConfig | None = None  # local toy teacher architecture (trained from scratch)
-    train_steps: int = 600  # toy teacher training steps
+    steps: int = 600
     batch_size: int = 16
     lr: float = 3e-3
-    top_k: int = 20  # top-k log-probs kept per position in the KD set
-    temperature: float = 0.0
-    base_url: str | None = None  # openai: e.g. http://127.0.0.1:8000/v1
-    model_name: str | None = None  # openai: served model name
+    warmup_steps: int = 30  # linear warmup, then cosine to min_lr_ratio * lr
+    min_lr_ratio: float = 0.1
+    weight_decay: float = 0.01
+    value_weight: float = 1.0  # loss weight of argument-value and integration tokens (the facts)
+    curriculum_steps: int = 0  # first N steps without the system prompt (see teacher/toy.py)
+    copy_steps: int = 0  # first N steps on synthetic copy rows, before the curriculum (teacher/toy.py)
+
+    def __post_init__(self) -> None:
+        if self.steps <= 0 or self.batch_size <= 0:
+            raise ValueError("steps and batch_size must be > 0")
+        if self.value_weight <= 0 or self.curriculum_steps < 0 or self.copy_steps < 0:
+            raise ValueError("value_weight must be > 0, curriculum_steps and copy_steps >= 0")
+
+
+@dataclass
+class APIConfig:
+    """An OpenAI-compatible chat-completions client (``teacher.api``; read by :mod:`distillgates.teacher.http`)."""
+
+    base_url: str | None = None  # e.g. http://127.0.0.1:8000/v1
+    model_name: str | None = None  # served model name
     api_key_env: str = "DISTILLGATES_API_KEY"  # name of the env var holding the key (never the key)
     timeout_s: float = 60.0
     max_retries: int = 5
     rate_limit_rps: float = 0.0  # 0: unlimited
     determinism: bool = False  # temperature 0, top_p 1, no retries; any retry is an error
-    budget_tokens: int = 0  # 0: unlimited
-    budget_usd: float = 0.0  # 0: unlimited
-    # --- added by the teacher area (issue 3) ---
-    warmup_steps: int = 30  # toy teacher: linear warmup, then cosine to min_lr_ratio * lr
-    min_lr_ratio: float = 0.1
-    weight_decay: float = 0.01
-    value_weight: float = 1.0  # toy teacher: loss weight of argument-value and integration tokens (the facts)
-    curriculum_steps: int = 0  # toy teacher: first N steps without the system prompt (see teacher/toy.py)
-    copy_steps: int = 0  # toy teacher: first N steps on synthetic copy rows, before the curriculum (teacher/toy.py)
-    backoff_base_s: float = 0.5  # openai: full-jitter exponential backoff base and cap
+    backoff_base_s: float = 0.5  # full-jitter exponential backoff base and cap
     backoff_max_s: float = 30.0
-    usd_per_1k_prompt_tokens: float = 0.0  # budget accounting (cost = tokens * price)
-    usd_per_1k_completion_tokens: float = 0.0
-    max_new_tokens: int = 96  # per generated assistant turn
-    max_turns: int = 4  # assistant turns per conversation (calls + answer)
-    kd_batch_size: int = 32  # local teacher: items generated together by the KD builder
-    ckpt_every: int = 256  # KD builder: checkpoint every N items (rounded up to kd_batch_size)
-    kd_items: int = 0  # KD set: the teacher answers the first N training items (0: all); the rest train on references
+
+
+@dataclass
+class TeacherConfig:
+    """Which teacher: a local Hugging Face model (given, or the toy teacher the pipeline trains) or an API."""
+
+    kind: str = "local"  # "local" (AutoModelForCausalLM dir) or "openai" (chat completions)
+    path: str | None = None  # local: model directory (None: the pipeline trains the toy teacher)
+    model: ModelConfig | None = None  # local toy teacher architecture (trained from scratch)
+    train: ToyTeacherTrainConfig = field(default_factory=ToyTeacherTrainConfig)  # the toy teacher's training
+    api: APIConfig = field(default_factory=APIConfig)  # kind "openai": the client
 
     def __post_init__(self) -> None:
         if self.kind not in ("local", "openai"):
             raise ValueError(f"kind must be 'local' or 'openai', got {self.kind!r}")
-        if self.kind == "openai" and not self.base_url:
-            raise ValueError("base_url is required when kind is 'openai'")
+        if self.kind == "openai" and not self.api.base_url:
+            raise ValueError("api.base_url is required when kind is 'openai'")
+
+
+@dataclass
+class KDConfig:
+    """The KD set: how the teacher plays the training conversations (``kd``; read by :mod:`distillgates.teacher.kd`)."""
+
+    items: int = 0  # the teacher answers the first N training items (0: all); the rest train on references
+    top_k: int = 20  # top-k log-probs kept per position
+    temperature: float = 0.0  # generation temperature (0: greedy); forced to 0 by teacher.api.determinism
+    max_new_tokens: int = 96  # per generated assistant turn
+    max_turns: int = 4  # assistant turns per conversation (calls + answer)
+    batch_size: int = 32  # local teacher: conversations generated together
+    ckpt_every: int = 256  # checkpoint every N items (rounded up to batch_size)
+    budget_tokens: int = 0  # 0: unlimited
+    budget_usd: float = 0.0  # 0: unlimited
+    usd_per_1k_prompt_tokens: float = 0.0  # budget accounting (cost = tokens * price)
+    usd_per_1k_completion_tokens: float = 0.0
+
+    def __post_init__(self) -> None:
         if self.top_k <= 0:
             raise ValueError(f"top_k must be > 0, got {self.top_k}")
-        if self.value_weight <= 0 or self.curriculum_steps < 0 or self.copy_steps < 0:
-            raise ValueError("value_weight must be > 0, curriculum_steps and copy_steps >= 0")
-        if self.max_new_tokens <= 0 or self.max_turns <= 0 or self.kd_batch_size <= 0 or self.ckpt_every <= 0:
-            raise ValueError("max_new_tokens, max_turns, kd_batch_size and ckpt_every must be > 0")
-        if self.kd_items < 0:
-            raise ValueError(f"kd_items must be >= 0 (0: every training item), got {self.kd_items}")
+        if self.max_new_tokens <= 0 or self.max_turns <= 0 or self.batch_size <= 0 or self.ckpt_every <= 0:
+            raise ValueError("max_new_tokens, max_turns, batch_size and ckpt_every must be > 0")
+        if self.items < 0:
+            raise ValueError(f"items must be >= 0 (0: every training item), got {self.items}")
 
 
 @dataclass
@@ -411,6 +436,7 @@ class Config:
     student: ModelConfig | None = None
     drafter: ModelConfig | None = None
     teacher: TeacherConfig | None = None
+    kd: KDConfig = field(default_factory=KDConfig)
     tokenizer: TokenizerConfig = field(default_factory=TokenizerConfig)
     data: DataConfig = field(default_factory=DataConfig)
     shapes: ShapesConfig = field(default_factory=ShapesConfig)

@@ -271,7 +271,7 @@ def coverage_met(item: Mapping[str, Any], calls: Sequence[Mapping[str, Any] | No
     Items without expected calls and integration fields are always covered.
     """
     from distillgates.data.registry import validate_call
-    from distillgates.eval.scorer import match_call, normalize_text, value_text
+    from distillgates.eval.matching import match_call, normalize_text, value_text
 
     expected = list(item.get("expected_calls") or [])
     locale = str(item.get("locale", "en"))

@@ -222,7 +222,7 @@ def step_teacher(cfg: Config, run: RunDir) -> dict[str, Any]:
     if cfg.teacher is None:
         raise ValueError("config has no teacher section")
     if cfg.teacher.kind == "openai":
-        return {"kind": "openai", "base_url": cfg.teacher.base_url, "model": cfg.teacher.model_name}
+        return {"kind": "openai", "base_url": cfg.teacher.api.base_url, "model": cfg.teacher.api.model_name}
     if cfg.teacher.path:  # a given AutoModelForCausalLM directory: nothing to train (its files are checksummed)
         return {"kind": "local", "path": cfg.teacher.path}
     from distillgates.teacher.toy import train_toy_teacher
@@ -239,7 +239,7 @@ def step_kd(cfg: Config, run: RunDir) -> dict[str, Any]:
     if cfg.teacher.kind == "openai":
         from distillgates.teacher.http import HTTPTeacher
 
-        teacher: Any = HTTPTeacher(cfg.teacher, run.tokenizer())
+        teacher: Any = HTTPTeacher(cfg.teacher.api, run.tokenizer())
     else:
         from distillgates.teacher.local import LocalTeacher
 
@@ -251,7 +251,7 @@ def step_kd(cfg: Config, run: RunDir) -> dict[str, Any]:
         raise RuntimeError(f"KD set incomplete: {result.message}")
     # gate_inputs.teacher: an API teacher's KD set is reproducible only in determinism mode with no retry
     atomic_write_json(run.kd_build, {
-        "kind": cfg.teacher.kind, "determinism": cfg.teacher.determinism, "retries": result.retries,
+        "kind": cfg.teacher.kind, "determinism": cfg.teacher.api.determinism, "retries": result.retries,
         "cache_hits": result.cache_hits, "records": result.n_done, "tokens": result.spent_tokens,
     })
     return {"records": result.n_done, "tokens": result.spent_tokens, "status": result.status}
@@ -315,7 +315,7 @@ def step_eval(cfg: Config, run: RunDir) -> dict[str, Any]:
         from distillgates.eval.runners import TeacherRunner
         from distillgates.teacher.http import HTTPTeacher
 
-        teacher: Any = TeacherRunner(HTTPTeacher(cfg.teacher, tokenizer), cfg.eval.max_new_tokens)
+        teacher: Any = TeacherRunner(HTTPTeacher(cfg.teacher.api, tokenizer), cfg.eval.max_new_tokens)
     else:  # a local teacher runs through the same engine and runner (identical weights via from_hf)
         from distillgates.teacher.local import LocalTeacher
 
@@ -378,10 +378,10 @@ STEPS: list[Step] = [
     Step("data", "generate the toy dataset and train the tokenizer", ("data", "tokenizer", "shapes"), (), step_data,
          lambda cfg, run: (run.data_dir,)),
     Step("teacher", "train the toy teacher (LlamaForCausalLM)",
-         ("teacher",), ("data",), step_teacher,
+         ("teacher.kind", "teacher.path", "teacher.model", "teacher.train"), ("data",), step_teacher,
          _teacher_outputs),
     Step("kd", "query the teacher for the training prompts and write the KD set",
-         ("teacher",), ("data", "teacher"), step_kd, lambda cfg, run: (run.kd_dir,),
+         ("teacher.kind", "teacher.api", "kd"), ("data", "teacher"), step_kd, lambda cfg, run: (run.kd_dir,),
          resumable=True),
     Step("student", "distill the student (KD + latency-aware losses, enumerated shapes, late QAT)",
          ("student", "train", "shapes", "speed.n_prompts"), ("data", "teacher", "kd"), step_student,
@@ -394,7 +394,7 @@ STEPS: list[Step] = [
     Step("speed", "measure TTFT/TPS/TTFA, prompt cache and speculative decoding", ("speed",),
          ("data", "student", "drafter"), step_speed, lambda cfg, run: (run.speed_report,)),
     Step("eval", "evaluate student and teacher on held-out items; sharded determinism",
-         ("shapes", "eval", "teacher"), ("data", "teacher", "student"), step_eval,
+         ("shapes", "eval", "teacher.kind", "teacher.api"), ("data", "teacher", "student"), step_eval,
          lambda cfg, run: (run.eval_dir,)),
     Step("report", "write the validated report", ("*",), ("eval", "speed", "export", "kd", "student"), step_report,
          lambda cfg, run: (run.report,)),

@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 import torch
 
-from distillgates.config import TeacherConfig
+from distillgates.config import APIConfig
 from distillgates.eval.runners import EngineRunner, HFRunner, TeacherRunner, eval_prompt_item, run_items
 from distillgates.eval.sharding import normalize_output
 from distillgates.hf import to_hf
@@ -44,7 +44,7 @@ def test_engine_hf_and_http_runners_agree(tiny_run: dict[str, Any], hf_dir: Path
     engine_out = run_items(EngineRunner(TorchEngine(model), tok, model_fingerprint(model), max_new_tokens=6), items)
     hf_out = run_items(HFRunner.from_pretrained(hf_dir, tok, max_new_tokens=6), items)
     with TeacherServer(LocalTeacher(hf_dir)) as server:
-        cfg = TeacherConfig(kind="openai", base_url=server.base_url, model_name="toy-teacher", determinism=True)
+        cfg = APIConfig(base_url=server.base_url, model_name="toy-teacher", determinism=True)
         runner = TeacherRunner(HTTPTeacher(cfg, tok), max_new_tokens=6)
         http_out = run_items(runner, items)
     assert runner.decoding["determinism"] is True

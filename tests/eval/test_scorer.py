@@ -11,7 +11,8 @@ from hypothesis import strategies as st
 
 from distillgates.data.generator import generate_item
 from distillgates.eval.runners import reference_output
-from distillgates.eval.scorer import find_spans, match_call, parse_number, score
+from distillgates.eval.matching import match_call, parse_number
+from distillgates.eval.scorer import find_spans, score
 
 RATE_KEYS = ("tool_selection", "json_validity", "arg_match_strict", "arg_match_lax", "f1_strict_macro",
              "f1_lax_macro", "f1_strict_micro", "f1_lax_micro", "privacy_ok_rate", "fixture_hit_rate")  # fmt: skip

@@ -40,7 +40,7 @@ VIOLATIONS = [
     ("api_teacher_retried", {"gate_inputs.teacher.retries": 2}, "determinism",
      ["test_api_teacher_made_no_retries"], "measured 2 == threshold 0"),
     ("api_teacher_not_deterministic", {"gate_inputs.teacher.determinism": False}, "determinism",
-     ["test_api_teacher_made_no_retries"], "teacher.determinism: true"),
+     ["test_api_teacher_made_no_retries"], "teacher.api.determinism: true"),
     ("missing_teacher_inputs", {"gate_inputs.teacher": DELETE}, "determinism",
      ["test_api_teacher_made_no_retries"], "missing key 'gate_inputs.teacher.kind'"),
     ("missing_fingerprint", {"header.fingerprints.model_fingerprint": DELETE}, "determinism",

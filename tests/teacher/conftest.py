@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 import torch
 
-from distillgates.config import ModelConfig, TeacherConfig
+from distillgates.config import APIConfig, Config, KDConfig, ModelConfig, TeacherConfig
 from distillgates.data.chat import render_conversation
 from distillgates.data.generator import generate_items
 from distillgates.hf import hf_config
@@ -72,10 +72,10 @@ def tiny_teacher(tiny_teacher_dir: Path) -> Any:
     return LocalTeacher(tiny_teacher_dir)
 
 
-def kd_teacher_config(**overrides: Any) -> TeacherConfig:
-    fields: dict[str, Any] = dict(kind="local", top_k=4, max_new_tokens=6, max_turns=3, kd_batch_size=2, ckpt_every=2)
-    fields.update(overrides)
-    return TeacherConfig(**fields)
+def kd_config(kind: str = "local", api: dict[str, Any] | None = None, **kd: Any) -> Config:
+    """A config for the KD builder: a tiny ``kd`` section (``kd`` overrides it) and the teacher's kind and API."""
+    fields: dict[str, Any] = dict(top_k=4, max_new_tokens=6, max_turns=3, batch_size=2, ckpt_every=2) | kd
+    return Config(teacher=TeacherConfig(kind=kind, api=APIConfig(**(api or {}))), kd=KDConfig(**fields))
 
 
 class ReplayTeacher:

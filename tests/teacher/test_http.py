@@ -9,6 +9,7 @@ import httpx
 import pytest
 import torch
 
+from distillgates.config import APIConfig
 from distillgates.teacher.http import (
     DeterminismError,
     HTTPTeacher,
@@ -17,8 +18,6 @@ from distillgates.teacher.http import (
     parse_retry_after,
 )
 from distillgates.teacher.server import Fault, TeacherServer
-
-from .conftest import kd_teacher_config
 
 KEY = "sk-test-3f9a1c7e55d2"
 
@@ -36,10 +35,10 @@ def make_client(server, tiny_teacher, monkeypatch):
 
     def make(**overrides):
         sleeps: list[float] = []
-        fields = dict(kind="openai", base_url=server.base_url, api_key_env="TEST_TEACHER_KEY", timeout_s=5.0,
+        fields = dict(base_url=server.base_url, api_key_env="TEST_TEACHER_KEY", timeout_s=5.0,
                       max_retries=3, backoff_base_s=0.01, backoff_max_s=0.05)  # fmt: skip
         fields.update(overrides)
-        client = HTTPTeacher(kd_teacher_config(**fields), tiny_teacher.tokenizer, sleep=sleeps.append)
+        client = HTTPTeacher(APIConfig(**fields), tiny_teacher.tokenizer, sleep=sleeps.append)
         client.sleeps = sleeps
         clients.append(client)
         return client
@@ -101,7 +100,7 @@ def test_determinism_mode_fails_on_the_first_retryable_failure(make_client, serv
 
 
 def test_determinism_mode_pins_sampling_and_captures_request_ids(make_client, toy_items):
-    client = make_client(determinism=True, temperature=0.9)
+    client = make_client(determinism=True)
     body = client.payload(_messages(toy_items[0]), max_new_tokens=4, top_k=2, temperature=0.9)
     assert body["temperature"] == 0.0 and body["top_p"] == 1.0
     a = client.complete(_messages(toy_items[0]), max_new_tokens=4, top_k=2, temperature=0.9)
@@ -137,7 +136,7 @@ def test_unmappable_tokens_fall_back_to_text_only(tiny_teacher):
         "usage": {"prompt_tokens": 3, "completion_tokens": 1},
     }  # fmt: skip
     transport = httpx.MockTransport(lambda request: httpx.Response(200, json=body))  # an unreachable API's reply
-    client = HTTPTeacher(kd_teacher_config(kind="openai", base_url="http://api.invalid/v1"), tiny_teacher.tokenizer,
+    client = HTTPTeacher(APIConfig(base_url="http://api.invalid/v1"), tiny_teacher.tokenizer,
                          api_key="k", transport=transport)  # fmt: skip
     result = client.complete([{"role": "user", "content": "x"}], max_new_tokens=4, top_k=2)
     assert result.text == "Hi" and result.token_ids is None and result.topk_ids == []

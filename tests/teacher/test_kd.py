@@ -20,13 +20,13 @@ from distillgates.teacher.cache import CacheError, ResponseCache
 from distillgates.teacher.kd import KDCheckpointError, KDSetError, build_kd_set, read_kd_set
 from distillgates.tokenizer import END
 
-from .conftest import ReplayTeacher, kd_teacher_config
+from .conftest import ReplayTeacher, kd_config
 
 
 def test_replayed_reference_gives_the_reference_completion(toy_items, tiny_tokenizer, tmp_path):
     """Multi-turn assembly: a teacher that replays the reference turns reproduces the reference."""
     teacher = ReplayTeacher(toy_items, tiny_tokenizer)
-    result = build_kd_set(kd_teacher_config(), teacher, toy_items, tmp_path / "kd.jsonl", progress=False)
+    result = build_kd_set(kd_config(), teacher, toy_items, tmp_path / "kd.jsonl", progress=False)
     assert result.complete and result.n_done == len(toy_items)
     header, records = read_kd_set(tmp_path / "kd.jsonl")
     assert header["total"] == len(toy_items) and header["teacher_model_id"] == "replay"
@@ -58,7 +58,7 @@ class ShoutingTeacher(ReplayTeacher):
 def test_kd_conversations_are_the_eval_loop(toy_items, tiny_tokenizer, tmp_path):
     """The KD builder plays each conversation through the eval loop: arguments match fixtures as the
     broker normalizes them (case, spaces), and calls, answer and hits equal what run_item records."""
-    cfg = kd_teacher_config()
+    cfg = kd_config()
     teacher = ShoutingTeacher(toy_items, tiny_tokenizer)
     build_kd_set(cfg, teacher, toy_items, tmp_path / "kd.jsonl", progress=False)
     _, records = read_kd_set(tmp_path / "kd.jsonl")
@@ -68,7 +68,7 @@ def test_kd_conversations_are_the_eval_loop(toy_items, tiny_tokenizer, tmp_path)
         assert record["finish"] == "stop" and all(record["fixture_hits"])
         for fixture in item["fixtures"]:  # every tool result reached the teacher, not a miss
             assert json.dumps(fixture["result"], separators=(",", ":"), ensure_ascii=False) in record["completion_text"]
-        output = run_item(item, TeacherRunner(teacher).session(), max_calls=cfg.max_turns)
+        output = run_item(item, TeacherRunner(teacher).session(), max_calls=cfg.kd.max_turns)
         assert [c["call"] for c in output["calls"]] == record["calls"] and output["answer"] == record["answer"]
         assert [c["fixture_hit"] for c in output["calls"]] == record["fixture_hits"]
 
@@ -86,7 +86,7 @@ def test_an_unparsable_call_gets_an_error_result_and_the_teacher_goes_on(toy_ite
             return turn
 
     items = [it for it in toy_items if it["kind"] == "single"]
-    build_kd_set(kd_teacher_config(max_turns=3), Stutter(items, tiny_tokenizer), items, tmp_path / "kd.jsonl",
+    build_kd_set(kd_config(max_turns=3), Stutter(items, tiny_tokenizer), items, tmp_path / "kd.jsonl",
                  progress=False)  # fmt: skip
     _, records = read_kd_set(tmp_path / "kd.jsonl")
     for item, record in zip(items, records):
@@ -96,7 +96,7 @@ def test_an_unparsable_call_gets_an_error_result_and_the_teacher_goes_on(toy_ite
 
 
 def test_local_teacher_kd_set(tiny_teacher, toy_items, tmp_path):
-    cfg = kd_teacher_config()
+    cfg = kd_config()
     result = build_kd_set(cfg, tiny_teacher, toy_items, tmp_path / "kd.jsonl", progress=False)
     assert result.complete and result.spent_tokens > 0
     header, records = read_kd_set(tmp_path / "kd.jsonl")
@@ -104,12 +104,12 @@ def test_local_teacher_kd_set(tiny_teacher, toy_items, tmp_path):
     for record in records:
         ids = record["completion_ids"]
         assert tiny_teacher.tokenizer.decode(ids) == record["completion_text"]
-        assert all(len(row) == 4 for row in record["topk_ids"][: cfg.max_new_tokens])
+        assert all(len(row) == 4 for row in record["topk_ids"][: cfg.kd.max_new_tokens])
         assert record["request_id"].startswith("local-")
 
 
 def test_cache_makes_a_rebuild_free_and_identical(tiny_teacher, toy_items, tmp_path):
-    cfg = kd_teacher_config()
+    cfg = kd_config()
     first = build_kd_set(
         cfg, tiny_teacher, toy_items, tmp_path / "a.jsonl", cache_dir=tmp_path / "cache", progress=False
     )
@@ -128,7 +128,7 @@ _KILL_SCRIPT = textwrap.dedent(
     import sys, time
     import torch
     torch.set_num_threads(1)
-    from distillgates.config import TeacherConfig
+    from distillgates.config import Config, KDConfig
     from distillgates.data.generator import generate_items
     from distillgates.teacher.kd import build_kd_set
     from distillgates.teacher.local import LocalTeacher
@@ -140,7 +140,7 @@ _KILL_SCRIPT = textwrap.dedent(
             time.sleep(float(sys.argv[4]))
             return self.inner.complete_batch(conversations, **kwargs)
 
-    cfg = TeacherConfig(kind="local", top_k=4, max_new_tokens=4, max_turns=2, kd_batch_size=2, ckpt_every=2)
+    cfg = Config(kd=KDConfig(top_k=4, max_new_tokens=4, max_turns=2, batch_size=2, ckpt_every=2))
     items = generate_items(seed=0, n=int(sys.argv[3]), split="eval")
     teacher = SlowTeacher(LocalTeacher(sys.argv[1]))
     build_kd_set(cfg, teacher, items, sys.argv[2], resume="--resume" in sys.argv, progress=False)
@@ -186,19 +186,19 @@ def test_sigkill_and_resume_is_byte_identical(tiny_teacher_dir, tmp_path):
 
 
 def _interrupted_build(teacher, items, out, tokens: int):
-    cfg = kd_teacher_config(budget_tokens=tokens)
+    cfg = kd_config(budget_tokens=tokens)
     return build_kd_set(cfg, teacher, items, out, progress=False)
 
 
 def test_budget_stops_cleanly_and_resume_completes(tiny_teacher, toy_items, tmp_path):
-    full = build_kd_set(kd_teacher_config(), tiny_teacher, toy_items, tmp_path / "full.jsonl", progress=False)
+    full = build_kd_set(kd_config(), tiny_teacher, toy_items, tmp_path / "full.jsonl", progress=False)
     out = tmp_path / "kd.jsonl"
     stopped = _interrupted_build(tiny_teacher, toy_items, out, tokens=1)
     assert stopped.status == "budget_exhausted" and not stopped.complete
     assert stopped.n_done == 2 and stopped.spent_tokens >= 1  # one chunk, then a clean stop
     assert "budget reached" in stopped.message and "distillgates kd" in stopped.message
     assert not out.exists() and Path(f"{out}.partial").read_bytes().count(b"\n") == 3  # header + 2 records
-    resumed = build_kd_set(kd_teacher_config(budget_tokens=10**9), tiny_teacher, toy_items, out, resume=True,
+    resumed = build_kd_set(kd_config(budget_tokens=10**9), tiny_teacher, toy_items, out, resume=True,
                            progress=False)  # fmt: skip
     assert resumed.complete and resumed.n_done == len(toy_items)
     assert resumed.spent_tokens == full.spent_tokens  # spending carried over in the checkpoint
@@ -206,7 +206,7 @@ def test_budget_stops_cleanly_and_resume_completes(tiny_teacher, toy_items, tmp_
 
 
 def test_budget_in_usd(tiny_teacher, toy_items, tmp_path):
-    cfg = kd_teacher_config(budget_usd=0.001, usd_per_1k_prompt_tokens=1.0)
+    cfg = kd_config(budget_usd=0.001, usd_per_1k_prompt_tokens=1.0)
     result = build_kd_set(cfg, tiny_teacher, toy_items, tmp_path / "kd.jsonl", progress=False)
     assert result.status == "budget_exhausted" and result.spent_usd >= 0.001 and "budget_usd" in result.message
 
@@ -218,24 +218,24 @@ def test_corrupted_checkpoint_is_a_clear_error(tiny_teacher, toy_items, tmp_path
     good = ckpt.read_text()
     ckpt.write_text(good.replace('"n_done": 2', '"n_done": 4'))
     with pytest.raises(KDCheckpointError, match=r"kd.jsonl.ckpt: corrupted checkpoint \(checksum mismatch\)"):
-        build_kd_set(kd_teacher_config(), tiny_teacher, toy_items, out, resume=True, progress=False)
+        build_kd_set(kd_config(), tiny_teacher, toy_items, out, resume=True, progress=False)
     ckpt.write_text(good[: len(good) // 2])
     with pytest.raises(KDCheckpointError, match="corrupted checkpoint"):
-        build_kd_set(kd_teacher_config(), tiny_teacher, toy_items, out, resume=True, progress=False)
+        build_kd_set(kd_config(), tiny_teacher, toy_items, out, resume=True, progress=False)
     ckpt.write_text(good)
     partial = Path(f"{out}.partial")
     data = partial.read_bytes()
     partial.write_bytes(data[:50] + b"X" + data[51:])
     with pytest.raises(KDCheckpointError, match="do not match checkpoint"):
-        build_kd_set(kd_teacher_config(), tiny_teacher, toy_items, out, resume=True, progress=False)
+        build_kd_set(kd_config(), tiny_teacher, toy_items, out, resume=True, progress=False)
     partial.write_bytes(data)
     with pytest.raises(KDCheckpointError, match="another build"):
-        build_kd_set(kd_teacher_config(top_k=3), tiny_teacher, toy_items, out, resume=True, progress=False)
+        build_kd_set(kd_config(top_k=3), tiny_teacher, toy_items, out, resume=True, progress=False)
 
 
 def test_reader_names_file_line_and_field(toy_items, tiny_tokenizer, tmp_path):
     path = tmp_path / "kd.jsonl"
-    build_kd_set(kd_teacher_config(), ReplayTeacher(toy_items, tiny_tokenizer), toy_items, path, progress=False)
+    build_kd_set(kd_config(), ReplayTeacher(toy_items, tiny_tokenizer), toy_items, path, progress=False)
     lines = path.read_text().splitlines()
 
     def broken(line_no: int, new: str) -> Path:
@@ -260,15 +260,15 @@ def test_reader_names_file_line_and_field(toy_items, tiny_tokenizer, tmp_path):
 
 def test_duplicate_item_ids_are_refused(toy_items, tiny_tokenizer, tmp_path):
     with pytest.raises(ValueError, match="duplicate item id"):
-        build_kd_set(kd_teacher_config(), ReplayTeacher(toy_items, tiny_tokenizer), [toy_items[0]] * 2,
+        build_kd_set(kd_config(), ReplayTeacher(toy_items, tiny_tokenizer), [toy_items[0]] * 2,
                      tmp_path / "kd.jsonl", progress=False)  # fmt: skip
 
 
 def test_kd_items_limits_the_kd_set_to_the_first_items(toy_items, tiny_tokenizer, tmp_path):
-    """``teacher.kd_items``: the teacher answers the first N training items only; 0 means all."""
+    """``kd.items``: the teacher answers the first N training items only; 0 means all."""
     teacher = ReplayTeacher(toy_items, tiny_tokenizer)
-    build_kd_set(kd_teacher_config(kd_items=2), teacher, toy_items, tmp_path / "kd.jsonl", progress=False)
+    build_kd_set(kd_config(items=2), teacher, toy_items, tmp_path / "kd.jsonl", progress=False)
     header, records = read_kd_set(tmp_path / "kd.jsonl")
     assert header["total"] == 2 and [r["id"] for r in records] == [i["id"] for i in toy_items[:2]]
-    with pytest.raises(ValueError, match="kd_items must be >= 0"):
-        kd_teacher_config(kd_items=-1)
+    with pytest.raises(ValueError, match="items must be >= 0"):
+        kd_config(items=-1)

@@ -13,7 +13,7 @@ from distillgates.teacher.http import HTTPTeacher, TeacherHTTPError
 from distillgates.teacher.kd import build_kd_set
 from distillgates.teacher.server import Fault, TeacherServer
 
-from .conftest import kd_teacher_config
+from .conftest import kd_config
 
 KEY = "sk-live-SECRET-7d41e0b2c9a8"
 
@@ -28,18 +28,19 @@ def test_api_key_never_written(tiny_teacher, toy_items, tmp_path, monkeypatch):
     root.setLevel(logging.DEBUG)  # httpx/httpcore debug logs included
     try:
         with TeacherServer(tiny_teacher, api_key=KEY, log_path=tmp_path / "server.log") as server:
-            cfg = kd_teacher_config(kind="openai", base_url=server.base_url, api_key_env="DG_TEST_API_KEY",
-                                    backoff_base_s=0.01, backoff_max_s=0.02, max_retries=2,
-                                    budget_tokens=1)  # fmt: skip
-            client = HTTPTeacher(cfg, tiny_teacher.tokenizer)
+            cfg = kd_config("openai", api=dict(base_url=server.base_url, api_key_env="DG_TEST_API_KEY",
+                                               backoff_base_s=0.01, backoff_max_s=0.02, max_retries=2),
+                            budget_tokens=1)  # fmt: skip
+            assert cfg.teacher is not None
+            client = HTTPTeacher(cfg.teacher.api, tiny_teacher.tokenizer)
             server.faults.extend([Fault("500"), Fault("429", retry_after=0)])  # retries get logged
             out = tmp_path / "kd" / "kd.jsonl"
             stopped = build_kd_set(cfg, client, toy_items[:4], out, cache_dir=tmp_path / "cache", progress=False)
             assert stopped.status == "budget_exhausted" and stopped.retries == 2
             assert Path(f"{out}.ckpt").exists() and Path(f"{out}.partial").exists()  # inspected below, then resumed
             snapshot = {p.name + ".snap": p.read_bytes() for p in out.parent.iterdir()}
-            cfg = dataclasses.replace(cfg, budget_tokens=0)
-            client = HTTPTeacher(cfg, tiny_teacher.tokenizer)
+            cfg = dataclasses.replace(cfg, kd=dataclasses.replace(cfg.kd, budget_tokens=0))
+            client = HTTPTeacher(cfg.teacher.api, tiny_teacher.tokenizer)
             done = build_kd_set(cfg, client, toy_items[:4], out, resume=True, cache_dir=tmp_path / "cache",
                                 progress=False)  # fmt: skip
             assert done.complete

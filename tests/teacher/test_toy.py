@@ -7,7 +7,7 @@ import json
 import pytest
 import torch
 
-from distillgates.config import Config, ModelConfig
+from distillgates.config import Config, ModelConfig, TeacherConfig, ToyTeacherTrainConfig
 from distillgates.eval import evaluate
 from distillgates.hf import from_hf
 from distillgates.runtime import TorchEngine
@@ -20,15 +20,13 @@ from distillgates.teacher.toy import (
     without_system_prompt,
 )
 
-from .conftest import kd_teacher_config
 
-
-def _cfg(tokenizer, **teacher) -> Config:
+def _cfg(tokenizer, **train) -> Config:
     model = ModelConfig(vocab_size=len(tokenizer), d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_hidden=128,
                         max_seq_len=512)  # fmt: skip
-    fields = dict(model=model, train_steps=80, batch_size=2, lr=1e-2, warmup_steps=5, max_new_tokens=48)
-    fields.update(teacher)
-    return Config(teacher=kd_teacher_config(**fields))
+    fields = dict(steps=80, batch_size=2, lr=1e-2, warmup_steps=5)
+    fields.update(train)
+    return Config(teacher=TeacherConfig(model=model, train=ToyTeacherTrainConfig(**fields)))
 
 
 def test_loss_mask_covers_exactly_the_generated_tokens(toy_items, tiny_tokenizer):
@@ -90,7 +88,7 @@ def test_copy_phase_teaches_copying_from_the_context(toy_items, tiny_tokenizer, 
 
     from distillgates.teacher.toy import train_toy_teacher
 
-    cfg = _cfg(tiny_tokenizer, train_steps=150, copy_steps=150, batch_size=16, lr=1e-2, warmup_steps=10)
+    cfg = _cfg(tiny_tokenizer, steps=150, copy_steps=150, batch_size=16, lr=1e-2, warmup_steps=10)
     train_toy_teacher(cfg, tiny_tokenizer, toy_items, tmp_path, seed=0)
     model = LlamaForCausalLM.from_pretrained(tmp_path).eval()
     first = len(tiny_tokenizer.all_special_ids)
@@ -114,7 +112,7 @@ def test_trained_tiny_teacher_solves_a_memorized_item(toy_items, tiny_tokenizer,
     step scores every teacher: the same engine, runner and scorer as the student."""
     items = [next(it for it in toy_items if it["kind"] == "single" and it["style"] == "terse")]
     torch.manual_seed(0)
-    stats = train_toy_teacher(_cfg(tiny_tokenizer, train_steps=60, batch_size=1, **recipe), tiny_tokenizer, items,
+    stats = train_toy_teacher(_cfg(tiny_tokenizer, steps=60, batch_size=1, **recipe), tiny_tokenizer, items,
                               tmp_path, seed=0)  # fmt: skip
     assert stats["curriculum_steps"] == recipe.get("curriculum_steps", 0)
     assert stats["final_loss"] < 0.1 * stats["first_loss"]

@@ -51,7 +51,7 @@ def test_training_lowers_validation_loss(artifacts: dict[str, Any], tmp_path: Pa
 
 
 def test_items_without_a_kd_record_train_on_their_references(artifacts: dict[str, Any], tmp_path: Path) -> None:
-    """A KD set over part of the data (``teacher.kd_items``): the other rows get no KD targets and
+    """A KD set over part of the data (``kd.items``): the other rows get no KD targets and
     their reference length, and training runs on all rows."""
     torch.set_num_threads(1)
     records = read_kd_set(artifacts["kd_path"])

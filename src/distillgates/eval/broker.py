@@ -14,7 +14,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from distillgates.eval.scorer import normalize_value
+from distillgates.eval.matching import normalize_value
 
 
 def _round(value: Any) -> Any:

@@ -153,10 +153,10 @@ def build_runner(spec: Mapping[str, Any], tokenizer: Any) -> Runner:
     if kind == "hf":
         return HFRunner.from_pretrained(spec["model"], tokenizer, budget)
     if kind == "openai":
-        from distillgates.config import TeacherConfig, from_dict
+        from distillgates.config import APIConfig, from_dict
         from distillgates.teacher.http import HTTPTeacher
 
-        cfg = from_dict(TeacherConfig, {"kind": "openai", **spec["teacher"]}, source="spec", path="teacher")
+        cfg = from_dict(APIConfig, spec["teacher"], source="spec", path="teacher")
         return TeacherRunner(HTTPTeacher(cfg, tokenizer), budget)
     raise ValueError(f"spec.runner: expected engine/hf/openai, got {kind!r}")
 

@@ -48,153 +48,25 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from jsonschema import Draft202012Validator
-
 from distillgates.data.registry import TOOLS_BY_NAME, validate_call
+from distillgates.eval.matching import (
+    NUMBER,
+    leaves,
+    match_call,
+    normalize_text,
+    numbers_close,
+    parse_number,
+    value_text,
+)
 
 CONTROL_KINDS = ("control", "decline")
 SLICE_KEYS = ("kind", "shape", "locale", "tool_absent")
 
-_NUMBER = re.compile(r"(?<![\w.])[-+]?\d+(?:[.,]\d+)*(?![\w])")
 _EMAIL = re.compile(r"[\w.+-]+@[\w-]+(?:\.[\w-]+)+")
 _PHONE = re.compile(
     r"\+\d[\d\s()/-]{6,}\d|\b0\d{2,4}[\s/-]?\d{5,}\b"
 )  # international "+49 170 ..." or national "0170 ..."
 _ID = re.compile(r"\b(?=[A-Z0-9-]*\d)[A-Z]{1,4}[-]?\d{4,}\b|\b\d{8,}\b")
-_PUNCT = re.compile(r"[^\w\s]")
-_SPACE = re.compile(r"\s+")
-
-
-# --------------------------------------------------------------------------------------
-# Normalization
-
-
-def parse_number(text: str, locale: str = "en") -> float | None:
-    """A number from its surface text, or ``None``. Handles "1,234.5", "1.234,5" and "21,5" (de)."""
-    text = text.strip().lstrip("+")
-    if not text or not re.fullmatch(r"-?\d+(?:[.,]\d+)*", text):
-        return None
-    if "," in text and "." in text:
-        decimal = "," if text.rfind(",") > text.rfind(".") else "."
-    elif "," in text:
-        groups = text.split(",")
-        thousands = len(groups) > 2 or (locale != "de" and len(groups[-1]) == 3)
-        decimal = "." if thousands else ","
-    elif "." in text:
-        groups = text.split(".")
-        decimal = "," if locale == "de" and (len(groups) > 2 or len(groups[-1]) == 3) else "."
-    else:
-        decimal = "."
-    number = text.replace("," if decimal == "." else ".", "")
-    if number.count(decimal) > 1:  # "0.07.4": number-like model output that is no number
-        return None
-    return float(number.replace(decimal, "."))
-
-
-def numbers_close(a: float, b: float) -> bool:
-    """Lax numeric equality: 1% relative tolerance, or ``a`` is ``b`` rounded to an integer."""
-    return math.isclose(a, b, rel_tol=0.01, abs_tol=1e-9) or (a == round(a) and a == round(b))
-
-
-def normalize_text(text: str) -> str:
-    """Case-fold, drop punctuation, collapse whitespace."""
-    return _SPACE.sub(" ", _PUNCT.sub(" ", text.casefold())).strip()
-
-
-def normalize_value(value: Any, locale: str = "en") -> Any:
-    """Lax canonical form of an argument value (numbers as float, strings normalized, recursive)."""
-    if isinstance(value, bool) or value is None:
-        return value
-    if isinstance(value, int | float):
-        return float(value)
-    if isinstance(value, str):
-        number = parse_number(value, locale)
-        return number if number is not None else normalize_text(value)
-    if isinstance(value, Mapping):
-        return {str(k): normalize_value(v, locale) for k, v in value.items()}
-    if isinstance(value, Sequence):
-        return [normalize_value(v, locale) for v in value]
-    return value
-
-
-def values_equal_lax(a: Any, b: Any, locale: str = "en") -> bool:
-    na, nb = normalize_value(a, locale), normalize_value(b, locale)
-    if isinstance(na, float) and isinstance(nb, float):
-        return numbers_close(na, nb)
-    return na == nb
-
-
-def value_text(value: Any) -> str:
-    """Canonical text of a leaf value: JSON text for numbers (21, 21.5), the string itself otherwise."""
-    if isinstance(value, float) and value.is_integer():
-        return str(int(value))
-    return str(value)
-
-
-def leaves(obj: Any) -> Iterable[Any]:
-    """Scalar leaves of a JSON value."""
-    if isinstance(obj, Mapping):
-        for value in obj.values():
-            yield from leaves(value)
-    elif isinstance(obj, list | tuple):
-        for value in obj:
-            yield from leaves(value)
-    elif obj is not None and not isinstance(obj, bool):
-        yield obj
-
-
-# --------------------------------------------------------------------------------------
-# Argument match (BFCL-style)
-
-
-def _type_ok(value: Any, schema: Mapping[str, Any]) -> bool:
-    """JSON Schema type check (the validator's own type checker: 5.0 is an integer, True is not)."""
-    expected = schema.get("type")
-    if expected is None:
-        return True
-    types = expected if isinstance(expected, list) else [expected]
-    return any(Draft202012Validator.TYPE_CHECKER.is_type(value, t) for t in types)
-
-
-def match_call(
-    predicted: Mapping[str, Any] | None, expected: Mapping[str, Any], lax: bool, locale: str = "en"
-) -> str | None:
-    """``None`` when ``predicted`` matches ``expected``; otherwise the failure reason."""
-    if predicted is None:
-        return "invalid_json"
-    if predicted.get("name") != expected["name"]:
-        return "wrong_func_name"
-    tool = TOOLS_BY_NAME.get(str(expected["name"]))
-    if tool is None:
-        return "unknown_tool"
-    params = tool["parameters"]
-    properties, required = params.get("properties", {}), set(params.get("required", []))
-    args, want = predicted.get("arguments") or {}, expected["arguments"]
-    if not isinstance(args, Mapping):
-        return "type_error"
-    absent = object()
-    for name in sorted(required | set(want)):
-        if name in args:
-            continue
-        if name in required:
-            return "missing_required"
-        if properties.get(name, {}).get("default", absent) != want[name]:
-            return "value_error"  # an optional expected argument left out is fine only at its default
-    for name, value in args.items():
-        if name not in properties:
-            return "unexpected_param"
-        if name not in want and value != properties[name].get("default", absent):
-            return "unexpected_param"
-        if not _type_ok(value, properties[name]):
-            return "type_error"
-    for name, value in args.items():
-        if name in want and not (values_equal_lax(value, want[name], locale) if lax else value == want[name]):
-            return "value_error"
-    return None
-
-
-# --------------------------------------------------------------------------------------
-# Spans and integration
 
 
 def find_spans(answer: str, named_values: Sequence[str]) -> list[str]:
@@ -206,7 +78,7 @@ def find_spans(answer: str, named_values: Sequence[str]) -> list[str]:
         for match in pattern.finditer(rest):
             spans.append(match.group(0))
         rest = pattern.sub(" \x00 ", rest)
-    spans.extend(m.group(0) for m in _NUMBER.finditer(rest))
+    spans.extend(m.group(0) for m in NUMBER.finditer(rest))
     return spans
 
 
@@ -374,7 +246,7 @@ def score_item(
 
 def find_spans_named(answer: str, named_values: Sequence[str]) -> list[str]:
     """Named-value spans only (no numbers): text that could only come from a tool result."""
-    return [s for s in find_spans(answer, named_values) if _NUMBER.fullmatch(s) is None]
+    return [s for s in find_spans(answer, named_values) if NUMBER.fullmatch(s) is None]
 
 
 # --------------------------------------------------------------------------------------

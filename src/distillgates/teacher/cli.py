@@ -1,6 +1,6 @@
 """``distillgates serve``: the loopback OpenAI-compatible server backed by a local teacher.
 
-For demos and for API-teacher runs against a local model: point ``teacher.base_url`` of a
+For demos and for API-teacher runs against a local model: point ``teacher.api.base_url`` of a
 config with ``teacher.kind: openai`` at it. The server key, if any, is read from an env var,
 never an argument.
 """

@@ -9,7 +9,7 @@ Design choices:
 - Rate limit: a token bucket on requests/s shared by all calls of one client.
 - Determinism mode: temperature 0, top_p 1, a fixed seed, no retries; the first retryable
   failure raises :class:`DeterminismError`, and a response without a request id is refused.
-- The API key is read from the env var named by ``TeacherConfig.api_key_env`` into a
+- The API key is read from the env var named by ``teacher.api.api_key_env`` into a
   :class:`Secret` whose ``repr``/``str`` are masked; every error message goes through
   :meth:`HTTPTeacher.redact`. It is sent only in the ``Authorization`` header.
 - Log-probs: API tokens map to local ids through their ``bytes`` (:mod:`.tokens`). If the
@@ -32,7 +32,7 @@ from typing import Any
 
 import httpx
 
-from distillgates.config import TeacherConfig
+from distillgates.config import APIConfig
 from distillgates.data.registry import canonical_call
 from distillgates.teacher.base import TurnResult
 from distillgates.teacher.tokens import TokenBytes
@@ -123,7 +123,7 @@ class HTTPTeacher:
 
     def __init__(
         self,
-        cfg: TeacherConfig,
+        cfg: APIConfig,
         tokenizer: Any,
         *,
         api_key: str | None = None,
@@ -131,7 +131,7 @@ class HTTPTeacher:
         transport: httpx.BaseTransport | None = None,
     ) -> None:
         if not cfg.base_url:
-            raise ValueError("teacher.base_url is required for the HTTP teacher")
+            raise ValueError("teacher.api.base_url is required for the HTTP teacher")
         key = api_key if api_key is not None else os.environ.get(cfg.api_key_env, "")
         self._key = Secret(key)
         self.cfg = cfg

@@ -31,7 +31,7 @@ Robustness: a SHA-256 keyed response cache (:mod:`.cache`), records appended to
 state and of the ``.partial`` prefix it vouches for) every ``ckpt_every`` items. ``resume``
 truncates ``.partial`` to the checkpointed prefix and continues with the next item: no
 duplicates, no gaps, and byte-identical output to an uninterrupted run (items are processed in
-the same fixed chunks of ``kd_batch_size``). Budget (tokens, USD) is checked after each chunk;
+the same fixed chunks of ``kd.batch_size``). Budget (tokens, USD) is checked after each chunk;
 at the limit the builder checkpoints and stops with a message saying how to continue.
 """
 
@@ -44,7 +44,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypedDict
 
-from distillgates.config import Config, TeacherConfig, sha256_json
+from distillgates.config import Config, KDConfig, TeacherConfig, sha256_json
 from distillgates.data.chat import prompt_wrapper_sha256, render_prompt, tool_result_text
 from distillgates.data.registry import tool_registry_sha256
 from distillgates.eval.runners import Conversation, Turn
@@ -180,23 +180,24 @@ class KDConversation:
 # Builder
 
 
-def kd_header(cfg: TeacherConfig, teacher: Teacher, items: list[dict[str, Any]], chunk: int) -> dict[str, Any]:
+def kd_header(cfg: Config, teacher: Teacher, items: list[dict[str, Any]], chunk: int) -> dict[str, Any]:
     """Everything that determines the KD set's bytes (no timestamps: rebuilds compare equal)."""
+    kd, tcfg = cfg.kd, cfg.teacher or TeacherConfig()
     return {
         "__header__": True,
         "kd_version": KD_VERSION,
         "teacher_model_id": teacher.model_id,
-        "teacher_kind": cfg.kind,
+        "teacher_kind": tcfg.kind,
         "tokenizer_fingerprint": tokenizer_fingerprint(teacher.tokenizer),
         "tool_registry_sha256": tool_registry_sha256(),
         "prompt_wrapper_sha256": prompt_wrapper_sha256(),
         "items_sha256": sha256_json([[it["id"], it["messages"], it.get("fixtures", [])] for it in items]),
-        "top_k": cfg.top_k,
-        "temperature": cfg.temperature,
-        "max_new_tokens": cfg.max_new_tokens,
-        "max_turns": cfg.max_turns,
+        "top_k": kd.top_k,
+        "temperature": kd.temperature,
+        "max_new_tokens": kd.max_new_tokens,
+        "max_turns": kd.max_turns,
         "chunk": chunk,
-        "determinism": cfg.determinism,
+        "determinism": tcfg.kind == "openai" and tcfg.api.determinism,
         "total": len(items),
     }
 
@@ -262,7 +263,7 @@ class _TurnArgs(TypedDict):
 
 
 def _complete_all(
-    teacher: Teacher, cfg: TeacherConfig, cache: ResponseCache | None, conversations: list[list[dict[str, Any]]]
+    teacher: Teacher, cfg: KDConfig, cache: ResponseCache | None, conversations: list[list[dict[str, Any]]]
 ) -> tuple[list[TurnResult], list[bool]]:
     """Turns for every conversation: cache hits first, the misses in one batch (or one by one)."""
     kwargs: _TurnArgs = {"max_new_tokens": cfg.max_new_tokens, "top_k": cfg.top_k, "temperature": cfg.temperature}
@@ -288,7 +289,7 @@ def _complete_all(
 
 
 def play_chunk(
-    teacher: Teacher, cfg: TeacherConfig, cache: ResponseCache | None, items: list[dict[str, Any]]
+    teacher: Teacher, cfg: KDConfig, cache: ResponseCache | None, items: list[dict[str, Any]]
 ) -> tuple[list[KDConversation], int, float]:
     """The conversations of ``items``, played together, and the tokens / USD spent on uncached requests."""
     convs = [KDConversation(item, teacher.tokenizer, cfg.max_turns) for item in items]
@@ -305,7 +306,7 @@ def play_chunk(
 
 
 def build_kd_set(
-    cfg: Config | TeacherConfig,
+    cfg: Config,
     teacher: Teacher,
     items: list[dict[str, Any]],
     out_path: str | Path,
@@ -314,25 +315,23 @@ def build_kd_set(
     cache_dir: str | Path | None = None,
     progress: bool = True,
 ) -> KDBuildResult:
-    """Build (or resume) the KD set for ``items`` (the first ``teacher.kd_items`` of them) at ``out_path``.
+    """Build (or resume) the KD set for ``items`` (the first ``kd.items`` of them) at ``out_path``.
 
     Raises:
         KDCheckpointError: ``resume`` found a corrupted checkpoint or one of another build.
         ValueError: duplicate item ids.
     """
-    tcfg = cfg.teacher if isinstance(cfg, Config) else cfg
-    if tcfg is None:
-        raise ValueError("config has no teacher section")
-    items = items[: tcfg.kd_items] if tcfg.kd_items else items
+    kd = cfg.kd
+    items = items[: kd.items] if kd.items else items
     ids = [it["id"] for it in items]
     if len(set(ids)) != len(ids):
         dup = next(i for i in ids if ids.count(i) > 1)
         raise ValueError(f"duplicate item id {dup!r}: KD records are keyed by id")
     out = Path(out_path)
     partial, ckpt = Path(f"{out}.partial"), Path(f"{out}.ckpt")
-    chunk = tcfg.kd_batch_size if hasattr(teacher, "complete_batch") else 1
-    ckpt_every = -(-tcfg.ckpt_every // chunk) * chunk  # a multiple of the chunk: resumes re-run whole chunks
-    header = kd_header(tcfg, teacher, items, chunk)
+    chunk = kd.batch_size if hasattr(teacher, "complete_batch") else 1
+    ckpt_every = -(-kd.ckpt_every // chunk) * chunk  # a multiple of the chunk: resumes re-run whole chunks
+    header = kd_header(cfg, teacher, items, chunk)
     header_key = sha256_json(header)
     cache = ResponseCache(cache_dir) if cache_dir is not None else None
     total = len(items)
@@ -370,7 +369,7 @@ def build_kd_set(
             prefix = _Hasher(partial, state["offset"])
             while state["n_done"] < total:
                 start = state["n_done"]
-                convs, tokens, usd = play_chunk(teacher, tcfg, cache, items[start : start + chunk])
+                convs, tokens, usd = play_chunk(teacher, kd, cache, items[start : start + chunk])
                 records = [c.record() for c in convs]
                 data = b"".join(_dumps(r) for r in records)
                 f.write(data)
@@ -379,7 +378,7 @@ def build_kd_set(
                 state["tokens"] += tokens
                 state["usd"] += usd
                 bar.update(state["n_done"], f"{state['tokens']} tok ${state['usd']:.4f}")
-                stopped = _budget_message(tcfg, state, total, ckpt)
+                stopped = _budget_message(kd, state, total, ckpt)
                 if stopped or state["n_done"] % ckpt_every == 0 or state["n_done"] == total:
                     f.flush()
                     os.fsync(f.fileno())
@@ -445,7 +444,7 @@ def _resume_state(ckpt: Path, partial: Path, header_key: str) -> _KDState:
     return state
 
 
-def _budget_message(cfg: TeacherConfig, state: _KDState, total: int, ckpt: Path) -> str:
+def _budget_message(cfg: KDConfig, state: _KDState, total: int, ckpt: Path) -> str:
     over = []
     if cfg.budget_tokens and state["tokens"] >= cfg.budget_tokens:
         over.append(f"{state['tokens']} tokens >= budget_tokens {cfg.budget_tokens}")
@@ -455,7 +454,7 @@ def _budget_message(cfg: TeacherConfig, state: _KDState, total: int, ckpt: Path)
         return ""
     return (
         f"teacher budget reached ({'; '.join(over)}) after {state['n_done']}/{total} items; progress is saved in "
-        f"{ckpt} and answered requests in the response cache. Raise teacher.budget_tokens/budget_usd and run "
+        f"{ckpt} and answered requests in the response cache. Raise kd.budget_tokens/budget_usd and run "
         "`distillgates kd` again to continue (requests already answered are not paid for twice)."
     )
 

@@ -130,24 +130,24 @@ def train_toy_teacher(
     """
     from transformers import LlamaForCausalLM
 
-    tcfg = cfg.teacher
-    if tcfg is None or tcfg.model is None:
+    if cfg.teacher is None or cfg.teacher.model is None:
         raise ValueError("teacher.model is required to train the toy teacher")
-    if tcfg.model.vocab_size < len(tokenizer):
-        raise ValueError(f"teacher.model.vocab_size ({tcfg.model.vocab_size}) < tokenizer size ({len(tokenizer)})")
+    arch, tcfg = cfg.teacher.model, cfg.teacher.train
+    if arch.vocab_size < len(tokenizer):
+        raise ValueError(f"teacher.model.vocab_size ({arch.vocab_size}) < tokenizer size ({len(tokenizer)})")
     torch.manual_seed(seed)
     rng = random.Random(seed)
-    rows = encode_for_training(tokenizer, train_items, tcfg.model.max_seq_len, tcfg.value_weight)
+    rows = encode_for_training(tokenizer, train_items, arch.max_seq_len, tcfg.value_weight)
     phases: list[tuple[int, list[Row]]] = []  # (step the phase ends at, its rows)
     if tcfg.copy_steps:
         first_id = len(tokenizer.all_special_ids)
         phases.append((tcfg.copy_steps, copy_rows(len(tokenizer), first_id, 4096, 64, seed)))
     if tcfg.curriculum_steps:
         phases.append((tcfg.copy_steps + tcfg.curriculum_steps, encode_for_training(
-            tokenizer, without_system_prompt(train_items), tcfg.model.max_seq_len, tcfg.value_weight
+            tokenizer, without_system_prompt(train_items), arch.max_seq_len, tcfg.value_weight
         )))
-    phases.append((tcfg.train_steps, rows))
-    model = LlamaForCausalLM(hf_config(tcfg.model)).train()
+    phases.append((tcfg.steps, rows))
+    model = LlamaForCausalLM(hf_config(arch)).train()
     decay = [p for n, p in model.named_parameters() if p.ndim >= 2]
     no_decay = [p for n, p in model.named_parameters() if p.ndim < 2]
     optimizer = torch.optim.AdamW(
@@ -158,8 +158,8 @@ def train_toy_teacher(
     losses: list[float] = []
     order: list[int] = []
     start = time.perf_counter()
-    bar = ProgressBar("teacher", tcfg.train_steps, loss=float("nan"))
-    for step in range(tcfg.train_steps):
+    bar = ProgressBar("teacher", tcfg.steps, loss=float("nan"))
+    for step in range(tcfg.steps):
         if step == phases[0][0]:  # phase over: the next one's rows from here on
             phases.pop(0)
             order = []
@@ -169,7 +169,7 @@ def train_toy_teacher(
         batch, order = order[: tcfg.batch_size], order[tcfg.batch_size :]
         ids, weights = _batch([rows[i] for i in batch], tokenizer.pad_token_id)
         loss = target_ce(model, ids, weights)
-        lr = warmup_cosine(step, peak=tcfg.lr, warmup_steps=tcfg.warmup_steps, total_steps=tcfg.train_steps,
+        lr = warmup_cosine(step, peak=tcfg.lr, warmup_steps=tcfg.warmup_steps, total_steps=tcfg.steps,
                            min_lr_ratio=tcfg.min_lr_ratio)  # fmt: skip
         for group in optimizer.param_groups:
             group["lr"] = lr
@@ -179,15 +179,15 @@ def train_toy_teacher(
         optimizer.step()
         losses.append(float(loss.detach()))
         bar.update(1, loss=losses[-1])
-        if step % 50 == 0 or step == tcfg.train_steps - 1:
-            log.info("teacher step %d/%d loss %.4f lr %.2e", step, tcfg.train_steps, losses[-1], lr)
+        if step % 50 == 0 or step == tcfg.steps - 1:
+            log.info("teacher step %d/%d loss %.4f lr %.2e", step, tcfg.steps, losses[-1], lr)
     bar.close()
     seconds = time.perf_counter() - start
     out = Path(out_dir)
     model.eval().save_pretrained(out)
     tokenizer.save_pretrained(out)
     stats = {
-        "steps": tcfg.train_steps,
+        "steps": tcfg.steps,
         "final_loss": sum(losses[-20:]) / len(losses[-20:]),
         "first_loss": losses[0],
         "train_seconds": seconds,
