@@ -20,7 +20,7 @@ import torch
 from _bench import common_args, toy_model
 
 from distillgates.hf import to_hf
-from distillgates.runtime import TorchEngine
+from distillgates.runtime.torch_engine import TorchEngine
 
 
 def seconds(fn: Callable[[], object]) -> float:

@@ -9,7 +9,7 @@ import torch
 from _bench import common_args, median_time, toy_model
 
 from distillgates.hf import to_hf
-from distillgates.runtime import TorchEngine
+from distillgates.runtime.torch_engine import TorchEngine
 
 
 def main() -> None:

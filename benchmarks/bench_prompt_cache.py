@@ -12,7 +12,7 @@ import statistics
 
 from _bench import common_args, toy_model
 
-from distillgates.runtime import TorchEngine
+from distillgates.runtime.torch_engine import TorchEngine
 from distillgates.speed import measure_prompt_cache
 
 

@@ -20,7 +20,7 @@ from pathlib import Path
 
 from _bench import common_args, median_time, toy_model
 
-from distillgates.runtime import TorchEngine
+from distillgates.runtime.torch_engine import TorchEngine
 from distillgates.speed import measure_speculative
 
 VERIFY_ROWS = (2, 5, 9, 17)  # extend_all(k + 1) of a verification

@@ -28,7 +28,7 @@ from distillgates.data.generator import generate_items
 from distillgates.hf import hf_config
 from distillgates.model import Transformer
 from distillgates.tokenizer import train_tokenizer
-from distillgates.train import Recipe
+from distillgates.train.recipe import Recipe
 
 
 def kd_records(items: list[dict], tok, teacher: Transformer, k: int, max_len: int) -> dict[str, dict]:

@@ -87,7 +87,7 @@ def _speed_probe(run: RunArtifacts, model_path: Path, coreml: bool = False) -> S
 
     from distillgates.data.chat import render_prompt
     from distillgates.model import load_model
-    from distillgates.runtime import TorchEngine
+    from distillgates.runtime.torch_engine import TorchEngine
     from distillgates.speed import measure_speed
     from distillgates.tokenizer import END, EOS
 

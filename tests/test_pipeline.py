@@ -14,7 +14,7 @@ import yaml
 
 from distillgates.cli import main as cli_main
 from distillgates.config import load_config
-from distillgates.eval import read_report
+from distillgates.eval.report import read_report
 from distillgates.pipeline import STEPS, Pipeline, run_pipeline
 
 TOY = Path(__file__).resolve().parents[1] / "configs" / "toy.yaml"

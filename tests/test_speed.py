@@ -9,7 +9,9 @@ import torch
 from distillgates.config import ModelConfig, SpeedConfig
 from distillgates.data.chat import system_prompt, tool_call_text
 from distillgates.model import Transformer
-from distillgates.runtime import EngineBase, TorchEngine, prefix_until
+from distillgates.runtime.base import EngineBase
+from distillgates.runtime.prompt_cache import prefix_until
+from distillgates.runtime.torch_engine import TorchEngine
 from distillgates.speed import (
     first_valid_call,
     kv_bytes,

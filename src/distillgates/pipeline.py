@@ -258,7 +258,7 @@ def step_kd(cfg: Config, run: RunDir) -> dict[str, Any]:
 
 
 def train_role(cfg: Config, run: RunDir, role: str) -> dict[str, Any]:
-    from distillgates.train import train_student
+    from distillgates.train.recipe import train_student
 
     path = train_student(cfg, role, run)
     summary: dict[str, Any] = {"model": str(path)}
@@ -277,7 +277,7 @@ def step_drafter(cfg: Config, run: RunDir) -> dict[str, Any]:
 
 
 def step_export(cfg: Config, run: RunDir) -> dict[str, Any]:
-    from distillgates.export import export_model
+    from distillgates.export.api import export_model
     from distillgates.tokenizer import tokenizer_fingerprint
 
     result = export_model(run.model_path(), cfg, run.export_dir, tokenizer_fingerprint(run.tokenizer()))
@@ -301,12 +301,11 @@ def step_eval(cfg: Config, run: RunDir) -> dict[str, Any]:
     """Student and teacher on the held-out items, each evaluated once; the student's outputs are also
     the unsharded arm of the determinism check (the shards re-run it, on the same thread count)."""
     from distillgates.data.fingerprints import dataset_sha256
-    from distillgates.eval import evaluate
-    from distillgates.eval.evaluate import sharded_determinism
+    from distillgates.eval.evaluate import evaluate, sharded_determinism
     from distillgates.eval.sharding import write_outputs
     from distillgates.hardware import torch_threads
     from distillgates.hf import from_hf
-    from distillgates.runtime import TorchEngine
+    from distillgates.runtime.torch_engine import TorchEngine
 
     tokenizer, items = run.tokenizer(), run.items("eval")
     eval_sha = dataset_sha256(run.dataset("eval"))
@@ -338,7 +337,7 @@ def step_eval(cfg: Config, run: RunDir) -> dict[str, Any]:
 
 
 def step_report(cfg: Config, run: RunDir) -> dict[str, Any]:
-    from distillgates.eval import build_report, write_report
+    from distillgates.eval.report import build_report, write_report
     from distillgates.hardware import hardware_header
 
     quality = run.read_json(run.quality)

@@ -13,7 +13,7 @@ from distillgates.eval.runners import EngineRunner, HFRunner, TeacherRunner, eva
 from distillgates.eval.sharding import normalize_output
 from distillgates.hf import to_hf
 from distillgates.model import load_model, model_fingerprint
-from distillgates.runtime import TorchEngine
+from distillgates.runtime.torch_engine import TorchEngine
 from distillgates.teacher.http import HTTPTeacher
 from distillgates.teacher.local import LocalTeacher
 from distillgates.teacher.server import TeacherServer
@@ -55,7 +55,7 @@ def test_engine_hf_and_http_runners_agree(tiny_run: dict[str, Any], hf_dir: Path
 def test_constrained_runner_emits_only_valid_calls(tiny_run: dict[str, Any]) -> None:
     """A model that always wants ``<|tool_call|>`` next: unconstrained, no call it emits is valid;
     under constrained decoding every call parses and matches its tool's schema."""
-    from distillgates.eval import evaluate
+    from distillgates.eval.evaluate import evaluate
     from distillgates.eval.runners import runner_fingerprint_of
 
     items, tok = tiny_run["items"][:4], tiny_run["tokenizer"]

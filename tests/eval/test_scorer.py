@@ -10,8 +10,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from distillgates.data.generator import generate_item
-from distillgates.eval.runners import reference_output
 from distillgates.eval.matching import match_call, parse_number
+from distillgates.eval.runners import reference_output
 from distillgates.eval.scorer import find_spans, score
 
 RATE_KEYS = ("tool_selection", "json_validity", "arg_match_strict", "arg_match_lax", "f1_strict_macro",

@@ -11,7 +11,7 @@ from distillgates.eval.evaluate import evaluate, sharded_determinism
 from distillgates.eval.report import build_report, validate_report
 from distillgates.eval.sharding import determinism_check, outputs_sha256, shard_items, shard_of
 from distillgates.model import load_model
-from distillgates.runtime import TorchEngine
+from distillgates.runtime.torch_engine import TorchEngine
 
 
 def test_shard_of_is_sha256_based_and_partitions(eval_items: list[dict[str, Any]]) -> None:

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from distillgates.config import Config, ExportConfig, ModelConfig, ShapesConfig
-from distillgates.export import ExportResult, export_model
+from distillgates.export.api import ExportResult, export_model
 from distillgates.model import Transformer, save_model
 
 LENGTHS = [16, 32]

@@ -17,22 +17,12 @@ from coremltools.models.utils import _convert_model_spec_to_pymil_prog
 from torch import Tensor, nn
 
 from distillgates.config import ExportConfig, load_config
-from distillgates.export import (
-    ANETransformer,
-    ExportError,
-    PrefillModule,
-    ane_report,
-    build_layout,
-    export_model,
-    export_transformer,
-    int8_grid_scale,
-    kv_layout,
-    lint_int64_attention,
-    lint_mil_ops,
-    lint_shapes,
-    verify_contract,
-)
-from distillgates.export.convert import convert_program, export_program
+from distillgates.export.api import export_model, export_transformer
+from distillgates.export.contract import kv_layout, verify_contract
+from distillgates.export.convert import ExportError, convert_program, export_program, int8_grid_scale
+from distillgates.export.layout import ANETransformer, build_layout
+from distillgates.export.lint import ane_report, lint_int64_attention, lint_mil_ops, lint_shapes
+from distillgates.export.wrappers import PrefillModule
 from distillgates.model import load_model, model_fingerprint
 
 requires_macos = pytest.mark.requires_macos  # skipped off macOS by the plugin, with the reason
@@ -287,7 +277,7 @@ def test_shapes_beyond_max_seq_len_are_an_export_error(tiny_ckpt, tmp_path) -> N
 
 @requires_macos
 def test_coreml_parity_per_shape_and_16_decode_steps(standard_export, tiny_ckpt, export_lengths) -> None:
-    from distillgates.export import coreml_parity
+    from distillgates.export.parity import coreml_parity
 
     parity = coreml_parity(
         standard_export.packages["prefill"], standard_export.packages["decode"], load_model(tiny_ckpt),
@@ -300,7 +290,7 @@ def test_coreml_parity_per_shape_and_16_decode_steps(standard_export, tiny_ckpt,
 
 @requires_macos
 def test_mlcomputeplan_residency(standard_export) -> None:
-    from distillgates.export import ane_residency
+    from distillgates.export.compute_plan import ane_residency
 
     report = ane_residency(standard_export.packages["prefill"])
     assert report["source"] == "mlcomputeplan"

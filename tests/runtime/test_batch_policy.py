@@ -2,7 +2,8 @@ from __future__ import annotations
 
 import pytest
 
-from distillgates.runtime import BatchMeasurement, TorchEngine, decide_batch_size, measure_batches
+from distillgates.runtime.batch_policy import BatchMeasurement, decide_batch_size, measure_batches
+from distillgates.runtime.torch_engine import TorchEngine
 
 BASE = BatchMeasurement(tps=100.0, p95_step_ms=10.0)
 

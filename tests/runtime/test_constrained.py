@@ -16,7 +16,6 @@ from jsonschema import Draft202012Validator
 from distillgates.data.chat import render_conversation
 from distillgates.data.generator import generate_items
 from distillgates.data.registry import TOOLS, canonical_call, validate_call
-from distillgates.runtime import TorchEngine
 from distillgates.runtime.constrained import (
     S_BODY,
     Bounds,
@@ -27,6 +26,7 @@ from distillgates.runtime.constrained import (
     tool_call_constraint,
     tool_call_processor,
 )
+from distillgates.runtime.torch_engine import TorchEngine
 from distillgates.tokenizer import decode, encode, train_tokenizer
 
 SETTINGS = settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])

@@ -6,8 +6,9 @@ import numpy as np
 import pytest
 import torch
 
-from distillgates.runtime import PromptCache, PromptCachedEngine, TorchEngine, prefix_until
 from distillgates.runtime.coreml_engine import CoreMLEngine, ExportedProgramStandIn, stand_in_engine
+from distillgates.runtime.prompt_cache import PromptCache, PromptCachedEngine, prefix_until
+from distillgates.runtime.torch_engine import TorchEngine
 
 LENGTHS = [8, 16]
 

@@ -5,7 +5,8 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from distillgates.runtime import PromptCache, PromptCachedEngine, TorchEngine, prefix_until
+from distillgates.runtime.prompt_cache import PromptCache, PromptCachedEngine, prefix_until
+from distillgates.runtime.torch_engine import TorchEngine
 
 END = 2  # stands in for <|end|> closing the system prompt
 

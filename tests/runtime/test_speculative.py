@@ -7,7 +7,8 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from distillgates.runtime import SpeculativeDecoder, TorchEngine
+from distillgates.runtime.speculative import SpeculativeDecoder
+from distillgates.runtime.torch_engine import TorchEngine
 
 _ENGINES: dict[tuple[int, int], tuple[TorchEngine, TorchEngine]] = {}
 

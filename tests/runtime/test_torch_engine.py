@@ -3,7 +3,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from distillgates.runtime import Engine, TorchEngine, sample_token
+from distillgates.runtime.base import Engine, sample_token
+from distillgates.runtime.torch_engine import TorchEngine
 
 
 def reference_greedy(model, prompt: list[int], n: int) -> list[int]:

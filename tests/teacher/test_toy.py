@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from distillgates.config import Config, ModelConfig, TeacherConfig, ToyTeacherTrainConfig
-from distillgates.eval import evaluate
+from distillgates.eval.evaluate import evaluate
 from distillgates.hf import from_hf
-from distillgates.runtime import TorchEngine
+from distillgates.runtime.torch_engine import TorchEngine
 from distillgates.teacher.local import LocalTeacher
 from distillgates.teacher.toy import (
     copy_rows,

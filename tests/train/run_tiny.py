@@ -16,7 +16,7 @@ torch.set_num_threads(1)
 
 from conftest import build_artifacts, tiny_config  # noqa: E402 - this directory is sys.path[0]
 
-from distillgates.train import train_student  # noqa: E402
+from distillgates.train.recipe import train_student  # noqa: E402
 
 
 def main() -> None:

@@ -11,8 +11,8 @@ import torch
 
 from distillgates.hf import to_hf
 from distillgates.model import Transformer, load_model
-from distillgates.train import train_student
 from distillgates.train.init import block_influence, init_from_teacher, select_layers
+from distillgates.train.recipe import train_student
 
 
 def test_block_influence_ranks_a_near_identity_block_last(make_tiny_cfg: Any) -> None:

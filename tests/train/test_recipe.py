@@ -17,8 +17,8 @@ import torch
 from distillgates.io import load_checksummed
 from distillgates.model import Transformer, load_model
 from distillgates.teacher.kd import KDSetError
-from distillgates.train import Recipe, train_student
 from distillgates.train.data import read_kd_set
+from distillgates.train.recipe import Recipe, train_student
 
 RUN_TINY = Path(__file__).parent / "run_tiny.py"
 

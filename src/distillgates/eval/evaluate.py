@@ -145,7 +145,7 @@ def build_runner(spec: Mapping[str, Any], tokenizer: Any) -> Runner:
     kind, budget = spec.get("runner", "engine"), int(spec.get("max_new_tokens", 96))
     if kind == "engine":
         from distillgates.model import load_model, model_fingerprint
-        from distillgates.runtime import TorchEngine
+        from distillgates.runtime.torch_engine import TorchEngine
 
         model = load_model(spec["model"])
         constrained = bool(spec.get("constrained_tool_calls", False))

@@ -1,5 +1,5 @@
-"""Distillation training: the YAML-driven recipe, late QAT, DDP/FSDP under ``torchrun``."""
+"""Distillation training: the YAML-driven recipe, late QAT, DDP/FSDP under ``torchrun``.
 
-from distillgates.train.recipe import Recipe, add_parser, main, run, train_student
-
-__all__ = ["Recipe", "add_parser", "main", "run", "train_student"]
+Import from the submodules (nothing is re-exported here): importing one part of the package
+never runs the others, so each pipeline step's code fingerprint covers only what it uses.
+"""

@@ -518,7 +518,7 @@ class Recipe:
         """TTFT/TPS of the PyTorch engine on a copy of the model (``export=False``, hardware key)."""
         from distillgates.data.chat import render_prompt
         from distillgates.hardware import detect_hardware, profile_key
-        from distillgates.runtime import TorchEngine
+        from distillgates.runtime.torch_engine import TorchEngine
         from distillgates.speed import measure_speed
 
         engine = TorchEngine(copy.deepcopy(self.model).cpu())
