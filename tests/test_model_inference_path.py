@@ -13,7 +13,9 @@ from hypothesis import strategies as st
 from distillgates.config import ModelConfig
 from distillgates.model import Transformer
 
-CFG = ModelConfig(vocab_size=96, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_hidden=64, max_seq_len=48)
+from .conftest import tiny_model_config
+
+CFG = tiny_model_config(max_seq_len=48)
 
 
 def _model(seed: int = 0, cfg: ModelConfig = CFG) -> Transformer:

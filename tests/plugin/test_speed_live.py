@@ -12,10 +12,11 @@ import json
 
 import pytest
 
-from distillgates.config import ModelConfig, load_config
+from distillgates.config import load_config
 from distillgates.data.build import build_toy_data
 from distillgates.model import Transformer, load_model, save_model
 
+from ..conftest import tiny_model_config
 from .conftest import REPO
 
 
@@ -24,8 +25,7 @@ def live_run(make_run):
     run = make_run("live")
     cfg = load_config(REPO / "configs" / "toy.yaml")
     build_toy_data(cfg, run / "data")
-    tiny = ModelConfig(vocab_size=cfg.tokenizer.vocab_size, d_model=32, n_layers=1, n_heads=2, n_kv_heads=1,
-                       ffn_hidden=64, max_seq_len=512)
+    tiny = tiny_model_config(vocab_size=cfg.tokenizer.vocab_size, max_seq_len=512)
     save_model(run / "student" / "model.pt", Transformer(tiny))
     return run
 

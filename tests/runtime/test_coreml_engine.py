@@ -15,7 +15,6 @@ LENGTHS = [8, 16]
 @pytest.fixture(scope="module")
 def pair(make_model):
     """(model, stand-in engine): torch.export of both wrappers takes ~10 s, so build once."""
-    torch.set_num_threads(1)
     model = make_model(0, max_seq_len=32)
     return model, stand_in_engine(model, LENGTHS)
 

@@ -8,7 +8,7 @@ import json
 import pytest
 import torch
 
-from distillgates.config import Config, ModelConfig
+from distillgates.config import Config
 from distillgates.teacher.base import TurnResult
 from distillgates.teacher.local import LocalTeacher
 from distillgates.teacher.toy import (
@@ -21,12 +21,13 @@ from distillgates.teacher.toy import (
     without_system_prompt,
 )
 
+from ..conftest import tiny_model_config
 from .conftest import ReplayTeacher, kd_teacher_config
 
 
 def _cfg(tokenizer, **teacher) -> Config:
-    model = ModelConfig(vocab_size=len(tokenizer), d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_hidden=128,
-                        max_seq_len=512)  # fmt: skip
+    # twice the tiny width: the recipe must learn the toy items in 80 steps
+    model = tiny_model_config(vocab_size=len(tokenizer), d_model=64, ffn_hidden=128, max_seq_len=512)
     fields = dict(model=model, train_steps=80, batch_size=2, lr=1e-2, warmup_steps=5, max_new_tokens=48)
     fields.update(teacher)
     return Config(teacher=kd_teacher_config(**fields))
