@@ -37,6 +37,7 @@ def wiring_thresholds(pytester) -> None:
     (pytester.path / "configs" / "gates.yaml").write_text("gates:\n  speed_regression_max: 0.25\n")
 
 
+@pytest.mark.integration  # pytester runs measuring a live run (~5 s)
 def test_bless_and_compare_live_samples(pytester, gates_project, live_run, own_profile):
     gates_project()
     wiring_thresholds(pytester)
@@ -53,6 +54,7 @@ def test_bless_and_compare_live_samples(pytester, gates_project, live_run, own_p
     assert record["verdict"] in ("pass", "inconclusive") and len(record["details"]["candidate_samples"]) >= 10
 
 
+@pytest.mark.integration  # pytester runs measuring a live run (~4 s)
 def test_paired_mode_measures_the_blessed_reference_and_refuses_a_changed_one(pytester, gates_project, live_run,
                                                                               own_profile):
     gates_project()

@@ -85,6 +85,7 @@ def test_copy_rows_repeat_a_span_with_loss_on_the_repeat_only():
         assert weights == [0.0] * half + [1.0] * half
 
 
+@pytest.mark.integration  # trains the toy teacher (~3 s)
 def test_copy_phase_teaches_copying_from_the_context(toy_items, tiny_tokenizer, tmp_path):
     """After copy rows only, a tiny model predicts tokens of the context on spans it never saw: the
     "this token is in the context, emit it" circuit the task alone never builds for rare tokens."""

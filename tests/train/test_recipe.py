@@ -168,6 +168,7 @@ def _run(args: list[str], **kw: Any) -> subprocess.CompletedProcess[str]:
     return subprocess.run(args, capture_output=True, text=True, env=env, cwd=REPO, timeout=300, check=False, **kw)
 
 
+@pytest.mark.integration  # three training subprocesses, one killed (~10-20 s)
 def test_resume_after_sigkill_is_bit_exact(artifacts: dict[str, Any], tmp_path: Path) -> None:
     overrides = json.dumps({"steps": 8, "ckpt_every": 3, "qat": {"enabled": True, "start_fraction": 0.5, "ema": 0.5}})
     root = str(artifacts["root"])
@@ -201,6 +202,7 @@ def test_resume_after_sigkill_is_bit_exact(artifacts: dict[str, Any], tmp_path: 
     assert [r["total"] for r in res_log] == [r["total"] for r in full_log]
 
 
+@pytest.mark.integration  # torchrun processes (~10-20 s each)
 @pytest.mark.skipif(shutil.which("torchrun") is None and not (Path(sys.executable).parent / "torchrun").exists(),
                     reason="torchrun not installed")
 @pytest.mark.parametrize("fsdp", [False, True], ids=["ddp", "fsdp"])
@@ -226,6 +228,7 @@ def test_torchrun_two_processes_match_one(artifacts: dict[str, Any], tmp_path: P
     assert ckpt["step"] == 4 and all(ckpt["model"][k].shape == m1[k].shape for k in m1)
 
 
+@pytest.mark.integration  # torchrun processes (~15-30 s)
 @pytest.mark.skipif(shutil.which("torchrun") is None and not (Path(sys.executable).parent / "torchrun").exists(),
                     reason="torchrun not installed")
 def test_fsdp_resume_continues_like_an_uninterrupted_run(artifacts: dict[str, Any], tmp_path: Path) -> None:
