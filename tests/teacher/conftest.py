@@ -47,7 +47,7 @@ def save_tiny_teacher(path: Path, tokenizer: Any, seed: int = 0) -> Path:
     from transformers import LlamaForCausalLM
 
     torch.manual_seed(seed)
-    # one layer, two heads: the KD tests' expectations (top-k rows, turn lengths) hold for these weights
+    # one layer, two heads: test_local_teacher_kd_set's top-k rows fail with the tiny default's weights
     cfg = tiny_model_config(vocab_size=len(tokenizer), n_layers=1, n_heads=2, n_kv_heads=1, max_seq_len=1024)
     model = LlamaForCausalLM(hf_config(cfg)).eval()
     with torch.no_grad():  # larger weights than HF's init so greedy output varies (and is not all one token)
