@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from distillgates.config import ModelConfig
+from distillgates.hardware import torch_threads
 
 
 @pytest.fixture(autouse=True)
@@ -19,14 +20,19 @@ def _seed_everything() -> None:
     torch.manual_seed(0)
 
 
+# A test may set torch's intra-op thread count (tiny models run faster on one), and so may a module's
+# fixtures (a pipeline run sets its config's count for the process): what comes next gets the count
+# it would have had alone. Interop threads can be set only once per process; nothing here sets them.
 @pytest.fixture(autouse=True)
 def _restore_torch_threads() -> Iterator[None]:
-    """Each test may set the intra-op thread count (tiny models run faster on one); the next test
-    gets the count it would have had alone. Interop threads can only be set once per process, so
-    nothing here touches them."""
-    threads = torch.get_num_threads()
-    yield
-    torch.set_num_threads(threads)
+    with torch_threads(torch.get_num_threads()):
+        yield
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _restore_torch_threads_after_module() -> Iterator[None]:
+    with torch_threads(torch.get_num_threads()):
+        yield
 
 
 def tiny_model_config(**overrides: object) -> ModelConfig:
