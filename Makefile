@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 CONFIG ?= configs/toy.yaml
 
-.PHONY: setup run test gates lint clean
+.PHONY: setup run test unit gates lint clean
 
 $(BIN)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -23,6 +23,10 @@ test: setup
 	$(BIN)/ruff check .
 	$(BIN)/mypy src/distillgates
 	$(BIN)/python -m pytest -q
+
+# The quick run while iterating: tests/ less the `integration` ones (processes, pipeline runs, Core ML conversion).
+unit: setup
+	$(BIN)/python -m pytest -q -m "not integration" tests
 
 # The acceptance checklist on the toy pipeline (runs/toy: reuses `make run`'s fresh steps, else ~10 min on 2 cores).
 gates: setup

@@ -34,6 +34,16 @@ def _shapes(config: pytest.Config) -> list[str]:
     return [str(n) for n in load_config(Path(config.rootpath) / TOY_CONFIG).shapes.lengths]
 
 
+@pytest.hookimpl(tryfirst=True)  # before -m deselects
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Every gate is an integration test: it needs the toy run (~10 min to build on 2 cores), so
+    ``-m "not integration"`` deselects the checklist before anything builds it."""
+    here = Path(__file__).parent
+    for item in items:
+        if item.path.is_relative_to(here):
+            item.add_marker(pytest.mark.integration)
+
+
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
     if "shape" in metafunc.fixturenames:
         metafunc.parametrize("shape", _shapes(metafunc.config))

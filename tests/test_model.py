@@ -14,7 +14,9 @@ from distillgates.hf import from_hf, to_hf
 from distillgates.io import ChecksumError
 from distillgates.model import RMSNorm, Transformer, load_model, model_fingerprint, save_model
 
-CFG = ModelConfig(vocab_size=96, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_hidden=64, max_seq_len=48)
+from .conftest import tiny_model_config
+
+CFG = tiny_model_config(max_seq_len=48)
 
 
 def _model(cfg: ModelConfig = CFG, seed: int = 0) -> Transformer:

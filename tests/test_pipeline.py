@@ -47,6 +47,7 @@ def tiny_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     return config, run_pipeline(config, root / "run")
 
 
+@pytest.mark.integration  # builds the tiny end-to-end run (~25 s)
 def test_every_step_runs_and_the_report_validates(tiny_run: tuple[Path, Path]) -> None:
     _, run_dir = tiny_run
     manifest = json.loads((run_dir / "manifest.json").read_text())
@@ -60,6 +61,7 @@ def test_every_step_runs_and_the_report_validates(tiny_run: tuple[Path, Path]) -
         assert (run_dir / "export" / f"{package}.mlpackage").is_dir()
 
 
+@pytest.mark.integration
 def test_rerun_skips_fresh_steps_and_a_changed_section_reruns_only_its_steps(
     tiny_run: tuple[Path, Path], tmp_path: Path
 ) -> None:
@@ -79,6 +81,7 @@ def test_rerun_skips_fresh_steps_and_a_changed_section_reruns_only_its_steps(
     assert rerun == {"speed", "report"}
 
 
+@pytest.mark.integration
 def test_constrained_tool_calls_rerun_only_eval(tiny_run: tuple[Path, Path], tmp_path: Path) -> None:
     """``eval.constrained_tool_calls``: the student is evaluated (and its shards re-run) under
     constrained JSON decoding; a different runner fingerprint, nothing upstream re-runs."""
@@ -106,6 +109,7 @@ NOISE = ("Failed to load _MLModelProxy", "has not been tested with coremltools",
          "Running MIL", "LeafSpec")  # fmt: skip
 
 
+@pytest.mark.integration  # the CLI in subprocesses on the tiny run (~18 s)
 @pytest.mark.skipif(sys.platform == "darwin", reason="the coremltools native-runtime warnings are Linux-only")
 def test_the_command_keeps_third_party_noise_out(tiny_run: tuple[Path, Path], tmp_path: Path) -> None:
     """`distillgates export` prints its own progress; DISTILLGATES_VERBOSE=1 shows what it hides."""
@@ -124,6 +128,7 @@ def test_the_command_keeps_third_party_noise_out(tiny_run: tuple[Path, Path], tm
     assert [n for n in NOISE if n not in outputs[True]] == []
 
 
+@pytest.mark.integration
 def test_force_redoes_a_step(tiny_run: tuple[Path, Path], tmp_path: Path) -> None:
     config, run_dir = tiny_run
     run_dir = Path(shutil.copytree(run_dir, tmp_path / "run"))

@@ -6,7 +6,7 @@ import jsonschema
 import pytest
 import torch
 
-from distillgates.config import ModelConfig, SpeedConfig
+from distillgates.config import SpeedConfig
 from distillgates.data.chat import system_prompt, tool_call_text
 from distillgates.model import Transformer
 from distillgates.runtime.base import EngineBase
@@ -24,6 +24,8 @@ from distillgates.speed import (
 )
 from distillgates.tokenizer import END, train_tokenizer
 
+from .conftest import tiny_model_config
+
 CALL = {"name": "get_weather", "arguments": {"city": "Paris"}}
 HARDWARE = {
     "soc": "x86_64", "os": "Linux", "ram_gb": 8.0, "torch_version": torch.__version__, "coremltools_version": "9.0",
@@ -40,9 +42,7 @@ def tokenizer():
 @pytest.fixture(scope="module")
 def model(tokenizer):
     torch.manual_seed(0)
-    cfg = ModelConfig(vocab_size=len(tokenizer), d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_hidden=64,
-                      max_seq_len=512)  # fmt: skip
-    return Transformer(cfg).eval()
+    return Transformer(tiny_model_config(vocab_size=len(tokenizer), max_seq_len=512)).eval()
 
 
 class ScriptedEngine(EngineBase):
@@ -76,7 +76,7 @@ def test_percentiles_keep_raw_samples():
 
 
 def test_kv_bytes_formula():
-    cfg = ModelConfig(vocab_size=10, d_model=32, n_layers=3, n_heads=4, n_kv_heads=2, ffn_hidden=8, max_seq_len=64)
+    cfg = tiny_model_config(n_layers=3)  # 2 kv heads of 8 dims
     assert kv_bytes(cfg, 100, 2) == {
         "layers": 3, "kv_heads": 2, "head_dim": 8, "seq_len": 100, "bytes_per_elem": 2, "bytes": 2 * 3 * 2 * 8 * 100 * 2
     }  # fmt: skip
@@ -95,8 +95,7 @@ def test_ttfa_from_a_scripted_tool_call(tokenizer):
     script = tokenizer.encode(tool_call_text(CALL), add_special_tokens=False)
     engine = ScriptedEngine(script, len(tokenizer))
     cfg = SpeedConfig(n_prompts=2, warmup=1, repeats=2, max_new_tokens=len(script) + 3)
-    mcfg = ModelConfig(vocab_size=len(tokenizer), d_model=32, n_layers=1, n_heads=4, n_kv_heads=2, ffn_hidden=8,
-                       max_seq_len=64)  # fmt: skip
+    mcfg = tiny_model_config(vocab_size=len(tokenizer))
     end_id = tokenizer.convert_tokens_to_ids(END)
     speed = measure_speed(engine, tokenizer, ["hi", "there"], cfg, model_config=mcfg, stop_ids=[end_id])
     # the JSON is complete on the token holding the closing braces, one before <|end|>
@@ -133,13 +132,9 @@ def test_prompt_cache_and_speculative_gate_inputs(tokenizer, model):
     end_id = tokenizer.convert_tokens_to_ids(END)
     ids = [tokenizer.encode(system_prompt("en") + f"<|end|><|user|>q{i}", add_special_tokens=False) for i in range(3)]
     engine = TorchEngine(model)
-    threads = torch.get_num_threads()
     torch.set_num_threads(2)
-    try:
-        cache = measure_prompt_cache(engine, ids, prefix_until(end_id), repeats=2)
-        assert torch.get_num_threads() == 2  # measured on one thread, the caller's setting restored
-    finally:
-        torch.set_num_threads(threads)
+    cache = measure_prompt_cache(engine, ids, prefix_until(end_id), repeats=2)
+    assert torch.get_num_threads() == 2  # measured on one thread, the caller's setting restored
     assert len(cache["ttft_cold_ms"]) == len(cache["ttft_hit_ms"]) == 6 and cache["hit_rate"] == 1.0
     drafter = TorchEngine(Transformer(model.config).eval())
     spec = measure_speculative(engine, drafter, ids, max_new_tokens=8)

@@ -8,12 +8,13 @@ from typing import Any
 import pytest
 import torch
 
-from distillgates.config import ModelConfig
 from distillgates.data.chat import render_conversation
 from distillgates.data.dataset import write_dataset
 from distillgates.data.generator import generate_items
 from distillgates.model import Transformer, save_model
 from distillgates.tokenizer import save_tokenizer, tokenizer_fingerprint, train_tokenizer
+
+from ..conftest import tiny_model_config
 
 
 @pytest.fixture(scope="session")
@@ -30,8 +31,8 @@ def tiny_run(tmp_path_factory: pytest.TempPathFactory, eval_items: list[dict[str
     items = eval_items[:12]
     write_dataset(root / "eval.jsonl", items, tokenizer_fingerprint(tok), seed=0)
     torch.manual_seed(0)
-    cfg = ModelConfig(
-        vocab_size=len(tok), d_model=32, n_layers=1, n_heads=2, n_kv_heads=1, ffn_hidden=64, max_seq_len=384
-    )
+    # one layer, two heads: test_constrained_runner_emits_only_valid_calls steers these weights by hand
+    # (with the default's four heads a constrained string argument repeats until the 64-token budget ends mid-call)
+    cfg = tiny_model_config(vocab_size=len(tok), n_layers=1, n_heads=2, n_kv_heads=1, max_seq_len=384)
     save_model(root / "model.pt", Transformer(cfg))
     return {"root": root, "tokenizer": tok, "items": items, "model": root / "model.pt"}

@@ -43,6 +43,7 @@ def test_determinism_check_counts_duplicates_missing_mismatches() -> None:
     assert result["mismatched_ids"] == ["b"]
 
 
+@pytest.mark.integration  # eval shards in subprocesses (~3 s)
 def test_sharded_equals_unsharded_with_real_processes(tiny_run: dict[str, Any]) -> None:
     spec = {
         "dataset": str(tiny_run["root"] / "eval.jsonl"),

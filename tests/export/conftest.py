@@ -7,16 +7,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from distillgates.config import Config, ExportConfig, ModelConfig, ShapesConfig
+from distillgates.config import Config, ExportConfig, ShapesConfig
 from distillgates.export.api import ExportResult, export_model
 from distillgates.model import Transformer, save_model
 
+from ..conftest import tiny_model_config
+
 LENGTHS = [16, 32]
 TOKENIZER_FP = "tok-fingerprint-test"
-
-
-def tiny_export_config() -> ModelConfig:
-    return ModelConfig(vocab_size=64, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_hidden=64, max_seq_len=48)
 
 
 def pipeline_config(**export: object) -> Config:
@@ -33,7 +31,8 @@ def fake_quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor
 
 def _model(seed: int) -> Transformer:
     torch.manual_seed(seed)
-    return Transformer(tiny_export_config()).eval()
+    # the export tests check shapes and errors against these two numbers (max_seq_len 48 > LENGTHS)
+    return Transformer(tiny_model_config(vocab_size=64, max_seq_len=48)).eval()
 
 
 @pytest.fixture(scope="session")

@@ -42,6 +42,7 @@ def _op_types(prog: Any) -> set[str]:
 # Conversion in every mode + contract
 
 
+@pytest.mark.integration  # a Core ML conversion (~6 s)
 def test_standard_export_contract_read_back(standard_export, tiny_ckpt, export_lengths) -> None:
     contract = json.loads(standard_export.contract_path.read_text())
     model = load_model(tiny_ckpt)
@@ -67,6 +68,7 @@ def test_standard_export_contract_read_back(standard_export, tiny_ckpt, export_l
     assert contract["kv"]["bytes"] == 2 * cfg.n_layers * cfg.n_kv_heads * cfg.head_dim * cfg.max_seq_len * 2
 
 
+@pytest.mark.integration
 def test_verify_contract_catches_tampering(standard_export, tiny_ckpt, export_lengths) -> None:
     contract = json.loads(standard_export.contract_path.read_text())
     contract["packages"]["decode"]["outputs"][0]["name"] = "var_123"
@@ -78,6 +80,7 @@ def test_verify_contract_catches_tampering(standard_export, tiny_ckpt, export_le
     assert any("tokenizer_fingerprint" in e for e in errors)
 
 
+@pytest.mark.integration
 def test_exported_parity_per_shape_and_decode(standard_export, export_lengths) -> None:
     gate = standard_export.gate_inputs["export"]
     assert sorted(gate["cosine_by_shape"]) == sorted(str(n) for n in export_lengths)
@@ -87,12 +90,14 @@ def test_exported_parity_per_shape_and_decode(standard_export, export_lengths) -
     assert gate["int64_on_attention"] == [] and gate["lint_errors"] == [] and gate["contract_ok"] is True
 
 
+@pytest.mark.integration
 def test_stateful_decode_program(standard_export) -> None:
     ops = _op_types(_program_from_disk(standard_export.packages["decode"]))
     assert {"read_state", "coreml_update_state", "scaled_dot_product_attention"} <= ops
     assert not ops & {"shape", "fill", "band_part", "scatter_nd"}
 
 
+@pytest.mark.integration  # an int8 Core ML conversion (~8 s)
 def test_qat_int8_exports_without_drift(qat_int8_export, qat_ckpt) -> None:
     path, qat_codes = qat_ckpt
     model = load_model(path)
@@ -128,6 +133,7 @@ def test_int8_grid_scale_detects_grids(fake_quant) -> None:
     assert int8_grid_scale(weight) is None  # plain float weights are not on a grid
 
 
+@pytest.mark.integration  # a palettized Core ML conversion (~9 s)
 def test_ane_layout_palettized_export(ane_palettized_export, export_lengths) -> None:
     prog = _program_from_disk(ane_palettized_export.packages["prefill"])
     ops = _op_types(prog)
@@ -159,6 +165,7 @@ class _Int64Prefill(PrefillModule):
         return super().forward(input_ids.long(), length.long())
 
 
+@pytest.mark.integration  # torch.export of the prefill (~5 s)
 def test_int64_lint_fires_on_attention_path(tiny_ckpt, export_lengths) -> None:
     core = build_layout(load_model(tiny_ckpt), "standard")
     clean = export_program(PrefillModule(core), "prefill", export_lengths)
@@ -205,6 +212,7 @@ def test_cpu_forcing_op_lint_fires() -> None:
     assert any("CPU-forcing op scatter" in e for e in errors), errors
 
 
+@pytest.mark.integration
 def test_shape_lint_fires_outside_enumerated_set(standard_export, export_lengths) -> None:
     spec = ct.utils.load_spec(str(standard_export.packages["prefill"]))
     assert lint_shapes(spec, export_lengths, 48) == []
@@ -222,6 +230,7 @@ def test_export_refuses_lengths_beyond_the_cache(tiny_ckpt, tmp_path) -> None:
 # ANE report
 
 
+@pytest.mark.integration
 def test_ane_report_of_the_export(standard_export) -> None:
     ane = standard_export.gate_inputs["ane"]
     assert ane["source"] == "static_mil_estimate"
@@ -275,6 +284,7 @@ def test_shapes_beyond_max_seq_len_are_an_export_error(tiny_ckpt, tmp_path) -> N
 # macOS only: Core ML prediction and MLComputePlan
 
 
+@pytest.mark.integration
 @requires_macos
 def test_coreml_parity_per_shape_and_16_decode_steps(standard_export, tiny_ckpt, export_lengths) -> None:
     from distillgates.export.parity import coreml_parity
@@ -288,6 +298,7 @@ def test_coreml_parity_per_shape_and_16_decode_steps(standard_export, tiny_ckpt,
     assert len(parity["decode_cosine"]) == 16 and min(parity["decode_cosine"]) >= 0.999, parity
 
 
+@pytest.mark.integration
 @requires_macos
 def test_mlcomputeplan_residency(standard_export) -> None:
     from distillgates.export.compute_plan import ane_residency

@@ -12,10 +12,11 @@ import json
 
 import pytest
 
-from distillgates.config import ModelConfig, load_config
+from distillgates.config import load_config
 from distillgates.data.build import build_toy_data
 from distillgates.model import Transformer, load_model, save_model
 
+from ..conftest import tiny_model_config
 from .conftest import REPO
 
 
@@ -24,8 +25,7 @@ def live_run(make_run):
     run = make_run("live")
     cfg = load_config(REPO / "configs" / "toy.yaml")
     build_toy_data(cfg, run / "data")
-    tiny = ModelConfig(vocab_size=cfg.tokenizer.vocab_size, d_model=32, n_layers=1, n_heads=2, n_kv_heads=1,
-                       ffn_hidden=64, max_seq_len=512)
+    tiny = tiny_model_config(vocab_size=cfg.tokenizer.vocab_size, max_seq_len=512)
     save_model(run / "student" / "model.pt", Transformer(tiny))
     return run
 
@@ -37,6 +37,7 @@ def wiring_thresholds(pytester) -> None:
     (pytester.path / "configs" / "gates.yaml").write_text("gates:\n  speed_regression_max: 0.25\n")
 
 
+@pytest.mark.integration  # pytester runs measuring a live run (~5 s)
 def test_bless_and_compare_live_samples(pytester, gates_project, live_run, own_profile):
     gates_project()
     wiring_thresholds(pytester)
@@ -53,6 +54,7 @@ def test_bless_and_compare_live_samples(pytester, gates_project, live_run, own_p
     assert record["verdict"] in ("pass", "inconclusive") and len(record["details"]["candidate_samples"]) >= 10
 
 
+@pytest.mark.integration  # pytester runs measuring a live run (~4 s)
 def test_paired_mode_measures_the_blessed_reference_and_refuses_a_changed_one(pytester, gates_project, live_run,
                                                                               own_profile):
     gates_project()

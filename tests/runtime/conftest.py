@@ -9,8 +9,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from distillgates.config import ModelConfig
+from distillgates.hardware import torch_threads
 from distillgates.model import Transformer
+
+from ..conftest import tiny_model_config
 
 
 def random_model(
@@ -18,10 +20,8 @@ def random_model(
     dtype: torch.dtype = torch.float32, std: float = 0.3,
 ) -> Transformer:  # fmt: skip
     torch.manual_seed(seed)
-    cfg = ModelConfig(
-        vocab_size=vocab_size, d_model=d_model, n_layers=n_layers, n_heads=4, n_kv_heads=2, ffn_hidden=2 * d_model,
-        max_seq_len=max_seq_len, tie_embeddings=False,
-    )  # fmt: skip
+    cfg = tiny_model_config(vocab_size=vocab_size, d_model=d_model, n_layers=n_layers, ffn_hidden=2 * d_model,
+                            max_seq_len=max_seq_len, tie_embeddings=False)  # fmt: skip
     model = Transformer(cfg).to(dtype)
     with torch.no_grad():
         for name, param in model.named_parameters():
@@ -40,7 +40,5 @@ def make_model():
 def _one_thread():
     """Tiny models are overhead-bound: extra intra-op threads on a shared 2-core box only add
     contention (measured ~20x slower decode with the default thread count under load)."""
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
+    with torch_threads(1):
+        yield

@@ -16,11 +16,11 @@ LENGTHS = [8, 16]
 @pytest.fixture(scope="module")
 def pair(make_model):
     """(model, stand-in engine): torch.export of both wrappers takes ~10 s, so build once."""
-    torch.set_num_threads(1)
     model = make_model(0, max_seq_len=32)
     return model, stand_in_engine(model, LENGTHS)
 
 
+@pytest.mark.integration  # torch.export of both wrappers (~4 s)
 def test_stand_in_is_what_the_engine_runs(pair):
     _, engine = pair
     assert isinstance(engine.prefill_runner, ExportedProgramStandIn)
@@ -29,6 +29,7 @@ def test_stand_in_is_what_the_engine_runs(pair):
     assert all(a.dtype == np.float16 and a.shape == (1, 2, 32, 8) for a in state.values())
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize("prompt_len", [3, 8, 13])  # pads to 8, exactly 8, pads to 16
 def test_greedy_tokens_match_torch_engine(pair, prompt_len):
     model, engine = pair
@@ -41,6 +42,7 @@ def test_greedy_tokens_match_torch_engine(pair, prompt_len):
     torch.testing.assert_close(engine.prefill(prompt), torch_engine.prefill(prompt), atol=5e-3, rtol=5e-3)
 
 
+@pytest.mark.integration
 def test_continue_generate_and_rollback(pair):
     model, engine = pair
     prompt, tool_result = [1, 2, 3, 4], [9, 10, 11]
@@ -53,6 +55,7 @@ def test_continue_generate_and_rollback(pair):
     assert list(engine.continue_generate([expected_first[2]], max_new_tokens=2)) == expected_first[3:5]
 
 
+@pytest.mark.integration
 def test_prompt_cache_over_coreml_state(pair):
     model, engine = pair
     system = [1, 5, 6, 7, 2]
@@ -64,6 +67,7 @@ def test_prompt_cache_over_coreml_state(pair):
     assert cached.cache.stats.hits == 1
 
 
+@pytest.mark.integration
 def test_prompt_longer_than_enumerated_shapes_is_refused(pair):
     _, engine = pair
     with pytest.raises(ValueError, match="largest enumerated length 16"):
@@ -75,6 +79,7 @@ def test_contract_fields_are_required():
         CoreMLEngine(None, None, {"kv": {}, "model_config": {}})  # type: ignore[arg-type]
 
 
+@pytest.mark.integration
 @pytest.mark.requires_macos
 def test_coreml_greedy_identical_to_torch_engine(make_model, tmp_path):
     """Real Core ML: export a tiny model, load both packages, compare greedy tokens."""

@@ -17,7 +17,9 @@ from distillgates.config import ModelConfig
 from distillgates.model import Transformer
 from distillgates.runtime.decoder import FusedDecoder
 
-CFG = ModelConfig(vocab_size=96, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_hidden=64, max_seq_len=48)
+from .conftest import tiny_model_config
+
+CFG = tiny_model_config(max_seq_len=48)
 Forward = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (idx, input_pos) -> logits
 
 

@@ -167,7 +167,7 @@ def test_batch_stop_ids_per_row(make_model):
         engine.prefill_batch([[1], [2], [3]])
 
 
-@pytest.mark.slow  # torch.compile (inductor, C++ build) takes ~20 s on 2 cores
+@pytest.mark.integration  # torch.compile (inductor, C++ build) takes ~20 s on 2 cores
 def test_compiled_decode_matches_eager(make_model):
     model = make_model(11)
     eager = list(TorchEngine(model).generate([1, 2, 3], max_new_tokens=6))

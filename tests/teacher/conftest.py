@@ -8,23 +8,21 @@ from typing import Any
 import pytest
 import torch
 
-from distillgates.config import APIConfig, Config, KDConfig, ModelConfig, TeacherConfig
+from distillgates.config import APIConfig, Config, KDConfig, TeacherConfig
 from distillgates.data.chat import render_conversation
 from distillgates.data.generator import generate_items
 from distillgates.hf import hf_config
 from distillgates.teacher.base import TurnResult
 from distillgates.tokenizer import END, train_tokenizer
 
-TINY_TEACHER = dict(d_model=32, n_layers=1, n_heads=2, n_kv_heads=1, ffn_hidden=64, max_seq_len=1024)
+from ..conftest import tiny_model_config
 
 
 @pytest.fixture(autouse=True)
-def _one_torch_thread():
-    """Two cores shared by many processes: a second intra-op thread makes tiny models 10-100x slower."""
-    before = torch.get_num_threads()
+def _one_torch_thread() -> None:
+    """Two cores shared by many processes: a second intra-op thread makes tiny models 10-100x slower
+    (the root conftest's ``_restore_torch_threads`` restores the count after the test)."""
     torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="session")
@@ -49,7 +47,8 @@ def save_tiny_teacher(path: Path, tokenizer: Any, seed: int = 0) -> Path:
     from transformers import LlamaForCausalLM
 
     torch.manual_seed(seed)
-    cfg = ModelConfig(vocab_size=len(tokenizer), **TINY_TEACHER)
+    # one layer, two heads: test_local_teacher_kd_set's top-k rows fail with the tiny default's weights
+    cfg = tiny_model_config(vocab_size=len(tokenizer), n_layers=1, n_heads=2, n_kv_heads=1, max_seq_len=1024)
     model = LlamaForCausalLM(hf_config(cfg)).eval()
     with torch.no_grad():  # larger weights than HF's init so greedy output varies (and is not all one token)
         for name, param in model.named_parameters():

@@ -154,6 +154,7 @@ def _run_builder(script: Path, teacher_dir: Path, out: Path, n: int, delay: floa
                             env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)  # fmt: skip
 
 
+@pytest.mark.integration  # KD builds in subprocesses, one killed (~14 s)
 def test_sigkill_and_resume_is_byte_identical(tiny_teacher_dir, tmp_path):
     script = tmp_path / "build.py"
     script.write_text(_KILL_SCRIPT)

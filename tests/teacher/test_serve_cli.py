@@ -8,6 +8,7 @@ import subprocess
 import sys
 
 import httpx
+import pytest
 
 
 def _free_port() -> int:
@@ -16,6 +17,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+@pytest.mark.integration  # the serve CLI in a subprocess (~4 s)
 def test_serve_answers_chat_completions_and_checks_the_key(tiny_teacher_dir):
     port = _free_port()
     env = {**os.environ, "SERVE_TEST_KEY": "sk-serve-test"}

@@ -7,7 +7,7 @@ import json
 import pytest
 import torch
 
-from distillgates.config import Config, ModelConfig, TeacherConfig, ToyTeacherTrainConfig
+from distillgates.config import Config, TeacherConfig, ToyTeacherTrainConfig
 from distillgates.eval.evaluate import evaluate
 from distillgates.hf import from_hf
 from distillgates.runtime.torch_engine import TorchEngine
@@ -20,10 +20,12 @@ from distillgates.teacher.toy import (
     without_system_prompt,
 )
 
+from ..conftest import tiny_model_config
+
 
 def _cfg(tokenizer, **train) -> Config:
-    model = ModelConfig(vocab_size=len(tokenizer), d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_hidden=128,
-                        max_seq_len=512)  # fmt: skip
+    # twice the tiny width: the recipe must learn the toy items in 80 steps
+    model = tiny_model_config(vocab_size=len(tokenizer), d_model=64, ffn_hidden=128, max_seq_len=512)
     fields = dict(steps=80, batch_size=2, lr=1e-2, warmup_steps=5)
     fields.update(train)
     return Config(teacher=TeacherConfig(model=model, train=ToyTeacherTrainConfig(**fields)))
@@ -81,6 +83,7 @@ def test_copy_rows_repeat_a_span_with_loss_on_the_repeat_only():
         assert weights == [0.0] * half + [1.0] * half
 
 
+@pytest.mark.integration  # trains the toy teacher (~3 s)
 def test_copy_phase_teaches_copying_from_the_context(toy_items, tiny_tokenizer, tmp_path):
     """After copy rows only, a tiny model predicts tokens of the context on spans it never saw: the
     "this token is in the context, emit it" circuit the task alone never builds for rare tokens."""

@@ -1,7 +1,7 @@
 """Trainer test artefacts: toy items, a trained tokenizer, a KD set from a tiny teacher (all tiny).
 
 The fixtures below serve the in-process tests; ``run_tiny.py`` (subprocess runs: kill/resume,
-torchrun) imports the same helpers from this file, which sits next to it.
+torchrun; run as the module ``tests.train.run_tiny``) imports the same helpers from this file.
 """
 
 from __future__ import annotations
@@ -18,6 +18,8 @@ from distillgates.data.chat import render_conversation, render_prompt
 from distillgates.data.generator import generate_items
 from distillgates.model import Transformer
 from distillgates.tokenizer import load_tokenizer, save_tokenizer, train_tokenizer
+
+from ..conftest import tiny_model_config
 
 SHAPES = [96, 128, 192]
 
@@ -75,8 +77,7 @@ def write_kd_set(path: Path, items: list[dict[str, Any]], tok: Any, k: int) -> N
 
 
 def model_config(vocab: int, d_model: int = 32) -> ModelConfig:
-    return ModelConfig(vocab_size=vocab, d_model=d_model, n_layers=2, n_heads=4, n_kv_heads=2,
-                       ffn_hidden=2 * d_model, max_seq_len=max(SHAPES))
+    return tiny_model_config(vocab_size=vocab, d_model=d_model, ffn_hidden=2 * d_model, max_seq_len=max(SHAPES))
 
 
 def tiny_config(vocab: int, **train: Any) -> Config:

@@ -1,7 +1,8 @@
-"""Subprocess entry for trainer tests: ``python run_tiny.py ROOT OUT [json overrides]``.
+"""Subprocess entry for trainer tests: ``python -m tests.train.run_tiny ROOT OUT [json overrides]``.
 
-Run directly (one process) or under ``torchrun`` (DDP); artefacts in ROOT must already exist
-(the test fixture builds them). Prints ``step N loss X`` lines (rank 0) as it trains.
+Run from the repository root as a module (it imports the test conftests), in one process or under
+``torchrun -m`` (DDP); artefacts in ROOT must already exist (the test fixture builds them). Prints
+``step N loss X`` lines (rank 0) as it trains.
 """
 
 from __future__ import annotations
@@ -14,9 +15,9 @@ import torch
 
 torch.set_num_threads(1)
 
-from conftest import build_artifacts, tiny_config  # noqa: E402 - this directory is sys.path[0]
-
 from distillgates.train.recipe import train_student  # noqa: E402
+
+from .conftest import build_artifacts, tiny_config  # noqa: E402
 
 
 def main() -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 from typing import Any
@@ -14,9 +15,11 @@ from distillgates.model import Transformer, load_model
 from distillgates.train.init import block_influence, init_from_teacher, select_layers
 from distillgates.train.recipe import train_student
 
+from ..conftest import tiny_model_config
 
-def test_block_influence_ranks_a_near_identity_block_last(make_tiny_cfg: Any) -> None:
-    teacher = Transformer(make_tiny_cfg(n_layers=3)).eval()
+
+def test_block_influence_ranks_a_near_identity_block_last() -> None:
+    teacher = Transformer(tiny_model_config(n_layers=3)).eval()
     with torch.no_grad():  # block 1 adds (almost) nothing to the residual stream
         teacher.layers[1].attn.o_proj.weight.mul_(1e-4)
         teacher.layers[1].mlp.down_proj.weight.mul_(1e-4)
@@ -32,11 +35,11 @@ def test_select_layers_keeps_model_order_and_checks_count() -> None:
         select_layers([0.1, 0.2], 5)
 
 
-def test_pruned_student_equals_teacher_with_blocks_removed(make_tiny_cfg: Any) -> None:
-    teacher = Transformer(make_tiny_cfg(n_layers=4)).eval()
-    student = Transformer(make_tiny_cfg(n_layers=2)).eval()
+def test_pruned_student_equals_teacher_with_blocks_removed() -> None:
+    teacher = Transformer(tiny_model_config(n_layers=4)).eval()
+    student = Transformer(tiny_model_config(n_layers=2)).eval()
     init_from_teacher(student, teacher, [0, 3])
-    reference = Transformer(make_tiny_cfg(n_layers=4)).eval()
+    reference = Transformer(tiny_model_config(n_layers=4)).eval()
     reference.load_state_dict(teacher.state_dict())
     reference.layers = torch.nn.ModuleList([reference.layers[0], reference.layers[3]])
     ids = torch.randint(0, 96, (1, 12))
@@ -45,18 +48,18 @@ def test_pruned_student_equals_teacher_with_blocks_removed(make_tiny_cfg: Any) -
     assert student.layers[0].attn.q_proj.weight.data_ptr() != teacher.layers[0].attn.q_proj.weight.data_ptr()
 
 
-def test_width_mismatch_names_the_field(make_tiny_cfg: Any) -> None:
-    teacher = Transformer(make_tiny_cfg(n_layers=4))
+def test_width_mismatch_names_the_field() -> None:
+    teacher = Transformer(tiny_model_config(n_layers=4))
     with pytest.raises(ValueError, match="d_model to equal the teacher's"):
-        init_from_teacher(Transformer(make_tiny_cfg(d_model=48)), teacher, [0, 1])
+        init_from_teacher(Transformer(tiny_model_config(d_model=48)), teacher, [0, 1])
     with pytest.raises(ValueError, match=r"init layers \[0, 7\]"):
-        init_from_teacher(Transformer(make_tiny_cfg()), teacher, [0, 7])
+        init_from_teacher(Transformer(tiny_model_config()), teacher, [0, 7])
 
 
 def test_recipe_starts_from_the_teacher_and_records_the_choice(artifacts: dict[str, Any], tmp_path: Path) -> None:
     torch.set_num_threads(1)
     cfg = artifacts["make_config"](len(artifacts["tokenizer"]), steps=3, lr=1e-9, warmup_steps=1, init_from="teacher")
-    teacher_cfg = cfg.student.__class__(**{**cfg.student.__dict__, "n_layers": 3})
+    teacher_cfg = dataclasses.replace(cfg.student, n_layers=3)
     torch.manual_seed(7)
     teacher = Transformer(teacher_cfg).eval()
     to_hf(teacher).save_pretrained(tmp_path / "teacher")

@@ -20,7 +20,8 @@ from distillgates.teacher.kd import KDSetError
 from distillgates.train.data import read_kd_set
 from distillgates.train.recipe import Recipe, train_student
 
-RUN_TINY = Path(__file__).parent / "run_tiny.py"
+REPO = Path(__file__).parents[2]
+RUN_TINY = ["-m", "tests.train.run_tiny"]  # a module run from REPO: it imports the test conftests
 
 
 def _recipe(art: dict[str, Any], out: Path, **train: Any) -> Recipe:
@@ -164,19 +165,20 @@ def test_bad_kd_record_names_file_line_field(artifacts: dict[str, Any], tmp_path
 
 def _run(args: list[str], **kw: Any) -> subprocess.CompletedProcess[str]:
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    return subprocess.run(args, capture_output=True, text=True, env=env, timeout=300, check=False, **kw)
+    return subprocess.run(args, capture_output=True, text=True, env=env, cwd=REPO, timeout=300, check=False, **kw)
 
 
+@pytest.mark.integration  # three training subprocesses, one killed (~10-20 s)
 def test_resume_after_sigkill_is_bit_exact(artifacts: dict[str, Any], tmp_path: Path) -> None:
     overrides = json.dumps({"steps": 8, "ckpt_every": 3, "qat": {"enabled": True, "start_fraction": 0.5, "ema": 0.5}})
     root = str(artifacts["root"])
-    full = _run([sys.executable, str(RUN_TINY), root, str(tmp_path / "full"), overrides])
+    full = _run([sys.executable, *RUN_TINY, root, str(tmp_path / "full"), overrides])
     assert full.returncode == 0, full.stderr[-3000:]
     # killed run: SIGKILL as soon as step 5 is done (checkpoint of step 3 exists, step 6 not yet)
     out = tmp_path / "killed"
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.Popen([sys.executable, str(RUN_TINY), root, str(out), overrides], stdout=subprocess.PIPE,
-                            stderr=subprocess.DEVNULL, text=True, env=env)
+    proc = subprocess.Popen([sys.executable, *RUN_TINY, root, str(out), overrides], stdout=subprocess.PIPE,
+                            stderr=subprocess.DEVNULL, text=True, env=env, cwd=REPO)
     assert proc.stdout is not None
     for line in proc.stdout:
         if line.startswith("step 5 "):
@@ -186,7 +188,7 @@ def test_resume_after_sigkill_is_bit_exact(artifacts: dict[str, Any], tmp_path: 
     assert proc.returncode == -signal.SIGKILL
     assert load_checksummed(out / "student" / "checkpoint.pt")["step"] == 3
     assert not (out / "student" / "model.pt").exists()
-    resumed = _run([sys.executable, str(RUN_TINY), root, str(out), overrides])
+    resumed = _run([sys.executable, *RUN_TINY, root, str(out), overrides])
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert resumed.stdout.splitlines()[0].startswith("step 4 ")
     a = load_checksummed(tmp_path / "full" / "student" / "model.pt")["state_dict"]
@@ -200,6 +202,7 @@ def test_resume_after_sigkill_is_bit_exact(artifacts: dict[str, Any], tmp_path: 
     assert [r["total"] for r in res_log] == [r["total"] for r in full_log]
 
 
+@pytest.mark.integration  # torchrun processes (~10-20 s each)
 @pytest.mark.skipif(shutil.which("torchrun") is None and not (Path(sys.executable).parent / "torchrun").exists(),
                     reason="torchrun not installed")
 @pytest.mark.parametrize("fsdp", [False, True], ids=["ddp", "fsdp"])
@@ -208,9 +211,9 @@ def test_torchrun_two_processes_match_one(artifacts: dict[str, Any], tmp_path: P
     under DDP and under FSDP2 (``fully_shard``, gloo on CPU)."""
     root = str(artifacts["root"])
     torchrun = str(Path(sys.executable).parent / "torchrun")
-    one = _run([sys.executable, str(RUN_TINY), root, str(tmp_path / "one"), json.dumps({"steps": 4, "grad_accum": 2})])
+    one = _run([sys.executable, *RUN_TINY, root, str(tmp_path / "one"), json.dumps({"steps": 4, "grad_accum": 2})])
     assert one.returncode == 0, one.stderr[-3000:]
-    two = _run([torchrun, "--standalone", "--nproc_per_node=2", str(RUN_TINY), root, str(tmp_path / "two"),
+    two = _run([torchrun, "--standalone", "--nproc_per_node=2", *RUN_TINY, root, str(tmp_path / "two"),
                 json.dumps({"steps": 4, "grad_accum": 1, "fsdp": fsdp, "ckpt_every": 2})])
     assert two.returncode == 0, two.stderr[-3000:]
     l1 = [r["total"] for r in _log(tmp_path / "one" / "student" / "train_log.jsonl") if "total" in r]
@@ -225,13 +228,14 @@ def test_torchrun_two_processes_match_one(artifacts: dict[str, Any], tmp_path: P
     assert ckpt["step"] == 4 and all(ckpt["model"][k].shape == m1[k].shape for k in m1)
 
 
+@pytest.mark.integration  # torchrun processes (~15-30 s)
 @pytest.mark.skipif(shutil.which("torchrun") is None and not (Path(sys.executable).parent / "torchrun").exists(),
                     reason="torchrun not installed")
 def test_fsdp_resume_continues_like_an_uninterrupted_run(artifacts: dict[str, Any], tmp_path: Path) -> None:
     """FSDP checkpoints hold the full state; a 2-rank run stopped after step 2 and started again
     ends where an uninterrupted 2-rank run does."""
     root = str(artifacts["root"])
-    torchrun = [str(Path(sys.executable).parent / "torchrun"), "--standalone", "--nproc_per_node=2", str(RUN_TINY)]
+    torchrun = [str(Path(sys.executable).parent / "torchrun"), "--standalone", "--nproc_per_node=2", *RUN_TINY]
     cfg = {"steps": 4, "grad_accum": 1, "fsdp": True, "ckpt_every": 2}
     full = _run([*torchrun, root, str(tmp_path / "full"), json.dumps(cfg)])
     assert full.returncode == 0, full.stderr[-3000:]
