@@ -163,6 +163,7 @@ def test_changed_inputs_clear_a_resumable_steps_folder(tmp_path: Path) -> None:
     assert stale.exists()
 
 
+@pytest.mark.integration  # on the tiny end-to-end run
 def test_a_corrupted_artifact_in_a_cached_run_is_detected_and_rebuilt(
     tiny_run: tuple[Path, Path], tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -181,6 +182,7 @@ def test_a_corrupted_artifact_in_a_cached_run_is_detected_and_rebuilt(
     assert {name for name in before if name not in ("_started", "data") and after[name] != before[name]} == set()
 
 
+@pytest.mark.integration  # on the tiny end-to-end run
 def test_the_report_step_runs_without_qat(tiny_run: tuple[Path, Path], tmp_path: Path) -> None:
     """With ``train.qat.enabled: false`` there is no ``student/qat_probe.json``: the report has no qat inputs."""
     config, run_dir = tiny_run
@@ -192,6 +194,7 @@ def test_the_report_step_runs_without_qat(tiny_run: tuple[Path, Path], tmp_path:
     assert "qat" not in report["gate_inputs"] and "determinism" in report["gate_inputs"]
 
 
+@pytest.mark.integration  # on the tiny end-to-end run
 def test_the_report_is_the_eval_run_and_its_unsharded_arm(tiny_run: tuple[Path, Path]) -> None:
     """The student is evaluated once: the reported outputs are the determinism check's unsharded arm."""
     from distillgates.eval.sharding import outputs_sha256, read_outputs
