@@ -1,9 +1,10 @@
 """The ``distillgates`` command.
 
 ``distillgates run`` runs the whole pipeline; the other subcommands run one step of it with
-the same config and run directory (``data``, ``teacher``, ``kd``, ``train``, ``export``,
-``speed``, ``eval``), render a report (``report``), show the hardware profile
+the same config and run directory (``data``, ``teacher``, ``kd``, ``student``, ``drafter``,
+``export``, ``speed``, ``eval``), render a report (``report``), show the hardware profile
 (``profile``) or serve a local teacher as an OpenAI-compatible API (``serve``).
+``python -m distillgates.train`` is the training recipe's entry under ``torchrun`` (DDP/FSDP).
 """
 
 from __future__ import annotations
