@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from distillgates.config import GatesConfig, SpeedConfig, load_config
+from distillgates.config import ConfigError, GatesConfig, SpeedConfig, load_config, read_yaml
 from distillgates.gates import BaselineEntry
 from distillgates.gates.session import RunArtifacts
 from distillgates.hardware import GatingPolicy, load_profiles
@@ -27,10 +27,12 @@ PROFILES = Path("configs/hardware_profiles.yaml")
 
 
 def _shapes(config: pytest.Config) -> list[str]:
-    """Enumerated shapes to parametrize over: the run's shape slices, else the toy config's lengths."""
+    """Enumerated shapes to parametrize over: the run's config (``header.config.shapes.lengths`` of its
+    report), else the toy config's lengths. Never the report's shape slices: a shape with no eval
+    items has no slice, and must fail its shape gates rather than go ungated."""
     run_dir = config.getoption("dg_run_dir")
     if run_dir is not None:
-        return sorted(RunArtifacts(run_dir).get("quality.student.slices.shape"), key=int)
+        return [str(n) for n in RunArtifacts(run_dir).get("header.config.shapes.lengths")]
     return [str(n) for n in load_config(Path(config.rootpath) / TOY_CONFIG).shapes.lengths]
 
 
@@ -50,9 +52,19 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
 
 
 @pytest.fixture(scope="session")
-def thresholds(pytestconfig: pytest.Config) -> GatesConfig:
+def thresholds(pytestconfig: pytest.Config, gate_session: Any) -> GatesConfig:
+    """The ``gates:`` section of configs/gates.yaml, else the built-in ``GatesConfig`` defaults; which one
+    is recorded in the gate report, the summary and the terminal table."""
     path = Path(pytestconfig.rootpath) / GATES_CONFIG
-    return load_config(path).gates if path.exists() else GatesConfig()
+    if not path.exists():
+        gate_session.thresholds_source = f"built-in defaults (distillgates.config.GatesConfig; no {GATES_CONFIG})"
+        return GatesConfig()
+    data = read_yaml(path)
+    if not isinstance(data, dict) or "gates" not in data:
+        raise ConfigError(f"{path}: no 'gates:' section (the gate thresholds); add one, or remove the file to "
+                          "gate with the built-in defaults")
+    gate_session.thresholds_source = str(path)
+    return load_config(path).gates
 
 
 @pytest.fixture(scope="session")

@@ -1,4 +1,5 @@
-"""Latency-loss gates: the student answers shorter than the teacher and adds no false tool calls."""
+"""Latency-loss gates: the student answers shorter than the teacher, adds no false tool calls, and emits
+its first tool call early (TTFA, in tokens: read from the report, so it runs in every session)."""
 
 from __future__ import annotations
 
@@ -18,3 +19,9 @@ def test_no_new_false_tool_calls(gate, student, teacher):
     gate.at_most("false_tool_calls_tool_absent", student["false_tool_calls_tool_absent"],
                  teacher["false_tool_calls_tool_absent"],
                  "tool calls on the tool-absent slice: student must not exceed the teacher")
+
+
+@pytest.mark.latency_loss
+def test_ttfa_p95(gate, student, thresholds):
+    gate.at_most("ttfa_tokens_p95", student["ttfa_tokens_p95"], thresholds.ttfa_p95_tokens_max,
+                 "p95 tokens until the first complete valid tool JSON (tool items)")

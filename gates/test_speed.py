@@ -1,4 +1,4 @@
-"""Speed gates (run only with ``-m speed``): live TTFT/TPS vs the same-profile baseline, and TTFA.
+"""Speed gates (run only with ``-m speed``): live TTFT/TPS vs the same-profile baseline.
 
 A TTFT/TPS gate fails only when the regression exceeds the threshold *and* is significant on
 the raw samples (see distillgates.gates.stats); ``--speed-paired`` measures the blessed
@@ -24,9 +24,3 @@ def test_speed_no_regression(gate, speed_policy, speed_measure, speed_reference,
         definition=f"{stat} of {metric} at batch 1 (speed harness; Core ML on macOS, else PyTorch), raw samples",
         measure_reference=lambda entry: speed_reference(entry)(metric), bless_extra=reference_model_provenance,
     )
-
-
-@pytest.mark.speed
-def test_ttfa_p95(gate, student, thresholds):
-    gate.at_most("ttfa_tokens_p95", student["ttfa_tokens_p95"], thresholds.ttfa_p95_tokens_max,
-                 "p95 tokens until the first complete valid tool JSON (tool items)")

@@ -73,6 +73,9 @@ def pytest_addoption(parser: pytest.Parser) -> None:
                     help="measure and write baselines instead of comparing with them")
     group.addoption("--allow-cross-hw", dest="dg_allow_cross_hw", action="store_true",
                     help="accept baselines or measurements from another hardware profile")
+    group.addoption("--allow-other-eval-set", dest="dg_allow_other_eval_set", action="store_true",
+                    help="accept baselines blessed on another eval set (dataset, tokenizer, tool registry or "
+                         "prompt wrapper fingerprint differs from the run's)")
     group.addoption("--baselines-dir", dest="dg_baselines_dir", type=Path, default=Path("baselines"),
                     metavar="DIR", help="blessed baselines folder (default: baselines/)")
     group.addoption("--run-dir", dest="dg_run_dir", type=_existing_dir, default=None, metavar="DIR",
@@ -97,6 +100,7 @@ def pytest_configure(config: pytest.Config) -> None:
     opt = config.option
     options = GateOptions(
         hw_profile=opt.dg_hw_profile, bless=opt.dg_bless, allow_cross_hw=opt.dg_allow_cross_hw,
+        allow_other_eval_set=opt.dg_allow_other_eval_set,
         baselines_dir=opt.dg_baselines_dir, run_dir=opt.dg_run_dir, gate_report=opt.dg_gate_report,
         gate_summary=opt.dg_gate_summary, speed_inconclusive=opt.dg_speed_inconclusive,
         speed=SpeedSettings(samples=opt.dg_speed_samples, max_extra_rounds=opt.dg_speed_max_rounds,
@@ -155,7 +159,7 @@ def pytest_terminal_summary(terminalreporter: Any, config: pytest.Config) -> Non
         buffer = io.StringIO()
         # at least 132 columns: CI logs report 80, and the check names are long
         Console(file=buffer, width=max(config.get_terminal_writer().fullwidth, 132), force_terminal=False).print(
-            rich_table(records))
+            rich_table(records, gate_session.thresholds_source))
         terminalreporter.write(buffer.getvalue())
     for message in gate_session.messages:
         terminalreporter.write_line(f"distillgates: {message}")

@@ -4,11 +4,16 @@ from __future__ import annotations
 
 import pytest
 
+from distillgates.eval.fingerprints import FINGERPRINT_KEYS
 from distillgates.gates import BaselineStore, Gate, GateContext, GateFailure, GateInconclusive, SpeedSettings
+
+RUN = {key: f"{key}-1" for key in FINGERPRINT_KEYS}  # the gated run's report fingerprints
+INF = float("inf")
 
 
 def make_gate(tmp_path, bless: bool = False, **context) -> tuple[Gate, list]:
     recorded: list = []
+    context.setdefault("run_fingerprints", RUN)
     ctx = GateContext(store=BaselineStore(tmp_path, "p"), bless=bless, **context)
     return Gate(ctx, "gates/test_x.py::test_y", "quality", lambda k, v: recorded.append((k, v))), recorded
 
@@ -21,12 +26,28 @@ def test_at_least_pass_records_properties(tmp_path):
         assert pair in recorded
 
 
-@pytest.mark.parametrize("value", [0.5, float("nan"), None])
+@pytest.mark.parametrize("value", [0.5, float("nan"), None, INF, -INF])
 def test_at_least_failure_message_has_the_numbers(tmp_path, value):
     gate, _ = make_gate(tmp_path)
     with pytest.raises(GateFailure, match=r"quality/f1 FAILED: measured .* >= threshold 0.9"):
         gate.at_least("f1", value, 0.9)
     assert gate.context.records[-1].verdict == "fail"
+
+
+@pytest.mark.parametrize("value", [float("nan"), INF, -INF, None])
+def test_at_most_fails_a_value_that_is_not_a_finite_number(tmp_path, value):
+    gate, _ = make_gate(tmp_path)
+    with pytest.raises(GateFailure, match=r"quality/ttfa FAILED: measured .* <= threshold 25"):
+        gate.at_most("ttfa", value, 25.0)
+
+
+@pytest.mark.parametrize("threshold", [float("nan"), INF, -INF])
+def test_a_threshold_that_is_not_finite_bounds_nothing(tmp_path, threshold):
+    gate, _ = make_gate(tmp_path)
+    with pytest.raises(GateFailure):
+        gate.at_least("f1", 0.95, threshold)
+    with pytest.raises(GateFailure):
+        gate.at_most("ttfa", 10.0, threshold)
 
 
 def test_at_most_and_equals(tmp_path):
@@ -47,6 +68,42 @@ def test_no_regression_bless_then_compare(tmp_path):
     assert gate.no_regression("f1", 0.895, tolerance=0.01).verdict == "pass"
     with pytest.raises(GateFailure, match=r"blessed 0\.9: change -0\.02"):
         gate.no_regression("f1", 0.88, tolerance=0.01)
+
+
+@pytest.mark.parametrize("value", [float("nan"), INF, -INF, None])
+def test_no_regression_fails_a_value_that_is_not_a_finite_number(tmp_path, value):
+    gate, _ = make_gate(tmp_path, bless=True)
+    gate.no_regression("f1", 0.9, tolerance=0.01)
+    gate.context.store.commit()
+    gate, _ = make_gate(tmp_path)
+    with pytest.raises(GateFailure, match="both must be finite numbers"):
+        gate.no_regression("f1", value, tolerance=0.01)
+
+
+@pytest.mark.parametrize("value", [float("nan"), INF, -INF, None])
+def test_bless_refuses_a_value_that_is_not_a_finite_number(tmp_path, value):
+    gate, _ = make_gate(tmp_path, bless=True)
+    with pytest.raises(GateFailure, match=rf"refusing to bless: quality/f1: f1 = {value!r} is not a finite number"):
+        gate.no_regression("f1", value, tolerance=0.01)
+    assert gate.context.store.staged == {}
+
+
+def test_bless_refuses_speed_samples_that_are_not_finite(tmp_path):
+    gate, _ = make_gate(tmp_path, bless=True)
+    with pytest.raises(GateFailure, match=r"refusing to bless: quality/ttft: ttft has non-finite samples \[inf\]"):
+        gate.speed_no_regression("ttft", lambda n: [1.0] * (n - 1) + [INF], threshold=0.05, higher_is_better=False,
+                                 definition="d")  # the median is finite, one sample is not
+    assert gate.context.store.staged == {}
+
+
+def test_bless_records_the_run_fingerprints_and_refuses_without_them(tmp_path):
+    gate, _ = make_gate(tmp_path, bless=True)
+    gate.no_regression("f1", 0.9, tolerance=0.01)
+    gate.context.store.commit()
+    assert gate.context.store.load("quality", "f1", hardware_dependent=False, run_fingerprints=RUN).fingerprints == RUN
+    gate, _ = make_gate(tmp_path, bless=True, run_fingerprints={**RUN, "dataset_sha256": None})
+    with pytest.raises(GateFailure, match=r"refusing to bless: quality/f1: .*null or missing fingerprint.*dataset_"):
+        gate.no_regression("f1", 0.9, tolerance=0.01)
 
 
 def test_missing_baseline_fails_with_command(tmp_path):

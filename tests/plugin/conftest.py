@@ -1,12 +1,15 @@
 """pytester fixtures: fabricated pipeline run directories (good and violating) and a gates/ copy.
 
 Fabricating report.json is how the gate *logic* is tested quickly; the real pipeline is gated
-by the default run (gates/ against a built run dir).
+by the default run (gates/ against a built run dir). A fabricated run also holds a real tiny
+student checkpoint and the export contract's record of it, so the identity gates compare real
+model fingerprints.
 """
 
 from __future__ import annotations
 
 import copy
+import functools
 import json
 import shutil
 import sys
@@ -16,9 +19,14 @@ from typing import Any
 
 import pytest
 
+from distillgates.config import load_config, to_dict
 from distillgates.data.chat import prompt_wrapper_sha256
 from distillgates.data.registry import tool_registry_sha256
 from distillgates.gates.session import resolve_hardware
+from distillgates.model import Transformer, model_fingerprint, save_model
+from distillgates.rundir import RunDir
+
+from ..conftest import tiny_model_config
 
 # The `pytester` fixture comes from pytest's pytester plugin, enabled for the whole run by the
 # top-level tests/conftest.py (`pytest_plugins = ["pytester"]`) or `-p pytester`: pytest refuses
@@ -41,6 +49,19 @@ def metrics(**overrides: Any) -> dict[str, Any]:
     return flat
 
 
+@functools.cache
+def tiny_student() -> Transformer:
+    """The fabricated runs' student (one per test session: its fingerprint is in the good report)."""
+    return Transformer(tiny_model_config()).eval()
+
+
+def run_config() -> dict[str, Any]:
+    """``header.config``: the toy config, enumerating the fabricated report's shapes."""
+    config = to_dict(load_config(REPO / "configs" / "toy.yaml"))
+    config["shapes"]["lengths"] = [int(s) for s in SHAPES]
+    return config
+
+
 def good_report() -> dict[str, Any]:
     slices = {"shape": {s: metrics() for s in SHAPES}, "kind": {"single": metrics()}, "locale": {"en": metrics()},
               "tool_absent": {"true": metrics()}}
@@ -52,9 +73,10 @@ def good_report() -> dict[str, Any]:
             "fingerprints": {
                 "dataset_sha256": "d" * 64, "tool_registry_sha256": tool_registry_sha256(),
                 "tokenizer_fingerprint": TOKENIZER_FP, "prompt_wrapper_sha256": prompt_wrapper_sha256(),
-                "runner_fingerprint": "r" * 64, "model_fingerprint": "m" * 64,
+                "runner_fingerprint": "r" * 64, "model_fingerprint": model_fingerprint(tiny_student()),
             },
             "config_sha256": "c" * 64, "git_sha": "0" * 40, "created_at": "2026-01-01T00:00:00+00:00",
+            "config": run_config(),
         },
         "quality": {"student": {**metrics(), "slices": slices},
                     "teacher": {**metrics(median_tokens_out=30.0), "slices": copy.deepcopy(slices)}},
@@ -81,13 +103,19 @@ def good_report() -> dict[str, Any]:
     }
 
 
-def write_run(root: Path, report: dict[str, Any]) -> Path:
-    (root / "reports").mkdir(parents=True, exist_ok=True)
-    (root / "data").mkdir(parents=True, exist_ok=True)
-    (root / "reports" / "report.json").write_text(json.dumps(report))
+def write_run(root: Path, report: dict[str, Any], model: Transformer | None = None) -> Path:
+    """A run dir: ``report``, the eval set's header, ``model`` (default: the tiny student) as the
+    student checkpoint, and an export contract recording the checkpoint's fingerprint."""
+    run = RunDir(root)
+    for folder in (run.reports_dir, run.data_dir, run.model_dir("student"), run.export_dir):
+        folder.mkdir(parents=True, exist_ok=True)
+    run.report.write_text(json.dumps(report))
     header = {"__header__": True, "dataset_version": 1, "tokenizer_fingerprint": TOKENIZER_FP,
               "tool_registry_sha256": tool_registry_sha256(), "prompt_wrapper_sha256": prompt_wrapper_sha256()}
-    (root / "data" / "eval.jsonl").write_text(json.dumps(header) + "\n")
+    run.dataset("eval").write_text(json.dumps(header) + "\n")
+    model = model or tiny_student()
+    save_model(run.model_path(), model)
+    run.contract.write_text(json.dumps({"model_fingerprint": model_fingerprint(model)}))
     return root
 
 

@@ -6,6 +6,10 @@ import json
 
 import pytest
 
+from distillgates.model import model_fingerprint
+
+from .conftest import good_report, tiny_student
+
 F1_DRIFT = "gates/test_f1_drift.py"
 
 
@@ -31,10 +35,34 @@ def test_bless_then_normal_run_passes(pytester, gates_project, make_run, own_pro
     data = json.loads((pytester.path / "baselines" / "common" / "f1_drift.json").read_text())
     entry = data["entries"]["f1_lax_macro"]
     assert entry["value"] == 0.95 and "integration F1 lax" in entry["definition"]
+    assert entry["fingerprints"] == good_report()["header"]["fingerprints"]  # all six, as the report has them
+    assert entry["fingerprints"]["model_fingerprint"] == model_fingerprint(tiny_student())
     provenance = entry["provenance"]
-    assert provenance["git_sha"] == "0" * 40 and provenance["fingerprints"]["model_fingerprint"] == "m" * 64
+    assert provenance["git_sha"] == "0" * 40 and "fingerprints" not in provenance
     assert provenance["hardware"]["hardware_profile_key"] == own_profile and provenance["date"]
     pytester.runpytest(*args).assert_outcomes(passed=2)
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), None])
+def test_bless_refuses_a_value_that_is_not_a_finite_number(pytester, gates_project, make_run, own_profile, value):
+    gates_project()
+    run = make_run(**{"quality.student.f1_lax_macro": value})
+    result = pytester.runpytest(F1_DRIFT, f"--run-dir={run}", f"--hw-profile={own_profile}", "--bless")
+    result.assert_outcomes(passed=1, failed=1)
+    result.stdout.fnmatch_lines([f"*refusing to bless: f1_drift/f1_lax_macro: f1_lax_macro = {value!r} is not a "
+                                 "finite number*"])
+    entries = json.loads((pytester.path / "baselines" / "common" / "f1_drift.json").read_text())["entries"]
+    assert sorted(entries) == ["f1_strict_macro"]
+
+
+def test_bless_refuses_a_run_without_fingerprints(pytester, gates_project, make_run, own_profile):
+    gates_project()
+    run = make_run(**{"header.fingerprints.dataset_sha256": None})
+    result = pytester.runpytest(F1_DRIFT, f"--run-dir={run}", f"--hw-profile={own_profile}", "--bless")
+    result.assert_outcomes(failed=2)
+    result.stdout.fnmatch_lines(["*refusing to bless: f1_drift/f1_lax_macro: a baseline records the eval set it "
+                                 "was measured on: *null or missing fingerprint(s) dataset_sha256*"])
+    assert not (pytester.path / "baselines").exists()
 
 
 def test_bless_reports_unused_baselines(pytester, gates_project, make_run, own_profile):

@@ -10,6 +10,7 @@ def test_help_lists_options(pytester):
         "*--hw-profile=KEY*hardware profile*",
         "*--bless*measure and write baselines*",
         "*--allow-cross-hw*",
+        "*--allow-other-eval-set*another eval set*",
         "*--baselines-dir=DIR*",
         "*--run-dir=DIR*",
         "*--gate-report=PATH*JSON*",

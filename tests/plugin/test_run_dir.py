@@ -2,16 +2,21 @@
 
 from __future__ import annotations
 
+import json
 import re
 
 import pytest
 
-from .conftest import DELETE
+from distillgates.model import Transformer, model_fingerprint, save_model
+from distillgates.rundir import RunDir
+
+from ..conftest import tiny_model_config
+from .conftest import DELETE, tiny_student
 
 NAN = float("nan")
 
-GATE_FILES = ["quality", "f1_drift", "privacy", "determinism", "latency_loss", "shape_drift", "qat_cosine", "export",
-              "ane_residency", "prompt_cache", "speculative"]
+GATE_FILES = ["quality", "f1_drift", "privacy", "determinism", "identity", "latency_loss", "shape_drift", "qat_cosine",
+              "export", "ane_residency", "prompt_cache", "speculative"]
 BASELINED = ["gates/test_f1_drift.py", "gates/test_shape_drift.py", "gates/test_ane_residency.py"]
 
 # (id, {dotted report key: value}, gate file, failing tests, fragment of the failure message)
@@ -49,12 +54,20 @@ VIOLATIONS = [
      ["test_fingerprint_present[runner_fingerprint]"], "runner_fingerprint"),
     ("other_tokenizer", {"header.fingerprints.tokenizer_fingerprint": "other"}, "determinism",
      ["test_fingerprint_matches_eval_set[tokenizer_fingerprint]"], "'other'"),
+    ("stale_report", {"header.fingerprints.model_fingerprint": "f" * 64}, "identity",
+     ["test_report_describes_the_checkpoint"], f"measured '{'f' * 64}' == threshold"),
     ("longer_outputs", {"quality.student.median_tokens_out": 28.0}, "latency_loss", ["test_median_tokens_out"],
      "<= threshold 0.85"),
     ("false_tool_calls", {"quality.student.false_tool_calls_tool_absent": 2}, "latency_loss",
      ["test_no_new_false_tool_calls"], "measured 2 <= threshold 0"),
+    ("late_first_tool_call", {"quality.student.ttfa_tokens_p95": 30.0}, "latency_loss", ["test_ttfa_p95"],
+     "ttfa_tokens_p95 FAILED: measured 30 <= threshold 25"),
     ("shape_drift", {"quality.student.slices.shape.256.f1_lax_macro": 0.93}, "shape_drift",
      ["test_shape_drift[256]"], "f1_lax_macro[shape=256]"),
+    ("shape_without_eval_items", {"quality.student.slices.shape.256": DELETE}, "shape_drift",
+     ["test_shape_drift[256]"], "f1_lax_macro[shape=256] = None vs blessed 0.95"),
+    ("enumerated_shape_not_exported", {"header.config.shapes.lengths": [128, 192, 256, 320]}, "export",
+     ["test_export_cosine[320]"], "export.cosine[shape=320]"),
     ("qat_low_cosine", {"gate_inputs.qat.probe_cosine_min": 0.95, "gate_inputs.qat.probe_cosine.layer0_mlp": 0.95},
      "qat_cosine", ["test_probe_cosine_min", "test_probe_cosine_every_module"], "0.95"),
     ("qat_broken_weights_nan", {"gate_inputs.qat.probe_cosine_min": NAN, "gate_inputs.qat.has_nan": True,
@@ -95,7 +108,7 @@ def test_good_run_passes_every_gate(pytester, gates_project, make_run, own_profi
     common = [f"--run-dir={run}", f"--hw-profile={own_profile}"]
     pytester.runpytest(*BASELINED, *common, "--bless").assert_outcomes(passed=7)
     result = pytester.runpytest("gates", *common, "-rA")
-    result.assert_outcomes(passed=45, skipped=3, deselected=5)
+    result.assert_outcomes(passed=48, skipped=3, deselected=4)
     for name in GATE_FILES:
         assert f"PASSED gates/test_{name}.py::" in result.stdout.str(), name
     assert "requires macOS" in result.stdout.str()
@@ -117,10 +130,43 @@ def test_violation_fails_its_gate(pytester, gates_project, make_run, own_profile
     assert result.ret == pytest.ExitCode.TESTS_FAILED
 
 
+def test_shapes_come_from_the_run_config(pytester, gates_project, make_run, own_profile):
+    """A shape the run enumerates but no eval item has is gated (and fails), never silently skipped."""
+    gates_project()
+    run = make_run(**{"header.config.shapes.lengths": [128, 192, 256, 320]})
+    result = pytester.runpytest("gates/test_shape_drift.py", f"--run-dir={run}", f"--hw-profile={own_profile}",
+                                "--bless", "-rf")
+    assert failed_tests(result) == ["test_shape_drift[320]"], result.stdout.str()
+    result.stdout.fnmatch_lines(["*refusing to bless: shape_drift/f1_lax_macro.shape.320: "
+                                 "f1_lax_macro[[]shape=320[]] = None is not a finite number*"])
+
+
+@pytest.mark.parametrize(("swap", "expected"), [
+    ("checkpoint", ["test_export_describes_the_checkpoint", "test_report_describes_the_checkpoint"]),
+    ("export", ["test_export_describes_the_checkpoint"]),
+])
+def test_another_model_fails_the_identity_gates(pytester, gates_project, make_run, own_profile, swap, expected):
+    """A retrained student.pt that the report and export do not describe, or a stale export contract."""
+    gates_project()
+    run = RunDir(make_run())
+    other = Transformer(tiny_model_config())  # same config, other weights
+    if swap == "checkpoint":
+        save_model(run.model_path(), other)
+    else:
+        run.contract.write_text(json.dumps({"model_fingerprint": model_fingerprint(other)}))
+    result = pytester.runpytest("gates/test_identity.py", f"--run-dir={run.root}", f"--hw-profile={own_profile}")
+    assert failed_tests(result) == expected, result.stdout.str()
+    out = result.stdout.str()
+    shipped, described = ((model_fingerprint(other), model_fingerprint(tiny_student())) if swap == "checkpoint"
+                          else (model_fingerprint(tiny_student()), model_fingerprint(other)))
+    for fragment in (shipped, described, str(run.model_path()), str(run.contract if swap == "export" else run.report)):
+        assert fragment in out, fragment
+
+
 def test_qat_gates_skip_a_run_trained_without_qat(pytester, gates_project, make_run, own_profile):
     """No probe because ``train.qat.enabled`` is off: the QAT gates do not apply, and say why."""
     gates_project()
-    run = make_run("no_qat", **{"gate_inputs.qat": DELETE, "header.config": {"train": {"qat": {"enabled": False}}}})
+    run = make_run("no_qat", **{"gate_inputs.qat": DELETE, "header.config.train.qat.enabled": False})
     result = pytester.runpytest("gates/test_qat_cosine.py", f"--run-dir={run}", f"--hw-profile={own_profile}", "-rs")
     result.assert_outcomes(skipped=3)
     assert "QAT is off in this run" in result.stdout.str()

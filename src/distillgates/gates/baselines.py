@@ -9,11 +9,17 @@ A group file holds the hardware profile it was measured on and one entry per bas
   commit leaves each file either old or new, never half written.
 - A baseline measured on another hardware profile is refused unless explicitly allowed: the
   file's ``hardware_profile_key`` must equal the selected profile.
+- Every entry records the run's report fingerprints it was blessed with. A baseline blessed on
+  another eval set (``EVAL_SET_KEYS`` differ from the run's) is refused unless explicitly
+  allowed: a metric measured on other items, another tokenizer, tool registry or prompt
+  wrapper is not comparable. An entry without fingerprints (blessed before they were
+  recorded) is refused and must be re-blessed.
 """
 
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -22,6 +28,9 @@ from distillgates.io import atomic_write_json
 
 SCHEMA_VERSION = 1
 COMMON = "common"  # folder of hardware-independent baselines
+# The report fingerprints that define the eval set a metric was measured on (the model and runner
+# may change: that is what a baseline comparison measures).
+EVAL_SET_KEYS = ("dataset_sha256", "tokenizer_fingerprint", "tool_registry_sha256", "prompt_wrapper_sha256")
 
 
 class BaselineError(AssertionError):
@@ -36,6 +45,10 @@ class CrossHardwareBaseline(BaselineError):
     pass
 
 
+class OtherEvalSetBaseline(BaselineError):
+    """The baseline was blessed on another eval set, or records none (an old baseline)."""
+
+
 @dataclass
 class BaselineEntry:
     """One blessed value of one metric."""
@@ -43,12 +56,14 @@ class BaselineEntry:
     value: Any
     definition: str
     samples: list[float] | None = None  # raw samples (speed gates)
-    provenance: dict[str, Any] = field(default_factory=dict)  # git sha, date, fingerprints, hardware
+    provenance: dict[str, Any] = field(default_factory=dict)  # git sha, date, config, hardware
+    fingerprints: dict[str, str] | None = None  # the run report's fingerprints it was blessed with
     hardware_profile_key: str | None = None  # profile of the file it came from (None: common)
+    path: Path | None = None  # the file it came from (None: not read from a file)
 
     def to_json(self) -> dict[str, Any]:
         return {"value": self.value, "definition": self.definition, "samples": self.samples,
-                "provenance": self.provenance}
+                "fingerprints": self.fingerprints, "provenance": self.provenance}
 
 
 def _read_group(path: Path) -> dict[str, Any]:
@@ -63,6 +78,9 @@ def _read_group(path: Path) -> dict[str, Any]:
     for key, entry in data["entries"].items():
         if not isinstance(entry, dict) or "value" not in entry or "definition" not in entry:
             raise BaselineError(f"{path}: entries.{key}: needs 'value' and 'definition'")
+        if not isinstance(entry.get("fingerprints") or {}, dict):
+            found = entry["fingerprints"]
+            raise BaselineError(f"{path}: entries.{key}.fingerprints must be a mapping, found {found!r}")
     return data
 
 
@@ -78,14 +96,34 @@ class BaselineStore:
     def path(self, group: str, hardware_dependent: bool) -> Path:
         return self.root / (self.profile if hardware_dependent else COMMON) / f"{group}.json"
 
-    def load(self, group: str, key: str, *, hardware_dependent: bool, allow_cross_hw: bool = False,
+    def load(self, group: str, key: str, *, hardware_dependent: bool, run_fingerprints: Mapping[str, Any] | None,
+             allow_cross_hw: bool = False, allow_other_eval_set: bool = False,
              bless_command: str = "pytest --bless") -> BaselineEntry:
-        """The blessed entry for ``key``.
+        """The blessed entry for ``key``, checked against the gated run's report ``run_fingerprints``.
 
         Raises:
             MissingBaseline: no entry (the message names ``bless_command``).
             CrossHardwareBaseline: the only entry was measured on another hardware profile.
+            OtherEvalSetBaseline: the entry records no fingerprints, or (unless
+                ``allow_other_eval_set``) its eval-set fingerprints differ from ``run_fingerprints``.
         """
+        entry = self._find(group, key, hardware_dependent, allow_cross_hw, bless_command)
+        where = f"{entry.path}: entries.{key}"
+        if not entry.fingerprints:
+            raise OtherEvalSetBaseline(f"{where} records no fingerprints (blessed before baselines recorded the "
+                                       f"eval set they were measured on); re-bless it: {bless_command}")
+        run = run_fingerprints or {}
+        differ = [f"{k}: baseline {entry.fingerprints.get(k)!r}, run {run.get(k)!r}" for k in EVAL_SET_KEYS
+                  if entry.fingerprints.get(k) != run.get(k)]
+        if differ and not allow_other_eval_set:
+            raise OtherEvalSetBaseline(
+                f"{where} was blessed on another eval set ({'; '.join(differ)}); refusing to compare metrics of "
+                f"different eval sets (pass --allow-other-eval-set to accept, or re-bless: {bless_command})"
+            )
+        return entry
+
+    def _find(self, group: str, key: str, hardware_dependent: bool, allow_cross_hw: bool,
+              bless_command: str) -> BaselineEntry:
         path = self.path(group, hardware_dependent)
         if path.exists():
             data = _read_group(path)
@@ -98,14 +136,14 @@ class BaselineStore:
                 )
             if key in data["entries"]:
                 self._used.add((path, key))
-                return self._entry(data["entries"][key], file_profile)
+                return self._entry(path, data["entries"][key], file_profile)
         if hardware_dependent:
             others = sorted(p for p in self.root.glob(f"*/{group}.json") if p.parent.name not in (COMMON, self.profile))
             others = [p for p in others if key in _read_group(p)["entries"]]
             if others and allow_cross_hw:
                 data = _read_group(others[0])
                 self._used.add((others[0], key))
-                return self._entry(data["entries"][key], data.get("hardware_profile_key"))
+                return self._entry(others[0], data["entries"][key], data.get("hardware_profile_key"))
             if others:
                 names = ", ".join(p.parent.name for p in others)
                 raise CrossHardwareBaseline(
@@ -115,8 +153,9 @@ class BaselineStore:
         raise MissingBaseline(f"missing baseline {key!r} in {path}; bless it with: {bless_command}")
 
     @staticmethod
-    def _entry(raw: dict[str, Any], profile: str | None) -> BaselineEntry:
-        return BaselineEntry(raw["value"], raw["definition"], raw.get("samples"), raw.get("provenance", {}), profile)
+    def _entry(path: Path, raw: dict[str, Any], profile: str | None) -> BaselineEntry:
+        return BaselineEntry(raw["value"], raw["definition"], raw.get("samples"), raw.get("provenance", {}),
+                             raw.get("fingerprints"), profile, path)
 
     def stage(self, group: str, key: str, entry: BaselineEntry, *, hardware_dependent: bool) -> Path:
         """Keep a blessed entry in memory until :meth:`commit`."""

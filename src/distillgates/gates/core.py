@@ -11,12 +11,14 @@ from __future__ import annotations
 
 import datetime as dt
 import math
+import numbers
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import numpy as np
 
+from distillgates.eval.fingerprints import FingerprintError, check_fingerprints
 from distillgates.gates.baselines import BaselineEntry, BaselineError, BaselineStore
 from distillgates.gates.stats import Measure, sequential_speed_gate
 
@@ -63,8 +65,10 @@ class GateContext:
     store: BaselineStore
     bless: bool = False
     allow_cross_hw: bool = False
+    allow_other_eval_set: bool = False  # compare with baselines blessed on another eval set
     hardware_mismatch: str | None = None  # why the detected hardware does not match the profile
-    provenance: dict[str, Any] = field(default_factory=dict)  # git sha, fingerprints, hardware header
+    run_fingerprints: dict[str, Any] | None = None  # the gated run report's header.fingerprints
+    provenance: dict[str, Any] = field(default_factory=dict)  # git sha, config, run dir, hardware header
     speed: SpeedSettings = field(default_factory=SpeedSettings)
     bless_command: Callable[[str], str] = lambda nodeid: f"pytest --bless '{nodeid}'"
     records: list[GateRecord] = field(default_factory=list)
@@ -72,6 +76,10 @@ class GateContext:
 
 def _fmt(value: Any) -> str:
     return f"{value:.6g}" if isinstance(value, float) else repr(value)
+
+
+def _is_finite_number(value: Any) -> bool:
+    return isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(value)
 
 
 class Gate:
@@ -104,8 +112,8 @@ class Gate:
 
     def _check(self, name: str, value: Any, threshold: Any, comparison: str, ok: bool, definition: str) -> GateRecord:
         __tracebackhide__ = True
-        if value is None or (isinstance(value, float) and math.isnan(value)):
-            ok = False  # missing or NaN never satisfies a gate (a broken model must not pass by comparison quirks)
+        if value is None or (isinstance(value, numbers.Real) and not math.isfinite(value)):
+            ok = False  # missing, NaN or ±inf never satisfies a gate: a broken model must not pass by a quirk
         why = f"{name} = {_fmt(value)} {'satisfies' if ok else 'violates'} {comparison} {_fmt(threshold)}"
         rec = GateRecord(self.nodeid, self.group, name, value, threshold, comparison, None,
                          "pass" if ok else "fail", why + (f" ({definition})" if definition else ""))
@@ -114,12 +122,16 @@ class Gate:
     # -- absolute checks ----------------------------------------------------------------
 
     def at_least(self, name: str, value: float, threshold: float, definition: str = "") -> GateRecord:
+        """Pass when ``value >= threshold``; a NaN or infinite threshold passes nothing (it bounds nothing)."""
         __tracebackhide__ = True
-        return self._check(name, value, threshold, ">=", value is not None and value >= threshold, definition)
+        ok = _is_finite_number(threshold) and value is not None and value >= threshold
+        return self._check(name, value, threshold, ">=", ok, definition)
 
     def at_most(self, name: str, value: float, threshold: float, definition: str = "") -> GateRecord:
+        """Pass when ``value <= threshold``; a NaN or infinite threshold passes nothing (it bounds nothing)."""
         __tracebackhide__ = True
-        return self._check(name, value, threshold, "<=", value is not None and value <= threshold, definition)
+        ok = _is_finite_number(threshold) and value is not None and value <= threshold
+        return self._check(name, value, threshold, "<=", ok, definition)
 
     def equals(self, name: str, value: Any, expected: Any, definition: str = "") -> GateRecord:
         __tracebackhide__ = True
@@ -132,18 +144,37 @@ class Gate:
         if hardware_dependent and self.context.hardware_mismatch and not self.context.allow_cross_hw:
             raise BaselineError(f"{self.context.hardware_mismatch} (pass --allow-cross-hw to compare anyway)")
         return self.context.store.load(
-            self.group, key, hardware_dependent=hardware_dependent, allow_cross_hw=self.context.allow_cross_hw,
+            self.group, key, hardware_dependent=hardware_dependent, run_fingerprints=self.context.run_fingerprints,
+            allow_cross_hw=self.context.allow_cross_hw, allow_other_eval_set=self.context.allow_other_eval_set,
             bless_command=self.context.bless_command(self.nodeid),
         )
 
-    def _bless(self, name: str, key: str, value: Any, definition: str, hardware_dependent: bool,
-               samples: list[float] | None = None, extra: dict[str, Any] | None = None) -> GateRecord:
+    def _refuse_bless(self, name: str, key: str, value: Any, hardware_dependent: bool,
+                      samples: list[float] | None) -> str | None:
+        """Why ``value`` must not become the blessed baseline ``key`` (None: it may)."""
         if hardware_dependent and self.context.hardware_mismatch and not self.context.allow_cross_hw:
             # never write this machine's numbers under another machine's profile
+            return self.context.hardware_mismatch
+        if not _is_finite_number(value):
+            return f"{self.group}/{key}: {name} = {value!r} is not a finite number"
+        bad = [s for s in samples or [] if not _is_finite_number(s)]
+        if bad:
+            return f"{self.group}/{key}: {name} has non-finite samples {bad[:5]!r}"
+        try:
+            check_fingerprints(self.context.run_fingerprints, "the gated run's report header")
+        except FingerprintError as err:
+            return f"{self.group}/{key}: a baseline records the eval set it was measured on: {err}"
+        return None
+
+    def _bless(self, name: str, key: str, value: Any, definition: str, hardware_dependent: bool,
+               samples: list[float] | None = None, extra: dict[str, Any] | None = None) -> GateRecord:
+        refusal = self._refuse_bless(name, key, value, hardware_dependent, samples)
+        if refusal:
             return self._finish(GateRecord(self.nodeid, self.group, name, value, None, "bless", None, "fail",
-                                           f"refusing to bless: {self.context.hardware_mismatch}"))
+                                           f"refusing to bless: {refusal}"))
         provenance = {**self.context.provenance, "blessed_at": dt.datetime.now(dt.UTC).isoformat(), **(extra or {})}
-        entry = BaselineEntry(value, definition, samples, provenance)
+        fingerprints = dict(self.context.run_fingerprints or {})
+        entry = BaselineEntry(value, definition, samples, provenance, fingerprints)
         path = self.context.store.stage(self.group, key, entry, hardware_dependent=hardware_dependent)
         return self._finish(GateRecord(self.nodeid, self.group, name, value, None, "bless", value, "blessed",
                                        f"staged {key!r} for {path}", {"samples": samples}))
@@ -161,11 +192,12 @@ class Gate:
         except BaselineError as err:
             return self._finish(GateRecord(self.nodeid, self.group, name, value, tolerance, "no_regression", None,
                                            "fail", str(err)))
-        if value is None:
+        if not _is_finite_number(value) or not _is_finite_number(base.value):
             return self._finish(GateRecord(self.nodeid, self.group, name, value, tolerance, "no_regression",
-                                           base.value, "fail", f"{name} was not measured (None)"))
+                                           base.value, "fail", f"{name} = {_fmt(value)} vs blessed "
+                                           f"{_fmt(base.value)}: both must be finite numbers (None: not measured)"))
         delta = value - base.value if higher_is_better else base.value - value  # > 0 is better
-        ok = not math.isnan(delta) and delta >= -tolerance
+        ok = delta >= -tolerance
         why = (f"{name} = {_fmt(value)} vs blessed {_fmt(base.value)}: change {delta:+.6g} "
                f"({'improvement' if delta >= 0 else 'regression'}), tolerated regression {tolerance:.6g}")
         return self._finish(GateRecord(self.nodeid, self.group, name, value, tolerance, "no_regression", base.value,

@@ -33,6 +33,10 @@ def _short(value: Any) -> str:
     return text if len(text) <= 24 else text[:23] + "…"
 
 
+def _thresholds_label(source: str | None) -> str:
+    return f"`{source}`" if source else "none used"
+
+
 def summarize(records: list[GateRecord]) -> dict[str, int]:
     return dict(sorted(Counter(r.verdict for r in records).items()))
 
@@ -55,6 +59,8 @@ def markdown_summary(records: list[GateRecord], session: dict[str, Any]) -> str:
         "",
         f"Hardware profile `{session.get('hardware_profile_key')}`, bless={session.get('bless')}: {counts}.",
         "",
+        f"Thresholds: {_thresholds_label(session.get('thresholds_source'))}.",
+        "",
         "| verdict | gate | check | measured | threshold | baseline | reason |",
         "|---|---|---|---|---|---|---|",
     ]
@@ -72,8 +78,9 @@ def write_markdown_summary(path: str | Path, records: list[GateRecord], session:
     atomic_write_text(path, markdown_summary(records, session))
 
 
-def rich_table(records: list[GateRecord]) -> Table:
-    table = Table(title="distillgates gates", show_lines=False)
+def rich_table(records: list[GateRecord], thresholds_source: str | None) -> Table:
+    table = Table(title="distillgates gates", caption=f"thresholds: {_thresholds_label(thresholds_source)}",
+                  show_lines=False)
     for column in ("verdict", "gate", "check"):
         table.add_column(column, overflow="fold")
     for column in ("measured", "threshold", "baseline"):  # narrow value columns leave the width to the names

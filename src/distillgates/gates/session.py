@@ -27,6 +27,7 @@ class GateOptions:
     hw_profile: str | None = None
     bless: bool = False
     allow_cross_hw: bool = False
+    allow_other_eval_set: bool = False
     baselines_dir: Path = Path("baselines")
     run_dir: Path | None = None
     gate_report: Path | None = None
@@ -103,6 +104,9 @@ class GateSession:
         self.rootdir = rootdir
         self.run: RunArtifacts | None = None
         self.messages: list[str] = []  # shown in the terminal summary
+        # where the gates' thresholds came from (a file, or the built-in defaults), set by the project's
+        # thresholds fixture and shown in every report; None: no gate asked for thresholds
+        self.thresholds_source: str | None = None
 
     @cached_property
     def hardware(self) -> tuple[str, str | None, dict[str, Any]]:
@@ -130,17 +134,18 @@ class GateSession:
         run_header = self.run.header if self.run else {}
         return {
             "git_sha": run_header.get("git_sha") or git_sha(self.rootdir),
-            "fingerprints": run_header.get("fingerprints"),
             "config_sha256": run_header.get("config_sha256"),
             "run_dir": str(self.run.path) if self.run else None,
             "run_hardware": run_header.get("hardware"),
         }
 
     def attach_run(self, run: RunArtifacts) -> RunArtifacts:
-        """Use ``run`` for every gate; its header becomes part of blessed baselines' provenance."""
+        """Use ``run`` for every gate; its header becomes part of blessed baselines' provenance, and its
+        fingerprints are what baselines are blessed with and checked against."""
         self.run = run
         if "context" in self.__dict__:
             self.context.provenance.update(self._run_provenance())
+            self.context.run_fingerprints = run.header.get("fingerprints")
         return run
 
     @cached_property
@@ -150,7 +155,9 @@ class GateSession:
                       "hardware": header}
         return GateContext(
             store=BaselineStore(self.baselines_root(), profile), bless=self.options.bless,
-            allow_cross_hw=self.options.allow_cross_hw, hardware_mismatch=mismatch, provenance=provenance,
+            allow_cross_hw=self.options.allow_cross_hw, allow_other_eval_set=self.options.allow_other_eval_set,
+            hardware_mismatch=mismatch, run_fingerprints=self.run.header.get("fingerprints") if self.run else None,
+            provenance=provenance,
             speed=self.options.speed, bless_command=self.bless_command,
         )
 
@@ -165,6 +172,7 @@ class GateSession:
         session: dict[str, Any] = {
             "hardware_profile_key": self.profile, "bless": self.options.bless, "hardware": self.hardware[2],
             "hardware_mismatch": self.hardware[1], "run_dir": str(self.run.path) if self.run else None,
+            "thresholds_source": self.thresholds_source,
             "finished_at": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
         }
         if self.options.bless and interrupted:
