@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 
+DEFAULTS = "built-in defaults (distillgates.config.GatesConfig; no configs/gates.yaml)"
+
 
 def test_json_report_lists_every_check(pytester, gates_project, make_run, own_profile):
     gates_project()
@@ -15,17 +17,37 @@ def test_json_report_lists_every_check(pytester, gates_project, make_run, own_pr
     report = json.loads((pytester.path / "out" / "gates.json").read_text())
     assert report["summary"] == {"fail": 1, "pass": 1}
     assert report["session"]["hardware_profile_key"] == own_profile and report["session"]["run_dir"] == str(run)
+    assert report["session"]["thresholds_source"] == DEFAULTS  # the pytester project has no configs/gates.yaml
     failed = next(g for g in report["gates"] if g["verdict"] == "fail")
     assert failed["name"] == "privacy_ok_rate" and failed["measured"] == 0.99 and failed["threshold"] == 1.0
     assert failed["group"] == "privacy" and failed["nodeid"] == "gates/test_privacy.py::test_privacy_ok_rate"
     assert "violates >= 1" in failed["reason"]
 
 
+def test_report_names_the_thresholds_file(pytester, gates_project, make_run, own_profile):
+    gates_project()
+    (pytester.path / "configs" / "gates.yaml").write_text("gates:\n  privacy_ok_rate_min: 0.99\n")
+    run = make_run(**{"quality.student.privacy_ok_rate": 0.99})
+    pytester.runpytest("gates/test_privacy.py", f"--run-dir={run}", f"--hw-profile={own_profile}",
+                       "--gate-report=gates.json").assert_outcomes(passed=2)
+    report = json.loads((pytester.path / "gates.json").read_text())
+    assert report["session"]["thresholds_source"] == str(pytester.path / "configs" / "gates.yaml")
+
+
+def test_thresholds_file_without_a_gates_section_is_an_error(pytester, gates_project, make_run, own_profile):
+    """Never silently the defaults: a gates.yaml whose thresholds are not under `gates:` is refused."""
+    gates_project()
+    (pytester.path / "configs" / "gates.yaml").write_text("privacy_ok_rate_min: 0.99\n")
+    result = pytester.runpytest("gates/test_privacy.py", f"--run-dir={make_run()}", f"--hw-profile={own_profile}")
+    result.assert_outcomes(errors=2)
+    result.stdout.fnmatch_lines(["*configs/gates.yaml: no 'gates:' section (the gate thresholds)*"])
+
+
 def test_report_is_written_even_when_no_gate_ran(pytester, gates_project, own_profile):
     pytester.makepyfile(test_plain="def test_plain():\n    assert True\n")
     pytester.runpytest("test_plain.py", "--gate-report=r.json").assert_outcomes(passed=1)
     report = json.loads((pytester.path / "r.json").read_text())
-    assert report["gates"] == [] and report["summary"] == {}
+    assert report["gates"] == [] and report["summary"] == {} and report["session"]["thresholds_source"] is None
 
 
 def test_junit_properties_carry_the_numbers(pytester, gates_project, make_run, own_profile):

@@ -14,6 +14,7 @@ def test_markdown_summary(pytester, gates_project, make_run, own_profile):
     text = (pytester.path / "summary.md").read_text()
     assert text.startswith("## distillgates gates")
     assert f"Hardware profile `{own_profile}`, bless=False: 1 fail, 5 pass." in text
+    assert "Thresholds: `built-in defaults (distillgates.config.GatesConfig; no configs/gates.yaml)`." in text
     assert "| fail | export | `export.cosine[shape=192]` | 0.98 | 0.999 | — |" in text
 
 
@@ -26,6 +27,8 @@ def test_terminal_table(pytester, gates_project, make_run, own_profile):
     # one line per check, even in an 80-column log: names whole, sha256 digests as a 12-character prefix
     result.stdout.fnmatch_lines(["*distillgates gates*", "*verdict*gate*check*measured*threshold*baseline*",
                                  "*pass*speculative*speculative.identical *",
-                                 "*pass*determinism*fingerprint.tool_registry_sha256.eval_set *"])
+                                 "*pass*determinism*fingerprint.tool_registry_sha256.eval_set *",
+                                 "*thresholds: built-in defaults (distillgates.config.GatesConfig; no "
+                                 "configs/gates.yaml)*"])
     registry = json.loads((run / "data" / "eval.jsonl").read_text().splitlines()[0])["tool_registry_sha256"]
     assert f"{registry[:12]}…" in result.stdout.str() and registry not in result.stdout.str()

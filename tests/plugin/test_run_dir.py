@@ -2,15 +2,15 @@
 
 from __future__ import annotations
 
+import copy
 import json
 import re
 
 import pytest
 
-from distillgates.model import Transformer, model_fingerprint, save_model
+from distillgates.model import model_fingerprint, save_model
 from distillgates.rundir import RunDir
 
-from ..conftest import tiny_model_config
 from .conftest import DELETE, tiny_student
 
 NAN = float("nan")
@@ -149,7 +149,8 @@ def test_another_model_fails_the_identity_gates(pytester, gates_project, make_ru
     """A retrained student.pt that the report and export do not describe, or a stale export contract."""
     gates_project()
     run = RunDir(make_run())
-    other = Transformer(tiny_model_config())  # same config, other weights
+    other = copy.deepcopy(tiny_student())
+    other.embed.weight.data.mul_(1.01)  # same config, other weights
     if swap == "checkpoint":
         save_model(run.model_path(), other)
     else:

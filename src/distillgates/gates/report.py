@@ -79,7 +79,7 @@ def write_markdown_summary(path: str | Path, records: list[GateRecord], session:
 
 
 def rich_table(records: list[GateRecord], thresholds_source: str | None) -> Table:
-    table = Table(title="distillgates gates", caption=f"thresholds: {_thresholds_label(thresholds_source)}",
+    table = Table(title="distillgates gates", caption=f"thresholds: {thresholds_source or 'none used'}",
                   show_lines=False)
     for column in ("verdict", "gate", "check"):
         table.add_column(column, overflow="fold")
