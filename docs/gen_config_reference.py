@@ -100,7 +100,7 @@ MEANINGS = {
     "GatesConfig.ane_residency_drop_max": "ane_residency: drop of the share vs baseline <= this",
     "GatesConfig.coreml_cosine_min": "coreml_parity (macOS): Core ML vs PyTorch cosine >= this",
     "GatesConfig.speed_regression_max": "speed: tolerated relative TTFT/TPS regression",
-    "GatesConfig.ttfa_p95_tokens_max": "speed: TTFA p95 (tokens) <= this",
+    "GatesConfig.ttfa_p95_tokens_max": "latency_loss: TTFA p95 (tokens) <= this",
     "GatesConfig.prompt_cache_ttft_reduction_min": "prompt_cache: 1 - median hit TTFT / median cold TTFT >= this",
     "GatesConfig.prompt_cache_hit_rate_min": "prompt_cache: hit rate >= this",
     "GatesConfig.speculative_speedup_min": "speculative: speedup >= this",

@@ -25,8 +25,9 @@ GATE_MARKERS = {
     "quality": "quality gate: F1 lax, tool selection, JSON validity, fixture hit-rate thresholds",
     "f1_drift": "F1 drift gate: ΔF1 lax/strict vs the blessed baseline",
     "privacy": "privacy gate: no PII echoed; controls never call tools or integrate results",
-    "determinism": "determinism gate: sharded == unsharded eval; fingerprints present and equal",
-    "latency_loss": "latency-loss gate: student output length vs teacher; no new false tool calls",
+    "determinism": "determinism gate: sharded == unsharded eval; fingerprints present and equal; the report, "
+                   "checkpoint and export describe one model",
+    "latency_loss": "latency-loss gate: student output length vs teacher; no new false tool calls; TTFA p95",
     "shape_drift": "shape-drift gate: F1 lax spread across enumerated shapes",
     "qat_cosine": "QAT gate: probe cosine pre vs post QAT, no NaNs",
     "export": "export gate: exported program vs eager cosine, no int64 on attention, contract",
