@@ -24,6 +24,14 @@ def test_sharded_equals_unsharded(gate, report, key, expected, definition):
 
 
 @pytest.mark.determinism
+def test_shards_were_compared_with_the_reported_run(gate, report):
+    """The unsharded arm of the check is the evaluation whose quality the report gives (evaluated once)."""
+    gate.equals("determinism.unsharded_is_reported", report.get("gate_inputs.determinism.unsharded_sha256"),
+                report.get("quality.student.outputs_sha256"),
+                "sha256 of the unsharded arm's outputs equals that of the reported eval's outputs")
+
+
+@pytest.mark.determinism
 def test_more_than_one_shard(gate, report):
     gate.at_least("determinism.n_shards", report.get("gate_inputs.determinism.n_shards"), 2,
                   "a sharded run must actually split the eval set")

@@ -133,3 +133,8 @@ def step_code(module: str, function: str, package_root: Path = PACKAGE_ROOT) -> 
         todo += [n.id for n in ast.walk(defs[name]) if isinstance(n, ast.Name) and n.id in defs and n.id not in own]
     code = {f"{module}:{name}": hashlib.sha256(_normalized(tree).encode()).hexdigest() for name, tree in own.items()}
     return dict(sorted({**code, **module_hashes(own.values(), package_root)}.items()))
+
+
+def modules_code(*modules: str, package_root: Path = PACKAGE_ROOT) -> dict[str, str]:
+    """The hashes of ``modules`` and of the package modules they import, transitively (:func:`module_hashes`)."""
+    return module_hashes([ast.parse(f"import {m}") for m in modules], package_root)

@@ -302,7 +302,7 @@ def step_eval(cfg: Config, run: RunDir) -> dict[str, Any]:
     the unsharded arm of the determinism check (the shards re-run it, on the same thread count)."""
     from distillgates.data.fingerprints import dataset_sha256
     from distillgates.eval.evaluate import evaluate, sharded_determinism
-    from distillgates.eval.sharding import write_outputs
+    from distillgates.eval.sharding import outputs_sha256, write_outputs
     from distillgates.hardware import torch_threads
     from distillgates.hf import from_hf
     from distillgates.runtime.torch_engine import TorchEngine
@@ -324,6 +324,7 @@ def step_eval(cfg: Config, run: RunDir) -> dict[str, Any]:
     with torch_threads(cfg.eval.threads):  # the shard workers' thread count: the same kernels, bit for bit
         student, outputs = evaluate(TorchEngine(run.load_model()), items, tokenizer, return_outputs=True,
                                     constrained=cfg.eval.constrained_tool_calls, **common)
+    student["outputs_sha256"] = outputs_sha256(outputs)  # the determinism gate checks the shards compared these
     quality = {"student": student, "teacher": evaluate(teacher, items, tokenizer, **common)}
     write_outputs(run.eval_outputs, outputs)
     spec = {"dataset": str(run.dataset("eval")), "tokenizer": str(run.tokenizer_dir), "model": str(run.model_path()),

@@ -78,7 +78,7 @@ def good_report() -> dict[str, Any]:
             "config_sha256": "c" * 64, "git_sha": "0" * 40, "created_at": "2026-01-01T00:00:00+00:00",
             "config": run_config(),
         },
-        "quality": {"student": {**metrics(), "slices": slices},
+        "quality": {"student": {**metrics(), "slices": slices, "outputs_sha256": "o" * 64},
                     "teacher": {**metrics(median_tokens_out=30.0), "slices": copy.deepcopy(slices)}},
         "speed": {
             "backend": "torch", "export": False, "hardware_profile_key": "test",
@@ -89,7 +89,7 @@ def good_report() -> dict[str, Any]:
         },
         "gate_inputs": {
             "determinism": {"coverage": 1.0, "duplicates": 0, "missing": 0, "mismatches": 0, "sharded_equal": True,
-                            "n_shards": 2},
+                            "n_shards": 2, "unsharded_sha256": "o" * 64},
             "qat": {"probe_cosine_min": 0.9995, "probe_cosine": {"layer0_attn": 0.9995, "layer0_mlp": 0.9999},
                     "has_nan": False},
             "export": {"cosine_by_shape": {s: 0.9999 for s in SHAPES}, "int64_on_attention": [], "lint_errors": [],

@@ -41,6 +41,8 @@ VIOLATIONS = [
                     "gate_inputs.determinism.missing": 20}, "determinism",
      ["test_sharded_equals_unsharded[coverage]", "test_sharded_equals_unsharded[duplicates]",
       "test_sharded_equals_unsharded[missing]"], "coverage"),
+    ("shards_compared_with_another_run", {"gate_inputs.determinism.unsharded_sha256": "x" * 64}, "determinism",
+     ["test_shards_were_compared_with_the_reported_run"], "unsharded_is_reported"),
     ("single_shard", {"gate_inputs.determinism.n_shards": 1}, "determinism", ["test_more_than_one_shard"], "n_shards"),
     ("api_teacher_retried", {"gate_inputs.teacher.retries": 2}, "determinism",
      ["test_api_teacher_made_no_retries"], "measured 2 == threshold 0"),
@@ -108,7 +110,7 @@ def test_good_run_passes_every_gate(pytester, gates_project, make_run, own_profi
     common = [f"--run-dir={run}", f"--hw-profile={own_profile}"]
     pytester.runpytest(*BASELINED, *common, "--bless").assert_outcomes(passed=7)
     result = pytester.runpytest("gates", *common, "-rA")
-    result.assert_outcomes(passed=48, skipped=3, deselected=4)
+    result.assert_outcomes(passed=49, skipped=3, deselected=4)
     for name in GATE_FILES:
         assert f"PASSED gates/test_{name}.py::" in result.stdout.str(), name
     assert "requires macOS" in result.stdout.str()

@@ -13,7 +13,7 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
-import distillgates
+from distillgates.codeversion import modules_code
 from distillgates.config import sha256_json
 from distillgates.io import sha256_file
 
@@ -37,18 +37,11 @@ def items_sha256(items: Iterable[Mapping[str, Any]]) -> str:
     return sha256_json(ordered)
 
 
-def eval_code_version() -> str:
-    """Package version + sha256 of the eval sources: a scorer change changes the runner fingerprint."""
-    h = hashlib.sha256(distillgates.__version__.encode())
-    for path in sorted(Path(__file__).parent.glob("*.py")):
-        h.update(path.name.encode())
-        h.update(path.read_bytes())
-    return h.hexdigest()
-
-
 def runner_fingerprint(kind: str, decoding: Mapping[str, Any]) -> str:
-    """sha256 of runner kind, decoding settings and eval code version."""
-    return sha256_json({"kind": kind, "decoding": dict(decoding), "code": eval_code_version()})
+    """sha256 of runner kind, decoding settings and the code of the runner loop and the scorer (what makes
+    and what scores the outputs; :func:`distillgates.codeversion.modules_code`, docstrings aside)."""
+    code = modules_code("distillgates.eval.runners", "distillgates.eval.scorer")
+    return sha256_json({"kind": kind, "decoding": dict(decoding), "code": code})
 
 
 def directory_fingerprint(path: str | Path, patterns: tuple[str, ...] = ("*.safetensors", "*.bin", "*.json")) -> str:
