@@ -204,3 +204,24 @@ def test_the_report_is_the_eval_run_and_its_unsharded_arm(tiny_run: tuple[Path, 
     report = read_report(run_dir / "reports" / "report.json")
     assert len(outputs) == report["quality"]["student"]["n"]
     assert report["gate_inputs"]["determinism"]["unsharded_sha256"] == outputs_sha256(outputs)
+
+
+def test_each_step_is_keyed_by_its_own_config_fields(tmp_path: Path) -> None:
+    """``kd.items`` changes the KD set, never the teacher; the teacher's training fields change the teacher
+    (and, through its outputs, everything after it) but not the data."""
+    import dataclasses
+
+    cfg = load_config(tiny_config(tmp_path))
+    assert cfg.teacher is not None
+    steps = {s.name: s for s in STEPS}
+
+    def fingerprints(config) -> dict[str, str]:
+        pipeline = Pipeline(config, tmp_path / "run")
+        return {name: pipeline.fingerprint(step) for name, step in steps.items()}
+
+    base = fingerprints(cfg)
+    more_kd = fingerprints(dataclasses.replace(cfg, kd=dataclasses.replace(cfg.kd, items=7)))
+    assert {n for n in base if base[n] != more_kd[n]} == {"kd", "report"}
+    longer = dataclasses.replace(cfg.teacher, train=dataclasses.replace(cfg.teacher.train, steps=99))
+    retrained = fingerprints(dataclasses.replace(cfg, teacher=longer))
+    assert {n for n in base if base[n] != retrained[n]} == {"teacher", "report"}  # the rest follow its outputs
