@@ -71,7 +71,8 @@ def test_ane_figures_are_labelled_by_source(report: dict[str, Any], tmp_path: Pa
 
     report["gate_inputs"]["ane_lint"] = {
         "source": "op-eligibility lint (static MIL)", "ineligible_ops": ["prefill: cumsum (c): op cumsum not in the "
-        "ANE op list"], "over_limits": [], "op_eligible_share": 0.99997, "by_op_type": {},
+        "ANE op list"], "over_limits": [], "limits": {"max_rank": 5, "max_dim": 16384}, "op_eligible_share": 0.99997,
+        "by_op_type": {},
     }  # fmt: skip
     md = report_markdown(read_report(write_report(tmp_path / "lint.json", report)))
     assert "| ANE op-eligible share [op-eligibility lint (static MIL)] | 1.0000 |" in md

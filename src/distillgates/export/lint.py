@@ -231,8 +231,8 @@ def ane_op_lint(programs: dict[str, Any], symbol_size: int) -> dict[str, Any]:
 
     - ``ineligible_ops``: ops on the attention/MLP path the ANE does not run (op type or dtype),
       one message per op naming the program, the op and the reason. Gated: must be empty.
-    - ``over_limits``: ops on that path with an output above the ANE's rank or dimension limit.
-      Gated: must be empty.
+    - ``over_limits``: ops on that path with an output above the ANE's rank or dimension limit
+      (``limits``). Gated: must be empty.
     - ``op_eligible_share``: information only, *not residency*: the share of estimated FLOPs (all
       ops, index math included) in ops that pass the rules. A fp16 transformer scores about 1.0
       whatever the device later does with it.
@@ -276,6 +276,7 @@ def ane_op_lint(programs: dict[str, Any], symbol_size: int) -> dict[str, Any]:
         "source": LINT_SOURCE,
         "ineligible_ops": ineligible,
         "over_limits": over_limits,
+        "limits": {"max_rank": ANE_MAX_RANK, "max_dim": ANE_MAX_DIM},
         "op_eligible_share": all_eligible / all_total if all_total else 0.0,
         "by_op_type": dict(sorted(by_op.items())),
         "op_eligible_share_by_program": per_program,
