@@ -97,7 +97,7 @@ MEANINGS = {
     "GatesConfig.qat_cosine_min": "qat_cosine: probe cosine >= this",
     "GatesConfig.export_cosine_min": "export: exported vs eager cosine per shape >= this (also fails the export)",
     "GatesConfig.ane_residency_min": "ane_residency (macOS): MLComputePlan ANE residency >= this",
-    "GatesConfig.ane_residency_drop_max": "ane_residency (macOS): drop of the residency vs the profile's baseline <= this",
+    "GatesConfig.ane_residency_drop_max": "ane_residency (macOS): residency drop vs the profile's baseline <= this",
     "GatesConfig.coreml_cosine_min": "coreml_parity (macOS): Core ML vs PyTorch cosine >= this",
     "GatesConfig.speed_regression_max": "speed: tolerated relative TTFT/TPS regression",
     "GatesConfig.ttfa_p95_tokens_max": "latency_loss: TTFA p95 (tokens) <= this",

@@ -301,8 +301,9 @@ def test_ane_lint_rules() -> None:
 def test_ane_lint_holds_only_the_attention_mlp_path_to_the_rules() -> None:
     """An op off the ANE list fails the lint when it reads activations; int32 index math does not."""
 
-    @mb.program(input_specs=[mb.TensorSpec(shape=(2, 64), dtype=types.fp16), mb.TensorSpec(shape=(2,), dtype=types.int32)],
-                opset_version=ct.target.macOS15)  # fmt: skip
+    inputs = [mb.TensorSpec(shape=(2, 64), dtype=types.fp16), mb.TensorSpec(shape=(2,), dtype=types.int32)]
+
+    @mb.program(input_specs=inputs, opset_version=ct.target.macOS15)
     def index_math(x: Any, position: Any) -> Any:
         return mb.relu(x=x), mb.cumsum(x=position, axis=0)  # int32: off the ANE, not on the path
 
