@@ -254,8 +254,10 @@ def ane_op_lint(programs: dict[str, Any], symbol_size: int) -> dict[str, Any]:
             reasons = op_reasons + limit_reasons
             if _reads_activation(op):
                 where = f"{prog_name}: {op.op_type} ({op.name}): "
-                ineligible += [where + "; ".join(op_reasons)] if op_reasons else []
-                over_limits += [where + "; ".join(limit_reasons)] if limit_reasons else []
+                if op_reasons:
+                    ineligible.append(where + "; ".join(op_reasons))
+                if limit_reasons:
+                    over_limits.append(where + "; ".join(limit_reasons))
             flops = _flops(op, symbol_size)
             total_flops += flops
             eligible_flops += 0.0 if reasons else flops
