@@ -1,4 +1,5 @@
-"""Export gates: the exported program matches eager per shape; no int64 on attention; contract OK."""
+"""Export gates: the exported program matches eager per shape; no int64 on attention; contract OK;
+the ANE op-eligibility lint is clean (no ineligible op on the attention/MLP path, shapes within the ANE's limits)."""
 
 from __future__ import annotations
 
@@ -27,3 +28,20 @@ def test_lint_clean(gate, report):
 def test_contract(gate, report):
     gate.equals("export.contract_ok", report.get("gate_inputs.export.contract_ok"), True,
                 "export/contract.json matches the exported models (names, shapes, dtypes, states)")
+
+
+@pytest.mark.export
+def test_ane_ops_eligible(gate, report):
+    lint = report.get("gate_inputs.ane_lint")
+    gate.equals(f"ane.ineligible_ops[{lint['source']}]", lint["ineligible_ops"], [],
+                "ops on the attention/MLP path (reading activations) the ANE does not run: op type off the ANE "
+                "list, or a fp32/int output (the ANE computes fp16); a static check, not a residency measurement")
+
+
+@pytest.mark.export
+def test_ane_within_limits(gate, report):
+    lint = report.get("gate_inputs.ane_lint")
+    limits = lint["limits"]
+    gate.equals(f"ane.over_limits[{lint['source']}]", lint["over_limits"], [],
+                f"ops on the attention/MLP path with an output above the ANE's limits (rank <= {limits['max_rank']}, "
+                f"every dimension <= {limits['max_dim']}; split a larger LM head)")

@@ -30,8 +30,9 @@ GATE_MARKERS = {
     "latency_loss": "latency-loss gate: student output length vs teacher; no new false tool calls; TTFA p95",
     "shape_drift": "shape-drift gate: F1 lax spread across enumerated shapes",
     "qat_cosine": "QAT gate: probe cosine pre vs post QAT, no NaNs",
-    "export": "export gate: exported program vs eager cosine, no int64 on attention, contract",
-    "ane_residency": "ANE residency gate: estimated ANE share and drop vs baseline",
+    "export": "export gate: exported program vs eager cosine, no int64 on attention, contract, ANE op-eligibility "
+              "lint (static MIL)",
+    "ane_residency": "ANE residency gate (macOS): MLComputePlan share on the ANE and drop vs the profile's baseline",
     "coreml_parity": "Core ML parity gate: Core ML vs PyTorch logits per shape (macOS)",
     "speed": "speed gate: TTFT/TPS regression vs same-profile baseline (runs only with -m speed)",
     "prompt_cache": "prompt-cache gate: TTFT reduction with a cached prefix, hit rate",

@@ -84,6 +84,8 @@ def test_workflow_runs_speed_gates_and_publishes_reports():
     scripts = "\n".join(step.get("run", "") for step in steps)
     assert "make setup" in scripts
     assert re.search(r"pytest gates -m speed .*--run-dir", scripts)
+    # residency is measured only on the Mac (MLComputePlan), so its gates run there, with Core ML parity
+    assert re.search(r'pytest gates -m "ane_residency or coreml_parity" .*--run-dir', scripts)
     for option in ("--junitxml=", "--gate-report=", "--gate-summary=", "--hw-profile="):
         assert option in scripts, option
     assert "GITHUB_STEP_SUMMARY" in scripts

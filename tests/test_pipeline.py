@@ -55,7 +55,7 @@ def test_every_step_runs_and_the_report_validates(tiny_run: tuple[Path, Path]) -
     report = read_report(run_dir / "reports" / "report.json")  # schema-validated, no null fingerprint
     assert set(report["quality"]) == {"student", "teacher"}
     assert report["speed"]["backend"] == "torch" and report["speed"]["export"] is False
-    assert set(report["gate_inputs"]) >= {"determinism", "qat", "export", "ane", "prompt_cache", "speculative"}
+    assert set(report["gate_inputs"]) >= {"determinism", "qat", "export", "ane_lint", "prompt_cache", "speculative"}
     assert report["gate_inputs"]["determinism"]["coverage"] == 1.0
     for package in ("prefill", "decode"):
         assert (run_dir / "export" / f"{package}.mlpackage").is_dir()

@@ -284,7 +284,7 @@ def step_export(cfg: Config, run: RunDir) -> dict[str, Any]:
     atomic_write_json(run.export_gate_inputs, result.gate_inputs)
     return {
         "packages": {name: str(path) for name, path in result.packages.items()},
-        "ane_estimated_share": result.gate_inputs["ane"]["estimated_share"],
+        "ane_op_eligible_share": result.gate_inputs["ane_lint"]["op_eligible_share"],  # a lint figure, not residency
         "cosine_by_shape": result.gate_inputs["export"]["cosine_by_shape"],
     }
 

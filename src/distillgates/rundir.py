@@ -10,6 +10,7 @@ Every step of the pipeline, the speed harness, the training recipe, the gates an
     cache/kd/                API response cache: survives KD rebuilds      (kd step)
     student/, drafter/       model.pt, checkpoint.pt, init.json, qat_probe.json (training)
     export/                  *.mlpackage, contract.json, gate_inputs.json  (export step)
+                             ane_lint.json, ane_residency.json (macOS only)
     reports/speed.json       (speed step)
     eval/                    quality.json, determinism.json, outputs.jsonl (eval step)
     reports/report.json      the validated report                          (report step)

@@ -65,6 +65,31 @@ def test_round_trip_and_render(report: dict[str, Any], tmp_path: Path) -> None:
     assert render_report(loaded).row_count > len(FINGERPRINT_KEYS)
 
 
+def test_ane_figures_are_labelled_by_source(report: dict[str, Any], tmp_path: Path) -> None:
+    """The static lint's share and the compute plan's residency each carry their source, never mixed up."""
+    from rich.console import Console
+
+    report["gate_inputs"]["ane_lint"] = {
+        "source": "op-eligibility lint (static MIL)", "ineligible_ops": ["prefill: cumsum (c): op cumsum not in the "
+        "ANE op list"], "over_limits": [], "limits": {"max_rank": 5, "max_dim": 16384}, "op_eligible_share": 0.99997,
+        "by_op_type": {},
+    }  # fmt: skip
+    md = report_markdown(read_report(write_report(tmp_path / "lint.json", report)))
+    assert "| ANE op-eligible share [op-eligibility lint (static MIL)] | 1.0000 |" in md
+    assert "| ANE lint findings [op-eligibility lint (static MIL)] | 1 ineligible ops, 0 over limits |" in md
+    assert "residency" not in md  # no residency without MLComputePlan
+    report["gate_inputs"]["ane_residency"] = {"source": "MLComputePlan", "residency": 0.62, "by_op_type": {}}
+    loaded = read_report(write_report(tmp_path / "plan.json", report))
+    assert "| ANE residency [MLComputePlan] | 0.6200 |" in report_markdown(loaded)
+    console = Console(width=200, record=True)
+    console.print(render_report(loaded))
+    table = console.export_text()
+    assert "ANE residency [MLComputePlan]" in table and "ANE op-eligible share [op-eligibility lint" in table
+    report["gate_inputs"]["ane_residency"]["source"] = "op-eligibility lint (static MIL)"  # a lint is no residency
+    with pytest.raises(ReportError, match=r"gate_inputs\.ane_residency\.source"):
+        validate_report(report)
+
+
 def test_report_command_renders_and_writes_markdown(report: dict[str, Any], tmp_path: Path, capsys) -> None:
     from distillgates.cli import main
 

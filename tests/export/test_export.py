@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -21,9 +22,11 @@ from distillgates.export.api import export_model, export_transformer
 from distillgates.export.contract import kv_layout, verify_contract
 from distillgates.export.convert import ExportError, convert_program, export_program, int8_grid_scale
 from distillgates.export.layout import ANETransformer, build_layout
-from distillgates.export.lint import ane_report, lint_int64_attention, lint_mil_ops, lint_shapes
+from distillgates.export.lint import ANE_MAX_DIM, ane_op_lint, lint_int64_attention, lint_mil_ops, lint_shapes
 from distillgates.export.wrappers import PrefillModule
-from distillgates.model import load_model, model_fingerprint
+from distillgates.model import Transformer, load_model, model_fingerprint
+
+from ..conftest import tiny_model_config
 
 requires_macos = pytest.mark.requires_macos  # skipped off macOS by the plugin, with the reason
 
@@ -142,6 +145,8 @@ def test_ane_layout_palettized_export(ane_palettized_export, export_lengths) -> 
     luts = [op for f in prog.functions.values() for op in f.operations if op.op_type == "constexpr_lut_to_dense"]
     assert all(op.inputs["lut"].val.shape[-2] == 2**6 for op in luts)  # 6-bit palettes
     assert ane_palettized_export.contract["ok"]
+    lint = ane_palettized_export.gate_inputs["ane_lint"]  # the (B, C, 1, S) layout passes the ANE lint too
+    assert lint["ineligible_ops"] == [] and lint["over_limits"] == []
     assert all(c >= 0.999 for c in ane_palettized_export.parity["cosine_by_shape"].values())
 
 
@@ -227,45 +232,90 @@ def test_export_refuses_lengths_beyond_the_cache(tiny_ckpt, tmp_path) -> None:
 
 
 # --------------------------------------------------------------------------------------
-# ANE report
+# ANE op-eligibility lint
 
 
 @pytest.mark.integration
-def test_ane_report_of_the_export(standard_export) -> None:
-    ane = standard_export.gate_inputs["ane"]
-    assert ane["source"] == "static_mil_estimate"
-    assert 0.9 < ane["estimated_share"] <= 1.0  # fp16 linears/attention dominate the FLOPs
-    by_op = ane["by_op_type"]
+def test_ane_lint_of_the_export(standard_export) -> None:
+    lint = standard_export.gate_inputs["ane_lint"]
+    assert lint["source"] == "op-eligibility lint (static MIL)"
+    assert lint["ineligible_ops"] == [] and lint["over_limits"] == []  # the fp16 attention/MLP path is clean
+    assert 0.9 < lint["op_eligible_share"] <= 1.0  # fp16 linears/attention dominate the FLOPs
+    by_op = lint["by_op_type"]
     assert by_op["linear"]["eligible"] and by_op["scaled_dot_product_attention"]["eligible"]
     assert max(by_op, key=lambda k: by_op[k]["flops"]) == "linear"
-    assert not by_op["cumsum"]["eligible"]  # int32 position math stays on the CPU
-    on_disk = json.loads(standard_export.ane_report_path.read_text())
-    assert on_disk["estimated_share"] == pytest.approx(ane["estimated_share"])
+    assert not by_op["cumsum"]["eligible"]  # int32 position math: off the ANE, but not on the attention/MLP path
+    assert ("ane_residency" in standard_export.gate_inputs) == (sys.platform == "darwin")  # only MLComputePlan
+    on_disk = json.loads(standard_export.ane_lint_path.read_text())
+    assert standard_export.ane_lint_path.name == "ane_lint.json"
+    assert on_disk["op_eligible_share"] == pytest.approx(lint["op_eligible_share"])
 
 
-def test_ane_report_rules() -> None:
-    @mb.program(input_specs=[mb.TensorSpec(shape=(2, 64), dtype=types.fp16)], opset_version=ct.target.macOS15)
-    def fp16_prog(x: Any) -> Any:
-        return mb.linear(x=x, weight=np.ones((64, 64), dtype=np.float16))
+@pytest.mark.integration  # a Core ML conversion (~6 s)
+def test_ane_lint_flags_an_lm_head_above_the_dimension_limit(tmp_path) -> None:
+    torch.manual_seed(0)
+    model = Transformer(tiny_model_config(vocab_size=ANE_MAX_DIM + 16, max_seq_len=48)).eval()
+    result = export_transformer(model, ExportConfig(quantize="none"), [16, 32], tmp_path, "tok")
+    assert result.errors == []  # a lint finding for the export gates, not an export error: the model runs
+    over = result.gate_inputs["ane_lint"]["over_limits"]
+    assert over and all(f"dimension > {ANE_MAX_DIM}" in m for m in over), over
+    assert any(m.startswith("prefill: linear") and m.endswith(f", {ANE_MAX_DIM + 16}]") for m in over), over  # LM head
+    assert result.gate_inputs["ane_lint"]["ineligible_ops"] == []
 
-    @mb.program(input_specs=[mb.TensorSpec(shape=(2, 64), dtype=types.fp32)], opset_version=ct.target.macOS15)
-    def fp32_prog(x: Any) -> Any:
-        return mb.linear(x=x, weight=np.ones((64, 64), dtype=np.float32))
 
+def _linear_prog(dtype: Any, out_features: int = 64) -> Any:
+    np_dtype = np.float16 if dtype == types.fp16 else np.float32
+
+    @mb.program(input_specs=[mb.TensorSpec(shape=(2, 64), dtype=dtype)], opset_version=ct.target.macOS15)
+    def prog(x: Any) -> Any:
+        return mb.linear(x=x, weight=np.ones((out_features, 64), dtype=np_dtype))
+
+    return prog
+
+
+def test_ane_lint_rules() -> None:
     @mb.program(input_specs=[mb.TensorSpec(shape=(1, 1, 1, 1, 1, 2, 64), dtype=types.fp16)],
                 opset_version=ct.target.macOS15)  # fmt: skip
     def rank7_prog(x: Any) -> Any:
         return mb.relu(x=x)
 
-    good = ane_report({"p": fp16_prog}, symbol_size=1)
-    assert good["estimated_share"] == 1.0 and good["by_op_type"]["linear"]["flops"] == 2 * 2 * 64 * 64
-    fp32 = ane_report({"p": fp32_prog}, symbol_size=1)
-    assert fp32["estimated_share"] == 0.0
-    assert "fp32 output (ANE computes fp16)" in fp32["by_op_type"]["linear"]["reasons"]
-    rank = ane_report({"p": rank7_prog}, symbol_size=1)
-    assert not rank["by_op_type"]["relu"]["eligible"] and "rank 7 > 5" in rank["by_op_type"]["relu"]["reasons"]
-    both = ane_report({"a": fp16_prog, "b": fp32_prog}, symbol_size=1)
-    assert both["estimated_share"] == pytest.approx(0.5)
+    fp16, fp32 = _linear_prog(types.fp16), _linear_prog(types.fp32)
+    good = ane_op_lint({"p": fp16}, symbol_size=1)
+    assert good["ineligible_ops"] == [] and good["over_limits"] == []
+    assert good["op_eligible_share"] == 1.0 and good["by_op_type"]["linear"]["flops"] == 2 * 2 * 64 * 64
+    bad = ane_op_lint({"p": fp32}, symbol_size=1)
+    assert bad["op_eligible_share"] == 0.0
+    assert "fp32 output (ANE computes fp16)" in bad["by_op_type"]["linear"]["reasons"]
+    assert len(bad["ineligible_ops"]) == 1 and bad["ineligible_ops"][0].startswith("p: linear (")
+    assert bad["ineligible_ops"][0].endswith("): fp32 output (ANE computes fp16)")
+    rank = ane_op_lint({"p": rank7_prog}, symbol_size=1)
+    assert not rank["by_op_type"]["relu"]["eligible"] and rank["ineligible_ops"] == []
+    assert len(rank["over_limits"]) == 1 and rank["over_limits"][0].endswith("rank 7 > 5")
+    wide = ane_op_lint({"p": _linear_prog(types.fp16, out_features=ANE_MAX_DIM + 1)}, symbol_size=1)
+    assert wide["over_limits"][0].endswith(f"dimension > {ANE_MAX_DIM} in [2, {ANE_MAX_DIM + 1}]")
+    both = ane_op_lint({"a": fp16, "b": fp32}, symbol_size=1)
+    assert both["op_eligible_share"] == pytest.approx(0.5)
+    assert [m.split(":")[0] for m in both["ineligible_ops"]] == ["b"]  # each finding names its program
+
+
+def test_ane_lint_holds_only_the_attention_mlp_path_to_the_rules() -> None:
+    """An op off the ANE list fails the lint when it reads activations; int32 index math does not."""
+
+    inputs = [mb.TensorSpec(shape=(2, 64), dtype=types.fp16), mb.TensorSpec(shape=(2,), dtype=types.int32)]
+
+    @mb.program(input_specs=inputs, opset_version=ct.target.macOS15)
+    def index_math(x: Any, position: Any) -> Any:
+        return mb.relu(x=x), mb.cumsum(x=position, axis=0)  # int32: off the ANE, not on the path
+
+    @mb.program(input_specs=[mb.TensorSpec(shape=(2, 64), dtype=types.fp16)], opset_version=ct.target.macOS15)
+    def on_activations(x: Any) -> Any:
+        return mb.cumsum(x=mb.relu(x=x), axis=1)
+
+    index = ane_op_lint({"prefill": index_math}, symbol_size=1)
+    assert index["ineligible_ops"] == [] and not index["by_op_type"]["cumsum"]["eligible"]
+    found = ane_op_lint({"prefill": on_activations}, symbol_size=1)["ineligible_ops"]
+    assert len(found) == 1 and found[0].startswith("prefill: cumsum (")
+    assert found[0].endswith("): op cumsum not in the ANE op list"), found
 
 
 # --------------------------------------------------------------------------------------
@@ -304,9 +354,10 @@ def test_mlcomputeplan_residency(standard_export) -> None:
     from distillgates.export.compute_plan import ane_residency
 
     report = ane_residency(standard_export.packages["prefill"])
-    assert report["source"] == "mlcomputeplan"
-    assert 0.0 <= report["estimated_share"] <= 1.0
+    assert report["source"] == "MLComputePlan"
+    assert 0.0 <= report["residency"] <= 1.0
     assert "linear" in report["by_op_type"]
+    assert standard_export.gate_inputs["ane_residency"]["source"] == "MLComputePlan"  # recorded by the export
 
 
 def test_an_op_coremltools_cannot_convert_is_an_export_error():

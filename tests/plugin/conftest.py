@@ -94,7 +94,10 @@ def good_report() -> dict[str, Any]:
                     "has_nan": False},
             "export": {"cosine_by_shape": {s: 0.9999 for s in SHAPES}, "int64_on_attention": [], "lint_errors": [],
                        "contract_ok": True},
-            "ane": {"source": "static_mil_estimate", "estimated_share": 0.95, "by_op_type": {}},
+            "ane_lint": {"source": "op-eligibility lint (static MIL)", "ineligible_ops": [], "over_limits": [],
+                         "limits": {"max_rank": 5, "max_dim": 16384}, "op_eligible_share": 0.99, "by_op_type": {}},
+            # as a Mac's export records it (off macOS a run has none, and the residency gates skip)
+            "ane_residency": {"source": "MLComputePlan", "residency": 0.95, "by_op_type": {}},
             "prompt_cache": {"ttft_cold_ms": [10.0, 11.0, 10.5], "ttft_hit_ms": [4.0, 4.2, 4.1], "hit_rate": 1.0},
             "speculative": {"identical": True, "speedup": 1.6, "acceptance_rate": 0.7, "tokens_per_worker_step": 2.1},
             "teacher": {"kind": "openai", "determinism": True, "retries": 0, "cache_hits": 0, "records": 10,

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from .test_hw_profile import ANE, PLAN, other_profile
+from .test_hw_profile import ANE, other_profile
 
 
 def bless_on_other_profile(pytester, run, own_profile) -> str:
@@ -15,7 +15,7 @@ def bless_on_other_profile(pytester, run, own_profile) -> str:
 
 def test_cross_hardware_baseline_is_refused(pytester, gates_project, make_run, own_profile):
     gates_project()
-    run = make_run(**PLAN)
+    run = make_run()
     other = bless_on_other_profile(pytester, run, own_profile)
     result = pytester.runpytest(ANE, f"--run-dir={run}")
     result.assert_outcomes(passed=1, failed=1)
@@ -25,8 +25,8 @@ def test_cross_hardware_baseline_is_refused(pytester, gates_project, make_run, o
 
 def test_allow_cross_hw_accepts_it(pytester, gates_project, make_run, own_profile):
     gates_project()
-    run = make_run(**PLAN)
+    run = make_run()
     bless_on_other_profile(pytester, run, own_profile)
     pytester.runpytest(ANE, f"--run-dir={run}", "--allow-cross-hw").assert_outcomes(passed=2)
-    worse = make_run("worse", **{**PLAN, "gate_inputs.ane.estimated_share": 0.81})
+    worse = make_run("worse", **{"gate_inputs.ane_residency.residency": 0.81})
     pytester.runpytest(ANE, f"--run-dir={worse}", "--allow-cross-hw").assert_outcomes(passed=1, failed=1)

@@ -6,8 +6,7 @@ import json
 
 import pytest
 
-ANE = "gates/test_ane_residency.py"
-PLAN = {"gate_inputs.ane.source": "mlcomputeplan"}  # a compute plan depends on the device
+ANE = "gates/test_ane_residency.py"  # the good run carries an MLComputePlan residency, which depends on the device
 
 
 def other_profile(own: str) -> str:
@@ -16,20 +15,20 @@ def other_profile(own: str) -> str:
 
 def test_default_is_the_detected_profile(pytester, gates_project, make_run, own_profile):
     gates_project()
-    result = pytester.runpytest(ANE, f"--run-dir={make_run(**PLAN)}", "--bless")
+    result = pytester.runpytest(ANE, f"--run-dir={make_run()}", "--bless")
     result.assert_outcomes(passed=2)
     data = json.loads((pytester.path / "baselines" / own_profile / "ane_residency.json").read_text())
     assert data["hardware_profile_key"] == own_profile
-    assert "estimated_share.mlcomputeplan" in data["entries"]
+    assert "residency.mlcomputeplan" in data["entries"]
 
 
 def test_selected_profile_that_is_not_this_machine_is_refused(pytester, gates_project, make_run, own_profile):
     gates_project()
-    run = make_run(**PLAN)
+    run = make_run()
     other = other_profile(own_profile)
     pytester.runpytest(ANE, f"--run-dir={run}", f"--hw-profile={other}", "--bless", "--allow-cross-hw")
     result = pytester.runpytest(ANE, f"--run-dir={run}", f"--hw-profile={other}")
-    result.assert_outcomes(passed=1, failed=1)  # the absolute share gate is hardware-free; the drop gate is not
+    result.assert_outcomes(passed=1, failed=1)  # the absolute residency gate is hardware-free; the drop gate is not
     result.stdout.fnmatch_lines([f"*--hw-profile '{other}' does not match this machine*--allow-cross-hw*"])
 
 
@@ -51,7 +50,7 @@ def test_bless_under_another_machines_profile_is_refused(pytester, gates_project
     """--bless must not write this machine's numbers under another machine's profile."""
     gates_project()
     other = other_profile(own_profile)
-    result = pytester.runpytest(ANE, f"--run-dir={make_run(**PLAN)}", f"--hw-profile={other}", "--bless")
+    result = pytester.runpytest(ANE, f"--run-dir={make_run()}", f"--hw-profile={other}", "--bless")
     result.assert_outcomes(passed=1, failed=1)
     result.stdout.fnmatch_lines(["*refusing to bless*does not match this machine*"])
     assert not (pytester.path / "baselines" / other).exists()

@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import json
 import re
+import sys
 
 import pytest
 
@@ -85,10 +86,16 @@ VIOLATIONS = [
      ["test_no_int64_on_attention"], "layers.0.attn.mask"),
     ("lint_errors", {"gate_inputs.export.lint_errors": ["shape op"]}, "export", ["test_lint_clean"], "shape op"),
     ("contract_broken", {"gate_inputs.export.contract_ok": False}, "export", ["test_contract"], "contract_ok"),
-    ("ane_low", {"gate_inputs.ane.estimated_share": 0.7}, "ane_residency", ["test_ane_share", "test_ane_no_drop"],
-     "static_mil_estimate"),
-    ("ane_drop", {"gate_inputs.ane.estimated_share": 0.83}, "ane_residency",
-     ["test_ane_no_drop"], "change -0.12"),
+    ("ane_ineligible_op_on_attention", {"gate_inputs.ane_lint.ineligible_ops": [
+        "prefill: cast (layers_0_attn_cast_3): fp32 output (ANE computes fp16)"]}, "export",
+     ["test_ane_ops_eligible"], "ane.ineligible_ops[op-eligibility lint (static MIL)] FAILED"),
+    ("ane_dimension_over_limit", {"gate_inputs.ane_lint.over_limits": [
+        "prefill: linear (lm_head): dimension > 16384 in [1, 256, 32000]"]}, "export",
+     ["test_ane_within_limits"], "dimension > 16384 in [1, 256, 32000]"),
+    ("ane_low_residency", {"gate_inputs.ane_residency.residency": 0.7}, "ane_residency",
+     ["test_ane_residency", "test_ane_residency_no_drop"], "ane.residency[MLComputePlan] FAILED: measured 0.7 >= "),
+    ("ane_residency_drop", {"gate_inputs.ane_residency.residency": 0.83}, "ane_residency",
+     ["test_ane_residency_no_drop"], "change -0.12"),
     ("prompt_cache_slow", {"gate_inputs.prompt_cache.ttft_hit_ms": [9.0, 9.5, 10.0]}, "prompt_cache",
      ["test_ttft_reduction"], "prompt_cache.ttft_reduction"),
     ("prompt_cache_misses", {"gate_inputs.prompt_cache.hit_rate": 0.5}, "prompt_cache", ["test_hit_rate"], "0.5"),
@@ -110,7 +117,7 @@ def test_good_run_passes_every_gate(pytester, gates_project, make_run, own_profi
     common = [f"--run-dir={run}", f"--hw-profile={own_profile}"]
     pytester.runpytest(*BASELINED, *common, "--bless").assert_outcomes(passed=7)
     result = pytester.runpytest("gates", *common, "-rA")
-    result.assert_outcomes(passed=49, skipped=3, deselected=4)
+    result.assert_outcomes(passed=51, skipped=3, deselected=4)
     for name in GATE_FILES:
         assert f"PASSED gates/test_{name}.py::" in result.stdout.str(), name
     assert "requires macOS" in result.stdout.str()
@@ -173,3 +180,18 @@ def test_qat_gates_skip_a_run_trained_without_qat(pytester, gates_project, make_
     result = pytester.runpytest("gates/test_qat_cosine.py", f"--run-dir={run}", f"--hw-profile={own_profile}", "-rs")
     result.assert_outcomes(skipped=3)
     assert "QAT is off in this run" in result.stdout.str()
+
+
+def test_residency_gates_need_mlcomputeplan(pytester, gates_project, make_run, own_profile):
+    """A run exported off macOS has no residency figure: the gates skip naming MLComputePlan (on a Mac they
+    fail, since there the export step always records it); the static lint never stands in for it."""
+    gates_project()
+    run = make_run("linux_export", **{"gate_inputs.ane_residency": DELETE})
+    result = pytester.runpytest("gates/test_ane_residency.py", f"--run-dir={run}", f"--hw-profile={own_profile}",
+                                "-rs")
+    if sys.platform == "darwin":
+        assert failed_tests(result) == ["test_ane_residency", "test_ane_residency_no_drop"], result.stdout.str()
+        assert "exported off macOS" in result.stdout.str()
+    else:
+        result.assert_outcomes(skipped=2)
+        assert "ANE residency is measured only by MLComputePlan (macOS 14.4+)" in result.stdout.str()

@@ -20,6 +20,7 @@ from typing import Any
 
 from jsonschema import Draft202012Validator
 from rich.table import Table
+from rich.text import Text
 
 from distillgates.eval.fingerprints import FingerprintError, check_fingerprints
 from distillgates.io import atomic_write_json
@@ -197,8 +198,23 @@ def _speed_rows(report: dict[str, Any]) -> list[list[str]]:
     return rows
 
 
+def _ane_rows(report: dict[str, Any]) -> list[list[str]]:
+    """The ANE figures, each named with its source: a static op-eligibility lint is not residency."""
+    inputs = report.get("gate_inputs") or {}
+    rows = []
+    if "ane_lint" in inputs:
+        lint = inputs["ane_lint"]
+        rows.append([f"ANE op-eligible share [{lint['source']}]", _fmt(lint["op_eligible_share"])])
+        rows.append([f"ANE lint findings [{lint['source']}]",
+                     f"{len(lint['ineligible_ops'])} ineligible ops, {len(lint['over_limits'])} over limits"])
+    if "ane_residency" in inputs:
+        plan = inputs["ane_residency"]
+        rows.append([f"ANE residency [{plan['source']}]", _fmt(plan["residency"])])
+    return rows
+
+
 def render_report(report: dict[str, Any]) -> Table:
-    """A ``rich`` table: quality per role, speed percentiles, fingerprints."""
+    """A ``rich`` table: quality per role, speed percentiles, ANE figures (by source), fingerprints."""
     roles, rows = _quality_rows(report)
     table = Table(title=f"distillgates report (schema v{report.get('schema_version')})")
     table.add_column("metric")
@@ -208,13 +224,15 @@ def render_report(report: dict[str, Any]) -> Table:
         table.add_row(*row)
     for key, p50, p90, p95 in _speed_rows(report):
         table.add_row(f"speed.{key} p50/p90/p95", f"{p50} / {p90} / {p95}", *[""] * (max(len(roles), 1) - 1))
+    for name, value in _ane_rows(report):  # Text, not markup: "[MLComputePlan]" is no style tag
+        table.add_row(Text(name), value, *[""] * (max(len(roles), 1) - 1))
     for key, value in report["header"]["fingerprints"].items():
         table.add_row(key, value[:16], *[""] * (max(len(roles), 1) - 1))
     return table
 
 
 def report_markdown(report: dict[str, Any]) -> str:
-    """Markdown (CI job summary): quality table, speed table, gate inputs, fingerprints."""
+    """Markdown (CI job summary): quality table, speed table, ANE figures (by source), gate inputs, fingerprints."""
     header = report["header"]
     out = [f"# distillgates report (schema v{report['schema_version']})", ""]
     out.append(f"created {header['created_at']}, git {header.get('git_sha') or 'n/a'}, "
@@ -227,6 +245,10 @@ def report_markdown(report: dict[str, Any]) -> str:
     if speed_rows:
         out += ["", "## Speed", "", "| metric | p50 | p90 | p95 |", "|---|---:|---:|---:|"]
         out += ["| " + " | ".join(row) + " |" for row in speed_rows]
+    ane_rows = _ane_rows(report)
+    if ane_rows:
+        out += ["", "## ANE", "", "| figure [source] | value |", "|---|---:|"]
+        out += ["| " + " | ".join(row) + " |" for row in ane_rows]
     for name, section in (report.get("gate_inputs") or {}).items():
         if isinstance(section, dict):
             flat = ", ".join(f"{k}={_fmt(v)}" for k, v in section.items() if not isinstance(v, dict | list))

@@ -1,8 +1,9 @@
-"""``export_model``: checkpoint -> prefill/decode ``.mlpackage`` + contract, lints, ANE report, parity.
+"""``export_model``: checkpoint -> prefill/decode ``.mlpackage`` + contract, lints, ANE op lint, parity.
 
 Run-directory layout (contract.md): ``export/prefill.mlpackage``, ``export/decode.mlpackage``,
 ``export/contract.json`` (one contract for both packages, which share one KV state layout) and
-``export/ane_report.json``.
+``export/ane_lint.json`` (the ANE op-eligibility lint), plus ``export/ane_residency.json`` on macOS
+(``MLComputePlan``).
 
 Two packages, not one multifunction package: each is a plain stateful model a runtime loads
 on its own; the decode model continues from a prefill by copying the state buffers
@@ -31,7 +32,7 @@ from distillgates.export.contract import (
 )
 from distillgates.export.convert import ExportError, attach_qat_grids, compress, convert_program, export_program
 from distillgates.export.layout import build_layout
-from distillgates.export.lint import ane_report, run_lints
+from distillgates.export.lint import ane_op_lint, run_lints
 from distillgates.export.parity import exported_parity
 from distillgates.export.wrappers import DecodeModule, PrefillModule
 from distillgates.io import atomic_write_json
@@ -47,17 +48,17 @@ class ExportResult:
     out_dir: Path
     packages: dict[str, Path]  # "prefill"/"decode" -> .mlpackage
     contract_path: Path
-    ane_report_path: Path
+    ane_lint_path: Path
     contract: dict[str, Any]
     lint: dict[str, list[str]]  # lint name -> messages (all empty: clean)
-    ane: dict[str, Any]  # gate_inputs.ane
+    ane: dict[str, Any]  # gate_inputs.ane_lint, and gate_inputs.ane_residency on macOS
     parity: dict[str, Any]  # exported vs eager (cosine_by_shape, decode_cosine)
     qat_exact: list[str]  # weights exported on their own int8 grid (no re-quantization)
     errors: list[str]  # every reason the export fails (lints, parity, contract)
 
     @property
     def gate_inputs(self) -> dict[str, Any]:
-        """``gate_inputs.export`` and ``gate_inputs.ane`` of report.json."""
+        """``gate_inputs.export``, ``gate_inputs.ane_lint`` (and ``ane_residency`` on macOS) of report.json."""
         return {
             "export": {
                 "cosine_by_shape": self.parity["cosine_by_shape"],
@@ -65,7 +66,7 @@ class ExportResult:
                 "lint_errors": [m for name, msgs in self.lint.items() for m in msgs if name != "int64_on_attention"],
                 "contract_ok": self.contract["ok"],
             },
-            "ane": {k: self.ane[k] for k in ("source", "estimated_share", "by_op_type")},
+            **self.ane,
         }
 
 
@@ -94,7 +95,8 @@ def export_transformer(
 
     Raises:
         ExportError: a lint fired, the parity is below ``cosine_min`` or the contract does not
-            hold (after writing the contract and ANE report, so they can be inspected).
+            hold (after writing the contract and ANE lint, so they can be inspected). The ANE lint's
+            findings are gated (``export`` gates), not export errors: the model still runs.
     """
     cfg = model.config
     lengths = sorted(lengths)
@@ -138,16 +140,15 @@ def export_transformer(
     }
     contract_errors = verify_contract(contract, cfg, lengths)
     contract["ok"] = not contract_errors
-    static = ane_report(programs, symbol_size=max(lengths))
-    ane = static
-    if sys.platform == "darwin":
+    ane = {"ane_lint": ane_op_lint(programs, symbol_size=max(lengths))}
+    contract_path, ane_path = out / "contract.json", out / "ane_lint.json"
+    if sys.platform == "darwin":  # residency is measured only by the compute plan, on the machine
         from distillgates.export.compute_plan import ane_residency
 
-        ane = ane_residency(packages["prefill"], export_cfg.compute_units)
-        ane["static_estimate"] = static
-    contract_path, ane_path = out / "contract.json", out / "ane_report.json"
+        ane["ane_residency"] = ane_residency(packages["prefill"], export_cfg.compute_units)
+        atomic_write_json(out / "ane_residency.json", ane["ane_residency"])
     atomic_write_json(contract_path, contract)
-    atomic_write_json(ane_path, ane)
+    atomic_write_json(ane_path, ane["ane_lint"])
     low = {shape: c for shape, c in parity["cosine_by_shape"].items() if c < cosine_min}
     errors = [m for msgs in lint.values() for m in msgs] + [f"contract: {m}" for m in contract_errors]
     if low:

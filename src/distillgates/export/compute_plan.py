@@ -1,8 +1,11 @@
-"""ANE residency from ``MLComputePlan`` (macOS 14.4+): the measured counterpart of the static estimate.
+"""ANE residency from ``MLComputePlan`` (macOS 14.4+): the only residency figure distillgates reports.
 
 Core ML's compute plan gives, per MIL operation, the preferred compute device and an estimated
 relative cost. The residency is the share of estimated cost whose preferred device is the Neural
-Engine. Only runs on macOS (the plan needs the Core ML framework); elsewhere it raises.
+Engine. It depends on the machine (the OS and chip decide the placement), so its baselines are per
+hardware profile. Only runs on macOS (the plan needs the Core ML framework); elsewhere it raises.
+The static op-eligibility lint (:func:`distillgates.export.lint.ane_op_lint`) is not a substitute:
+it checks op types, dtypes and shapes, not where the work runs.
 """
 
 from __future__ import annotations
@@ -11,15 +14,22 @@ import sys
 from pathlib import Path
 from typing import Any
 
+PLAN_SOURCE = "MLComputePlan"  # how reports label its figures (vs "op-eligibility lint (static MIL)")
+
 
 def ane_residency(package: str | Path, compute_units: str = "ALL") -> dict[str, Any]:
-    """``gate_inputs.ane`` block measured by ``MLComputePlan`` for a saved ``.mlpackage``.
+    """``gate_inputs.ane_residency`` measured by ``MLComputePlan`` for a saved ``.mlpackage``.
+
+    Returns ``source``, ``residency`` (share of the plan's estimated cost preferring the ANE),
+    ``compute_units`` and ``by_op_type`` (per op type: whether every op prefers the ANE, the
+    plan's relative cost, and the part of it on the ANE).
 
     Raises:
         RuntimeError: off macOS (Core ML is not available).
     """
     if sys.platform != "darwin":
-        raise RuntimeError("MLComputePlan needs macOS 14.4+ (Core ML framework); use the static estimate here")
+        raise RuntimeError("MLComputePlan needs macOS 14.4+ (Core ML framework); no ANE residency can be measured "
+                           f"on {sys.platform}")
     import coremltools as ct
     from coremltools.models.compute_device import MLNeuralEngineComputeDevice
     from coremltools.models.compute_plan import MLComputePlan
@@ -39,14 +49,15 @@ def ane_residency(package: str | Path, compute_units: str = "ALL") -> dict[str, 
             cost = plan.get_estimated_cost_for_mlprogram_operation(op)
             weight = cost.weight if cost is not None else 0.0
             on_ane = usage is not None and isinstance(usage.preferred_compute_device, MLNeuralEngineComputeDevice)
-            entry = by_op.setdefault(op.operator_name, {"eligible": True, "flops": 0.0, "ane_cost": 0.0})
-            entry["eligible"] = entry["eligible"] and on_ane
-            entry["flops"] += weight  # the plan's relative cost stands in for FLOPs
+            entry = by_op.setdefault(op.operator_name, {"on_ane": True, "cost": 0.0, "ane_cost": 0.0})
+            entry["on_ane"] = entry["on_ane"] and on_ane
+            entry["cost"] += weight
             entry["ane_cost"] += weight if on_ane else 0.0
             total_cost += weight
             ane_cost += weight if on_ane else 0.0
     return {
-        "source": "mlcomputeplan",
-        "estimated_share": ane_cost / total_cost if total_cost else 0.0,
+        "source": PLAN_SOURCE,
+        "residency": ane_cost / total_cost if total_cost else 0.0,
+        "compute_units": compute_units,
         "by_op_type": dict(sorted(by_op.items())),
     }

@@ -1,9 +1,12 @@
-"""Export lints and the static ANE eligibility estimate of a MIL program.
+"""Export lints, and the ANE op-eligibility lint of a MIL program.
 
-Each lint returns a list of messages (empty = clean); :func:`run_lints` collects them and the
-export fails on any. The ANE report is an *estimate* from op types, dtypes and shapes
-(``"source": "static_mil_estimate"``); the measured residency comes from ``MLComputePlan`` on
-macOS (:mod:`distillgates.export.compute_plan`).
+Each export lint returns a list of messages (empty = clean); :func:`run_lints` collects them and
+the export fails on any. :func:`ane_op_lint` is a *lint*, not a residency measurement: it checks
+op types, dtypes and shapes against what the ANE runs, from the MIL program alone
+(``"source": "op-eligibility lint (static MIL)"``). Its findings are gated by the ``export``
+gates; the export itself does not fail on them (the model still runs, on the CPU/GPU). Where
+the work really runs is measured only by ``MLComputePlan`` on macOS
+(:mod:`distillgates.export.compute_plan`).
 
 Rules used for ANE eligibility (per op), with their sources:
 - dtype: the ANE computes in fp16 (and int8-weight constexprs dequantized to fp16). fp32 ops run
@@ -18,6 +21,11 @@ Rules used for ANE eligibility (per op), with their sources:
 - rank <= 5 and every dimension <= 16384: larger tensors are not placed on the ANE (this is why
   large-vocabulary LM heads are split). [ml-ane-transformers "Deploying Transformers on the
   Apple Neural Engine"; community measurements (e.g. anemll)]
+
+The lint holds the *attention/MLP path* to these rules: the ops that read an activation, a
+floating-point tensor computed at run time. Index and mask math (int32/bool, from positions and
+lengths) is not on it: it is small, Core ML runs it on the CPU, and the CPU-forcing and
+dynamic-shape lints already cover every op of the program.
 """
 
 from __future__ import annotations
@@ -26,6 +34,7 @@ import math
 from collections.abc import Iterable
 from typing import Any
 
+from coremltools.converters.mil.mil import types
 from torch.export import ExportedProgram
 
 ANE_OPS = frozenset(
@@ -138,7 +147,9 @@ def lint_shapes(spec: Any, lengths: list[int], max_seq_len: int) -> list[str]:
 
 
 # --------------------------------------------------------------------------------------
-# Static ANE estimate
+# ANE op-eligibility lint
+
+LINT_SOURCE = "op-eligibility lint (static MIL)"  # how reports label its figures (vs "MLComputePlan")
 
 
 def _dims(shape: Iterable[Any], symbol_size: int) -> list[int]:
@@ -148,6 +159,24 @@ def _dims(shape: Iterable[Any], symbol_size: int) -> list[int]:
 def _shape(var: Any, symbol_size: int) -> list[int]:
     shape = getattr(var, "shape", None)
     return _dims(shape, symbol_size) if shape is not None else []
+
+
+def _dtype(var: Any) -> str:
+    return getattr(var.dtype, "__name__", str(var.dtype))
+
+
+def _is_constant(op: Any) -> bool:
+    return op.op_type == "const" or op.op_type.startswith("constexpr_")
+
+
+def _reads_activation(op: Any) -> bool:
+    """Whether ``op`` is on the attention/MLP path: it reads a floating-point tensor computed at run time."""
+    for value in op.inputs.values():
+        for var in value if isinstance(value, list | tuple) else (value,):  # concat's ``values`` is a tuple
+            producer = var.op
+            if types.is_float(var.dtype) and var.val is None and (producer is None or not _is_constant(producer)):
+                return True
+    return False
 
 
 def _flops(op: Any, symbol_size: int) -> float:
@@ -173,16 +202,21 @@ def _flops(op: Any, symbol_size: int) -> float:
     return float(max(n_out, biggest))
 
 
-def _eligibility(op: Any, symbol_size: int) -> list[str]:
-    """Reasons this op is not ANE-eligible (empty: eligible)."""
-    reasons = []
-    if op.op_type not in ANE_OPS:
-        reasons.append(f"op {op.op_type} not in the ANE op list")
+def _op_reasons(op: Any) -> list[str]:
+    """Why the ANE does not run this op (empty: it does): its type or an output dtype."""
+    reasons = [f"op {op.op_type} not in the ANE op list"] if op.op_type not in ANE_OPS else []
     for out in op.outputs:
-        dtype = getattr(out.dtype, "__name__", str(out.dtype))
-        shape = _shape(out, symbol_size)
+        dtype = _dtype(out)
         if "fp32" in dtype or "int" in dtype:
             reasons.append(f"{dtype} output (ANE computes fp16)")
+    return reasons
+
+
+def _limit_reasons(op: Any, symbol_size: int) -> list[str]:
+    """Outputs beyond the ANE's rank or dimension limits (empty: within them)."""
+    reasons = []
+    for out in op.outputs:
+        shape = _shape(out, symbol_size)
         if len(shape) > ANE_MAX_RANK:
             reasons.append(f"rank {len(shape)} > {ANE_MAX_RANK}")
         if any(d > ANE_MAX_DIM for d in shape):
@@ -190,21 +224,40 @@ def _eligibility(op: Any, symbol_size: int) -> list[str]:
     return reasons
 
 
-def ane_report(programs: dict[str, Any], symbol_size: int) -> dict[str, Any]:
-    """Static ANE eligibility over ``programs`` (name -> MIL program), FLOPs at ``symbol_size``.
+def ane_op_lint(programs: dict[str, Any], symbol_size: int) -> dict[str, Any]:
+    """ANE op-eligibility lint over ``programs`` (name -> MIL program); shapes and FLOPs at ``symbol_size``.
 
-    Returns the ``gate_inputs.ane`` block (``source``, ``estimated_share``, ``by_op_type``) plus
-    per-op-type detail (count, dtypes, max rank, reasons) and per-program shares.
+    Returns the ``gate_inputs.ane_lint`` block:
+
+    - ``ineligible_ops``: ops on the attention/MLP path the ANE does not run (op type or dtype),
+      one message per op naming the program, the op and the reason. Gated: must be empty.
+    - ``over_limits``: ops on that path with an output above the ANE's rank or dimension limit
+      (``limits``). Gated: must be empty.
+    - ``op_eligible_share``: information only, *not residency*: the share of estimated FLOPs (all
+      ops, index math included) in ops that pass the rules. A fp16 transformer scores about 1.0
+      whatever the device later does with it.
+    - ``by_op_type``: per op type, whether every op passed, FLOPs, count, dtypes, max rank, reasons.
+
+    plus ``op_eligible_share_by_program`` and ``symbol_size``.
     """
     by_op: dict[str, dict[str, Any]] = {}
     per_program: dict[str, float] = {}
+    ineligible: list[str] = []
+    over_limits: list[str] = []
     all_eligible = all_total = 0.0
     for prog_name, prog in programs.items():
         eligible_flops = total_flops = 0.0
         for op in _ops(prog):
-            if op.op_type == "const" or op.op_type.startswith("constexpr_"):
+            if _is_constant(op):
                 continue
-            reasons = _eligibility(op, symbol_size)
+            op_reasons, limit_reasons = _op_reasons(op), _limit_reasons(op, symbol_size)
+            reasons = op_reasons + limit_reasons
+            if _reads_activation(op):
+                where = f"{prog_name}: {op.op_type} ({op.name}): "
+                if op_reasons:
+                    ineligible.append(where + "; ".join(op_reasons))
+                if limit_reasons:
+                    over_limits.append(where + "; ".join(limit_reasons))
             flops = _flops(op, symbol_size)
             total_flops += flops
             eligible_flops += 0.0 if reasons else flops
@@ -215,18 +268,20 @@ def ane_report(programs: dict[str, Any], symbol_size: int) -> dict[str, Any]:
             entry["flops"] += flops
             entry["count"] += 1
             for out in op.outputs:
-                dtype = getattr(out.dtype, "__name__", str(out.dtype))
-                if dtype not in entry["dtypes"]:
-                    entry["dtypes"].append(dtype)
+                if _dtype(out) not in entry["dtypes"]:
+                    entry["dtypes"].append(_dtype(out))
                 entry["max_rank"] = max(entry["max_rank"], len(_shape(out, symbol_size)))
             entry["reasons"] = sorted(set(entry["reasons"]) | set(reasons))
         per_program[prog_name] = eligible_flops / total_flops if total_flops else 0.0
         all_eligible, all_total = all_eligible + eligible_flops, all_total + total_flops
     return {
-        "source": "static_mil_estimate",
-        "estimated_share": all_eligible / all_total if all_total else 0.0,
+        "source": LINT_SOURCE,
+        "ineligible_ops": ineligible,
+        "over_limits": over_limits,
+        "limits": {"max_rank": ANE_MAX_RANK, "max_dim": ANE_MAX_DIM},
+        "op_eligible_share": all_eligible / all_total if all_total else 0.0,
         "by_op_type": dict(sorted(by_op.items())),
-        "by_program": per_program,
+        "op_eligible_share_by_program": per_program,
         "symbol_size": symbol_size,
     }
 
