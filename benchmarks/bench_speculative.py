@@ -27,7 +27,7 @@ VERIFY_ROWS = (2, 5, 9, 17)  # extend_all(k + 1) of a verification
 
 
 def run_prompts(run_dir: Path, n_prompts: int) -> tuple[list[list[int]], tuple[int, int]]:
-    """The eval prompts and stop ids of a pipeline run, as ``run_speed`` builds them."""
+    """The eval prompts and stop ids of a pipeline run, as the speed step (``pipeline.step_speed``) builds them."""
     from distillgates.data.chat import render_prompt
     from distillgates.data.dataset import read_dataset
     from distillgates.tokenizer import END, EOS, load_tokenizer

@@ -67,3 +67,9 @@ def test_type_checking_imports_are_not_code(package_copy: Path) -> None:
     """``rundir.py`` names the model only under ``TYPE_CHECKING``; a model edit re-runs what loads models."""
     changed = changed_steps(package_copy, "model.py", "", "\nEDITED = 1\n")
     assert "data" not in changed and {"student", "export", "speed", "eval"} <= changed
+
+
+def test_an_export_edit_never_retrains(package_copy: Path) -> None:
+    """Training measures speed proxies with the PyTorch engine; the Core ML runtime (and with it the export
+    code) is imported only by the export and speed steps."""
+    assert changed_steps(package_copy, "export/lint.py", "", "\nEDITED = 1\n") == {"export", "speed"}

@@ -290,9 +290,45 @@ def step_export(cfg: Config, run: RunDir) -> dict[str, Any]:
 
 
 def step_speed(cfg: Config, run: RunDir) -> dict[str, Any]:
-    from distillgates.speed import run_speed
+    """The student's TTFT/TPS/TTFA (the Core ML export with ``speed.engine: coreml``), the prompt cache and
+    speculative decoding (when a drafter exists), written to ``reports/speed.json``."""
+    from typing import cast
 
-    report = run_speed(cfg, run)
+    from distillgates.data.chat import render_prompt
+    from distillgates.hardware import hardware_header
+    from distillgates.runtime.base import EngineBase
+    from distillgates.runtime.prompt_cache import prefix_until
+    from distillgates.runtime.torch_engine import TorchEngine
+    from distillgates.speed import measure_prompt_cache, measure_speculative, measure_speed, speed_report, write_report
+    from distillgates.tokenizer import END, EOS
+
+    backend, tokenizer = cfg.speed.engine, run.tokenizer()
+    prompts = [render_prompt(item) for item in run.items("eval")]
+    stop_ids = (cast(int, tokenizer.convert_tokens_to_ids(END)), cast(int, tokenizer.convert_tokens_to_ids(EOS)))
+    model = run.load_model()
+    if backend == "coreml":  # macOS: the Core ML runtime (the import pulls in the export code)
+        from distillgates.runtime.coreml_engine import CoreMLEngine
+
+        speed_engine: EngineBase = CoreMLEngine.from_export_dir(run.export_dir)
+    else:
+        speed_engine = TorchEngine(model)
+    hardware = hardware_header(export_path=str(run.export_dir) if backend == "coreml" else None)
+    speed = measure_speed(
+        speed_engine, tokenizer, prompts, cfg.speed, model_config=model.config, backend=backend,
+        export=backend == "coreml", hardware_profile_key=hardware["hardware_profile_key"], stop_ids=stop_ids,
+    )  # fmt: skip
+    torch_engine = speed_engine if isinstance(speed_engine, TorchEngine) else TorchEngine(model)
+    ids = [tokenizer.encode(p, add_special_tokens=False) for p in prompts[: cfg.speed.n_prompts]]
+    # milliseconds a sample: 10+ rounds steady the medians the gate compares
+    repeats = max(cfg.speed.repeats, 10)
+    prompt_cache = measure_prompt_cache(torch_engine, ids, prefix_until(stop_ids[0]), repeats=repeats)
+    speculative = None
+    if run.has_model("drafter"):
+        speculative = measure_speculative(torch_engine, TorchEngine(run.load_model("drafter")), ids,
+                                          max_new_tokens=cfg.speed.max_new_tokens, stop_ids=stop_ids,
+                                          repeats=cfg.speed.repeats)  # fmt: skip
+    report = speed_report(hardware, speed, prompt_cache, speculative)
+    write_report(run.speed_report, report)
     speed = report["speed"]
     return {"ttft_ms_p50": speed["ttft_ms"]["p50"], "tps_p50": speed["tps"]["p50"], "backend": speed["backend"]}
 

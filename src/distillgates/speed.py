@@ -24,22 +24,21 @@ import time
 from collections.abc import Callable, Sequence
 from importlib import resources
 from pathlib import Path
-from typing import Any, cast
+from typing import Any
 
 import jsonschema
 import numpy as np
 import torch
 
-from distillgates.config import Config, ModelConfig, SpeedConfig
+from distillgates.config import ModelConfig, SpeedConfig
 from distillgates.data.registry import parse_tool_call, validate_call
 from distillgates.hardware import torch_threads
 from distillgates.io import atomic_write_json
-from distillgates.rundir import RunDir
 from distillgates.runtime.base import EngineBase
 from distillgates.runtime.prompt_cache import PromptCache, PromptCachedEngine
 from distillgates.runtime.speculative import SpeculativeDecoder
 from distillgates.runtime.torch_engine import TorchEngine
-from distillgates.tokenizer import END, EOS, TOOL_CALL
+from distillgates.tokenizer import END, TOOL_CALL
 
 SCHEMA_VERSION = 1
 
@@ -285,54 +284,3 @@ def speed_report(
 def write_report(path: str | Path, report: dict[str, Any]) -> None:
     validate_report(report)
     atomic_write_json(path, report)
-
-
-# --------------------------------------------------------------------------------------
-# The ``distillgates speed`` step
-
-
-def run_speed(
-    cfg: Config, run_dir: str | Path | RunDir, *, engine: str | None = None, out: str | Path | None = None,
-    hw_profile: str | None = None,
-) -> dict[str, Any]:  # fmt: skip
-    """Measure the trained student of ``run_dir`` (SPEED + prompt cache + speculative when a drafter
-    exists) and write ``reports/speed.json``. Returns the validated report."""
-    from distillgates.data.chat import render_prompt
-    from distillgates.hardware import hardware_header
-    from distillgates.runtime.prompt_cache import prefix_until
-
-    run = run_dir if isinstance(run_dir, RunDir) else RunDir(run_dir)
-    backend = engine or cfg.speed.engine
-    tokenizer = run.tokenizer()
-    prompts = [render_prompt(item) for item in run.items("eval")]
-    end_id = cast(int, tokenizer.convert_tokens_to_ids(END))  # one token -> one id
-    eos_id = cast(int, tokenizer.convert_tokens_to_ids(EOS))
-    model = run.load_model()
-    if backend == "coreml":
-        from distillgates.runtime.coreml_engine import CoreMLEngine
-
-        speed_engine: EngineBase = CoreMLEngine.from_export_dir(run.export_dir)
-    else:
-        speed_engine = TorchEngine(model)
-    hardware = hardware_header(export_path=str(run.export_dir) if backend == "coreml" else None,
-                               profile_key=hw_profile)  # fmt: skip
-    speed = measure_speed(
-        speed_engine, tokenizer, prompts, cfg.speed, model_config=model.config, backend=backend,
-        export=backend == "coreml", hardware_profile_key=hardware["hardware_profile_key"], stop_ids=(end_id, eos_id),
-    )  # fmt: skip
-    torch_engine = speed_engine if isinstance(speed_engine, TorchEngine) else TorchEngine(model)
-    ids = [tokenizer.encode(p, add_special_tokens=False) for p in prompts[: cfg.speed.n_prompts]]
-    # milliseconds a sample: 10+ rounds steady the medians the gate compares
-    prompt_cache = measure_prompt_cache(torch_engine, ids, prefix_until(end_id), repeats=max(cfg.speed.repeats, 10))
-    speculative = None
-    if run.has_model("drafter"):
-        drafter = TorchEngine(run.load_model("drafter"))
-        speculative = measure_speculative(
-            torch_engine, drafter, ids, max_new_tokens=cfg.speed.max_new_tokens, stop_ids=(end_id, eos_id),
-            repeats=cfg.speed.repeats,
-        )
-    report = speed_report(hardware, speed, prompt_cache, speculative)
-    write_report(out or run.speed_report, report)
-    return report
-
-
