@@ -44,7 +44,7 @@ class RoundTripError(ExportError):
 
 
 def package_weights(package: str | Path) -> dict[str, np.ndarray]:
-    """Weight-like constants of a saved package, dequantized, in program order: op name -> value.
+    """Weight-like constants of a saved package, dequantized, in program order: value name -> value.
 
     That is every compressed weight (the outermost ``constexpr_*`` op of each) and every float
     ``const`` with more than one element that is not a buffer (``b_...``, RoPE tables) and not an
@@ -61,12 +61,13 @@ def package_weights(package: str | Path) -> dict[str, np.ndarray]:
         for op in function.operations:
             if _feeds_constexpr(op):
                 continue  # codes/scale/palette of a compressed weight, or an inner stage of a nested one
+            name = op.outputs[0].name  # the value's name, which the ops that read it use
             if op.op_type.startswith("constexpr_"):
-                weights[op.name] = np.asarray(op.materialized_val_inference())
-            elif op.op_type == "const" and not op.name.startswith("b_"):
+                weights[name] = np.asarray(op.materialized_val_inference())
+            elif op.op_type == "const" and not name.startswith("b_"):
                 value = op.outputs[0].val
                 if isinstance(value, np.ndarray) and value.size > 1 and np.issubdtype(value.dtype, np.floating):
-                    weights[op.name] = value
+                    weights[name] = value
     return weights
 
 
@@ -86,7 +87,9 @@ def _squeezed(shape: tuple[int, ...]) -> tuple[int, ...]:
     return tuple(n for n in shape if n != 1)
 
 
-def map_to_parameters(weights: dict[str, np.ndarray], ep: ExportedProgram, package: str | Path) -> dict[str, torch.Tensor]:
+def map_to_parameters(
+    weights: dict[str, np.ndarray], ep: ExportedProgram, package: str | Path
+) -> dict[str, torch.Tensor]:
     """``package_weights`` -> ``{parameter FQN: fp32 tensor}`` for every parameter of ``ep`` that ships.
 
     By name first: a compressed or ``p_``-named const must name a parameter (tied parameters,
