@@ -95,7 +95,10 @@ MEANINGS = {
     "GatesConfig.controls_with_integration_max": "privacy: controls_with_integration <= this",
     "GatesConfig.shape_drift_max": "shape_drift: per-shape F1 lax drop vs baseline <= this",
     "GatesConfig.qat_cosine_min": "qat_cosine: probe cosine >= this",
-    "GatesConfig.export_cosine_min": "export: exported vs eager cosine per shape >= this (also fails the export)",
+    "GatesConfig.export_cosine_min": (
+        "export: cosine of the saved packages' weights (read back, dequantized) vs eager, "
+        "per shape and decode step >= this (also fails the export)"
+    ),
     "GatesConfig.ane_residency_min": "ane_residency (macOS): MLComputePlan ANE residency >= this",
     "GatesConfig.ane_residency_drop_max": "ane_residency (macOS): residency drop vs the profile's baseline <= this",
     "GatesConfig.coreml_cosine_min": "coreml_parity (macOS): Core ML vs PyTorch cosine >= this",

@@ -10,7 +10,8 @@ import pytest
 def test_export_cosine(gate, report, thresholds, shape):
     cosine = report.get("gate_inputs.export.cosine_by_shape").get(shape, float("nan"))
     gate.at_least(f"export.cosine[shape={shape}]", cosine, thresholds.export_cosine_min,
-                  "cosine(exported program logits, eager logits); NaN when the shape was not exported")
+                  "cosine(exported program run with the weights read back from the saved .mlpackage, eager "
+                  "logits); NaN when the shape was not exported")
 
 
 @pytest.mark.export

@@ -64,6 +64,12 @@ def standard_export(tiny_ckpt: Path, tmp_path_factory: pytest.TempPathFactory) -
 
 
 @pytest.fixture(scope="session")
+def int8_export(tiny_ckpt: Path, tmp_path_factory: pytest.TempPathFactory) -> ExportResult:
+    """The toy default: int8 post-training quantization (weights not on a QAT grid)."""
+    return export_model(tiny_ckpt, pipeline_config(quantize="int8"), tmp_path_factory.mktemp("ptq"), TOKENIZER_FP)
+
+
+@pytest.fixture(scope="session")
 def qat_int8_export(qat_ckpt: tuple[Path, dict], tmp_path_factory: pytest.TempPathFactory) -> ExportResult:
     return export_model(qat_ckpt[0], pipeline_config(quantize="int8"), tmp_path_factory.mktemp("int8"), TOKENIZER_FP)
 

@@ -5,6 +5,10 @@ Run-directory layout (contract.md): ``export/prefill.mlpackage``, ``export/decod
 ``export/ane_lint.json`` (the ANE op-eligibility lint), plus ``export/ane_residency.json`` on macOS
 (``MLComputePlan``).
 
+The parity gate runs after the packages are saved: the exported programs with the weights read
+back from the saved packages (dequantized int8/palettized constants) against eager PyTorch, so it
+measures the weights that ship (:mod:`distillgates.export.roundtrip`).
+
 Two packages, not one multifunction package: each is a plain stateful model a runtime loads
 on its own; the decode model continues from a prefill by copying the state buffers
 (``MLState.read_state``/``write_state``, same names and shapes in both).
@@ -33,7 +37,8 @@ from distillgates.export.contract import (
 from distillgates.export.convert import ExportError, attach_qat_grids, compress, convert_program, export_program
 from distillgates.export.layout import build_layout
 from distillgates.export.lint import ane_op_lint, run_lints
-from distillgates.export.parity import exported_parity
+from distillgates.export.parity import program_parity
+from distillgates.export.roundtrip import SOURCE, roundtrip_module
 from distillgates.export.wrappers import DecodeModule, PrefillModule
 from distillgates.io import atomic_write_json
 from distillgates.model import Transformer, load_model, model_fingerprint
@@ -52,7 +57,7 @@ class ExportResult:
     contract: dict[str, Any]
     lint: dict[str, list[str]]  # lint name -> messages (all empty: clean)
     ane: dict[str, Any]  # gate_inputs.ane_lint, and gate_inputs.ane_residency on macOS
-    parity: dict[str, Any]  # exported vs eager (cosine_by_shape, decode_cosine)
+    parity: dict[str, Any]  # shipped weights vs eager (source, cosine_by_shape, decode_cosine)
     qat_exact: list[str]  # weights exported on their own int8 grid (no re-quantization)
     errors: list[str]  # every reason the export fails (lints, parity, contract)
 
@@ -61,7 +66,9 @@ class ExportResult:
         """``gate_inputs.export``, ``gate_inputs.ane_lint`` (and ``ane_residency`` on macOS) of report.json."""
         return {
             "export": {
+                "source": self.parity["source"],
                 "cosine_by_shape": self.parity["cosine_by_shape"],
+                "decode_cosine": self.parity["decode_cosine"],
                 "int64_on_attention": self.lint["int64_on_attention"],
                 "lint_errors": [m for name, msgs in self.lint.items() for m in msgs if name != "int64_on_attention"],
                 "contract_ok": self.contract["ok"],
@@ -94,9 +101,11 @@ def export_transformer(
     """Export an in-memory model (``export_model`` loads it from a checkpoint first).
 
     Raises:
-        ExportError: a lint fired, the parity is below ``cosine_min`` or the contract does not
-            hold (after writing the contract and ANE lint, so they can be inspected). The ANE lint's
-            findings are gated (``export`` gates), not export errors: the model still runs.
+        ExportError: a lint fired, the parity of the saved packages' weights is below
+            ``cosine_min`` or the contract does not hold (after writing the packages, the
+            contract and ANE lint, so they can be inspected). The ANE lint's findings are gated
+            (``export`` gates), not export errors: the model still runs.
+        RoundTripError: a weight of a saved package maps to no parameter (or one has no weight).
     """
     cfg = model.config
     lengths = sorted(lengths)
@@ -111,7 +120,6 @@ def export_transformer(
     qat_exact = attach_qat_grids(core) if export_cfg.quantize == "int8" else []
     modules = {"prefill": PrefillModule(core), "decode": DecodeModule(core)}
     eps = {kind: export_program(modules[kind], kind, lengths) for kind in KINDS}
-    parity = exported_parity(eps, model, lengths)
     packages: dict[str, Path] = {}
     programs: dict[str, Any] = {}
     for kind in KINDS:
@@ -122,6 +130,8 @@ def export_transformer(
         packages[kind] = out / f"{kind}.mlpackage"
         _save_package(mlmodel, packages[kind])
     described = {kind: describe_package(path) for kind, path in packages.items()}  # read back from disk
+    shipped = {kind: roundtrip_module(eps[kind], packages[kind]) for kind in KINDS}  # weights read back from disk
+    parity = {"source": SOURCE, **program_parity(shipped, model, lengths)}
     lint = run_lints(eps, programs, ct.utils.load_spec(str(packages["prefill"])), lengths, cfg.max_seq_len)
     contract: dict[str, Any] = {
         "contract_version": CONTRACT_VERSION,
@@ -152,9 +162,10 @@ def export_transformer(
     low = {shape: c for shape, c in parity["cosine_by_shape"].items() if c < cosine_min}
     errors = [m for msgs in lint.values() for m in msgs] + [f"contract: {m}" for m in contract_errors]
     if low:
-        errors.append(f"exported vs eager cosine below {cosine_min} for shapes {low}")
+        errors.append(f"prefill.mlpackage weights ({SOURCE}) vs eager cosine below {cosine_min} for shapes {low}")
     if min(parity["decode_cosine"], default=1.0) < cosine_min:
-        errors.append(f"exported decode vs eager cosine below {cosine_min}: {min(parity['decode_cosine']):.6f}")
+        worst = min(parity["decode_cosine"])
+        errors.append(f"decode.mlpackage weights ({SOURCE}) vs eager cosine below {cosine_min}: {worst:.6f}")
     result = ExportResult(out, packages, contract_path, ane_path, contract, lint, ane, parity, qat_exact, errors)
     if errors and raise_on_error:
         raise ExportError("export failed:\n  " + "\n  ".join(errors))

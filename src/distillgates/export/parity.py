@@ -1,7 +1,9 @@
-"""Parity of the exported programs (and, on macOS, Core ML) with eager PyTorch.
+"""Parity of the exported programs with the shipped weights (and, on macOS, Core ML) with eager PyTorch.
 
 The reference is always ``Transformer.forward`` without a cache on the unpadded prompt, so the
 check covers padding, the position/length inputs and the KV-state hand-off, not only the math.
+``program_parity`` runs the ``torch.export`` programs with the weights read back from the saved
+packages (:mod:`distillgates.export.roundtrip`), so int8/palettized weights are what it measures.
 """
 
 from __future__ import annotations
@@ -13,7 +15,6 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
-from torch.export import ExportedProgram
 
 from distillgates.export.wrappers import state_names
 from distillgates.model import Transformer
@@ -46,13 +47,14 @@ def _copy_states(src: nn.Module, dst: nn.Module, n_layers: int) -> None:
 
 
 @torch.no_grad()
-def exported_parity(
-    eps: dict[str, ExportedProgram], model: Transformer, lengths: list[int], decode_steps: int = 16, seed: int = 0
+def program_parity(
+    modules: dict[str, nn.Module], model: Transformer, lengths: list[int], decode_steps: int = 16, seed: int = 0
 ) -> dict[str, Any]:
-    """Cosine of exported vs eager logits per enumerated length, and over ``decode_steps`` decode steps."""
+    """Cosine of the prefill/decode ``modules`` vs eager logits per enumerated length, and over
+    ``decode_steps`` decode steps (the decode module continues from the prefill's KV state)."""
     model = model.eval()
     cfg = model.config
-    prefill, decode = eps["prefill"].module(), eps["decode"].module()
+    prefill, decode = modules["prefill"], modules["decode"]
     by_shape: dict[str, float] = {}
     for length in lengths:
         ids = _tokens(cfg.vocab_size, length, seed + length)
