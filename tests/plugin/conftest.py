@@ -106,16 +106,18 @@ def good_report() -> dict[str, Any]:
     }
 
 
-def write_run(root: Path, report: dict[str, Any], model: Transformer | None = None) -> Path:
-    """A run dir: ``report``, the eval set's header, ``model`` (default: the tiny student) as the
-    student checkpoint, and an export contract recording the checkpoint's fingerprint."""
+def write_run(
+    root: Path, report: dict[str, Any], model: Transformer | None = None, eval_set: dict[str, Any] | None = None
+) -> Path:
+    """A run dir: ``report``, the eval set's header (``eval_set`` overrides its fields), ``model`` (default:
+    the tiny student) as the student checkpoint, and an export contract recording the checkpoint's fingerprint."""
     run = RunDir(root)
     for folder in (run.reports_dir, run.data_dir, run.model_dir("student"), run.export_dir):
         folder.mkdir(parents=True, exist_ok=True)
     run.report.write_text(json.dumps(report))
     header = {"__header__": True, "dataset_version": 1, "tokenizer_fingerprint": TOKENIZER_FP,
               "tool_registry_sha256": tool_registry_sha256(), "prompt_wrapper_sha256": prompt_wrapper_sha256()}
-    run.dataset("eval").write_text(json.dumps(header) + "\n")
+    run.dataset("eval").write_text(json.dumps(header | (eval_set or {})) + "\n")
     model = model or tiny_student()
     save_model(run.model_path(), model)
     run.contract.write_text(json.dumps({"model_fingerprint": model_fingerprint(model)}))
@@ -207,12 +209,16 @@ def gates_project(pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch) ->
 
 @pytest.fixture
 def make_run(tmp_path: Path) -> Callable[..., Path]:
-    """``make_run(name, **{dotted.key: value})``: a run dir with the good report, keys overridden."""
+    """``make_run(name, **{dotted.key: value})``: a run dir with the good report, keys overridden
+    (``eval_set.<field>`` overrides a field of the eval set's header instead)."""
 
     def make(name: str = "run", **changes: Any) -> Path:
-        report = good_report()
+        report, eval_set = good_report(), {}
         for dotted, value in changes.items():
-            set_key(report, dotted.replace("__", "."), value)
-        return write_run(tmp_path / name, report)
+            if dotted.startswith("eval_set."):
+                eval_set[dotted.removeprefix("eval_set.")] = value
+            else:
+                set_key(report, dotted.replace("__", "."), value)
+        return write_run(tmp_path / name, report, eval_set=eval_set)
 
     return make
