@@ -15,6 +15,14 @@ def test_export_cosine(gate, report, thresholds, shape):
 
 
 @pytest.mark.export
+def test_export_decode_cosine(gate, report, thresholds):
+    decode = report.get("gate_inputs.export.decode_cosine")
+    gate.at_least("export.decode_cosine_min", min(decode, default=float("nan")), thresholds.export_cosine_min,
+                  "lowest cosine over the decode steps (stateful decode with the weights read back from the saved "
+                  ".mlpackage vs eager); NaN when no decode step was compared")
+
+
+@pytest.mark.export
 def test_no_int64_on_attention(gate, report):
     gate.equals("export.int64_on_attention", report.get("gate_inputs.export.int64_on_attention"), [],
                 "int64 tensors on attention paths (the ANE has no int64)")

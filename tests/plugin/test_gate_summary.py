@@ -10,10 +10,10 @@ def test_markdown_summary(pytester, gates_project, make_run, own_profile):
     run = make_run(**{"gate_inputs.export.cosine_by_shape.192": 0.98})
     result = pytester.runpytest("gates/test_export.py", f"--run-dir={run}", f"--hw-profile={own_profile}",
                                 "--gate-summary=summary.md")
-    result.assert_outcomes(passed=7, failed=1)
+    result.assert_outcomes(passed=8, failed=1)
     text = (pytester.path / "summary.md").read_text()
     assert text.startswith("## distillgates gates")
-    assert f"Hardware profile `{own_profile}`, bless=False: 1 fail, 7 pass." in text
+    assert f"Hardware profile `{own_profile}`, bless=False: 1 fail, 8 pass." in text
     assert "Thresholds: `built-in defaults (distillgates.config.GatesConfig; no configs/gates.yaml)`." in text
     assert "| fail | export | `export.cosine[shape=192]` | 0.98 | 0.999 | — |" in text
     # the ANE lint's checks name their source: a static lint, not a residency measurement

@@ -88,6 +88,10 @@ VIOLATIONS = [
      "0.98"),
     ("export_shape_missing", {"gate_inputs.export.cosine_by_shape.256": DELETE}, "export",
      ["test_export_cosine[256]"], "nan"),
+    ("export_decode_mismatch", {"gate_inputs.export.decode_cosine": [0.9999, 0.97]}, "export",
+     ["test_export_decode_cosine"], "export.decode_cosine_min"),
+    ("export_decode_missing", {"gate_inputs.export.decode_cosine": []}, "export", ["test_export_decode_cosine"],
+     "nan"),
     ("int64_attention", {"gate_inputs.export.int64_on_attention": ["layers.0.attn.mask"]}, "export",
      ["test_no_int64_on_attention"], "layers.0.attn.mask"),
     ("lint_errors", {"gate_inputs.export.lint_errors": ["shape op"]}, "export", ["test_lint_clean"], "shape op"),
@@ -123,7 +127,7 @@ def test_good_run_passes_every_gate(pytester, gates_project, make_run, own_profi
     common = [f"--run-dir={run}", f"--hw-profile={own_profile}"]
     pytester.runpytest(*BASELINED, *common, "--bless").assert_outcomes(passed=7)
     result = pytester.runpytest("gates", *common, "-rA")
-    result.assert_outcomes(passed=51, skipped=3, deselected=4)
+    result.assert_outcomes(passed=52, skipped=3, deselected=4)
     for name in GATE_FILES:
         assert f"PASSED gates/test_{name}.py::" in result.stdout.str(), name
     assert "requires macOS" in result.stdout.str()
