@@ -94,6 +94,12 @@ def student(report: RunArtifacts) -> dict[str, Any]:
 
 
 @pytest.fixture(scope="session")
+def student_items(report: RunArtifacts) -> list[dict[str, Any]]:
+    """The student's per-item integration F1 (``eval/item_scores.json``: id, shape, f1_lax, f1_strict)."""
+    return report.run.student_item_scores()
+
+
+@pytest.fixture(scope="session")
 def teacher(report: RunArtifacts) -> dict[str, Any]:
     return report.get("quality.teacher")
 

@@ -20,7 +20,7 @@ import numpy as np
 
 from distillgates.eval.fingerprints import FingerprintError, check_fingerprints
 from distillgates.gates.baselines import BaselineEntry, BaselineError, BaselineStore
-from distillgates.gates.stats import Measure, sequential_speed_gate
+from distillgates.gates.stats import Measure, compare_paired, sequential_speed_gate
 
 
 class GateFailure(AssertionError):
@@ -159,7 +159,7 @@ class Gate:
             return f"{self.group}/{key}: {name} = {value!r} is not a finite number"
         bad = [s for s in samples or [] if not _is_finite_number(s)]
         if bad:
-            return f"{self.group}/{key}: {name} has non-finite samples {bad[:5]!r}"
+            return f"{self.group}/{key}: {name} has non-finite samples or item scores {bad[:5]!r}"
         try:
             check_fingerprints(self.context.run_fingerprints, "the gated run's report header")
         except FingerprintError as err:
@@ -167,14 +167,15 @@ class Gate:
         return None
 
     def _bless(self, name: str, key: str, value: Any, definition: str, hardware_dependent: bool,
-               samples: list[float] | None = None, extra: dict[str, Any] | None = None) -> GateRecord:
-        refusal = self._refuse_bless(name, key, value, hardware_dependent, samples)
+               samples: list[float] | None = None, extra: dict[str, Any] | None = None,
+               items: dict[str, float] | None = None) -> GateRecord:
+        refusal = self._refuse_bless(name, key, value, hardware_dependent, [*(samples or []), *(items or {}).values()])
         if refusal:
             return self._finish(GateRecord(self.nodeid, self.group, name, value, None, "bless", None, "fail",
                                            f"refusing to bless: {refusal}"))
         provenance = {**self.context.provenance, "blessed_at": dt.datetime.now(dt.UTC).isoformat(), **(extra or {})}
         fingerprints = dict(self.context.run_fingerprints or {})
-        entry = BaselineEntry(value, definition, samples, provenance, fingerprints)
+        entry = BaselineEntry(value, definition, samples, provenance, fingerprints, items=items)
         path = self.context.store.stage(self.group, key, entry, hardware_dependent=hardware_dependent)
         return self._finish(GateRecord(self.nodeid, self.group, name, value, None, "bless", value, "blessed",
                                        f"staged {key!r} for {path}", {"samples": samples}))
@@ -202,6 +203,38 @@ class Gate:
                f"({'improvement' if delta >= 0 else 'regression'}), tolerated regression {tolerance:.6g}")
         return self._finish(GateRecord(self.nodeid, self.group, name, value, tolerance, "no_regression", base.value,
                                        "pass" if ok else "fail", why, {"delta": delta}))
+
+    def paired_no_regression(self, name: str, items: dict[str, float], baseline_key: str | None = None, *,
+                             tolerance: float, alpha: float, definition: str) -> GateRecord:
+        """Paired quality drift gate on per-item scores (see :func:`distillgates.gates.stats.compare_paired`):
+        fail when the mean per-item drop exceeds ``tolerance`` and is significant at ``alpha``.
+
+        ``items`` maps item id to score; the measured value is their mean (None when there is no item,
+        which fails). Blessing stores the per-item scores in the baseline entry.
+        """
+        __tracebackhide__ = True
+        key = baseline_key or name
+        value = float(np.mean(list(items.values()))) if items else None
+        if self.context.bless:
+            return self._bless(name, key, value, definition, False, items=items)
+        try:
+            base = self._baseline(key, False)
+        except BaselineError as err:
+            return self._finish(GateRecord(self.nodeid, self.group, name, value, tolerance, "paired_no_regression",
+                                           None, "fail", str(err)))
+        if not base.items:
+            return self._finish(GateRecord(self.nodeid, self.group, name, value, tolerance, "paired_no_regression",
+                                           base.value, "fail", f"{base.path}: entries.{key} has no per-item scores "
+                                           f"(blessed before paired drift gates); re-bless it: "
+                                           f"{self.context.bless_command(self.nodeid)}"))
+        try:
+            result = compare_paired(base.items, items, tolerance=tolerance, alpha=alpha)
+        except ValueError as err:
+            return self._finish(GateRecord(self.nodeid, self.group, name, value, tolerance, "paired_no_regression",
+                                           base.value, "fail", f"{name} vs {base.path}: entries.{key}: {err}"))
+        return self._finish(GateRecord(self.nodeid, self.group, name, value, tolerance, "paired_no_regression",
+                                       base.value, result.verdict, f"{name}: {result.reason} ({definition})",
+                                       result.to_dict()))
 
     def speed_no_regression(self, name: str, measure: Measure, baseline_key: str | None = None, *,
                             threshold: float, higher_is_better: bool, definition: str, quantile: float = 0.5,
