@@ -159,7 +159,7 @@ class Gate:
             return f"{self.group}/{key}: {name} = {value!r} is not a finite number"
         bad = [s for s in samples or [] if not _is_finite_number(s)]
         if bad:
-            return f"{self.group}/{key}: {name} has non-finite samples or item scores {bad[:5]!r}"
+            return f"{self.group}/{key}: {name} has non-finite samples {bad[:5]!r}"
         try:
             check_fingerprints(self.context.run_fingerprints, "the gated run's report header")
         except FingerprintError as err:
@@ -169,7 +169,8 @@ class Gate:
     def _bless(self, name: str, key: str, value: Any, definition: str, hardware_dependent: bool,
                samples: list[float] | None = None, extra: dict[str, Any] | None = None,
                items: dict[str, float] | None = None) -> GateRecord:
-        refusal = self._refuse_bless(name, key, value, hardware_dependent, [*(samples or []), *(items or {}).values()])
+        # non-finite item scores make a non-finite mean (``value``), which is refused
+        refusal = self._refuse_bless(name, key, value, hardware_dependent, samples)
         if refusal:
             return self._finish(GateRecord(self.nodeid, self.group, name, value, None, "bless", None, "fail",
                                            f"refusing to bless: {refusal}"))
