@@ -157,7 +157,7 @@ def test_paired_broad_drop_fails_with_the_numbers():
     result = compare_paired(BLESSED, current, tolerance=0.01)
     assert result.verdict == "fail" and result.p_value < 0.05 and result.ci_high < 0
     assert result.ci_low <= result.mean_change <= result.ci_high
-    assert "n=60 items (12 changed), mean change -0.1833" in result.reason
+    assert "n=60 items (12 changed), mean change -0.1750" in result.reason
 
 
 def test_paired_significant_drop_within_tolerance_passes():
