@@ -95,7 +95,7 @@ def student(report: RunArtifacts) -> dict[str, Any]:
 
 @pytest.fixture(scope="session")
 def student_items(report: RunArtifacts) -> list[dict[str, Any]]:
-    """The student's per-item integration F1 (``eval/item_scores.json``: id, shape, f1_lax, f1_strict)."""
+    """The student's per-item outcomes (``eval/item_scores.json``; f1_lax/f1_strict None: not eligible)."""
     return report.run.student_item_scores()
 
 

@@ -146,7 +146,7 @@ class RunDir:
 
     @property
     def item_scores(self) -> Path:
-        """The student's per-item integration F1 (id, shape, f1_lax, f1_strict; eligible items only)."""
+        """The student's per-item outcomes (:func:`distillgates.eval.scorer.item_rows`), one row per eval item."""
         return self.eval_dir / "item_scores.json"
 
     def student_item_scores(self) -> list[dict[str, Any]]:
@@ -155,9 +155,11 @@ class RunDir:
         rows = data.get("items") if isinstance(data, dict) else None
         if not isinstance(rows, list):
             raise RunArtifactError(f"{self.item_scores}: expected an object with an 'items' list")
+        fields: dict[str, Any] = {"id": str, "shape": str, "f1_lax": (float, type(None)),
+                                  "f1_strict": (float, type(None)), "selection_ok": bool, "privacy_ok": bool,
+                                  "calls_emitted": int, "calls_valid": int, "fixture_calls": int, "fixture_hits": int}
         for i, row in enumerate(rows):
-            bad = [k for k, kind in (("id", str), ("shape", str), ("f1_lax", float), ("f1_strict", float))
-                   if not isinstance(row, dict) or not isinstance(row.get(k), kind)]
+            bad = [k for k, kind in fields.items() if not isinstance(row, dict) or not isinstance(row.get(k), kind)]
             if bad:
                 raise RunArtifactError(f"{self.item_scores}: items[{i}]: fields {bad} missing or of the wrong type")
         return rows

@@ -274,10 +274,15 @@ def item_f1(score: ItemScore, strict: bool) -> float:
 
 
 def item_rows(scores: Sequence[ItemScore]) -> list[dict[str, Any]]:
-    """Per-item integration F1 of the eligible items (id, shape slice, F1 lax and strict): what the
-    paired drift gates compare item by item."""
-    return [{"id": s.id, "shape": s.slices["shape"], "f1_lax": item_f1(s, strict=False),
-             "f1_strict": item_f1(s, strict=True)} for s in scores if s.eligible]
+    """Per-item outcomes behind the gated figures: the paired drift gates compare ``f1_lax`` / ``f1_strict``
+    item by item (None: the item is not eligible for integration F1), the quality gates count the rest for
+    their n and confidence intervals."""
+    return [{"id": s.id, "shape": s.slices["shape"],
+             "f1_lax": item_f1(s, strict=False) if s.eligible else None,
+             "f1_strict": item_f1(s, strict=True) if s.eligible else None,
+             "selection_ok": s.selection_ok, "privacy_ok": s.privacy_ok, "calls_emitted": s.calls_emitted,
+             "calls_valid": s.calls_valid, "fixture_calls": s.fixture_calls, "fixture_hits": s.fixture_hits}
+            for s in scores]
 
 
 def _f1_parts(scores: Sequence[ItemScore], strict: bool) -> tuple[float | None, float | None]:
