@@ -20,6 +20,7 @@ for times (``ttft_ms``), reference / candidate for rates (``tps``).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -267,3 +268,39 @@ def compare_paired(blessed: Mapping[str, float], current: Mapping[str, float], *
     else:
         verdict, why = "pass", f"within tolerance: {numbers}"
     return PairedChange(verdict, change.size, n_changed, mean, ci_low, ci_high, p_value, tolerance, alpha, why)
+
+
+# -- n and confidence interval of a measured quality figure ------------------------------------
+
+
+@dataclass(frozen=True)
+class Interval:
+    """A measured figure's sample size and two-sided confidence interval (level ``1 - alpha``)."""
+
+    n: int
+    low: float
+    high: float
+
+
+def wilson_interval(successes: int, n: int, alpha: float = 0.05) -> Interval | None:
+    """Wilson score interval of a rate ``successes / n`` (None when n is 0: the rate is undefined).
+    Unlike the normal approximation it stays inside [0, 1] and is not degenerate at a rate of 1."""
+    if n == 0:
+        return None
+    z = float(stats.norm.ppf(1.0 - alpha / 2.0))
+    rate = successes / n
+    center = (rate + z * z / (2 * n)) / (1 + z * z / n)
+    half = z * math.sqrt(rate * (1 - rate) / n + z * z / (4 * n * n)) / (1 + z * z / n)
+    return Interval(n, max(0.0, center - half), min(1.0, center + half))
+
+
+def mean_interval(values: Sequence[float], alpha: float = 0.05) -> Interval | None:
+    """Student-t interval of a mean (e.g. macro F1 over items); None without values, a point with one."""
+    array = np.asarray(values, dtype=np.float64)
+    if array.size == 0:
+        return None
+    mean = float(array.mean())
+    if array.size == 1 or not np.all(np.isfinite(array)):
+        return Interval(int(array.size), mean, mean)
+    half = float(stats.t.ppf(1.0 - alpha / 2.0, array.size - 1) * array.std(ddof=1) / math.sqrt(array.size))
+    return Interval(int(array.size), mean - half, mean + half)
