@@ -5,7 +5,14 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from distillgates.gates.stats import compare_paired, compare_samples, sequential_speed_gate
+from distillgates.gates.stats import (
+    Interval,
+    compare_paired,
+    compare_samples,
+    mean_interval,
+    sequential_speed_gate,
+    wilson_interval,
+)
 
 
 def lognormal(seed: int, n: int, scale: float = 1.0, noise: float = 0.05) -> list[float]:
@@ -180,3 +187,23 @@ def test_paired_gain_passes():
 def test_paired_bad_input_raises(blessed, current, kwargs, message):
     with pytest.raises(ValueError, match=message):
         compare_paired(blessed, current, tolerance=kwargs.pop("tolerance", 0.01), **kwargs)
+
+
+# -- n and confidence intervals of quality figures ----------------------------------------------
+
+
+def test_wilson_interval_brackets_the_rate_and_stays_in_unit_range():
+    interval = wilson_interval(198, 200)
+    assert interval is not None and interval.n == 200
+    assert interval.low == pytest.approx(0.9643, abs=1e-4) and interval.high == pytest.approx(0.9973, abs=1e-4)
+    perfect = wilson_interval(200, 200)
+    assert perfect is not None and perfect.high == 1.0 and perfect.low == pytest.approx(0.9812, abs=1e-4)
+    assert wilson_interval(0, 0) is None  # an undefined rate has no interval
+
+
+def test_mean_interval_is_a_t_interval():
+    interval = mean_interval([0.0, 1.0, 1.0, 1.0])  # mean 0.75, sd 0.5, t(0.975, 3) = 3.182
+    assert interval is not None and interval.n == 4
+    assert interval.low == pytest.approx(0.75 - 3.1824 * 0.25, abs=1e-3)
+    assert interval.high == pytest.approx(0.75 + 3.1824 * 0.25, abs=1e-3)
+    assert mean_interval([0.5]) == Interval(1, 0.5, 0.5) and mean_interval([]) is None
