@@ -158,5 +158,5 @@ def test_paired_no_regression_fails_a_baseline_without_items(tmp_path):
     gate.no_regression("f1", 0.9, tolerance=0.01)  # an entry blessed before per-item scores were kept
     gate.context.store.commit()
     gate, _ = make_gate(tmp_path)
-    with pytest.raises(GateFailure, match="has no per-item scores.*re-bless it"):
+    with pytest.raises(GateFailure, match=r"has no per-item scores.*re-bless it"):
         gate.paired_no_regression("f1", {"a": 0.9}, tolerance=0.01, alpha=0.05, definition="d")
