@@ -235,3 +235,14 @@ def test_residency_gates_need_mlcomputeplan(pytester, gates_project, make_run, o
     else:
         result.assert_outcomes(skipped=2)
         assert "ANE residency is measured only by MLComputePlan (macOS 14.4+)" in result.stdout.str()
+
+
+def test_malformed_item_scores_fail_the_drift_gates_naming_file_and_row(pytester, gates_project, make_run, own_profile):
+    gates_project()
+    rows = good_item_scores()
+    rows[3]["f1_lax"] = "0.9"  # a string, not a number
+    run = make_run(item_scores=rows)
+    result = pytester.runpytest("gates/test_f1_drift.py", f"--run-dir={run}", f"--hw-profile={own_profile}", "--bless")
+    result.assert_outcomes(errors=2)
+    result.stdout.fnmatch_lines([f"*{RunDir(run).item_scores}: items[[]3[]]: fields [[]'f1_lax'[]] missing or of the "
+                                 "wrong type*"])
