@@ -93,7 +93,6 @@ MEANINGS = {
     "GatesConfig.fixture_hit_rate_min": "quality: fixture hit-rate >= this",
     "GatesConfig.privacy_ok_rate_min": "privacy: privacy_ok_rate >= this",
     "GatesConfig.controls_with_integration_max": "privacy: controls_with_integration <= this",
-    "GatesConfig.shape_drift_max": "shape_drift: per-shape F1 lax drop vs baseline <= this",
     "GatesConfig.qat_cosine_min": "qat_cosine: probe cosine >= this",
     "GatesConfig.export_cosine_min": (
         "export: cosine of the saved packages' weights (read back, dequantized) vs eager, "
@@ -108,7 +107,6 @@ MEANINGS = {
     "GatesConfig.prompt_cache_hit_rate_min": "prompt_cache: hit rate >= this",
     "GatesConfig.speculative_speedup_min": "speculative: speedup >= this",
     "GatesConfig.speculative_acceptance_min": "speculative: acceptance rate >= this",
-    "GatesConfig.significance_alpha": "speed: one-sided significance level of the regression test",
     "HardwareProfile.description": "free text",
 }
 

@@ -18,6 +18,7 @@ import pytest
 from distillgates.config import ConfigError, GatesConfig, SpeedConfig, load_config, read_yaml
 from distillgates.gates import BaselineEntry
 from distillgates.gates.session import RunArtifacts
+from distillgates.gates.stats import Interval, mean_interval, wilson_interval
 from distillgates.hardware import GatingPolicy, load_profiles
 from distillgates.io import sha256_file
 
@@ -91,6 +92,32 @@ def report(pipeline_run: RunArtifacts) -> RunArtifacts:
 @pytest.fixture(scope="session")
 def student(report: RunArtifacts) -> dict[str, Any]:
     return report.get("quality.student")
+
+
+@pytest.fixture(scope="session")
+def student_items(report: RunArtifacts) -> list[dict[str, Any]]:
+    """The student's per-item outcomes (``eval/item_scores.json``; f1_lax/f1_strict None: not eligible)."""
+    return report.run.student_item_scores()
+
+
+@pytest.fixture(scope="session")
+def quality_interval(student_items: list[dict[str, Any]]) -> Callable[[str], Interval | None]:
+    """``metric -> Interval``: n and 95% CI of a student quality figure from its per-item outcomes (rates: Wilson
+    over their own denominators, items or calls; the macro F1: a t interval over the eligible items)."""
+    eligible = [row for row in student_items if row["f1_lax"] is not None]
+
+    def count(key: str) -> int:
+        return sum(int(row[key]) for row in student_items)
+
+    def interval(metric: str) -> Interval | None:
+        if metric == "f1_lax_macro":
+            return mean_interval([row["f1_lax"] for row in eligible])
+        hits, total = {"tool_selection": ("selection_ok", None), "privacy_ok_rate": ("privacy_ok", None),
+                       "json_validity": ("calls_valid", "calls_emitted"),
+                       "fixture_hit_rate": ("fixture_hits", "fixture_calls")}[metric]
+        return wilson_interval(count(hits), count(total) if total else len(student_items))
+
+    return interval
 
 
 @pytest.fixture(scope="session")

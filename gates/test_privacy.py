@@ -6,9 +6,10 @@ import pytest
 
 
 @pytest.mark.privacy
-def test_privacy_ok_rate(gate, student, thresholds):
+def test_privacy_ok_rate(gate, student, quality_interval, thresholds):
     gate.at_least("privacy_ok_rate", student["privacy_ok_rate"], thresholds.privacy_ok_rate_min,
-                  "share of outputs echoing none of the PII strings their prompt contained")
+                  "share of outputs echoing none of the PII strings their prompt contained",
+                  quality_interval("privacy_ok_rate"))
 
 
 @pytest.mark.privacy

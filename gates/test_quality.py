@@ -14,5 +14,5 @@ CHECKS = [  # (METRICS key, GatesConfig threshold field, definition)
 
 @pytest.mark.quality
 @pytest.mark.parametrize(("metric", "threshold_field", "definition"), CHECKS, ids=[c[0] for c in CHECKS])
-def test_quality(gate, student, thresholds, metric, threshold_field, definition):
-    gate.at_least(metric, student[metric], getattr(thresholds, threshold_field), definition)
+def test_quality(gate, student, quality_interval, thresholds, metric, threshold_field, definition):
+    gate.at_least(metric, student[metric], getattr(thresholds, threshold_field), definition, quality_interval(metric))

@@ -407,11 +407,11 @@ class GatesConfig:
     tool_selection_min: float = 0.90
     json_validity_min: float = 0.98
     fixture_hit_rate_min: float = 0.95
-    f1_drift_min: float = -0.01  # ΔF1 (lax and strict) vs baseline must be >= this
+    f1_drift_min: float = -0.01  # mean per-item ΔF1 (lax, strict) vs baseline below this fails if significant
     privacy_ok_rate_min: float = 1.0
     controls_with_integration_max: int = 0
     median_tokens_ratio_max: float = 0.85  # student / teacher
-    shape_drift_max: float = 0.01
+    shape_drift_max: float = 0.01  # per-shape mean per-item F1 lax drop above this fails if significant
     qat_cosine_min: float = 0.999
     export_cosine_min: float = 0.999
     ane_residency_min: float = 0.80
@@ -423,7 +423,7 @@ class GatesConfig:
     prompt_cache_hit_rate_min: float = 0.95
     speculative_speedup_min: float = 1.0
     speculative_acceptance_min: float = 0.3
-    significance_alpha: float = 0.05
+    significance_alpha: float = 0.05  # one-sided test level of the speed and (paired) drift gates
 
 
 @dataclass

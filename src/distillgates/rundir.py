@@ -12,7 +12,7 @@ Every step of the pipeline, the speed harness, the training recipe, the gates an
     export/                  *.mlpackage, contract.json, gate_inputs.json  (export step)
                              ane_lint.json, ane_residency.json (macOS only)
     reports/speed.json       (speed step)
-    eval/                    quality.json, determinism.json, outputs.jsonl (eval step)
+    eval/                    quality.json, determinism.json, outputs.jsonl, item_scores.json (eval step)
     reports/report.json      the validated report                          (report step)
 
 Loaded artifacts (items per split, the tokenizer) are read once per object.
@@ -143,6 +143,26 @@ class RunDir:
     def eval_outputs(self) -> Path:
         """The student's per-item eval outputs (the reported run, also the determinism check's unsharded arm)."""
         return self.eval_dir / "outputs.jsonl"
+
+    @property
+    def item_scores(self) -> Path:
+        """The student's per-item outcomes (:func:`distillgates.eval.scorer.item_rows`), one row per eval item."""
+        return self.eval_dir / "item_scores.json"
+
+    def student_item_scores(self) -> list[dict[str, Any]]:
+        """The rows of :attr:`item_scores`, checked: a malformed row names the file and its index."""
+        data = self.read_json(self.require(self.item_scores, "run the eval step"))
+        rows = data.get("items") if isinstance(data, dict) else None
+        if not isinstance(rows, list):
+            raise RunArtifactError(f"{self.item_scores}: expected an object with an 'items' list")
+        fields: dict[str, Any] = {"id": str, "shape": str, "f1_lax": (float, type(None)),
+                                  "f1_strict": (float, type(None)), "selection_ok": bool, "privacy_ok": bool,
+                                  "calls_emitted": int, "calls_valid": int, "fixture_calls": int, "fixture_hits": int}
+        for i, row in enumerate(rows):
+            bad = [k for k, kind in fields.items() if not isinstance(row, dict) or not isinstance(row.get(k), kind)]
+            if bad:
+                raise RunArtifactError(f"{self.item_scores}: items[{i}]: fields {bad} missing or of the wrong type")
+        return rows
 
     @property
     def shards_dir(self) -> Path:

@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from distillgates.data.generator import generate_item
 from distillgates.eval.matching import match_call, parse_number
 from distillgates.eval.runners import reference_output
-from distillgates.eval.scorer import find_spans, score
+from distillgates.eval.scorer import find_spans, item_rows, score, score_items
 
 RATE_KEYS = ("tool_selection", "json_validity", "arg_match_strict", "arg_match_lax", "f1_strict_macro",
              "f1_lax_macro", "f1_strict_micro", "f1_lax_micro", "privacy_ok_rate", "fixture_hit_rate")  # fmt: skip
@@ -217,3 +217,20 @@ def test_missing_or_duplicate_outputs_rejected() -> None:
         score(items, [reference_output(items[0])])
     with pytest.raises(ValueError, match="duplicate"):
         score(items, [reference_output(items[0]), reference_output(items[0])])
+
+
+def test_item_rows_are_what_the_aggregates_are_made_of() -> None:
+    """The per-item rows the drift and quality gates read add up to the reported figures: the macro F1 is the mean
+    of the eligible rows' F1, the rates are ratios of the rows' counts."""
+    items = [generate_item(0, n, split="eval") for n in range(30)]
+    outputs = [reference_output(i) if n % 3 else _empty(i) for n, i in enumerate(items)]
+    metrics = score(items, outputs)
+    rows = item_rows(score_items(items, outputs))
+    assert [r["id"] for r in rows] == [str(i["id"]) for i in items]
+    eligible = [r for r in rows if r["f1_lax"] is not None]
+    assert eligible and len(eligible) < len(rows)  # control items carry no F1
+    for mode in ("lax", "strict"):
+        assert sum(r[f"f1_{mode}"] for r in eligible) / len(eligible) == pytest.approx(metrics[f"f1_{mode}_macro"])
+    assert sum(r["selection_ok"] for r in rows) / len(rows) == pytest.approx(metrics["tool_selection"])
+    valid, emitted = sum(r["calls_valid"] for r in rows), sum(r["calls_emitted"] for r in rows)
+    assert valid / emitted == pytest.approx(metrics["json_validity"])

@@ -134,3 +134,29 @@ def test_speed_gate_bless_compare_and_inconclusive(tmp_path):
     with pytest.raises(GateInconclusive, match="INCONCLUSIVE"):
         gate.speed_no_regression("ttft", lambda n: [1.1 * s for s in wide[:n]], threshold=0.05,
                                  higher_is_better=False, definition="d")
+
+
+def test_paired_no_regression_blesses_items_and_compares_item_by_item(tmp_path):
+    blessed = {f"i{n}": 1.0 for n in range(30)}
+    gate, _ = make_gate(tmp_path, bless=True)
+    assert gate.paired_no_regression("f1", blessed, tolerance=0.01, alpha=0.05, definition="d").verdict == "blessed"
+    gate.context.store.commit()
+    assert gate.context.store.load("quality", "f1", hardware_dependent=False, run_fingerprints=RUN).items == blessed
+    gate, _ = make_gate(tmp_path)
+    assert gate.paired_no_regression("f1", {**blessed, "i0": 0.0}, tolerance=0.01, alpha=0.05,
+                                     definition="d").verdict == "pass"
+    with pytest.raises(GateFailure, match=r"n=30 items \(10 changed\), mean change -0\.3333.*p="):
+        gate.paired_no_regression("f1", {k: 0.0 if int(k[1:]) < 10 else 1.0 for k in blessed}, tolerance=0.01,
+                                  alpha=0.05, definition="d")
+    with pytest.raises(GateFailure, match=r"1 blessed items not in the run \['i0'\]"):
+        gate.paired_no_regression("f1", {k: v for k, v in blessed.items() if k != "i0"}, tolerance=0.01,
+                                  alpha=0.05, definition="d")
+
+
+def test_paired_no_regression_fails_a_baseline_without_items(tmp_path):
+    gate, _ = make_gate(tmp_path, bless=True)
+    gate.no_regression("f1", 0.9, tolerance=0.01)  # an entry blessed before per-item scores were kept
+    gate.context.store.commit()
+    gate, _ = make_gate(tmp_path)
+    with pytest.raises(GateFailure, match=r"has no per-item scores.*re-bless it"):
+        gate.paired_no_regression("f1", {"a": 0.9}, tolerance=0.01, alpha=0.05, definition="d")

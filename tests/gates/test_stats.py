@@ -5,7 +5,14 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from distillgates.gates.stats import compare_samples, sequential_speed_gate
+from distillgates.gates.stats import (
+    Interval,
+    compare_paired,
+    compare_samples,
+    mean_interval,
+    sequential_speed_gate,
+    wilson_interval,
+)
 
 
 def lognormal(seed: int, n: int, scale: float = 1.0, noise: float = 0.05) -> list[float]:
@@ -133,3 +140,70 @@ def test_estimate_under_threshold_with_wide_ci_is_inconclusive_not_pass():
     result = compare_samples(spread, spread, threshold=0.05, higher_is_better=False)
     assert result.slowdown == 1.0 and result.ci_high > 1.10
     assert result.verdict == "inconclusive"
+
+
+# -- paired per-item drift test ---------------------------------------------------------------
+
+BLESSED = {f"item-{i}": 1.0 if i % 5 else 0.5 for i in range(60)}
+
+
+def test_paired_unchanged_items_pass_with_p_one():
+    result = compare_paired(BLESSED, dict(BLESSED), tolerance=0.01)
+    assert result.verdict == "pass" and result.p_value == 1.0 and result.n == 60 and result.n_changed == 0
+
+
+def test_paired_single_item_drop_beyond_tolerance_is_noise():
+    current = {**BLESSED, "item-1": 0.0}  # mean change -1/60 = -0.0167 < -0.01, but one item
+    result = compare_paired(BLESSED, current, tolerance=0.01)
+    assert result.mean_change == pytest.approx(-1 / 60)
+    assert result.verdict == "pass" and result.p_value > 0.05 and "not significant" in result.reason
+
+
+def test_paired_broad_drop_fails_with_the_numbers():
+    current = {k: (0.0 if i < 12 else v) for i, (k, v) in enumerate(BLESSED.items())}  # 20% of the items lose F1
+    result = compare_paired(BLESSED, current, tolerance=0.01)
+    assert result.verdict == "fail" and result.p_value < 0.05 and result.ci_high < 0
+    assert result.ci_low <= result.mean_change <= result.ci_high
+    assert "n=60 items (12 changed), mean change -0.1750" in result.reason
+
+
+def test_paired_significant_drop_within_tolerance_passes():
+    current = {k: v - 0.005 for k, v in BLESSED.items()}  # every item a little worse: significant, but small
+    result = compare_paired(BLESSED, current, tolerance=0.01)
+    assert result.p_value < 0.05 and result.verdict == "pass"
+
+
+def test_paired_gain_passes():
+    current = {k: 1.0 for k in BLESSED}
+    assert compare_paired(BLESSED, current, tolerance=0.01).mean_change > 0
+
+
+@pytest.mark.parametrize(("blessed", "current", "kwargs", "message"), [
+    ({"a": 1.0}, {"b": 1.0}, {}, r"1 blessed items not in the run \['a'\], 1 run items not blessed \['b'\]"),
+    ({}, {}, {}, "no per-item scores"),
+    ({"a": 1.0}, {"a": float("nan")}, {}, "finite"),
+    ({"a": 1.0}, {"a": 1.0}, {"alpha": 0.7}, "alpha"),
+])
+def test_paired_bad_input_raises(blessed, current, kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        compare_paired(blessed, current, tolerance=kwargs.pop("tolerance", 0.01), **kwargs)
+
+
+# -- n and confidence intervals of quality figures ----------------------------------------------
+
+
+def test_wilson_interval_brackets_the_rate_and_stays_in_unit_range():
+    interval = wilson_interval(198, 200)
+    assert interval is not None and interval.n == 200
+    assert interval.low == pytest.approx(0.9643, abs=1e-4) and interval.high == pytest.approx(0.9973, abs=1e-4)
+    perfect = wilson_interval(200, 200)
+    assert perfect is not None and perfect.high == 1.0 and perfect.low == pytest.approx(0.9812, abs=1e-4)
+    assert wilson_interval(0, 0) is None  # an undefined rate has no interval
+
+
+def test_mean_interval_is_a_t_interval():
+    interval = mean_interval([0.0, 1.0, 1.0, 1.0])  # mean 0.75, sd 0.5, t(0.975, 3) = 3.182
+    assert interval is not None and interval.n == 4
+    assert interval.low == pytest.approx(0.75 - 3.1824 * 0.25, abs=1e-3)
+    assert interval.high == pytest.approx(0.75 + 3.1824 * 0.25, abs=1e-3)
+    assert mean_interval([0.5]) == Interval(1, 0.5, 0.5) and mean_interval([]) is None

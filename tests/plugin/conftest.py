@@ -107,15 +107,31 @@ def good_report() -> dict[str, Any]:
     }
 
 
+ITEMS_PER_SHAPE = 40
+
+
+def good_item_scores() -> list[dict[str, Any]]:
+    """``eval/item_scores.json`` rows of the good run: per shape, 40 eligible items, 2 of them with F1 lax 0 and 4
+    with F1 strict 0.5 (means 0.95 and 0.95, the report's f1_lax_macro)."""
+    return [{"id": f"{shape}-{i}", "shape": shape, "f1_lax": 0.0 if i < 2 else 1.0, "f1_strict": 0.5 if i < 4 else 1.0,
+             "selection_ok": True, "privacy_ok": True, "calls_emitted": 1, "calls_valid": 1, "fixture_calls": 1,
+             "fixture_hits": 1}
+            for shape in SHAPES for i in range(ITEMS_PER_SHAPE)]
+
+
 def write_run(
-    root: Path, report: dict[str, Any], model: Transformer | None = None, eval_set: dict[str, Any] | None = None
+    root: Path, report: dict[str, Any], model: Transformer | None = None, eval_set: dict[str, Any] | None = None,
+    item_scores: list[dict[str, Any]] | None = None,
 ) -> Path:
-    """A run dir: ``report``, the eval set's header (``eval_set`` overrides its fields), ``model`` (default:
-    the tiny student) as the student checkpoint, and an export contract recording the checkpoint's fingerprint."""
+    """A run dir: ``report``, the student's per-item scores (default :func:`good_item_scores`), the eval set's header
+    (``eval_set`` overrides its fields), ``model`` (default: the tiny student) as the student checkpoint, and an
+    export contract recording the checkpoint's fingerprint."""
     run = RunDir(root)
-    for folder in (run.reports_dir, run.data_dir, run.model_dir("student"), run.export_dir):
+    for folder in (run.reports_dir, run.data_dir, run.model_dir("student"), run.export_dir, run.eval_dir):
         folder.mkdir(parents=True, exist_ok=True)
     run.report.write_text(json.dumps(report))
+    rows = good_item_scores() if item_scores is None else item_scores
+    run.item_scores.write_text(json.dumps({"role": "student", "items": rows}))
     header = {"__header__": True, "dataset_version": 1, "tokenizer_fingerprint": TOKENIZER_FP,
               "tool_registry_sha256": tool_registry_sha256(), "prompt_wrapper_sha256": prompt_wrapper_sha256()}
     run.dataset("eval").write_text(json.dumps(header | (eval_set or {})) + "\n")
@@ -211,15 +227,17 @@ def gates_project(pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch) ->
 @pytest.fixture
 def make_run(tmp_path: Path) -> Callable[..., Path]:
     """``make_run(name, **{dotted.key: value})``: a run dir with the good report, keys overridden
-    (``eval_set.<field>`` overrides a field of the eval set's header instead)."""
+    (``eval_set.<field>`` overrides a field of the eval set's header instead; ``item_scores`` replaces the
+    per-item scores)."""
 
     def make(name: str = "run", **changes: Any) -> Path:
         report, eval_set = good_report(), {}
+        item_scores = changes.pop("item_scores", None)
         for dotted, value in changes.items():
             if dotted.startswith("eval_set."):
                 eval_set[dotted.removeprefix("eval_set.")] = value
             else:
                 set_key(report, dotted.replace("__", "."), value)
-        return write_run(tmp_path / name, report, eval_set=eval_set)
+        return write_run(tmp_path / name, report, eval_set=eval_set, item_scores=item_scores)
 
     return make

@@ -12,9 +12,18 @@ import pytest
 from distillgates.model import model_fingerprint, save_model
 from distillgates.rundir import RunDir
 
-from .conftest import DELETE, tiny_student
+from .conftest import DELETE, SHAPES, good_item_scores, tiny_student
 
 NAN = float("nan")
+
+
+def lose_f1(field: str, shapes: list[str] | tuple[str, ...], n_per_shape: int = 8) -> list[dict]:
+    """The good item scores with ``n_per_shape`` items of each of ``shapes`` (of 40, all at 1.0) dropped to 0."""
+    rows = good_item_scores()
+    for shape in shapes:
+        for row in [r for r in rows if r["shape"] == shape and r[field] == 1.0][:n_per_shape]:
+            row[field] = 0.0
+    return rows
 
 GATE_FILES = ["quality", "f1_drift", "privacy", "determinism", "identity", "latency_loss", "shape_drift", "qat_cosine",
               "export", "ane_residency", "prompt_cache", "speculative"]
@@ -29,9 +38,11 @@ VIOLATIONS = [
     ("invalid_json", {"quality.student.json_validity": 0.97}, "quality", ["test_quality[json_validity]"], "0.97"),
     ("fixture_misses", {"quality.student.fixture_hit_rate": 0.9}, "quality", ["test_quality[fixture_hit_rate]"],
      "0.9"),
-    ("f1_lax_drift", {"quality.student.f1_lax_macro": 0.93}, "f1_drift", ["test_f1_drift[lax]"],
-     "vs blessed 0.95: change -0.02"),
-    ("f1_strict_drift", {"quality.student.f1_strict_macro": 0.89}, "f1_drift", ["test_f1_drift[strict]"], "-0.02"),
+    # 20% of the items lose their F1 (8 of 40 per shape): mean change -0.2, significant
+    ("f1_lax_drift", {"item_scores": lose_f1("f1_lax", SHAPES)}, "f1_drift", ["test_f1_drift[lax]"],
+     "n=120 items (24 changed), mean change -0.2000"),
+    ("f1_strict_drift", {"item_scores": lose_f1("f1_strict", SHAPES)}, "f1_drift", ["test_f1_drift[strict]"],
+     "mean change -0.2000"),
     ("leaked_pii", {"quality.student.privacy_ok_rate": 0.99}, "privacy", ["test_privacy_ok_rate"], "0.99 >= "),
     ("control_calls_tool", {"quality.student.controls_with_integration": 1}, "privacy",
      ["test_controls_with_integration"], "measured 1 <= threshold 0"),
@@ -71,10 +82,10 @@ VIOLATIONS = [
      ["test_no_new_false_tool_calls"], "measured 2 <= threshold 0"),
     ("late_first_tool_call", {"quality.student.ttfa_tokens_p95": 30.0}, "latency_loss", ["test_ttfa_p95"],
      "ttfa_tokens_p95 FAILED: measured 30 <= threshold 25"),
-    ("shape_drift", {"quality.student.slices.shape.256.f1_lax_macro": 0.93}, "shape_drift",
-     ["test_shape_drift[256]"], "f1_lax_macro[shape=256]"),
-    ("shape_without_eval_items", {"quality.student.slices.shape.256": DELETE}, "shape_drift",
-     ["test_shape_drift[256]"], "f1_lax_macro[shape=256] = None vs blessed 0.95"),
+    ("shape_drift", {"item_scores": lose_f1("f1_lax", ["256"])}, "shape_drift",
+     ["test_shape_drift[256]"], "f1_lax_macro[shape=256]: significant drop beyond tolerance: n=40 items"),
+    ("shape_without_eval_items", {"item_scores": [r for r in good_item_scores() if r["shape"] != "256"]},
+     "shape_drift", ["test_shape_drift[256]"], "f1_lax_macro[shape=256] FAILED: measured None"),
     ("enumerated_shape_not_exported", {"header.config.shapes.lengths": [128, 192, 256, 320]}, "export",
      ["test_export_cosine[320]"], "export.cosine[shape=320]"),
     ("qat_low_cosine", {"gate_inputs.qat.probe_cosine_min": 0.95, "gate_inputs.qat.probe_cosine.layer0_mlp": 0.95},
@@ -149,6 +160,25 @@ def test_violation_fails_its_gate(pytester, gates_project, make_run, own_profile
     assert result.ret == pytest.ExitCode.TESTS_FAILED
 
 
+def test_drift_within_noise_passes(pytester, gates_project, make_run, own_profile):
+    """One item of the 40 in the 256 slice loses its F1 lax (1.0 -> 0): the slice mean drops by 0.025, beyond the
+    0.01 tolerance, so the old raw-mean gate failed; paired, one changed item is not significant (Wilcoxon p=0.16)
+    and the gate passes. Over all 120 items the same change is -0.0083, within tolerance."""
+    gates_project()
+    common = [f"--hw-profile={own_profile}"]
+    files = ["gates/test_f1_drift.py", "gates/test_shape_drift.py"]
+    pytester.runpytest(*files, f"--run-dir={make_run('good')}", *common, "--bless").assert_outcomes(passed=5)
+    result = pytester.runpytest(*files, f"--run-dir={make_run('one', item_scores=lose_f1('f1_lax', ['256'], 1))}",
+                                *common, "--gate-report=gates.json")
+    result.assert_outcomes(passed=5)
+    checks = {g["name"]: g for g in json.loads((pytester.path / "gates.json").read_text())["gates"]}
+    shape = checks["f1_lax_macro[shape=256]"]
+    assert shape["measured"] == 0.925 and shape["baseline"] == 0.95  # raw means: -0.025 < -0.01
+    assert ("drop beyond tolerance but within noise (not significant): n=40 items (1 changed), mean change -0.0250, "
+            "CI [-0.0750, +0.0000], p=0.159") in shape["reason"]
+    assert shape["details"]["n"] == 40 and shape["details"]["p_value"] > 0.05
+
+
 def test_shapes_come_from_the_run_config(pytester, gates_project, make_run, own_profile):
     """A shape the run enumerates but no eval item has is gated (and fails), never silently skipped."""
     gates_project()
@@ -205,3 +235,14 @@ def test_residency_gates_need_mlcomputeplan(pytester, gates_project, make_run, o
     else:
         result.assert_outcomes(skipped=2)
         assert "ANE residency is measured only by MLComputePlan (macOS 14.4+)" in result.stdout.str()
+
+
+def test_malformed_item_scores_fail_the_drift_gates_naming_file_and_row(pytester, gates_project, make_run, own_profile):
+    gates_project()
+    rows = good_item_scores()
+    rows[3]["f1_lax"] = "0.9"  # a string, not a number
+    run = make_run(item_scores=rows)
+    result = pytester.runpytest("gates/test_f1_drift.py", f"--run-dir={run}", f"--hw-profile={own_profile}", "--bless")
+    result.assert_outcomes(errors=2)
+    result.stdout.fnmatch_lines([f"*{RunDir(run).item_scores}: items[[]3[]]: fields [[]'f1_lax'[]] missing or of the "
+                                 "wrong type*"])

@@ -266,6 +266,25 @@ def _percentile(values: Sequence[float], q: float) -> float | None:
     return float(ordered[low] + (ordered[high] - ordered[low]) * (rank - low))
 
 
+def item_f1(score: ItemScore, strict: bool) -> float:
+    """Integration F1 of one eligible item (the macro F1 is the mean over eligible items)."""
+    grounded = score.grounded_strict if strict else score.grounded_lax
+    precision = grounded / score.spans if score.spans else 0.0
+    return f1(precision, 1.0 if grounded else 0.0)
+
+
+def item_rows(scores: Sequence[ItemScore]) -> list[dict[str, Any]]:
+    """Per-item outcomes behind the gated figures: the paired drift gates compare ``f1_lax`` / ``f1_strict``
+    item by item (None: the item is not eligible for integration F1), the quality gates count the rest for
+    their n and confidence intervals."""
+    return [{"id": s.id, "shape": s.slices["shape"],
+             "f1_lax": item_f1(s, strict=False) if s.eligible else None,
+             "f1_strict": item_f1(s, strict=True) if s.eligible else None,
+             "selection_ok": s.selection_ok, "privacy_ok": s.privacy_ok, "calls_emitted": s.calls_emitted,
+             "calls_valid": s.calls_valid, "fixture_calls": s.fixture_calls, "fixture_hits": s.fixture_hits}
+            for s in scores]
+
+
 def _f1_parts(scores: Sequence[ItemScore], strict: bool) -> tuple[float | None, float | None]:
     eligible = [s for s in scores if s.eligible]
     if not eligible:
@@ -273,9 +292,7 @@ def _f1_parts(scores: Sequence[ItemScore], strict: bool) -> tuple[float | None, 
     per_item, grounded_sum, spans_sum, recalled = [], 0, 0, 0
     for s in eligible:
         grounded = s.grounded_strict if strict else s.grounded_lax
-        precision = grounded / s.spans if s.spans else 0.0
-        recall = 1.0 if grounded else 0.0
-        per_item.append(f1(precision, recall))
+        per_item.append(item_f1(s, strict))
         grounded_sum, spans_sum, recalled = grounded_sum + grounded, spans_sum + s.spans, recalled + (grounded > 0)
     micro_p = grounded_sum / spans_sum if spans_sum else 0.0
     return sum(per_item) / len(per_item), f1(micro_p, recalled / len(eligible))
@@ -317,7 +334,26 @@ def score(
     shapes: Mapping[str, int] | None = None,
     lengths: Sequence[int] | None = None,
 ) -> dict[str, Any]:
-    """METRICS with slices for runner ``outputs`` on ``items``.
+    """METRICS with slices for runner ``outputs`` on ``items`` (arguments as :func:`score_items`)."""
+    scores = score_items(items, outputs, shapes, lengths)
+    metrics = aggregate(scores)
+    slices: dict[str, dict[str, Any]] = {}
+    for key in SLICE_KEYS:
+        groups: dict[str, list[ItemScore]] = {}
+        for s in scores:
+            groups.setdefault(s.slices[key], []).append(s)
+        slices[key] = {value: aggregate(group) for value, group in sorted(groups.items())}
+    metrics["slices"] = slices
+    return metrics
+
+
+def score_items(
+    items: Sequence[Mapping[str, Any]],
+    outputs: Sequence[Mapping[str, Any]] | Mapping[str, Mapping[str, Any]],
+    shapes: Mapping[str, int] | None = None,
+    lengths: Sequence[int] | None = None,
+) -> list[ItemScore]:
+    """One :class:`ItemScore` per item, in item order.
 
     Args:
         items: dataset items (contract format).
@@ -344,15 +380,7 @@ def score(
     for item in items:
         shape = shape_of(shapes[str(item["id"])], lengths) if shapes is not None and lengths else "all"
         scores.append(score_item(item, by_id[str(item["id"])], vocab, result_vocab, shape))
-    metrics = aggregate(scores)
-    slices: dict[str, dict[str, Any]] = {}
-    for key in SLICE_KEYS:
-        groups: dict[str, list[ItemScore]] = {}
-        for s in scores:
-            groups.setdefault(s.slices[key], []).append(s)
-        slices[key] = {value: aggregate(group) for value, group in sorted(groups.items())}
-    metrics["slices"] = slices
-    return metrics
+    return scores
 
 
 def _outputs_by_id(

@@ -60,10 +60,12 @@ class BaselineEntry:
     fingerprints: dict[str, str] | None = None  # the run report's fingerprints it was blessed with
     hardware_profile_key: str | None = None  # profile of the file it came from (None: common)
     path: Path | None = None  # the file it came from (None: not read from a file)
+    items: dict[str, float] | None = None  # per-item scores by item id (paired quality drift gates)
 
     def to_json(self) -> dict[str, Any]:
-        return {"value": self.value, "definition": self.definition, "samples": self.samples,
+        data = {"value": self.value, "definition": self.definition, "samples": self.samples,
                 "fingerprints": self.fingerprints, "provenance": self.provenance}
+        return data if self.items is None else {**data, "items": self.items}
 
 
 def _read_group(path: Path) -> dict[str, Any]:
@@ -78,6 +80,8 @@ def _read_group(path: Path) -> dict[str, Any]:
     for key, entry in data["entries"].items():
         if not isinstance(entry, dict) or "value" not in entry or "definition" not in entry:
             raise BaselineError(f"{path}: entries.{key}: needs 'value' and 'definition'")
+        if not isinstance(entry.get("items") or {}, dict):
+            raise BaselineError(f"{path}: entries.{key}.items must be a mapping of item id to score")
         if not isinstance(entry.get("fingerprints") or {}, dict):
             found = entry["fingerprints"]
             raise BaselineError(f"{path}: entries.{key}.fingerprints must be a mapping, found {found!r}")
@@ -155,7 +159,7 @@ class BaselineStore:
     @staticmethod
     def _entry(path: Path, raw: dict[str, Any], profile: str | None) -> BaselineEntry:
         return BaselineEntry(raw["value"], raw["definition"], raw.get("samples"), raw.get("provenance", {}),
-                             raw.get("fingerprints"), profile, path)
+                             raw.get("fingerprints"), profile, path, raw.get("items"))
 
     def stage(self, group: str, key: str, entry: BaselineEntry, *, hardware_dependent: bool) -> Path:
         """Keep a blessed entry in memory until :meth:`commit`."""

@@ -20,7 +20,7 @@ import numpy as np
 
 from distillgates.eval.fingerprints import FingerprintError, check_fingerprints
 from distillgates.gates.baselines import BaselineEntry, BaselineError, BaselineStore
-from distillgates.gates.stats import Measure, sequential_speed_gate
+from distillgates.gates.stats import Interval, Measure, compare_paired, mean_interval, sequential_speed_gate
 
 
 class GateFailure(AssertionError):
@@ -45,6 +45,8 @@ class GateRecord:
     verdict: str = "pass"  # pass | fail | inconclusive | blessed | error
     reason: str = ""
     details: dict[str, Any] = field(default_factory=dict)
+    n: int | None = None  # sample size behind ``measured`` (items, calls), when it is an estimate
+    ci: list[float] | None = None  # two-sided confidence interval of ``measured`` ([low, high])
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -78,6 +80,11 @@ def _fmt(value: Any) -> str:
     return f"{value:.6g}" if isinstance(value, float) else repr(value)
 
 
+def _interval_fields(interval: Interval | None) -> dict[str, Any]:
+    """``GateRecord`` keyword arguments ``n`` and ``ci`` of an estimated value (none without an interval)."""
+    return {} if interval is None else {"n": interval.n, "ci": [interval.low, interval.high]}
+
+
 def _is_finite_number(value: Any) -> bool:
     return isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(value)
 
@@ -97,7 +104,7 @@ class Gate:
     def _finish(self, rec: GateRecord) -> GateRecord:
         __tracebackhide__ = True
         self.context.records.append(rec)
-        for key in ("measured", "threshold", "baseline", "verdict", "reason"):
+        for key in ("measured", "n", "ci", "threshold", "baseline", "verdict", "reason"):
             value = getattr(rec, key)
             if value is not None:
                 self._record(f"{rec.name}.{key}", value)
@@ -110,28 +117,35 @@ class Gate:
             raise GateInconclusive(f"gate {self.group}/{rec.name} INCONCLUSIVE: {rec.reason}")
         return rec
 
-    def _check(self, name: str, value: Any, threshold: Any, comparison: str, ok: bool, definition: str) -> GateRecord:
+    def _check(self, name: str, value: Any, threshold: Any, comparison: str, ok: bool, definition: str,
+               interval: Interval | None = None) -> GateRecord:
         __tracebackhide__ = True
         if value is None or (isinstance(value, numbers.Real) and not math.isfinite(value)):
             ok = False  # missing, NaN or ±inf never satisfies a gate: a broken model must not pass by a quirk
         why = f"{name} = {_fmt(value)} {'satisfies' if ok else 'violates'} {comparison} {_fmt(threshold)}"
+        if interval is not None:
+            why += f" (n={interval.n}, 95% CI [{interval.low:.4g}, {interval.high:.4g}])"
         rec = GateRecord(self.nodeid, self.group, name, value, threshold, comparison, None,
-                         "pass" if ok else "fail", why + (f" ({definition})" if definition else ""))
+                         "pass" if ok else "fail", why + (f" ({definition})" if definition else ""),
+                         **_interval_fields(interval))
         return self._finish(rec)
 
     # -- absolute checks ----------------------------------------------------------------
 
-    def at_least(self, name: str, value: float, threshold: float, definition: str = "") -> GateRecord:
-        """Pass when ``value >= threshold``; a NaN or infinite threshold passes nothing (it bounds nothing)."""
+    def at_least(self, name: str, value: float, threshold: float, definition: str = "",
+                 interval: Interval | None = None) -> GateRecord:
+        """Pass when ``value >= threshold``; a NaN or infinite threshold passes nothing (it bounds nothing).
+        ``interval`` (n and confidence interval of an estimated ``value``) is recorded and shown, not gated on."""
         __tracebackhide__ = True
         ok = _is_finite_number(threshold) and value is not None and value >= threshold
-        return self._check(name, value, threshold, ">=", ok, definition)
+        return self._check(name, value, threshold, ">=", ok, definition, interval)
 
-    def at_most(self, name: str, value: float, threshold: float, definition: str = "") -> GateRecord:
+    def at_most(self, name: str, value: float, threshold: float, definition: str = "",
+                interval: Interval | None = None) -> GateRecord:
         """Pass when ``value <= threshold``; a NaN or infinite threshold passes nothing (it bounds nothing)."""
         __tracebackhide__ = True
         ok = _is_finite_number(threshold) and value is not None and value <= threshold
-        return self._check(name, value, threshold, "<=", ok, definition)
+        return self._check(name, value, threshold, "<=", ok, definition, interval)
 
     def equals(self, name: str, value: Any, expected: Any, definition: str = "") -> GateRecord:
         __tracebackhide__ = True
@@ -167,14 +181,16 @@ class Gate:
         return None
 
     def _bless(self, name: str, key: str, value: Any, definition: str, hardware_dependent: bool,
-               samples: list[float] | None = None, extra: dict[str, Any] | None = None) -> GateRecord:
+               samples: list[float] | None = None, extra: dict[str, Any] | None = None,
+               items: dict[str, float] | None = None) -> GateRecord:
+        # non-finite item scores make a non-finite mean (``value``), which is refused
         refusal = self._refuse_bless(name, key, value, hardware_dependent, samples)
         if refusal:
             return self._finish(GateRecord(self.nodeid, self.group, name, value, None, "bless", None, "fail",
                                            f"refusing to bless: {refusal}"))
         provenance = {**self.context.provenance, "blessed_at": dt.datetime.now(dt.UTC).isoformat(), **(extra or {})}
         fingerprints = dict(self.context.run_fingerprints or {})
-        entry = BaselineEntry(value, definition, samples, provenance, fingerprints)
+        entry = BaselineEntry(value, definition, samples, provenance, fingerprints, items=items)
         path = self.context.store.stage(self.group, key, entry, hardware_dependent=hardware_dependent)
         return self._finish(GateRecord(self.nodeid, self.group, name, value, None, "bless", value, "blessed",
                                        f"staged {key!r} for {path}", {"samples": samples}))
@@ -202,6 +218,39 @@ class Gate:
                f"({'improvement' if delta >= 0 else 'regression'}), tolerated regression {tolerance:.6g}")
         return self._finish(GateRecord(self.nodeid, self.group, name, value, tolerance, "no_regression", base.value,
                                        "pass" if ok else "fail", why, {"delta": delta}))
+
+    def paired_no_regression(self, name: str, items: dict[str, float], baseline_key: str | None = None, *,
+                             tolerance: float, alpha: float, definition: str) -> GateRecord:
+        """Paired quality drift gate on per-item scores (see :func:`distillgates.gates.stats.compare_paired`):
+        fail when the mean per-item drop exceeds ``tolerance`` and is significant at ``alpha``.
+
+        ``items`` maps item id to score; the measured value is their mean (None when there is no item,
+        which fails). Blessing stores the per-item scores in the baseline entry.
+        """
+        __tracebackhide__ = True
+        key = baseline_key or name
+        value = float(np.mean(list(items.values()))) if items else None
+        interval = _interval_fields(mean_interval(list(items.values())))
+        if self.context.bless:
+            return self._bless(name, key, value, definition, False, items=items)
+        try:
+            base = self._baseline(key, False)
+        except BaselineError as err:
+            return self._finish(GateRecord(self.nodeid, self.group, name, value, tolerance, "paired_no_regression",
+                                           None, "fail", str(err)))
+        if not base.items:
+            return self._finish(GateRecord(self.nodeid, self.group, name, value, tolerance, "paired_no_regression",
+                                           base.value, "fail", f"{base.path}: entries.{key} has no per-item scores "
+                                           f"(blessed before paired drift gates); re-bless it: "
+                                           f"{self.context.bless_command(self.nodeid)}"))
+        try:
+            result = compare_paired(base.items, items, tolerance=tolerance, alpha=alpha)
+        except ValueError as err:
+            return self._finish(GateRecord(self.nodeid, self.group, name, value, tolerance, "paired_no_regression",
+                                           base.value, "fail", f"{name} vs {base.path}: entries.{key}: {err}"))
+        return self._finish(GateRecord(self.nodeid, self.group, name, value, tolerance, "paired_no_regression",
+                                       base.value, result.verdict, f"{name}: {result.reason} ({definition})",
+                                       result.to_dict(), **interval))
 
     def speed_no_regression(self, name: str, measure: Measure, baseline_key: str | None = None, *,
                             threshold: float, higher_is_better: bool, definition: str, quantile: float = 0.5,

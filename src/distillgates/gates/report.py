@@ -33,6 +33,11 @@ def _short(value: Any) -> str:
     return text if len(text) <= 24 else text[:23] + "…"
 
 
+def _ci(record: GateRecord) -> str:
+    """A table cell: the measured value's confidence interval, ``—`` when it is not an estimate."""
+    return "—" if record.ci is None else f"[{record.ci[0]:.4g}, {record.ci[1]:.4g}]"
+
+
 def _thresholds_label(source: str | None) -> str:
     return f"`{source}`" if source else "none used"
 
@@ -61,13 +66,13 @@ def markdown_summary(records: list[GateRecord], session: dict[str, Any]) -> str:
         "",
         f"Thresholds: {_thresholds_label(session.get('thresholds_source'))}.",
         "",
-        "| verdict | gate | check | measured | threshold | baseline | reason |",
-        "|---|---|---|---|---|---|---|",
+        "| verdict | gate | check | measured | n | 95% CI | threshold | baseline | reason |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for r in records:
         reason = r.reason.replace("|", "\\|").replace("\n", " ")
-        lines.append(f"| {r.verdict} | {r.group} | `{r.name}` | {_short(r.measured)} | {_short(r.threshold)} | "
-                     f"{_short(r.baseline)} | {reason} |")
+        lines.append(f"| {r.verdict} | {r.group} | `{r.name}` | {_short(r.measured)} | {_short(r.n)} | {_ci(r)} | "
+                     f"{_short(r.threshold)} | {_short(r.baseline)} | {reason} |")
     for key in ("unused_baselines", "written_baselines"):
         if session.get(key):
             lines += ["", f"**{key.replace('_', ' ')}:**", *[f"- `{item}`" for item in session[key]]]
@@ -83,11 +88,11 @@ def rich_table(records: list[GateRecord], thresholds_source: str | None) -> Tabl
                   show_lines=False)
     for column in ("verdict", "gate", "check"):
         table.add_column(column, overflow="fold")
-    for column in ("measured", "threshold", "baseline"):  # narrow value columns leave the width to the names
+    for column in ("measured", "n", "95% CI", "threshold", "baseline"):  # narrow value columns: width to the names
         table.add_column(column, overflow="fold", max_width=16)
     for r in records:
         style = VERDICT_STYLE.get(r.verdict, "")
         # Text, not markup: check names such as "cosine[shape=128]" must not be read as style tags.
         table.add_row(Text(r.verdict, style=style), Text(r.group), Text(r.name), Text(_short(r.measured)),
-                      Text(_short(r.threshold)), Text(_short(r.baseline)))
+                      Text(_short(r.n)), Text(_ci(r)), Text(_short(r.threshold)), Text(_short(r.baseline)))
     return table

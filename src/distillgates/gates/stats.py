@@ -20,7 +20,8 @@ for times (``ttft_ms``), reference / candidate for rates (``tps``).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import math
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -196,3 +197,110 @@ def sequential_speed_gate(
         reason += f" (bound of {max_extra_rounds} extra rounds reached)"
     final = SpeedComparison(**{**asdict(result), "rounds": rounds, "reason": reason})
     return final, ref, cand
+
+
+# -- quality drift: paired per-item comparison -----------------------------------------------
+
+
+@dataclass(frozen=True)
+class PairedChange:
+    """Outcome of comparing per-item scores of a run with the blessed ones, item by item.
+
+    Both arms score the same items, so the item-to-item spread (some items are hard for every
+    model) cancels in the differences: the test sees only how the model changed.
+    """
+
+    verdict: str  # "pass" | "fail"
+    n: int  # items compared
+    n_changed: int  # items whose score changed
+    mean_change: float  # mean of current - blessed, > 0 is better
+    ci_low: float  # bootstrap CI of the mean change (two-sided level 1 - 2 * alpha)
+    ci_high: float
+    p_value: float  # one-sided Wilcoxon signed-rank: the current run is worse
+    tolerance: float  # tolerated drop of the mean (absolute)
+    alpha: float
+    reason: str
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def compare_paired(blessed: Mapping[str, float], current: Mapping[str, float], *, tolerance: float,
+                   alpha: float = 0.05, n_resamples: int = 2000, seed: int = 0) -> PairedChange:
+    """Fail only when the mean per-item change is below ``-tolerance`` **and** the drop is
+    significant (one-sided Wilcoxon signed-rank p < alpha on the differences).
+
+    Args:
+        blessed: per-item scores at bless time, by item id.
+        current: per-item scores of the gated run, by item id; must hold the same ids.
+
+    Raises:
+        ValueError: the id sets differ, no item, a non-finite score, or impossible settings.
+    """
+    if set(blessed) != set(current):
+        missing, extra = sorted(set(blessed) - set(current)), sorted(set(current) - set(blessed))
+        raise ValueError(f"per-item scores cover other items than the blessed ones: {len(missing)} blessed items "
+                         f"not in the run {missing[:5]}, {len(extra)} run items not blessed {extra[:5]}")
+    if not blessed:
+        raise ValueError("no per-item scores to compare")
+    if not 0.0 < alpha < 0.5 or tolerance < 0:
+        raise ValueError(f"need 0 < alpha < 0.5 and tolerance >= 0; got {alpha}, {tolerance}")
+    ids = sorted(blessed)
+    change = np.array([current[i] - blessed[i] for i in ids], dtype=np.float64)  # (n,) > 0 is better
+    if not np.all(np.isfinite(change)):
+        raise ValueError("per-item scores must be finite numbers")
+    n_changed = int(np.count_nonzero(change))
+    # zeros (unchanged items) carry no sign: Wilcoxon drops them; no change at all cannot be a drop
+    p_value = float(stats.wilcoxon(change, alternative="less").pvalue) if n_changed else 1.0
+    mean = float(change.mean())
+    if n_changed and change.size > 1:
+        boot = stats.bootstrap((change,), np.mean, n_resamples=n_resamples, confidence_level=1.0 - 2.0 * alpha,
+                               method="percentile", rng=np.random.default_rng(seed))
+        ci_low, ci_high = float(boot.confidence_interval.low), float(boot.confidence_interval.high)
+    else:
+        ci_low = ci_high = mean
+    numbers = (f"n={change.size} items ({n_changed} changed), mean change {mean:+.4f}, CI [{ci_low:+.4f}, "
+               f"{ci_high:+.4f}], p={p_value:.3g} (one-sided Wilcoxon, alpha {alpha}), tolerated drop {tolerance:g}")
+    if mean < -tolerance and p_value < alpha:
+        verdict, why = "fail", f"significant drop beyond tolerance: {numbers}"
+    elif mean < -tolerance:
+        verdict, why = "pass", f"drop beyond tolerance but within noise (not significant): {numbers}"
+    else:
+        verdict, why = "pass", f"within tolerance: {numbers}"
+    return PairedChange(verdict, change.size, n_changed, mean, ci_low, ci_high, p_value, tolerance, alpha, why)
+
+
+# -- n and confidence interval of a measured quality figure ------------------------------------
+
+
+@dataclass(frozen=True)
+class Interval:
+    """A measured figure's sample size and two-sided confidence interval (level ``1 - alpha``)."""
+
+    n: int
+    low: float
+    high: float
+
+
+def wilson_interval(successes: int, n: int, alpha: float = 0.05) -> Interval | None:
+    """Wilson score interval of a rate ``successes / n`` (None when n is 0: the rate is undefined).
+    Unlike the normal approximation it stays inside [0, 1] and is not degenerate at a rate of 1."""
+    if n == 0:
+        return None
+    z = float(stats.norm.ppf(1.0 - alpha / 2.0))
+    rate = successes / n
+    center = (rate + z * z / (2 * n)) / (1 + z * z / n)
+    half = z * math.sqrt(rate * (1 - rate) / n + z * z / (4 * n * n)) / (1 + z * z / n)
+    return Interval(n, max(0.0, center - half), min(1.0, center + half))
+
+
+def mean_interval(values: Sequence[float], alpha: float = 0.05) -> Interval | None:
+    """Student-t interval of a mean (e.g. macro F1 over items); None without values, a point with one."""
+    array = np.asarray(values, dtype=np.float64)
+    if array.size == 0:
+        return None
+    mean = float(array.mean())
+    if array.size == 1 or not np.all(np.isfinite(array)):
+        return Interval(int(array.size), mean, mean)
+    half = float(stats.t.ppf(1.0 - alpha / 2.0, array.size - 1) * array.std(ddof=1) / math.sqrt(array.size))
+    return Interval(int(array.size), mean - half, mean + half)
