@@ -148,8 +148,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     except Exception as err:
         # user-facing errors (bad config, dataset, checkpoint, export lint...) print one clear line;
         # anything else is a bug and keeps its traceback
-        user_facing = isinstance(err, (ValueError, FileNotFoundError)) or type(err).__module__.startswith(
-            "distillgates."
+        user_facing = isinstance(err, (ValueError, FileNotFoundError, FileExistsError)) or (
+            type(err).__module__.startswith("distillgates.")
         )
         if not user_facing or os.environ.get("DISTILLGATES_TRACEBACK"):
             raise
