@@ -10,6 +10,7 @@ import torch
 from distillgates.config import Config, ConfigError, ModelConfig, load_config, load_model_config
 from distillgates.model import Transformer
 from distillgates.project import EMBEDDED_DIR as CONFIGS
+
 PIPELINE_YAMLS = sorted(p for p in CONFIGS.glob("*.yaml") if p.name != "hardware_profiles.yaml")
 
 

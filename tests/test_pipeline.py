@@ -16,7 +16,6 @@ from distillgates.cli import main as cli_main
 from distillgates.config import load_config
 from distillgates.eval.report import read_report
 from distillgates.pipeline import STEPS, Pipeline, run_pipeline
-
 from distillgates.project import EMBEDDED_CONFIG as TOY
 
 

@@ -69,7 +69,7 @@ class HardwareProfile:
     key: str  # e.g. "m1-max-64g"; names the baselines folder
     soc_regex: str  # matched (re.search) against the SoC brand string, e.g. "^Apple M1 Max$"
     min_ram_gb: float  # the machine needs at least this much RAM
-    gating: GatingPolicy = field(default_factory=GatingPolicy)  # read by the speed gates (pytest_distillgates/fixtures.py)
+    gating: GatingPolicy = field(default_factory=GatingPolicy)  # read by the speed gates (pytest_distillgates.fixtures)
     description: str = ""
 
     def __post_init__(self) -> None:

@@ -43,7 +43,8 @@ def test_the_documented_quality_gate_passes_and_fails(own_gates, make_run, own_p
     run = make_run("weak", **{"quality.student.slices.kind.single.tool_selection": 0.5})
     result = own_gates.runpytest(*args, f"--run-dir={run}")
     result.assert_outcomes(failed=1, deselected=1)
-    result.stdout.fnmatch_lines(["*gate quality/tool_selection[[]kind=single[]] FAILED: measured 0.5 >= threshold 0.9*"])
+    result.stdout.fnmatch_lines(["*gate quality/tool_selection[[]kind=single[]] FAILED: measured 0.5 >= threshold 0.9*"
+                                 ])
 
 
 @pytest.mark.integration  # live samples of a tiny student (~5 s)

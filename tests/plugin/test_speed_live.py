@@ -13,9 +13,9 @@ import json
 import pytest
 
 from distillgates.config import load_config
-from distillgates.project import EMBEDDED_CONFIG
 from distillgates.data.build import build_toy_data
 from distillgates.model import Transformer, load_model, save_model
+from distillgates.project import EMBEDDED_CONFIG
 from distillgates.rundir import RunDir
 
 from ..conftest import tiny_model_config
