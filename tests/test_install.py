@@ -58,6 +58,7 @@ def _run(args: list[str | Path], cwd: Path, env: dict[str, str], check: bool = T
 @pytest.mark.integration  # wheel + virtualenv with every dependency (~2 min), a small pipeline run (~1-2 min), pytest
 def test_the_wheel_installs_and_gates_a_fresh_project(tmp_path: Path) -> None:
     source = tmp_path / "source"  # building writes build/ and *.egg-info next to the sources: a copy, not the checkout
+    source.mkdir()
     for name in WHEEL_SOURCES:
         if (ROOT / name).is_dir():
             shutil.copytree(ROOT / name, source / name, ignore=shutil.ignore_patterns("__pycache__"))
