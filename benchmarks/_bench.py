@@ -16,7 +16,6 @@ from distillgates.model import Transformer, load_model
 from distillgates.project import EMBEDDED_CONFIG
 
 
-
 def common_args(description: str) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=description)
     parser.add_argument("--config", default=str(EMBEDDED_CONFIG))
