@@ -74,3 +74,13 @@ def test_python_dash_m_distillgates(tmp_path: Path) -> None:
     out = subprocess.run([sys.executable, "-m", "distillgates", "--version"], cwd=tmp_path, capture_output=True,
                          text=True, check=True)
     assert out.stdout.strip() == f"distillgates {__version__}"
+
+
+@pytest.mark.integration  # the data step of the embedded toy task (~5 s)
+def test_a_step_with_no_config_runs_the_embedded_toy_in_an_empty_folder(tmp_path: Path,
+                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """The issue's failure: `distillgates run` in an empty folder looked for configs/toy.yaml there."""
+    monkeypatch.chdir(tmp_path)
+    assert main(["data"]) == 0
+    header = (tmp_path / "runs" / "toy" / "data" / "eval.jsonl").read_text().splitlines()[0]
+    assert '"__header__": true' in header
