@@ -20,7 +20,6 @@ for times (``ttft_ms``), reference / candidate for rates (``tps``).
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -287,11 +286,8 @@ def wilson_interval(successes: int, n: int, alpha: float = 0.05) -> Interval | N
     Unlike the normal approximation it stays inside [0, 1] and is not degenerate at a rate of 1."""
     if n == 0:
         return None
-    z = float(stats.norm.ppf(1.0 - alpha / 2.0))
-    rate = successes / n
-    center = (rate + z * z / (2 * n)) / (1 + z * z / n)
-    half = z * math.sqrt(rate * (1 - rate) / n + z * z / (4 * n * n)) / (1 + z * z / n)
-    return Interval(n, max(0.0, center - half), min(1.0, center + half))
+    ci = stats.binomtest(successes, n).proportion_ci(confidence_level=1.0 - alpha, method="wilson")
+    return Interval(n, float(ci.low), float(ci.high))
 
 
 def mean_interval(values: Sequence[float], alpha: float = 0.05) -> Interval | None:
@@ -300,7 +296,7 @@ def mean_interval(values: Sequence[float], alpha: float = 0.05) -> Interval | No
     if array.size == 0:
         return None
     mean = float(array.mean())
-    if array.size == 1 or not np.all(np.isfinite(array)):
-        return Interval(int(array.size), mean, mean)
-    half = float(stats.t.ppf(1.0 - alpha / 2.0, array.size - 1) * array.std(ddof=1) / math.sqrt(array.size))
-    return Interval(int(array.size), mean - half, mean + half)
+    if array.size == 1 or not np.all(np.isfinite(array)) or float(array.std()) == 0.0:
+        return Interval(int(array.size), mean, mean)  # one value, or all equal: the point (t has no spread)
+    ci = stats.ttest_1samp(array, 0.0).confidence_interval(confidence_level=1.0 - alpha)
+    return Interval(int(array.size), float(ci.low), float(ci.high))
