@@ -2,7 +2,8 @@
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
-CONFIG ?= configs/toy.yaml
+# CONFIG empty: the embedded toy task (src/distillgates/configs/toy.yaml), or the config distillgates.yaml names
+CONFIG ?=
 
 .PHONY: setup run test unit gates lint clean
 
@@ -18,7 +19,8 @@ setup: $(BIN)/.installed
 run: setup
 	$(BIN)/distillgates run $(CONFIG)
 
-# tests/, then the acceptance checklist gates/ on runs/toy (built once, ~10 min, unless `make run` made it).
+# tests/, then the acceptance checklist (pytest_distillgates/checklist/, shipped with the plugin) on runs/toy
+# (built once, ~10 min, unless `make run` made it).
 test: setup
 	$(BIN)/ruff check .
 	$(BIN)/mypy src/distillgates
@@ -30,7 +32,7 @@ unit: setup
 
 # The acceptance checklist on the toy pipeline (runs/toy: reuses `make run`'s fresh steps, else ~10 min on 2 cores).
 gates: setup
-	$(BIN)/python -m pytest gates
+	$(BIN)/python -m pytest pytest_distillgates/checklist
 
 lint: setup
 	$(BIN)/ruff check .

@@ -13,13 +13,12 @@ import torch
 
 from distillgates.config import ModelConfig, load_config
 from distillgates.model import Transformer, load_model
-
-ROOT = Path(__file__).resolve().parents[1]
+from distillgates.project import EMBEDDED_CONFIG
 
 
 def common_args(description: str) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=description)
-    parser.add_argument("--config", default=str(ROOT / "configs" / "toy.yaml"))
+    parser.add_argument("--config", default=str(EMBEDDED_CONFIG))
     parser.add_argument("--run-dir", default=None, help="use trained checkpoints from a pipeline run dir")
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads (shared 2-core box: 1)")
     parser.add_argument("--repeats", type=int, default=5)

@@ -16,6 +16,7 @@ import torch
 
 from distillgates.config import load_config
 from distillgates.data.generator import generate_items
+from distillgates.project import EMBEDDED_CONFIG
 from distillgates.teacher.kd import build_kd_set
 from distillgates.teacher.local import LocalTeacher
 
@@ -33,7 +34,7 @@ class _OneByOne:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("teacher_dir")
-    parser.add_argument("--config", default="configs/toy.yaml")
+    parser.add_argument("--config", default=str(EMBEDDED_CONFIG))
     parser.add_argument("--items", type=int, default=128)
     parser.add_argument("--batch", type=int, default=32)
     parser.add_argument("--threads", type=int, default=1)

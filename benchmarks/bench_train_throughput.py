@@ -6,7 +6,7 @@ hits both alike. Throughput = supervised (assistant-turn) tokens of the item row
 of wall time; our recipe additionally pays for CE, process, length (with the coverage check)
 and early-tool CE, QAT off. Goal: ratio >= 0.9.
 
-    .venv/bin/python benchmarks/bench_train_throughput.py [--steps 30] [--chunk 5] [--config configs/toy.yaml]
+    .venv/bin/python benchmarks/bench_train_throughput.py [--steps 30] [--chunk 5] [--config CONFIG]
 
 Not part of the test suite.
 """
@@ -27,6 +27,7 @@ from distillgates.data.chat import render_conversation, render_prompt
 from distillgates.data.generator import generate_items
 from distillgates.hf import hf_config
 from distillgates.model import Transformer
+from distillgates.project import EMBEDDED_CONFIG
 from distillgates.tokenizer import train_tokenizer
 from distillgates.train.recipe import Recipe
 
@@ -48,7 +49,7 @@ def kd_records(items: list[dict], tok, teacher: Transformer, k: int, max_len: in
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--config", type=Path, default=Path("configs/toy.yaml"))
+    parser.add_argument("--config", type=Path, default=EMBEDDED_CONFIG)
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--chunk", type=int, default=5)
     parser.add_argument("--items", type=int, default=128)

@@ -30,6 +30,7 @@ import yaml
 
 from distillgates import config as config_module
 from distillgates import hardware as hardware_module
+from distillgates.project import EMBEDDED_DIR
 
 ROOT = Path(__file__).resolve().parents[1]
 DOC = ROOT / "docs" / "configuration.md"
@@ -282,7 +283,7 @@ def _hardware_reference() -> list[str]:
     classes = _walk(hardware_module.HardwareProfile, "profiles[]", namespace)
     anchors = {cls: _anchor(cls) for cls in classes}
     out = [
-        "## Hardware profiles (`configs/hardware_profiles.yaml`, `distillgates.hardware`)",
+        "## Hardware profiles (`src/distillgates/configs/hardware_profiles.yaml`, `distillgates.hardware`)",
         "",
         "Top-level keys: `version` (must be `1`) and `profiles` (a non-empty list of `HardwareProfile`).",
         "A duplicated YAML key, a duplicated profile `key` or an invalid `soc_regex` is an error naming",
@@ -294,7 +295,7 @@ def _hardware_reference() -> list[str]:
     out += ["### Shipped profiles", "",
             "| key | soc_regex | min_ram_gb | gating.max_regression | gating.min_samples |",
             "|---|---|---|---|---|"]
-    for p in hardware_module.load_profiles(ROOT / "configs" / "hardware_profiles.yaml"):
+    for p in hardware_module.load_profiles(EMBEDDED_DIR / "hardware_profiles.yaml"):
         out.append(f"| `{p.key}` | `{_cell(p.soc_regex)}` | {p.min_ram_gb:g} | {p.gating.max_regression:g} | "
                    f"{p.gating.min_samples} |")
     out.append("")
@@ -302,14 +303,14 @@ def _hardware_reference() -> list[str]:
 
 
 def _shipped_configs() -> list[str]:
-    out = ["## Shipped YAML files (`configs/`)", "",
+    out = ["## Shipped YAML files (`src/distillgates/configs/`, package data)", "",
            "| file | sections set | first comment line |", "|---|---|---|"]
-    for path in sorted((ROOT / "configs").glob("*.yaml")):
+    for path in sorted(EMBEDDED_DIR.glob("*.yaml")):
         text = path.read_text(encoding="utf-8")
         data = yaml.safe_load(text) or {}
         keys = ", ".join(f"`{k}`" for k in data) if isinstance(data, dict) else ""
         first = next((line.lstrip("#").strip() for line in text.splitlines() if line.startswith("#")), "")
-        out.append(f"| `configs/{path.name}` | {keys} | {_cell(first)} |")
+        out.append(f"| `{path.name}` | {keys} | {_cell(first)} |")
     out.append("")
     return out
 

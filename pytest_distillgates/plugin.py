@@ -2,7 +2,9 @@
 
 Thin by design (pytest-benchmark / syrupy style): every hook and fixture is a few lines that
 delegate to :class:`distillgates.gates.session.GateSession` (kept in ``config.stash``) and the
-library core in :mod:`distillgates.gates`.
+library core in :mod:`distillgates.gates`. The gates' own fixtures (thresholds, the run's report,
+speed samplers) are in :mod:`pytest_distillgates.fixtures`; the acceptance checklist ships in
+:mod:`pytest_distillgates.checklist` and is collected in any distillgates project.
 """
 
 from __future__ import annotations
@@ -18,8 +20,12 @@ from typing import Any
 
 import pytest
 
+from distillgates.config import ConfigError
 from distillgates.gates.core import Gate, GateInconclusive, SpeedSettings
 from distillgates.gates.session import GateOptions, GateSession, RunArtifacts
+from pytest_distillgates.checklist import CHECKLIST_DIR
+
+pytest_plugins = ["pytest_distillgates.fixtures"]  # the gates' fixtures: the checklist's and a project's own gates
 
 GATE_MARKERS = {
     "quality": "quality gate: F1 lax, tool selection, JSON validity, fixture hit-rate thresholds",
@@ -40,6 +46,7 @@ GATE_MARKERS = {
 }
 OTHER_MARKERS = {
     "requires_macos": "needs macOS (Core ML prediction, MLComputePlan, stateful models); skipped elsewhere",
+    "integration": "slow: needs a pipeline run (every gate of the shipped checklist)",
 }
 SESSION_KEY = pytest.StashKey[GateSession]()
 DESELECTED_KEY = pytest.StashKey[int]()
@@ -78,10 +85,11 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     group.addoption("--allow-other-eval-set", dest="dg_allow_other_eval_set", action="store_true",
                     help="accept baselines blessed on another eval set (dataset, tokenizer, tool registry or "
                          "prompt wrapper fingerprint differs from the run's)")
-    group.addoption("--baselines-dir", dest="dg_baselines_dir", type=Path, default=Path("baselines"),
-                    metavar="DIR", help="blessed baselines folder (default: baselines/)")
+    group.addoption("--baselines-dir", dest="dg_baselines_dir", type=Path, default=None,
+                    metavar="DIR", help="blessed baselines folder (default: the project's `baselines`, baselines/)")
     group.addoption("--run-dir", dest="dg_run_dir", type=_existing_dir, default=None, metavar="DIR",
-                    help="pipeline run directory to gate (default: build configs/toy.yaml once, cached)")
+                    help="pipeline run directory to gate; with no paths given, collects the shipped checklist "
+                         "(default run: the project's config, else the embedded toy, built once and cached)")
     group.addoption("--gate-report", dest="dg_gate_report", type=Path, default=None, metavar="PATH",
                     help="write a JSON gate report here")
     group.addoption("--gate-summary", dest="dg_gate_summary", type=Path, default=None, metavar="PATH",
@@ -108,7 +116,23 @@ def pytest_configure(config: pytest.Config) -> None:
         speed=SpeedSettings(samples=opt.dg_speed_samples, max_extra_rounds=opt.dg_speed_max_rounds,
                             paired=opt.dg_speed_paired),
     )
-    config.stash[SESSION_KEY] = GateSession(options, Path(config.rootpath))
+    try:
+        session = GateSession(options, Path(config.rootpath))
+    except ConfigError as err:  # a bad distillgates.yaml / [tool.distillgates]: one line, not a traceback
+        raise pytest.UsageError(str(err)) from err
+    config.stash[SESSION_KEY] = session
+    if _collects_checklist(config, session):
+        config.args.append(str(CHECKLIST_DIR))
+
+
+def _collects_checklist(config: pytest.Config, session: GateSession) -> bool:
+    """The shipped checklist joins the collection when no paths were given (testpaths or the working
+    directory) in a distillgates project (settings file) or with ``--run-dir``, unless a path already covers it."""
+    if config.args_source == pytest.Config.ArgsSource.ARGS:
+        return False
+    if session.project.source is None and session.options.run_dir is None:
+        return False
+    return not any(CHECKLIST_DIR.is_relative_to(Path(arg.split("::")[0]).resolve()) for arg in config.args)
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -188,7 +212,8 @@ def baseline_store(gate_session: GateSession) -> Any:
 
 @pytest.fixture(scope="session")
 def pipeline_run(gate_session: GateSession, tmp_path_factory: pytest.TempPathFactory) -> RunArtifacts:
-    """The artifacts to gate: ``--run-dir``, else configs/toy.yaml built once (cached by fingerprint)."""
+    """The artifacts to gate: ``--run-dir``, else the project's config (default: the embedded toy) built
+    once into runs/<name> (cached by fingerprint)."""
     if gate_session.run is None:
         run_dir = gate_session.options.run_dir
         if run_dir is None:
@@ -197,8 +222,8 @@ def pipeline_run(gate_session: GateSession, tmp_path_factory: pytest.TempPathFac
             # exactly `distillgates run` (what `make run` does), in a fresh process: the build must not
             # inherit this session's torch state (tests change the thread count); the step cache
             # reuses every fresh step, so after `make run` nothing is rebuilt
-            config_path = gate_session.rootdir / "configs" / "toy.yaml"
-            run_dir = gate_session.rootdir / "runs" / load_config(config_path).name
+            config_path = gate_session.project.config_path
+            run_dir = gate_session.project.runs_dir / load_config(config_path).name
             cli = "import sys; from distillgates.cli import main; sys.exit(main(sys.argv[1:]))"
             subprocess.run([sys.executable, "-c", cli, "run", str(config_path), "--run-dir", str(run_dir)],
                            check=True, cwd=gate_session.rootdir)  # fmt: skip
@@ -212,4 +237,7 @@ def gate(request: pytest.FixtureRequest, gate_session: GateSession, record_prope
     """Assertion helpers that record value, threshold, baseline, verdict and reason for this test."""
     marker = next((m.name for m in request.node.iter_markers() if m.name in GATE_MARKERS), None)
     group = marker or request.node.module.__name__.rsplit(".", 1)[-1].removeprefix("test_")
-    return gate_session.gate(request.node.nodeid, group, record_property)
+    nodeid = request.node.nodeid
+    if not request.node.path.is_relative_to(request.config.rootpath):  # the installed checklist: name the file
+        nodeid = f"{request.node.path}::{nodeid.split('::', 1)[1]}"  # so that the bless command runs anywhere
+    return gate_session.gate(nodeid, group, record_property)

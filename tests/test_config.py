@@ -1,4 +1,4 @@
-"""Every YAML in configs/ loads; bad input names the file, line and field."""
+"""Every YAML shipped in distillgates/configs/ loads; bad input names the file, line and field."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ import torch
 
 from distillgates.config import Config, ConfigError, ModelConfig, load_config, load_model_config
 from distillgates.model import Transformer
+from distillgates.project import EMBEDDED_DIR as CONFIGS
 
-CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 PIPELINE_YAMLS = sorted(p for p in CONFIGS.glob("*.yaml") if p.name != "hardware_profiles.yaml")
 
 

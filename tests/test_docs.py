@@ -12,7 +12,7 @@ import pytest
 import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
-DOCS = [ROOT / "docs" / name for name in ("user-guide.md", "metrics.md", "configuration.md", "macos.md")]
+DOCS = [ROOT / "docs" / name for name in ("user-guide.md", "metrics.md", "configuration.md", "macos.md", "project.md")]
 WORKFLOW = ROOT / ".github" / "workflows" / "macos-speed-gates.yml"
 OPTION = re.compile(r"(?<![\w-])--[a-z][a-z0-9_-]*")
 EXTERNAL_OPTIONS = {"--nproc_per_node"}  # torchrun
@@ -83,9 +83,9 @@ def test_workflow_runs_speed_gates_and_publishes_reports():
     steps = workflow["jobs"]["speed-gates"]["steps"]
     scripts = "\n".join(step.get("run", "") for step in steps)
     assert "make setup" in scripts
-    assert re.search(r"pytest gates -m speed .*--run-dir", scripts)
+    assert re.search(r"pytest pytest_distillgates/checklist -m speed .*--run-dir", scripts)
     # residency is measured only on the Mac (MLComputePlan), so its gates run there, with Core ML parity
-    assert re.search(r'pytest gates -m "ane_residency or coreml_parity" .*--run-dir', scripts)
+    assert re.search(r'pytest pytest_distillgates/checklist -m "ane_residency or coreml_parity" .*--run-dir', scripts)
     for option in ("--junitxml=", "--gate-report=", "--gate-summary=", "--hw-profile="):
         assert option in scripts, option
     assert "GITHUB_STEP_SUMMARY" in scripts

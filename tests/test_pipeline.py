@@ -16,12 +16,11 @@ from distillgates.cli import main as cli_main
 from distillgates.config import load_config
 from distillgates.eval.report import read_report
 from distillgates.pipeline import STEPS, Pipeline, run_pipeline
-
-TOY = Path(__file__).resolve().parents[1] / "configs" / "toy.yaml"
+from distillgates.project import EMBEDDED_CONFIG as TOY
 
 
 def tiny_config(path: Path) -> Path:
-    """configs/toy.yaml shrunk to seconds: few items, tiny models, a handful of steps."""
+    """The embedded toy config shrunk to seconds: few items, tiny models, a handful of steps."""
     cfg = yaml.safe_load(TOY.read_text())
     cfg["name"] = "tiny"
     cfg["threads"] = 1

@@ -4,6 +4,9 @@
 the same config and run directory (``data``, ``teacher``, ``kd``, ``student``, ``drafter``,
 ``export``, ``speed``, ``eval``), render a report (``report``), show the hardware profile
 (``profile``) or serve a local teacher as an OpenAI-compatible API (``serve``).
+``distillgates init`` scaffolds a project (config, thresholds, baselines, CI workflows).
+With no config argument a command uses the project's (``distillgates.yaml`` or ``[tool.distillgates]``
+in the working directory, :mod:`distillgates.project`), else the embedded toy task.
 ``python -m distillgates.train`` is the training recipe's entry under ``torchrun`` (DDP/FSDP).
 """
 
@@ -15,8 +18,9 @@ import os
 import sys
 import warnings
 from collections.abc import Sequence
+from pathlib import Path
 
-DEFAULT_CONFIG = "configs/toy.yaml"
+from distillgates import __version__
 
 # Third-party output a user of the command can do nothing about; the checks it warns of are ours.
 _EXPECTED_WARNINGS = (
@@ -55,7 +59,8 @@ def quiet_third_party() -> None:
 
 
 def _add_common(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("config", nargs="?", default=DEFAULT_CONFIG, help=f"pipeline YAML (default {DEFAULT_CONFIG})")
+    parser.add_argument("config", nargs="?", default=None,
+                        help="pipeline YAML (default: the project's `config`, else the embedded toy task)")
     parser.add_argument(
         "--run-dir", default=None, help="where artifacts go (default runs/<config name>); reused across steps"
     )
@@ -69,6 +74,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog="distillgates",
         description="Distill a teacher LLM into a small, fast student for Apple silicon and gate it.",
     )
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     run = sub.add_parser(
@@ -93,9 +99,16 @@ def build_parser() -> argparse.ArgumentParser:
     report.set_defaults(func=pipeline.cli_report)
 
     profile = sub.add_parser("profile", help="detect this machine and show the matching hardware profile")
-    profile.add_argument("--profiles", default="configs/hardware_profiles.yaml", help="hardware profiles YAML")
+    profile.add_argument("--profiles", default=None,
+                         help="hardware profiles YAML (default: the project's `hardware_profiles`, else the embedded)")
     profile.add_argument("--hw-profile", default=None, help="check this profile key against the detected machine")
     profile.set_defaults(func=pipeline.cli_profile)
+
+    init = sub.add_parser("init", help="scaffold a project: config, thresholds, baselines/, CI workflows",
+                          description="Write a project's distillgates files into FOLDER (default: here); refuses "
+                          "to overwrite any file that exists.")
+    init.add_argument("folder", nargs="?", default=".", help="project folder (default: the working directory)")
+    init.set_defaults(func=_cli_init)
 
     from distillgates.teacher import cli as teacher_cli
 
@@ -103,17 +116,40 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _cli_init(args: argparse.Namespace) -> int:
+    from distillgates.scaffold import scaffold
+
+    for path in scaffold(Path(args.folder)):
+        print(f"wrote {path}")
+    print("next: edit configs/pipeline.yaml and configs/gates.yaml, then `distillgates run`, "
+          "`pytest --bless` (commit baselines/) and `pytest`")
+    return 0
+
+
+def _project_defaults(args: argparse.Namespace) -> None:
+    """Fill the config / profiles a command was not given from the working directory's project."""
+    if getattr(args, "config", "") is None or getattr(args, "profiles", "") is None:
+        from distillgates.project import Project
+
+        project = Project.load(Path.cwd())
+        if getattr(args, "config", "") is None:
+            args.config = str(project.config_path)
+        if getattr(args, "profiles", "") is None:
+            args.profiles = str(project.hardware_profiles_path)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     if not os.environ.get("DISTILLGATES_VERBOSE"):
         quiet_third_party()  # before anything imports tqdm (it reads TQDM_* once, at import)
     args = build_parser().parse_args(argv)
     try:
+        _project_defaults(args)
         return int(args.func(args) or 0)
     except Exception as err:
         # user-facing errors (bad config, dataset, checkpoint, export lint...) print one clear line;
         # anything else is a bug and keeps its traceback
-        user_facing = isinstance(err, (ValueError, FileNotFoundError)) or type(err).__module__.startswith(
-            "distillgates."
+        user_facing = isinstance(err, (ValueError, FileNotFoundError, FileExistsError)) or (
+            type(err).__module__.startswith("distillgates.")
         )
         if not user_facing or os.environ.get("DISTILLGATES_TRACEBACK"):
             raise

@@ -1,4 +1,5 @@
-"""Hardware detection and hardware-profile matching (``configs/hardware_profiles.yaml``).
+"""Hardware detection and hardware-profile matching (the embedded ``distillgates/configs/hardware_profiles.yaml``,
+or a project's own: :mod:`distillgates.project`).
 
 Speed numbers are only comparable on the same hardware, so every speed report carries a
 ``hardware_profile_key`` and baselines live under ``baselines/<key>/``.
@@ -34,8 +35,9 @@ from typing import Any
 import yaml
 
 from distillgates.config import ConfigError, from_dict, read_yaml
+from distillgates.project import EMBEDDED_PROFILES
 
-DEFAULT_PROFILES_PATH = Path(__file__).resolve().parents[2] / "configs" / "hardware_profiles.yaml"
+DEFAULT_PROFILES_PATH = EMBEDDED_PROFILES
 
 
 class HardwareMismatchError(ValueError):
@@ -67,7 +69,7 @@ class HardwareProfile:
     key: str  # e.g. "m1-max-64g"; names the baselines folder
     soc_regex: str  # matched (re.search) against the SoC brand string, e.g. "^Apple M1 Max$"
     min_ram_gb: float  # the machine needs at least this much RAM
-    gating: GatingPolicy = field(default_factory=GatingPolicy)  # read by the speed gates (gates/conftest.py)
+    gating: GatingPolicy = field(default_factory=GatingPolicy)  # read by the speed gates (pytest_distillgates.fixtures)
     description: str = ""
 
     def __post_init__(self) -> None:

@@ -1,4 +1,4 @@
-"""pytester fixtures: fabricated pipeline run directories (good and violating) and a gates/ copy.
+"""pytester fixtures: fabricated pipeline run directories (good and violating) and a copy of the checklist.
 
 Fabricating report.json is how the gate *logic* is tested quickly; the real pipeline is gated
 by the default run (gates/ against a built run dir). A fabricated run also holds a real tiny
@@ -12,7 +12,6 @@ import copy
 import functools
 import json
 import shutil
-import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -24,7 +23,9 @@ from distillgates.data.chat import prompt_wrapper_sha256
 from distillgates.data.registry import tool_registry_sha256
 from distillgates.gates.session import resolve_hardware
 from distillgates.model import Transformer, model_fingerprint, save_model
+from distillgates.project import EMBEDDED_CONFIG
 from distillgates.rundir import RunDir
+from pytest_distillgates.checklist import CHECKLIST_DIR
 
 from ..conftest import tiny_model_config
 
@@ -32,7 +33,6 @@ from ..conftest import tiny_model_config
 # top-level tests/conftest.py (`pytest_plugins = ["pytester"]`) or `-p pytester`: pytest refuses
 # `pytest_plugins` in a nested conftest like this one.
 
-REPO = Path(__file__).resolve().parents[2]
 SHAPES = ("128", "192", "256")
 TOKENIZER_FP = "tok-" + "a" * 60
 
@@ -57,7 +57,7 @@ def tiny_student() -> Transformer:
 
 def run_config() -> dict[str, Any]:
     """``header.config``: the toy config, enumerating the fabricated report's shapes."""
-    config = to_dict(load_config(REPO / "configs" / "toy.yaml"))
+    config = to_dict(load_config(EMBEDDED_CONFIG))
     config["shapes"]["lengths"] = [int(s) for s in SHAPES]
     return config
 
@@ -155,7 +155,20 @@ def set_key(report: dict[str, Any], dotted: str, value: Any) -> dict[str, Any]:
 
 DELETE = object()
 
+
+def project_file(root: Path, setting: str, relpath: str, text: str) -> Path:
+    """Write a project's own file (e.g. thresholds) and name it in the project's distillgates.yaml."""
+    path = root / relpath
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)
+    settings = root / "distillgates.yaml"
+    lines = [line for line in settings.read_text().splitlines() if not line.startswith(f"{setting}:")] \
+        if settings.exists() else []
+    settings.write_text("\n".join([*lines, f"{setting}: {relpath}"]) + "\n")
+    return path
+
 SPEED_OVERRIDE = '''
+import pytest
 
 # --- test override: synthetic speed samples (the gate statistics are what is under test) ---
 import random as _random
@@ -195,27 +208,20 @@ def own_profile() -> str:
 
 
 @pytest.fixture
-def gates_project(pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch) -> Callable[..., Path]:
-    """Copy gates/ into the pytester dir; ``slowdown`` swaps in synthetic speed samples.
-
-    When this session also collected the repo's gates/ (a bare ``pytest`` runs tests/ and gates/),
-    its modules sit in ``sys.modules`` as ``gates.conftest``, ``gates.test_*``; with importlib
-    mode the in-process runs below would reuse them instead of importing the copies. They are
-    hidden for the duration of the test (``monkeypatch`` puts them back).
+def gates_project(pytester: pytest.Pytester) -> Callable[..., Path]:
+    """Copy the shipped checklist into ``gates/`` of the pytester dir, so tests name its files by short paths
+    (``gates/test_privacy.py``); its fixtures come from the plugin as in any project. ``slowdown`` adds a
+    ``gates/conftest.py`` that overrides the speed samplers with synthetic samples. (The shipped checklist
+    collected in place: tests/plugin/test_checklist.py.)
     """
-    for name in [n for n in sys.modules if n == "gates" or n.startswith("gates.")]:
-        monkeypatch.delitem(sys.modules, name)
 
     def make(slowdown: float | None = None, noise: float | list[float] = 0.02) -> Path:
         target = pytester.path / "gates"
         target.mkdir(exist_ok=True)
-        for path in (REPO / "gates").glob("*.py"):
+        for path in CHECKLIST_DIR.glob("test_*.py"):
             shutil.copy(path, target / path.name)
-        (pytester.path / "configs").mkdir(exist_ok=True)
-        shutil.copy(REPO / "configs" / "toy.yaml", pytester.path / "configs" / "toy.yaml")
         if slowdown is not None:
-            conftest = target / "conftest.py"
-            conftest.write_text(conftest.read_text() + SPEED_OVERRIDE.format(slowdown=slowdown, noise=noise))
+            (target / "conftest.py").write_text(SPEED_OVERRIDE.format(slowdown=slowdown, noise=noise))
         # hypothesis/benchmark/xdist cost ~4 s per in-process run and are not needed by the gates
         pytester.makeini("[pytest]\naddopts = -p no:cacheprovider -p no:hypothesispytest -p no:benchmark -p no:xdist "
                          "--import-mode=importlib\n")

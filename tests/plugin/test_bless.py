@@ -20,8 +20,7 @@ def test_missing_baseline_fails_and_prints_the_bless_command(pytester, gates_pro
     result.assert_outcomes(failed=2)
     result.stdout.fnmatch_lines([
         f"*missing baseline 'f1_lax_macro' in *baselines/common/f1_drift.json; bless it with: pytest "
-        f"'gates/test_f1_drift.py::test_f1_drift[[]lax[]]' --bless --hw-profile={own_profile} "
-        f"--baselines-dir=baselines --run-dir={run}*",
+        f"'gates/test_f1_drift.py::test_f1_drift[[]lax[]]' --bless --hw-profile={own_profile} --run-dir={run}*",
     ])
 
 

@@ -4,7 +4,11 @@ from __future__ import annotations
 
 import json
 
-DEFAULTS = "built-in defaults (distillgates.config.GatesConfig; no configs/gates.yaml)"
+from distillgates.project import EMBEDDED_THRESHOLDS
+
+from .conftest import project_file
+
+DEFAULTS = str(EMBEDDED_THRESHOLDS)
 
 
 def test_json_report_lists_every_check(pytester, gates_project, make_run, own_profile):
@@ -17,7 +21,7 @@ def test_json_report_lists_every_check(pytester, gates_project, make_run, own_pr
     report = json.loads((pytester.path / "out" / "gates.json").read_text())
     assert report["summary"] == {"fail": 1, "pass": 1}
     assert report["session"]["hardware_profile_key"] == own_profile and report["session"]["run_dir"] == str(run)
-    assert report["session"]["thresholds_source"] == DEFAULTS  # the pytester project has no configs/gates.yaml
+    assert report["session"]["thresholds_source"] == DEFAULTS  # the pytester project names no thresholds file
     failed = next(g for g in report["gates"] if g["verdict"] == "fail")
     assert failed["name"] == "privacy_ok_rate" and failed["measured"] == 0.99 and failed["threshold"] == 1.0
     assert failed["group"] == "privacy" and failed["nodeid"] == "gates/test_privacy.py::test_privacy_ok_rate"
@@ -26,20 +30,25 @@ def test_json_report_lists_every_check(pytester, gates_project, make_run, own_pr
     assert failed["n"] == 120 and failed["ci"][1] == 1.0 and 0.96 < failed["ci"][0] < 0.97
 
 
-def test_report_names_the_thresholds_file(pytester, gates_project, make_run, own_profile):
+def test_report_names_the_file_of_each_threshold(pytester, gates_project, make_run, own_profile):
+    """The project's thresholds file overrides the keys it sets; every other threshold stays embedded."""
     gates_project()
-    (pytester.path / "configs" / "gates.yaml").write_text("gates:\n  privacy_ok_rate_min: 0.99\n")
+    own = project_file(pytester.path, "thresholds", "configs/gates.yaml", "gates:\n  privacy_ok_rate_min: 0.99\n")
     run = make_run(**{"quality.student.privacy_ok_rate": 0.99})
-    pytester.runpytest("gates/test_privacy.py", f"--run-dir={run}", f"--hw-profile={own_profile}",
-                       "--gate-report=gates.json").assert_outcomes(passed=2)
-    report = json.loads((pytester.path / "gates.json").read_text())
-    assert report["session"]["thresholds_source"] == str(pytester.path / "configs" / "gates.yaml")
+    result = pytester.runpytest("gates/test_privacy.py", f"--run-dir={run}", f"--hw-profile={own_profile}",
+                                "--gate-report=gates.json")
+    result.assert_outcomes(passed=2)
+    session = json.loads((pytester.path / "gates.json").read_text())["session"]
+    assert session["thresholds_source"] == f"{own} (privacy_ok_rate_min); the rest: {DEFAULTS}"
+    assert session["threshold_sources"]["privacy_ok_rate_min"] == str(own)
+    assert session["threshold_sources"]["controls_with_integration_max"] == DEFAULTS
+    result.stdout.fnmatch_lines(["*thresholds:*", "*(privacy_ok_rate_min); the rest: *"])  # the table's caption
 
 
 def test_thresholds_file_without_a_gates_section_is_an_error(pytester, gates_project, make_run, own_profile):
     """Never silently the defaults: a gates.yaml whose thresholds are not under `gates:` is refused."""
     gates_project()
-    (pytester.path / "configs" / "gates.yaml").write_text("privacy_ok_rate_min: 0.99\n")
+    project_file(pytester.path, "thresholds", "configs/gates.yaml", "privacy_ok_rate_min: 0.99\n")
     result = pytester.runpytest("gates/test_privacy.py", f"--run-dir={make_run()}", f"--hw-profile={own_profile}")
     result.assert_outcomes(errors=2)
     result.stdout.fnmatch_lines(["*configs/gates.yaml: no 'gates:' section (the gate thresholds)*"])

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 
+from distillgates.project import EMBEDDED_THRESHOLDS
+
 
 def test_markdown_summary(pytester, gates_project, make_run, own_profile):
     gates_project()
@@ -14,7 +16,7 @@ def test_markdown_summary(pytester, gates_project, make_run, own_profile):
     text = (pytester.path / "summary.md").read_text()
     assert text.startswith("## distillgates gates")
     assert f"Hardware profile `{own_profile}`, bless=False: 1 fail, 8 pass." in text
-    assert "Thresholds: `built-in defaults (distillgates.config.GatesConfig; no configs/gates.yaml)`." in text
+    assert f"Thresholds: `{EMBEDDED_THRESHOLDS}`." in text
     # no n and CI: the export cosine is not an estimate
     assert "| fail | export | `export.cosine[shape=192]` | 0.98 | — | — | 0.999 | — |" in text
     # the ANE lint's checks name their source: a static lint, not a residency measurement
@@ -31,7 +33,6 @@ def test_terminal_table(pytester, gates_project, make_run, own_profile):
     result.stdout.fnmatch_lines(["*distillgates gates*", "*verdict*gate*check*measured*threshold*baseline*",
                                  "*pass*speculative*speculative.identical *",
                                  "*pass*determinism*fingerprint.tool_registry_sha256.eval_set *",
-                                 "*thresholds: built-in defaults (distillgates.config.GatesConfig; no "
-                                 "configs/gates.yaml)*"])
+                                 f"*thresholds: {EMBEDDED_THRESHOLDS}*"])
     registry = json.loads((run / "data" / "eval.jsonl").read_text().splitlines()[0])["tool_registry_sha256"]
     assert f"{registry[:12]}…" in result.stdout.str() and registry not in result.stdout.str()

@@ -15,16 +15,17 @@ import pytest
 from distillgates.config import load_config
 from distillgates.data.build import build_toy_data
 from distillgates.model import Transformer, load_model, save_model
+from distillgates.project import EMBEDDED_CONFIG
 from distillgates.rundir import RunDir
 
 from ..conftest import tiny_model_config
-from .conftest import REPO
+from .conftest import project_file
 
 
 @pytest.fixture
 def live_run(make_run):
     run = make_run("live")
-    cfg = load_config(REPO / "configs" / "toy.yaml")
+    cfg = load_config(EMBEDDED_CONFIG)
     build_toy_data(cfg, run / "data")
     tiny = tiny_model_config(vocab_size=cfg.tokenizer.vocab_size, max_seq_len=512)
     save_model(run / "student" / "model.pt", Transformer(tiny))
@@ -36,7 +37,7 @@ def wiring_thresholds(pytester) -> None:
     """A wiring check, not a power test: on a ~1 ms TTFT two engine instances of the same weights
     differ by a few percent (allocation, cache placement), which a 5% gate may rightly call
     significant. The statistics' power is shown in benchmarks/bench_speed_gate_power.py."""
-    (pytester.path / "configs" / "gates.yaml").write_text("gates:\n  speed_regression_max: 0.25\n")
+    project_file(pytester.path, "thresholds", "configs/gates.yaml", "gates:\n  speed_regression_max: 0.25\n")
 
 
 @pytest.mark.integration  # pytester runs measuring a live run (~5 s)

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import json
 
+from .conftest import project_file
+
 SPEED = "gates/test_speed.py"
 
 
@@ -79,12 +81,11 @@ profiles:
 
 
 def test_the_profile_gating_policy_sets_threshold_and_min_samples(pytester, gates_project, make_run, own_profile):
-    """configs/hardware_profiles.yaml: the selected profile's gating.max_regression is the threshold and
+    """The project's hardware profiles: the selected profile's gating.max_regression is the threshold and
     gating.min_samples the least samples per round (a 20% slowdown fails at 5%, passes at 30%)."""
     run, key = make_run(), "test-box"  # the project's profiles file: this machine is a "test-box"
-    (pytester.path / "configs").mkdir(exist_ok=True)
-    profiles = pytester.path / "configs" / "hardware_profiles.yaml"
-    profiles.write_text(_profile_yaml(key, 0.30, 30))
+    profiles = project_file(pytester.path, "hardware_profiles", "configs/hardware_profiles.yaml",
+                            _profile_yaml(key, 0.30, 30))
     data = bless(pytester, gates_project, run, key, "--speed-samples=7")
     assert len(data["entries"]["ttft_ms.p50"]["samples"]) == 30  # raised to the profile's min_samples
     args = [SPEED, "-m", "speed", f"--run-dir={run}", f"--hw-profile={key}"]

@@ -14,9 +14,11 @@ from functools import cached_property
 from pathlib import Path
 from typing import Any
 
+from distillgates.config import GatesConfig
 from distillgates.gates.baselines import BaselineStore
 from distillgates.gates.core import Gate, GateContext, SpeedSettings
 from distillgates.gates.report import write_json_report, write_markdown_summary
+from distillgates.project import Project, Thresholds
 from distillgates.rundir import RunArtifactError, RunDir
 
 
@@ -28,7 +30,7 @@ class GateOptions:
     bless: bool = False
     allow_cross_hw: bool = False
     allow_other_eval_set: bool = False
-    baselines_dir: Path = Path("baselines")
+    baselines_dir: Path | None = None  # None: the project's (``baselines`` setting, default baselines/)
     run_dir: Path | None = None
     gate_report: Path | None = None
     gate_summary: Path | None = None
@@ -67,7 +69,7 @@ def resolve_hardware(
 ) -> tuple[str, str | None, dict[str, Any]]:
     """(profile key, mismatch message or None, hardware header) for this machine.
 
-    ``profiles_path``: the project's hardware profiles (default: the package's).
+    ``profiles_path``: the project's hardware profiles (default: the embedded ones).
 
     ``--hw-profile`` selects a profile explicitly; when this machine is not that profile the
     mismatch message (from :func:`distillgates.hardware.select_profile`) makes every
@@ -102,16 +104,26 @@ class GateSession:
     def __init__(self, options: GateOptions, rootdir: Path) -> None:
         self.options = options
         self.rootdir = rootdir
+        self.project = Project.load(rootdir)  # its config, thresholds, hardware profiles and baselines
         self.run: RunArtifacts | None = None
         self.messages: list[str] = []  # shown in the terminal summary
-        # where the gates' thresholds came from (a file, or the built-in defaults), set by the project's
-        # thresholds fixture and shown in every report; None: no gate asked for thresholds
-        self.thresholds_source: str | None = None
+        # the gates' thresholds and the file each came from, shown in every report; None: no gate asked
+        self.thresholds_used: Thresholds | None = None
+
+    def thresholds(self) -> GatesConfig:
+        """The gate thresholds (:meth:`Project.thresholds`), recorded for the reports."""
+        if self.thresholds_used is None:
+            self.thresholds_used = self.project.thresholds()
+        return self.thresholds_used.values
+
+    @property
+    def thresholds_source(self) -> str | None:
+        """Which file each threshold came from, in one line (None: no gate asked for thresholds)."""
+        return self.thresholds_used.label() if self.thresholds_used else None
 
     @cached_property
     def hardware(self) -> tuple[str, str | None, dict[str, Any]]:
-        project_profiles = self.rootdir / "configs" / "hardware_profiles.yaml"  # a project's own, if it has one
-        return resolve_hardware(self.options.hw_profile, project_profiles if project_profiles.exists() else None)
+        return resolve_hardware(self.options.hw_profile, self.project.hardware_profiles_path)
 
     @property
     def profile(self) -> str:
@@ -119,11 +131,14 @@ class GateSession:
 
     def baselines_root(self) -> Path:
         root = self.options.baselines_dir
+        if root is None:
+            return self.project.baselines_dir
         return root if root.is_absolute() else self.rootdir / root
 
     def bless_command(self, nodeid: str) -> str:
-        parts = ["pytest", nodeid, "--bless", f"--hw-profile={self.profile}",
-                 f"--baselines-dir={self.options.baselines_dir}"]
+        parts = ["pytest", nodeid, "--bless", f"--hw-profile={self.profile}"]
+        if self.options.baselines_dir:
+            parts.append(f"--baselines-dir={self.options.baselines_dir}")
         if self.options.run_dir:
             parts.append(f"--run-dir={self.options.run_dir}")
         if "[speed" in nodeid or "test_speed" in nodeid:
@@ -173,6 +188,7 @@ class GateSession:
             "hardware_profile_key": self.profile, "bless": self.options.bless, "hardware": self.hardware[2],
             "hardware_mismatch": self.hardware[1], "run_dir": str(self.run.path) if self.run else None,
             "thresholds_source": self.thresholds_source,
+            "threshold_sources": self.thresholds_used.sources if self.thresholds_used else None,
             "finished_at": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
         }
         if self.options.bless and interrupted:

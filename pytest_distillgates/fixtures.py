@@ -1,7 +1,9 @@
-"""Shared fixtures of the acceptance gates: thresholds, enumerated shapes, the run report, speed probes.
+"""The gates' fixtures: thresholds, enumerated shapes, the run report, speed samplers.
 
-The plugin (``pytest_distillgates``) provides ``gate``, ``pipeline_run``, ``hardware_profile``
-and ``baseline_store``; this file adds what is specific to the gate checklist.
+Registered by the plugin (``pytest_plugins`` in :mod:`pytest_distillgates.plugin`), so the shipped
+checklist and a project's own gate tests use the same fixtures; a project's ``conftest.py`` may
+override any of them. The plugin itself provides ``gate``, ``pipeline_run``, ``hardware_profile``
+and ``baseline_store``.
 """
 
 from __future__ import annotations
@@ -15,35 +17,32 @@ from typing import Any
 
 import pytest
 
-from distillgates.config import ConfigError, GatesConfig, SpeedConfig, load_config, read_yaml
+from distillgates.config import GatesConfig, SpeedConfig, load_config
 from distillgates.gates import BaselineEntry
-from distillgates.gates.session import RunArtifacts
+from distillgates.gates.session import GateSession, RunArtifacts
 from distillgates.gates.stats import Interval, mean_interval, wilson_interval
 from distillgates.hardware import GatingPolicy, load_profiles
 from distillgates.io import sha256_file
-
-GATES_CONFIG = Path("configs/gates.yaml")  # thresholds (a `gates:` section); defaults when absent
-TOY_CONFIG = Path("configs/toy.yaml")
-PROFILES = Path("configs/hardware_profiles.yaml")
+from pytest_distillgates.checklist import CHECKLIST_DIR
+from pytest_distillgates.plugin import SESSION_KEY
 
 
 def _shapes(config: pytest.Config) -> list[str]:
     """Enumerated shapes to parametrize over: the run's config (``header.config.shapes.lengths`` of its
-    report), else the toy config's lengths. Never the report's shape slices: a shape with no eval
-    items has no slice, and must fail its shape gates rather than go ungated."""
+    report), else the project's pipeline config's lengths. Never the report's shape slices: a shape with
+    no eval items has no slice, and must fail its shape gates rather than go ungated."""
     run_dir = config.getoption("dg_run_dir")
     if run_dir is not None:
         return [str(n) for n in RunArtifacts(run_dir).get("header.config.shapes.lengths")]
-    return [str(n) for n in load_config(Path(config.rootpath) / TOY_CONFIG).shapes.lengths]
+    return [str(n) for n in load_config(config.stash[SESSION_KEY].project.config_path).shapes.lengths]
 
 
 @pytest.hookimpl(tryfirst=True)  # before -m deselects
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """Every gate is an integration test: it needs the toy run (~10 min to build on 2 cores), so
-    ``-m "not integration"`` deselects the checklist before anything builds it."""
-    here = Path(__file__).parent
+    """Every gate of the checklist is an integration test: it needs the pipeline run (the toy's takes ~10 min
+    to build on 2 cores), so ``-m "not integration"`` deselects the checklist before anything builds it."""
     for item in items:
-        if item.path.is_relative_to(here):
+        if item.path.is_relative_to(CHECKLIST_DIR):
             item.add_marker(pytest.mark.integration)
 
 
@@ -53,29 +52,18 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
 
 
 @pytest.fixture(scope="session")
-def thresholds(pytestconfig: pytest.Config, gate_session: Any) -> GatesConfig:
-    """The ``gates:`` section of configs/gates.yaml, else the built-in ``GatesConfig`` defaults; which one
-    is recorded in the gate report, the summary and the terminal table."""
-    path = Path(pytestconfig.rootpath) / GATES_CONFIG
-    if not path.exists():
-        gate_session.thresholds_source = f"built-in defaults (distillgates.config.GatesConfig; no {GATES_CONFIG})"
-        return GatesConfig()
-    data = read_yaml(path)
-    if not isinstance(data, dict) or "gates" not in data:
-        raise ConfigError(f"{path}: no 'gates:' section (the gate thresholds); add one, or remove the file to "
-                          "gate with the built-in defaults")
-    gate_session.thresholds_source = str(path)
-    return load_config(path).gates
+def thresholds(gate_session: GateSession) -> GatesConfig:
+    """The gate thresholds: the embedded ones, each key the project's thresholds file sets replaced; which
+    file each came from is recorded in the gate report, the summary and the terminal table."""
+    return gate_session.thresholds()
 
 
 @pytest.fixture(scope="session")
-def speed_policy(pytestconfig: pytest.Config, hardware_profile: str, thresholds: GatesConfig,
-                 gate_session: Any) -> GatingPolicy:
-    """The speed gating policy of the selected hardware profile (``configs/hardware_profiles.yaml``):
-    its ``max_regression`` is the gate threshold and every measurement round takes at least its
-    ``min_samples``. A machine without a profile (a generated key) uses ``gates.speed_regression_max``."""
-    path = Path(pytestconfig.rootpath) / PROFILES
-    profiles = {p.key: p for p in load_profiles(path)} if path.exists() else {}
+def speed_policy(hardware_profile: str, thresholds: GatesConfig, gate_session: GateSession) -> GatingPolicy:
+    """The speed gating policy of the selected hardware profile (the project's hardware profiles, else the
+    embedded ones): its ``max_regression`` is the gate threshold and every measurement round takes at least
+    its ``min_samples``. A machine without a profile (a generated key) uses ``gates.speed_regression_max``."""
+    profiles = {p.key: p for p in load_profiles(gate_session.project.hardware_profiles_path)}
     if hardware_profile not in profiles:
         return GatingPolicy(max_regression=thresholds.speed_regression_max, min_samples=2)
     policy = profiles[hardware_profile].gating

@@ -1,0 +1,5 @@
+"""``python -m distillgates``: the ``distillgates`` command."""
+
+from distillgates.cli import main
+
+raise SystemExit(main())

@@ -1,0 +1,155 @@
+"""A project's distillgates files: its own where it names them, else the package's embedded defaults.
+
+A project names its files in ``distillgates.yaml`` or in ``[tool.distillgates]`` of its
+``pyproject.toml`` (one of the two, never both), paths relative to the project folder::
+
+    config: configs/pipeline.yaml                 # `distillgates run` with no argument; the gates' default run
+    thresholds: configs/gates.yaml                # a `gates:` section; each key it sets overrides the embedded one
+    hardware_profiles: configs/hardware_profiles.yaml
+    baselines: baselines                          # blessed baselines (default: baselines/)
+
+Anything unset comes from ``distillgates/configs/`` inside the installed package (the embedded toy
+config, gate thresholds and hardware profiles), so the command and the checklist work in any folder.
+:class:`Project` is the one owner of these paths: the CLI, the gate session and the plugin's
+fixtures ask it, nobody else spells them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from distillgates.config import ConfigError, GatesConfig, from_dict, load_config, read_yaml
+
+EMBEDDED_DIR = Path(__file__).resolve().parent / "configs"
+EMBEDDED_CONFIG = EMBEDDED_DIR / "toy.yaml"
+EMBEDDED_THRESHOLDS = EMBEDDED_DIR / "gates.yaml"
+EMBEDDED_PROFILES = EMBEDDED_DIR / "hardware_profiles.yaml"
+SETTINGS_FILE = "distillgates.yaml"
+PYPROJECT_SECTION = "pyproject.toml [tool.distillgates]"
+
+
+@dataclass
+class ProjectSettings:
+    """``distillgates.yaml`` / ``[tool.distillgates]``: which of its own files a project uses."""
+
+    config: str | None = None  # pipeline config (default: the embedded toy task)
+    thresholds: str | None = None  # gate thresholds overriding the embedded ones key by key
+    hardware_profiles: str | None = None  # hardware profiles replacing the embedded ones
+    baselines: str = "baselines"  # blessed baselines folder
+
+
+@dataclass
+class Thresholds:
+    """Gate thresholds and, per field, the file it came from."""
+
+    values: GatesConfig
+    sources: dict[str, str]  # GatesConfig field -> file
+
+    def label(self) -> str:
+        """``<file> (k1, k2); the rest: <embedded file>`` — which file each threshold came from, in one line."""
+        by_file: dict[str, list[str]] = {}
+        for name, source in self.sources.items():
+            by_file.setdefault(source, []).append(name)
+        if len(by_file) == 1:
+            return next(iter(by_file))
+        embedded = str(EMBEDDED_THRESHOLDS)
+        own = [f"{source} ({', '.join(names)})" for source, names in by_file.items() if source != embedded]
+        return "; ".join(own) + f"; the rest: {embedded}"
+
+
+@dataclass
+class Project:
+    """The project folder (the command's working directory, pytest's rootdir) and its settings."""
+
+    root: Path
+    settings: ProjectSettings = field(default_factory=ProjectSettings)
+    source: str | None = None  # the settings' file, None when the project has none (all embedded)
+    lines: dict[str, int] = field(default_factory=dict)  # settings key -> line in ``source`` (YAML only)
+
+    @classmethod
+    def load(cls, root: str | Path) -> Project:
+        """Read ``root``'s settings; a bad key or type names the file, line and field.
+
+        Raises:
+            ConfigError: both ``distillgates.yaml`` and ``[tool.distillgates]`` exist, or either is invalid.
+        """
+        root = Path(root).resolve()
+        yaml_path = root / SETTINGS_FILE
+        table = _pyproject_table(root / "pyproject.toml")
+        if yaml_path.exists() and table is not None:
+            raise ConfigError(f"{yaml_path}: the project's settings are also in {root / PYPROJECT_SECTION}; "
+                              "keep one of the two")
+        if yaml_path.exists():
+            data = read_yaml(yaml_path) or {}
+            settings = from_dict(ProjectSettings, data, source=str(yaml_path))
+            lines = data.get("__lines__", {}) if isinstance(data, dict) else {}
+            return cls(root, settings, str(yaml_path), lines)
+        if table is not None:
+            source = str(root / PYPROJECT_SECTION)
+            return cls(root, from_dict(ProjectSettings, table, source=source), source)
+        return cls(root)
+
+    def _own(self, key: str) -> Path | None:
+        """The project's file named by setting ``key`` (None: unset); it must exist."""
+        value = getattr(self.settings, key)
+        if value is None:
+            return None
+        path = self.root / value
+        if not path.exists():
+            where = f"{self.source}:{self.lines[key]}" if key in self.lines else str(self.source)
+            raise ConfigError(f"{where}: {key}: {path} does not exist")
+        return path
+
+    @property
+    def config_path(self) -> Path:
+        return self._own("config") or EMBEDDED_CONFIG
+
+    @property
+    def hardware_profiles_path(self) -> Path:
+        return self._own("hardware_profiles") or EMBEDDED_PROFILES
+
+    @property
+    def baselines_dir(self) -> Path:
+        return self.root / self.settings.baselines
+
+    @property
+    def runs_dir(self) -> Path:
+        return self.root / "runs"
+
+    def thresholds(self) -> Thresholds:
+        """The embedded thresholds, each key the project's thresholds file sets replaced by its value."""
+        values = dataclasses.asdict(_gates_section(EMBEDDED_THRESHOLDS))
+        sources = dict.fromkeys(values, str(EMBEDDED_THRESHOLDS))
+        own = self._own("thresholds")
+        if own is not None:
+            section = _gates_section(own, partial=True)
+            for key in section:
+                values[key], sources[key] = section[key], str(own)
+        return Thresholds(GatesConfig(**values), sources)
+
+
+def _pyproject_table(path: Path) -> dict[str, Any] | None:
+    if not path.exists():
+        return None
+    try:
+        data = tomllib.loads(path.read_text())
+    except tomllib.TOMLDecodeError as err:
+        raise ConfigError(f"{path}: invalid TOML: {err}") from err
+    return data.get("tool", {}).get("distillgates")
+
+
+def _gates_section(path: Path, partial: bool = False) -> Any:
+    """The ``gates:`` section of a thresholds file: a validated ``GatesConfig``, or with ``partial`` the
+    validated values of the keys it sets."""
+    data = read_yaml(path)
+    if not isinstance(data, dict) or "gates" not in data:
+        raise ConfigError(f"{path}: no 'gates:' section (the gate thresholds); add one, or unset `thresholds` "
+                          "to gate with the embedded defaults")
+    gates = load_config(path).gates  # the whole file validated: a bad key or type names the file, line and field
+    if not partial:
+        return gates
+    return {key: getattr(gates, key) for key in (data["gates"] or {}) if key != "__lines__"}
