@@ -67,11 +67,13 @@ class ModelConfig:
     n_kv_heads: int  # key/value heads (GQA: n_heads % n_kv_heads == 0)
     ffn_hidden: int  # SwiGLU hidden width
     max_seq_len: int  # KV cache length and RoPE table size
-    head_dim: int | None = None  # defaults to d_model // n_heads; must satisfy d_model == n_heads * head_dim
+    head_dim: int | None = None  # defaults to d_model // n_heads (Qwen3 and Mistral may set it otherwise)
     rope_theta: float = 10000.0
     rope_scaling: RopeScaling | None = None
     norm_eps: float = 1e-5  # RMSNorm epsilon (fp16-safe: not below 1e-6)
     tie_embeddings: bool = True  # share token embedding and LM head
+    attention_bias: bool = False  # bias on the q/k/v projections (Qwen2/2.5); o_proj never has one
+    qk_norm: bool = False  # RMSNorm over each head of q and k before RoPE (Qwen3)
     gradient_checkpointing: bool = False  # recompute blocks in backward (torch.utils.checkpoint)
 
     def __post_init__(self) -> None:
@@ -84,10 +86,6 @@ class ModelConfig:
             if self.d_model % self.n_heads != 0:
                 raise ValueError(f"d_model ({self.d_model}) must be divisible by n_heads ({self.n_heads})")
             self.head_dim = self.d_model // self.n_heads
-        if self.d_model != self.n_heads * self.head_dim:
-            raise ValueError(
-                f"d_model ({self.d_model}) must equal n_heads * head_dim ({self.n_heads} * {self.head_dim})"
-            )
         if self.head_dim % 2 != 0:
             raise ValueError(f"head_dim must be even for RoPE, got {self.head_dim}")
 
@@ -96,6 +94,8 @@ class ModelConfig:
         """Parameter count computed from the shape (no allocation)."""
         hd = self.head_dim or self.d_model // self.n_heads
         attn = self.d_model * hd * (self.n_heads * 2 + self.n_kv_heads * 2)
+        attn += hd * (self.n_heads + 2 * self.n_kv_heads) if self.attention_bias else 0
+        attn += 2 * hd if self.qk_norm else 0
         mlp = 3 * self.d_model * self.ffn_hidden
         per_layer = attn + mlp + 2 * self.d_model
         head = 0 if self.tie_embeddings else self.vocab_size * self.d_model
