@@ -321,14 +321,16 @@ class TrainConfig:
     eval_every: int = 100
     log_every: int = 10
     fsdp: bool = False
-    # "scratch", or "teacher": start from the local teacher's embeddings and its most influential
-    # layers (the student must have the teacher's width; see distillgates/train/init.py)
+    # "scratch"; "teacher": start from the local teacher's embeddings and its most influential
+    # layers (the student must have the teacher's width; see distillgates/train/init.py); or
+    # "hf:<dir>": a local Hugging Face checkpoint (Llama/SmolLM, Mistral, Qwen2/2.5, Qwen3) whose
+    # architecture becomes the model's (see distillgates/hf.py)
     init_from: str = "scratch"
     init_layers: list[int] | None = None  # teacher layers to keep (None: by block influence)
 
     def __post_init__(self) -> None:
-        if self.init_from not in ("scratch", "teacher"):
-            raise ValueError(f"init_from must be scratch/teacher, got {self.init_from!r}")
+        if self.init_from not in ("scratch", "teacher") and self.hf_init_dir is None:
+            raise ValueError(f"init_from must be scratch, teacher or hf:<checkpoint dir>, got {self.init_from!r}")
         if self.mixed_precision not in ("no", "bf16", "fp16"):
             raise ValueError(f"mixed_precision must be no/bf16/fp16, got {self.mixed_precision!r}")
         if self.teacher_mode not in ("offline", "online"):
@@ -337,6 +339,12 @@ class TrainConfig:
             raise ValueError(f"warmup_steps ({self.warmup_steps}) must be < steps ({self.steps})")
         if self.grad_accum <= 0 or self.batch_size <= 0:
             raise ValueError("batch_size and grad_accum must be > 0")
+
+    @property
+    def hf_init_dir(self) -> Path | None:
+        """The checkpoint directory of ``init_from: hf:<dir>``, else None."""
+        prefix, _, rest = self.init_from.partition(":")
+        return Path(rest) if prefix == "hf" and rest.strip() else None
 
 
 @dataclass
