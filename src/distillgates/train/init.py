@@ -120,14 +120,15 @@ def pretrained_student(path: Path, shape_max: int, tokenizer: Any, section: Mode
             section disagrees with the checkpoint (the field named).
         HFConversionError: see :func:`distillgates.hf.load_hf`.
     """
-    from transformers import AutoTokenizer
+    from transformers import PreTrainedTokenizerFast
 
     from distillgates.hf import load_hf
 
     where = f"train.init_from 'hf:{path}'"
-    if not any((path / name).is_file() for name in ("tokenizer.json", "tokenizer_config.json")):
-        raise ValueError(f"{where}: no tokenizer in {path} (tokenizer.json) to check the run's tokenizer against")
-    ckpt_vocab = AutoTokenizer.from_pretrained(path, local_files_only=True).get_vocab()
+    if not (path / "tokenizer.json").is_file():
+        raise ValueError(f"{where}: no tokenizer.json in {path} to check the run's tokenizer against")
+    # tokenizer.json as written (AutoTokenizer may pick a family class that adds tokens of its own)
+    ckpt_vocab = PreTrainedTokenizerFast.from_pretrained(path, local_files_only=True).get_vocab()
     run_vocab = tokenizer.get_vocab()
     if run_vocab != ckpt_vocab:
         raise ValueError(
