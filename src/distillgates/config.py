@@ -321,6 +321,9 @@ class TrainConfig:
     eval_every: int = 100
     log_every: int = 10
     fsdp: bool = False
+    # positions per chunk of the vocabulary-sized losses (losses.position_stats: no full (B, T, V) fp32
+    # log-softmax kept for backward; for 32k-152k vocabularies); 0: the whole micro-batch at once
+    loss_chunk: int = 0
     # "scratch"; "teacher": start from the local teacher's embeddings and its most influential
     # layers (the student must have the teacher's width; see distillgates/train/init.py); or
     # "hf:<dir>": a local Hugging Face checkpoint (Llama/SmolLM, Mistral, Qwen2/2.5, Qwen3) whose
@@ -339,6 +342,8 @@ class TrainConfig:
             raise ValueError(f"warmup_steps ({self.warmup_steps}) must be < steps ({self.steps})")
         if self.grad_accum <= 0 or self.batch_size <= 0:
             raise ValueError("batch_size and grad_accum must be > 0")
+        if self.loss_chunk < 0:
+            raise ValueError(f"loss_chunk must be >= 0 (0: off), got {self.loss_chunk}")
 
     @property
     def hf_init_dir(self) -> Path | None:

@@ -367,23 +367,51 @@ class Recipe:
             out[i] = not losses.coverage_met(item, calls, answer)
         return out
 
+    def _position_stats(self, logits: Tensor, batch: Batch, input_ids: Tensor) -> dict[str, Tensor]:
+        """What :meth:`compute_loss` needs per position, ``train.loss_chunk`` positions at a time."""
+        cfg, dev = self.cfg, self.device
+        teacher = topk_ids = topk_logprobs = None
+        if cfg.kd.weight > 0 and cfg.teacher_mode == "online":
+            with torch.no_grad():
+                teacher = self.teacher(input_ids)  # (R, L, V), cast to fp32 per chunk
+        elif cfg.kd.weight > 0 and batch.kd_ids is not None and batch.kd_logprobs is not None:
+            topk_ids, topk_logprobs = batch.kd_ids.to(dev), batch.kd_logprobs.to(dev)
+        return losses.position_stats(
+            logits, batch.targets.to(dev), cfg.loss_chunk,
+            early_targets=batch.early_targets.to(dev) if cfg.early_tool.weight > 0 else None,
+            stop_ids=[self.end_id] if cfg.length.weight > 0 else (),
+            topk_ids=topk_ids, topk_logprobs=topk_logprobs, teacher_logits=teacher,
+            kind=cfg.kd.kind, temperature=cfg.kd.temperature,
+        )  # fmt: skip
+
     def compute_loss(self, batch: Batch, epoch: float) -> tuple[Tensor, dict[str, float]]:
         """Weighted loss of one micro-batch and its logged components.
 
         ``log_softmax`` over the vocabulary is computed once and shared by CE, process,
-        early-tool and the stop probability; KD at temperature T needs its own.
+        early-tool and the stop probability; KD at temperature T needs its own. With
+        ``train.loss_chunk`` all of them come from :func:`distillgates.losses.position_stats`
+        (chunked over positions: no full-vocabulary fp32 log-softmax is kept).
         """
         cfg = self.cfg
         dev = self.device
         input_ids = batch.input_ids.to(dev)
-        logits = self._forward(input_ids).float()  # (R, L, V)
-        log_probs = logits.log_softmax(-1)  # (R, L, V)
-        nll = losses.token_nll(log_probs, batch.targets.to(dev))  # (R, L)
+        logits = self._forward(input_ids)  # (R, L, V)
+        per_pos: dict[str, Tensor] = {}
+        if cfg.loss_chunk:
+            per_pos = self._position_stats(logits, batch, input_ids)
+            nll = per_pos["nll"]  # (R, L)
+        else:
+            logits = logits.float()
+            log_probs = logits.log_softmax(-1)  # (R, L, V)
+            nll = losses.token_nll(log_probs, batch.targets.to(dev))  # (R, L)
         comp: dict[str, Tensor] = {"ce": losses.masked_mean(nll, batch.ce_mask.to(dev))}
         if cfg.process_weight > 0:
             comp["process"] = losses.masked_mean(nll, batch.process_mask.to(dev))
         if cfg.kd.weight > 0:
-            if cfg.teacher_mode == "online":
+            if "kd" in per_pos:
+                mask = batch.ce_mask if cfg.teacher_mode == "online" else batch.kd_mask
+                comp["kd"] = losses.masked_mean(per_pos["kd"], mask.to(dev))
+            elif cfg.teacher_mode == "online":
                 with torch.no_grad():
                     t_logits = self.teacher(input_ids).float()  # (R, L, V)
                 mask = batch.ce_mask.to(dev)  # dense teacher on the same rows: every generated position
@@ -404,7 +432,7 @@ class Recipe:
             else:
                 needs = torch.ones(batch.input_ids.shape[0], dtype=torch.bool)
             comp["length"], expected_len = losses.length_loss(
-                losses.stop_probability(log_probs, [self.end_id]),
+                per_pos["stop_prob"] if per_pos else losses.stop_probability(log_probs, [self.end_id]),
                 batch.turn_mask.to(dev),
                 batch.turn_start.to(dev),
                 target_len.to(dev),
@@ -415,7 +443,7 @@ class Recipe:
             )
         early_w = losses.ramp(cfg.early_tool.weight, epoch, cfg.early_tool.ramp_epochs)
         if cfg.early_tool.weight > 0:
-            early_nll = losses.token_nll(log_probs, batch.early_targets.to(dev))  # (R, L)
+            early_nll = per_pos["early_nll"] if per_pos else losses.token_nll(log_probs, batch.early_targets.to(dev))
             comp["early_tool"] = losses.masked_mean(early_nll, batch.early_mask.to(dev) * batch.tool.to(dev)[:, None])
         weights = {
             "ce": cfg.ce_weight,
