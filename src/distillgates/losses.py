@@ -38,10 +38,11 @@ Design choices:
   reference call (the JSON prior fallback); see :func:`early_tool_target`.
 
 - **Large vocabularies** (32k-152k): :func:`position_stats` computes what the recipe needs per
-  position (CE, early-tool CE, stop probability, KD divergence) ``chunk`` positions at a time, each
-  chunk under activation checkpointing, so no ``(B, T, V)`` fp32 log-softmax is kept for backward:
-  only the logits themselves and one chunk's temporaries (equal to the unchunked losses within
-  float rounding).
+  position (CE, early-tool CE, stop probability, KD divergence) ``chunk`` positions at a time and
+  recomputes each chunk in backward, writing its gradient into one logits-sized buffer. So no
+  ``(B, T, V)`` fp32 log-softmax is kept, and backward allocates no full-size temporaries (slicing
+  or gather backward would: each makes a zero-filled tensor of the whole input); the values equal
+  the unchunked losses within float rounding.
 
 References: Hinton et al. 2015 (T^2); Agarwal et al. 2024 (GKD: reverse KL/JSD); torchtune
 ``ForwardKLLoss``; the inference-speed plan (seeds) for the length and early-tool losses.
@@ -57,7 +58,6 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import Tensor
-from torch.utils.checkpoint import checkpoint
 
 KD_KINDS = ("forward", "reverse", "jsd")
 
@@ -165,8 +165,8 @@ def position_stats(
 ) -> dict[str, Tensor]:
     """Per-position values over the vocabulary, ``chunk`` positions at a time (module docstring).
 
-    Each chunk's fp32 log-softmax is recomputed in backward (``torch.utils.checkpoint``) instead of
-    being kept, so peak memory holds the logits plus one chunk, not several ``(B, T, V)`` fp32 copies.
+    Each chunk's fp32 log-softmax is recomputed in backward instead of being kept, so peak memory
+    holds the logits, their gradient and one chunk, not several ``(B, T, V)`` fp32 copies.
 
     Args:
         logits: ``(B, T, V)`` student logits (any float dtype; computed in fp32 per chunk).
@@ -183,7 +183,7 @@ def position_stats(
     """
     if chunk <= 0:
         raise ValueError(f"chunk must be > 0, got {chunk}")
-    B, T, V = logits.shape
+    B, T, _ = logits.shape
     names = ["nll"] + ["early_nll"] * (early_targets is not None) + ["stop_prob"] * bool(stop_ids)
     names += ["kd"] * (topk_ids is not None or teacher_logits is not None)
     stop = list(stop_ids)
@@ -212,13 +212,37 @@ def position_stats(
         return None if x is None else x.reshape(B * T, *x.shape[2:])
 
     flat = [rows(t) for t in (logits, targets, early_targets, topk_ids, topk_logprobs, teacher_logits)]
-    recompute = torch.is_grad_enabled() and logits.requires_grad
-    parts = []
-    for start in range(0, B * T, chunk):
-        args = [None if x is None else x[start : start + chunk] for x in flat]
-        parts.append(checkpoint(stats, *args, use_reentrant=False) if recompute else stats(*args))  # type: ignore[arg-type]
-    table = torch.cat(parts).view(B, T, len(names))
+    table = _ChunkedRows.apply(stats, chunk, *flat).view(B, T, len(names))
     return {name: table[..., i] for i, name in enumerate(names)}
+
+
+class _ChunkedRows(torch.autograd.Function):
+    """``fn`` over row chunks of ``(rows, ...)`` tensors; backward recomputes chunk by chunk (see
+    :func:`position_stats`) and returns the first tensor's gradient in one buffer (the others get none)."""
+
+    @staticmethod
+    def forward(ctx: Any, fn: Any, chunk: int, x: Tensor, *aux: Tensor | None) -> Tensor:
+        ctx.fn, ctx.chunk = fn, chunk
+        ctx.save_for_backward(x, *aux)
+        with torch.no_grad():
+            return torch.cat([fn(*_rows(start, chunk, x, *aux)) for start in range(0, x.shape[0], chunk)])
+
+    @staticmethod
+    def backward(ctx: Any, grad_out: Tensor) -> tuple[Tensor | None, ...]:
+        x, *aux = ctx.saved_tensors
+        grad = torch.empty_like(x)  # (rows, V): the one full-size tensor of backward
+        for start in range(0, x.shape[0], ctx.chunk):
+            part, *part_aux = _rows(start, ctx.chunk, x, *aux)
+            with torch.enable_grad():
+                part = part.detach().requires_grad_(True)
+                (grad[start : start + ctx.chunk],) = torch.autograd.grad(
+                    ctx.fn(part, *part_aux), part, grad_out[start : start + ctx.chunk]
+                )
+        return None, None, grad, *[None] * len(aux)
+
+
+def _rows(start: int, chunk: int, *tensors: Tensor | None) -> list[Any]:
+    return [None if t is None else t[start : start + chunk] for t in tensors]
 
 
 def ce_loss(logits: Tensor, targets: Tensor, mask: Tensor) -> Tensor:
