@@ -96,15 +96,21 @@ def _save_qwen2(path: Path, vocab: int, tokenizer: Any) -> Any:
     return hf
 
 
-def test_recipe_starts_from_a_hf_checkpoint_and_saves_hf_format(artifacts: dict[str, Any], tmp_path: Path) -> None:
+@pytest.mark.parametrize("role", ["student", "drafter"])
+def test_recipe_starts_from_a_hf_checkpoint_and_saves_hf_format(
+    artifacts: dict[str, Any], tmp_path: Path, role: str
+) -> None:
     torch.set_num_threads(1)
     tok = artifacts["tokenizer"]
     hf = _save_qwen2(tmp_path / "qwen2", len(tok), tok)
     cfg = artifacts["make_config"](len(tok), steps=3, lr=1e-9, warmup_steps=1, init_from=f"hf:{tmp_path / 'qwen2'}")
-    cfg.student = None  # the checkpoint is the architecture
-    path = train_student(cfg, "student", tmp_path, kd_path=artifacts["kd_path"], tokenizer=tok,
+    if role == "drafter":  # drafter_train.init_from, the student's train section untouched
+        cfg.drafter_train, cfg.train = cfg.train, dataclasses.replace(cfg.train, init_from="scratch")
+    else:
+        cfg.student = None  # the checkpoint is the architecture
+    path = train_student(cfg, role, tmp_path, kd_path=artifacts["kd_path"], tokenizer=tok,
                          train_items=artifacts["train"], eval_items=artifacts["eval"], progress=False, device="cpu")
-    assert json.loads((tmp_path / "student" / "init.json").read_text()) == {"from": f"hf:{tmp_path / 'qwen2'}"}
+    assert json.loads((tmp_path / role / "init.json").read_text()) == {"from": f"hf:{tmp_path / 'qwen2'}"}
     student = load_model(path)
     assert student.config.attention_bias and student.config.max_seq_len == max(cfg.shapes.lengths)  # not 32768
     # lr 1e-9: three steps leave the checkpoint's weights (biases included) where they were
@@ -112,7 +118,7 @@ def test_recipe_starts_from_a_hf_checkpoint_and_saves_hf_format(artifacts: dict[
                                atol=1e-5, rtol=0)  # fmt: skip
     from transformers import AutoModelForCausalLM
 
-    saved = AutoModelForCausalLM.from_pretrained(tmp_path / "student" / "hf", local_files_only=True)
+    saved = AutoModelForCausalLM.from_pretrained(tmp_path / role / "hf", local_files_only=True)
     assert saved.config.model_type == "qwen2"
     ids = torch.randint(0, len(tok), (1, 10))
     with torch.no_grad():
