@@ -137,7 +137,8 @@ def model_config_from_hf(hf_cfg: Any, max_seq_len: int | None = None) -> ModelCo
     rope = dict(getattr(hf_cfg, "rope_parameters", None) or {})
     rope_type = rope.get("rope_type", "default")
     if rope_type not in _ROPE_TYPES:
-        raise HFConversionError(f"{where}: rope_type {rope_type!r} is not supported (supported: {', '.join(_ROPE_TYPES)})")
+        supported = ", ".join(_ROPE_TYPES)
+        raise HFConversionError(f"{where}: rope_type {rope_type!r} is not supported (supported: {supported})")
     theta = rope.get("rope_theta", getattr(hf_cfg, "rope_theta", 10000.0))
     scaling = None
     if rope_type != "default":
@@ -219,13 +220,13 @@ def from_hf(hf_model: Any, max_seq_len: int | None = None) -> Transformer:
         wanted["lm_head.weight"] = "model.embed_tokens.weight"
         head = hf_state.pop("lm_head.weight", None)
         if head is not None and not torch.equal(head, hf_state.get("model.embed_tokens.weight", head)):
-            raise HFConversionError(f"{cfg_type(hf_model)}: tie_word_embeddings is set but lm_head.weight differs "
+            raise HFConversionError(f"{_model_type(hf_model)}: tie_word_embeddings is set but lm_head.weight differs "
                                     "from model.embed_tokens.weight")  # fmt: skip
     missing = sorted(set(wanted.values()) - set(hf_state))
     unused = sorted(set(hf_state) - set(wanted.values()))
     if missing or unused:
         raise HFConversionError(
-            f"{cfg_type(hf_model)}: checkpoint weights do not match the model: "
+            f"{_model_type(hf_model)}: checkpoint weights do not match the model: "
             f"missing {missing[:8]}{' ...' if len(missing) > 8 else ''}, "
             f"unused {unused[:8]}{' ...' if len(unused) > 8 else ''}"
         )
@@ -233,14 +234,14 @@ def from_hf(hf_model: Any, max_seq_len: int | None = None) -> Transformer:
     for name, tensor in model.state_dict().items():
         source = hf_state[wanted[name]]
         if source.shape != tensor.shape:
-            raise HFConversionError(f"{cfg_type(hf_model)}: {wanted[name]} has shape {tuple(source.shape)}, "
+            raise HFConversionError(f"{_model_type(hf_model)}: {wanted[name]} has shape {tuple(source.shape)}, "
                                     f"expected {tuple(tensor.shape)}")  # fmt: skip
         state[name] = source
     model.load_state_dict(state)
     return model.eval()
 
 
-def cfg_type(hf_model: Any) -> str:
+def _model_type(hf_model: Any) -> str:
     return str(getattr(hf_model.config, "model_type", type(hf_model).__name__))
 
 

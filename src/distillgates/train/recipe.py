@@ -43,8 +43,8 @@ from torch import Tensor
 from distillgates import losses
 from distillgates.config import Config, ModelConfig, ShapesConfig, SpeedConfig, TrainConfig, load_config, to_dict
 from distillgates.data.shapes import ShapeSampler
-from distillgates.io import atomic_write_json, atomic_write_text, load_checksummed, save_checksummed
 from distillgates.hf import save_hf
+from distillgates.io import atomic_write_json, atomic_write_text, load_checksummed, save_checksummed
 from distillgates.model import Transformer, save_model
 from distillgates.rundir import RunDir
 from distillgates.tokenizer import ASSISTANT, END
