@@ -139,7 +139,7 @@ class FusedDecoder:
                 if a.q_norm is not None and a.k_norm is not None:
                     wqn, wkn = a.q_norm.weight, a.k_norm.weight
                     sources += [wqn, wkn]
-                    heads: list[Tensor] = [wqn] * cfg.n_heads + [wkn] * cfg.n_kv_heads
+                    heads = (wqn,) * cfg.n_heads + (wkn,) * cfg.n_kv_heads  # per head of [q; k]
                     qk_norm = (torch.stack(heads)[:, None], torch.stack([swapped(w) for w in heads])[:, None])
                 layers.append(_Layer(qkv_r, a.o_proj.weight.t().contiguous(), gate_up,
                                      m.down_proj.weight.t().contiguous(), bias, qk_norm))  # fmt: skip
