@@ -64,7 +64,7 @@ MODEL = "student:\n  vocab_size: 64\n  d_model: 32\n  n_layers: 1\n  n_heads: 4\
         (MODEL + "  max_seq_len: 512\n  n_experts: 4\n", "bad.yaml:9: student.n_experts: unknown key"),
         (MODEL + "  max_seq_len: long\n", "bad.yaml:8: student.max_seq_len: expected int, got str"),
         (MODEL.replace("n_kv_heads: 2", "n_kv_heads: 3") + "  max_seq_len: 512\n", "divisible by n_kv_heads"),
-        (MODEL + "  max_seq_len: 512\n  head_dim: 16\n", "d_model (32) must equal n_heads * head_dim"),
+        (MODEL + "  max_seq_len: 512\n  head_dim: 7\n", "head_dim must be even for RoPE, got 7"),
         (MODEL + "  max_seq_len: 64\n", "student.max_seq_len (64) is below the largest enumerated shape"),
         ("train:\n  kd:\n    kind: mse\n", "bad.yaml:2: train.kd"),
         ("shapes:\n  lengths: [128, 256]\n  mix: [1.0]\n", "mix has 1 entries"),

@@ -262,3 +262,68 @@ def test_combine_weights_and_components() -> None:
     assert float(a.grad) == 1.0 and float(b.grad) == 0.5
     with pytest.raises(ValueError, match="unknown"):
         losses.combine({"kd": a}, {"nope": 1.0})
+
+
+# --------------------------------------------------------------------------------------
+# position_stats: the chunked losses equal the unchunked ones
+
+
+def _unchunked(logits: torch.Tensor, targets: torch.Tensor, early: torch.Tensor, ids: torch.Tensor,
+               lps: torch.Tensor, mask: torch.Tensor, kind: str, temperature: float) -> list[torch.Tensor]:
+    log_probs = logits.float().log_softmax(-1)
+    return [losses.masked_mean(losses.token_nll(log_probs, targets), mask),
+            losses.masked_mean(losses.token_nll(log_probs, early), mask),
+            losses.masked_mean(losses.stop_probability(log_probs, [END]), mask),
+            losses.kd_loss_topk(logits, ids, lps, mask, kind, temperature)]  # fmt: skip
+
+
+@pytest.mark.parametrize("chunk", [1, 4, 10, 64])
+@pytest.mark.parametrize("kind", losses.KD_KINDS)
+@pytest.mark.parametrize("temperature", [1.0, 2.0])
+def test_chunked_position_stats_equal_the_losses_and_their_gradients(chunk: int, kind: str, temperature: float) -> None:
+    g = torch.Generator().manual_seed(3)
+    targets, early = torch.randint(0, V, (2, 5), generator=g), torch.randint(0, V, (2, 5), generator=g)
+    t_logp = _logits(seed=4).log_softmax(-1)
+    lps, ids = t_logp.topk(4, dim=-1)
+    mask = torch.ones(2, 5)
+    mask[0, :2] = 0
+    grads = []
+    for chunked in (False, True):
+        logits = _logits(seed=5).requires_grad_(True)
+        if chunked:
+            stats = losses.position_stats(logits, targets, chunk, early_targets=early, stop_ids=[END], topk_ids=ids,
+                                          topk_logprobs=lps, kind=kind, temperature=temperature)  # fmt: skip
+            values = [losses.masked_mean(stats[name], mask) for name in ("nll", "early_nll", "stop_prob", "kd")]
+        else:
+            values = _unchunked(logits, targets, early, ids, lps, mask, kind, temperature)
+        sum(values).backward()
+        grads.append((torch.stack([v.detach() for v in values]), logits.grad))
+    torch.testing.assert_close(grads[1][0], grads[0][0], atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(grads[1][1], grads[0][1], atol=1e-6, rtol=1e-5)
+
+
+def test_chunked_dense_kd_equals_kd_loss_dense() -> None:
+    s, t = _logits(seed=6).requires_grad_(True), _logits(seed=7)
+    mask = torch.ones(2, 5)
+    stats = losses.position_stats(s, torch.zeros(2, 5, dtype=torch.long), 3, teacher_logits=t, kind="jsd",
+                                  temperature=2.0)  # fmt: skip
+    assert set(stats) == {"nll", "kd"}
+    torch.testing.assert_close(losses.masked_mean(stats["kd"], mask), losses.kd_loss_dense(s, t, mask, "jsd", 2.0))
+
+
+def test_chunked_stats_keep_no_full_vocabulary_tensor_for_backward() -> None:
+    """Saved for backward: the logits themselves (no copy) and small tensors, never a (B, T, V) log-softmax."""
+    logits = torch.randn(2, 6, 1000, requires_grad=True)
+    saved: list[tuple[int, bool]] = []
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        saved.append((t.numel(), t.untyped_storage().data_ptr() == logits.untyped_storage().data_ptr()))
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        stats = losses.position_stats(logits, torch.zeros(2, 6, dtype=torch.long), 4, stop_ids=[1])
+    assert saved and all(is_logits or numel < 1000 for numel, is_logits in saved), saved
+    stats["nll"].sum().backward()
+    assert logits.grad is not None and logits.grad.shape == logits.shape
+    with pytest.raises(ValueError, match="chunk must be > 0"):
+        losses.position_stats(logits, torch.zeros(2, 6, dtype=torch.long), 0)

@@ -67,11 +67,13 @@ class ModelConfig:
     n_kv_heads: int  # key/value heads (GQA: n_heads % n_kv_heads == 0)
     ffn_hidden: int  # SwiGLU hidden width
     max_seq_len: int  # KV cache length and RoPE table size
-    head_dim: int | None = None  # defaults to d_model // n_heads; must satisfy d_model == n_heads * head_dim
+    head_dim: int | None = None  # defaults to d_model // n_heads (Qwen3 and Mistral may set it otherwise)
     rope_theta: float = 10000.0
     rope_scaling: RopeScaling | None = None
     norm_eps: float = 1e-5  # RMSNorm epsilon (fp16-safe: not below 1e-6)
     tie_embeddings: bool = True  # share token embedding and LM head
+    attention_bias: bool = False  # bias on the q/k/v projections (Qwen2/2.5); o_proj never has one
+    qk_norm: bool = False  # RMSNorm over each head of q and k before RoPE (Qwen3)
     gradient_checkpointing: bool = False  # recompute blocks in backward (torch.utils.checkpoint)
 
     def __post_init__(self) -> None:
@@ -84,10 +86,6 @@ class ModelConfig:
             if self.d_model % self.n_heads != 0:
                 raise ValueError(f"d_model ({self.d_model}) must be divisible by n_heads ({self.n_heads})")
             self.head_dim = self.d_model // self.n_heads
-        if self.d_model != self.n_heads * self.head_dim:
-            raise ValueError(
-                f"d_model ({self.d_model}) must equal n_heads * head_dim ({self.n_heads} * {self.head_dim})"
-            )
         if self.head_dim % 2 != 0:
             raise ValueError(f"head_dim must be even for RoPE, got {self.head_dim}")
 
@@ -96,6 +94,8 @@ class ModelConfig:
         """Parameter count computed from the shape (no allocation)."""
         hd = self.head_dim or self.d_model // self.n_heads
         attn = self.d_model * hd * (self.n_heads * 2 + self.n_kv_heads * 2)
+        attn += hd * (self.n_heads + 2 * self.n_kv_heads) if self.attention_bias else 0
+        attn += 2 * hd if self.qk_norm else 0
         mlp = 3 * self.d_model * self.ffn_hidden
         per_layer = attn + mlp + 2 * self.d_model
         head = 0 if self.tie_embeddings else self.vocab_size * self.d_model
@@ -321,14 +321,19 @@ class TrainConfig:
     eval_every: int = 100
     log_every: int = 10
     fsdp: bool = False
-    # "scratch", or "teacher": start from the local teacher's embeddings and its most influential
-    # layers (the student must have the teacher's width; see distillgates/train/init.py)
+    # positions per chunk of the vocabulary-sized losses (losses.position_stats: no full (B, T, V) fp32
+    # log-softmax kept for backward; for 32k-152k vocabularies); 0: the whole micro-batch at once
+    loss_chunk: int = 0
+    # "scratch"; "teacher": start from the local teacher's embeddings and its most influential
+    # layers (the student must have the teacher's width; see distillgates/train/init.py); or
+    # "hf:<dir>": a local Hugging Face checkpoint (Llama/SmolLM, Mistral, Qwen2/2.5, Qwen3) whose
+    # architecture becomes the model's (see distillgates/hf.py)
     init_from: str = "scratch"
     init_layers: list[int] | None = None  # teacher layers to keep (None: by block influence)
 
     def __post_init__(self) -> None:
-        if self.init_from not in ("scratch", "teacher"):
-            raise ValueError(f"init_from must be scratch/teacher, got {self.init_from!r}")
+        if self.init_from not in ("scratch", "teacher") and self.hf_init_dir is None:
+            raise ValueError(f"init_from must be scratch, teacher or hf:<checkpoint dir>, got {self.init_from!r}")
         if self.mixed_precision not in ("no", "bf16", "fp16"):
             raise ValueError(f"mixed_precision must be no/bf16/fp16, got {self.mixed_precision!r}")
         if self.teacher_mode not in ("offline", "online"):
@@ -337,6 +342,14 @@ class TrainConfig:
             raise ValueError(f"warmup_steps ({self.warmup_steps}) must be < steps ({self.steps})")
         if self.grad_accum <= 0 or self.batch_size <= 0:
             raise ValueError("batch_size and grad_accum must be > 0")
+        if self.loss_chunk < 0:
+            raise ValueError(f"loss_chunk must be >= 0 (0: off), got {self.loss_chunk}")
+
+    @property
+    def hf_init_dir(self) -> Path | None:
+        """The checkpoint directory of ``init_from: hf:<dir>``, else None."""
+        prefix, _, rest = self.init_from.partition(":")
+        return Path(rest) if prefix == "hf" and rest.strip() else None
 
 
 @dataclass

@@ -37,6 +37,13 @@ Design choices:
   target is the teacher's own tool call when it passes the shared validator, else the
   reference call (the JSON prior fallback); see :func:`early_tool_target`.
 
+- **Large vocabularies** (32k-152k): :func:`position_stats` computes what the recipe needs per
+  position (CE, early-tool CE, stop probability, KD divergence) ``chunk`` positions at a time and
+  recomputes each chunk in backward, writing its gradient into one logits-sized buffer. So no
+  ``(B, T, V)`` fp32 log-softmax is kept, and backward allocates no full-size temporaries (slicing
+  or gather backward would: each makes a zero-filled tensor of the whole input); the values equal
+  the unchunked losses within float rounding.
+
 References: Hinton et al. 2015 (T^2); Agarwal et al. 2024 (GKD: reverse KL/JSD); torchtune
 ``ForwardKLLoss``; the inference-speed plan (seeds) for the length and early-tool losses.
 """
@@ -141,6 +148,101 @@ def kd_loss_topk(
     if temperature != 1.0:
         t = F.log_softmax(t / temperature, dim=-1)  # tempered buckets
     return masked_mean(divergence(t, s, kind), mask) * temperature**2
+
+
+def position_stats(
+    logits: Tensor,
+    targets: Tensor,
+    chunk: int,
+    *,
+    early_targets: Tensor | None = None,
+    stop_ids: Sequence[int] = (),
+    topk_ids: Tensor | None = None,
+    topk_logprobs: Tensor | None = None,
+    teacher_logits: Tensor | None = None,
+    kind: str = "forward",
+    temperature: float = 1.0,
+) -> dict[str, Tensor]:
+    """Per-position values over the vocabulary, ``chunk`` positions at a time (module docstring).
+
+    Each chunk's fp32 log-softmax is recomputed in backward instead of being kept, so peak memory
+    holds the logits, their gradient and one chunk, not several ``(B, T, V)`` fp32 copies.
+
+    Args:
+        logits: ``(B, T, V)`` student logits (any float dtype; computed in fp32 per chunk).
+        targets: ``(B, T)`` next tokens.
+        chunk: positions (rows of ``B * T``) per chunk.
+        early_targets: ``(B, T)`` early-tool targets (:func:`early_tool_loss`), optional.
+        stop_ids: end-of-turn ids (:func:`stop_probability`), optional.
+        topk_ids, topk_logprobs: ``(B, T, k)`` sparse teacher (:func:`kd_loss_topk`), or
+        teacher_logits: ``(B, T, V)`` dense teacher (:func:`kd_loss_dense`).
+
+    Returns:
+        ``(B, T)`` tensors: ``nll``, and where asked ``early_nll``, ``stop_prob``, ``kd`` (divergence
+        times ``T^2``; its masked mean is the KD loss).
+    """
+    if chunk <= 0:
+        raise ValueError(f"chunk must be > 0, got {chunk}")
+    B, T, _ = logits.shape
+    names = ["nll"] + ["early_nll"] * (early_targets is not None) + ["stop_prob"] * bool(stop_ids)
+    names += ["kd"] * (topk_ids is not None or teacher_logits is not None)
+    stop = list(stop_ids)
+
+    def stats(x: Tensor, target: Tensor, early: Tensor | None, ids: Tensor | None, lps: Tensor | None,
+              teacher: Tensor | None) -> Tensor:  # fmt: skip
+        lp = F.log_softmax(x.float(), dim=-1)  # (n, V)
+        out = [-lp.gather(-1, target[:, None])[:, 0]]
+        if early is not None:
+            out.append(-lp.gather(-1, early[:, None])[:, 0])
+        if stop:
+            out.append(lp[:, stop].exp().sum(-1))
+        if ids is not None or teacher is not None:
+            s = lp if temperature == 1.0 else F.log_softmax(x.float() / temperature, dim=-1)  # (n, V)
+            if teacher is not None:
+                t = F.log_softmax(teacher.float() / temperature, dim=-1)  # (n, V)
+            else:
+                assert ids is not None and lps is not None
+                s, t = topk_buckets(s.gather(-1, ids)), topk_buckets(lps.float())  # (n, k+1)
+                if temperature != 1.0:
+                    t = F.log_softmax(t / temperature, dim=-1)
+            out.append(divergence(t, s, kind) * temperature**2)
+        return torch.stack(out, dim=-1)  # (n, len(names))
+
+    def rows(x: Tensor | None) -> Tensor | None:
+        return None if x is None else x.reshape(B * T, *x.shape[2:])
+
+    flat = [rows(t) for t in (logits, targets, early_targets, topk_ids, topk_logprobs, teacher_logits)]
+    table = _ChunkedRows.apply(stats, chunk, *flat).view(B, T, len(names))
+    return {name: table[..., i] for i, name in enumerate(names)}
+
+
+class _ChunkedRows(torch.autograd.Function):
+    """``fn`` over row chunks of ``(rows, ...)`` tensors; backward recomputes chunk by chunk (see
+    :func:`position_stats`) and returns the first tensor's gradient in one buffer (the others get none)."""
+
+    @staticmethod
+    def forward(ctx: Any, fn: Any, chunk: int, x: Tensor, *aux: Tensor | None) -> Tensor:
+        ctx.fn, ctx.chunk = fn, chunk
+        ctx.save_for_backward(x, *aux)
+        with torch.no_grad():
+            return torch.cat([fn(*_rows(start, chunk, x, *aux)) for start in range(0, x.shape[0], chunk)])
+
+    @staticmethod
+    def backward(ctx: Any, grad_out: Tensor) -> tuple[Tensor | None, ...]:
+        x, *aux = ctx.saved_tensors
+        grad = torch.empty_like(x)  # (rows, V): the one full-size tensor of backward
+        for start in range(0, x.shape[0], ctx.chunk):
+            part, *part_aux = _rows(start, ctx.chunk, x, *aux)
+            with torch.enable_grad():
+                part = part.detach().requires_grad_(True)
+                (grad[start : start + ctx.chunk],) = torch.autograd.grad(
+                    ctx.fn(part, *part_aux), part, grad_out[start : start + ctx.chunk]
+                )
+        return None, None, grad, *[None] * len(aux)
+
+
+def _rows(start: int, chunk: int, *tensors: Tensor | None) -> list[Any]:
+    return [None if t is None else t[start : start + chunk] for t in tensors]
 
 
 def ce_loss(logits: Tensor, targets: Tensor, mask: Tensor) -> Tensor:

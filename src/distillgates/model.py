@@ -12,7 +12,9 @@ Design choices:
 - Masks are boolean (True = may attend) and passed to SDPA: causal always, padded keys
   never attended, every query keeps at least its own position so no row is all ``-inf``.
 - Module names follow Hugging Face Llama (``q_proj``, ``gate_proj``...) to keep the interop
-  mapping (``distillgates.hf``) a rename table.
+  mapping (``distillgates.hf``) a rename table. Features of other families are config flags that
+  default off (the toy model has none): q/k/v biases (Qwen2), per-head q/k RMSNorm (Qwen3), a
+  ``head_dim`` other than ``d_model / n_heads`` (Qwen3, Mistral).
 
 References: gpt-fast ``model.py``; HF ``modeling_llama.py``; Llama 3 RoPE scaling.
 """
@@ -143,17 +145,29 @@ class Attention(nn.Module):
         super().__init__()
         assert cfg.head_dim is not None  # set by ModelConfig.__post_init__
         self.n_heads, self.n_kv_heads, self.head_dim = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
-        self.q_proj = nn.Linear(cfg.d_model, cfg.n_heads * cfg.head_dim, bias=False)
-        self.k_proj = nn.Linear(cfg.d_model, cfg.n_kv_heads * cfg.head_dim, bias=False)
-        self.v_proj = nn.Linear(cfg.d_model, cfg.n_kv_heads * cfg.head_dim, bias=False)
+        bias = cfg.attention_bias
+        self.q_proj = nn.Linear(cfg.d_model, cfg.n_heads * cfg.head_dim, bias=bias)
+        self.k_proj = nn.Linear(cfg.d_model, cfg.n_kv_heads * cfg.head_dim, bias=bias)
+        self.v_proj = nn.Linear(cfg.d_model, cfg.n_kv_heads * cfg.head_dim, bias=bias)
         self.o_proj = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.d_model, bias=False)
+        # Qwen3: per-head RMSNorm of q and k (weights (hd,)) before RoPE
+        self.q_norm = RMSNorm(cfg.head_dim, cfg.norm_eps) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(cfg.head_dim, cfg.norm_eps) if cfg.qk_norm else None
         self.kv_cache: KVCache | None = None
+
+    def project(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """q ``(B, H, T, hd)``, k and v ``(B, n_kv, T, hd)`` before RoPE (``-1`` for T: no shape op in export)."""
+        B = x.shape[0]
+        q = self.q_proj(x).view(B, -1, self.n_heads, self.head_dim)  # (B, T, H, hd)
+        k = self.k_proj(x).view(B, -1, self.n_kv_heads, self.head_dim)  # (B, T, n_kv, hd)
+        v = self.v_proj(x).view(B, -1, self.n_kv_heads, self.head_dim)  # (B, T, n_kv, hd)
+        if self.q_norm is not None and self.k_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        return q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor, input_pos: Tensor | None) -> Tensor:
         B, T, _ = x.shape
-        q = self.q_proj(x).view(B, T, self.n_heads, self.head_dim).transpose(1, 2)  # (B, H, T, hd)
-        k = self.k_proj(x).view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)  # (B, n_kv, T, hd)
-        v = self.v_proj(x).view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)  # (B, n_kv, T, hd)
+        q, k, v = self.project(x)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if self.kv_cache is not None and input_pos is not None:
             k, v = self.kv_cache.update(input_pos, k, v)  # (B, n_kv, S_max, hd)

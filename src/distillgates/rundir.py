@@ -8,7 +8,8 @@ Every step of the pipeline, the speed harness, the training recipe, the gates an
     teacher/                 the toy teacher (save_pretrained)             (teacher step)
     kd/                      kd.jsonl, build.json                          (kd step)
     cache/kd/                API response cache: survives KD rebuilds      (kd step)
-    student/, drafter/       model.pt, checkpoint.pt, init.json, qat_probe.json (training)
+    student/, drafter/       model.pt, hf/ (HF format + tokenizer), checkpoint.pt, init.json,
+                             qat_probe.json                                 (training)
     export/                  *.mlpackage, contract.json, gate_inputs.json  (export step)
                              ane_lint.json, ane_residency.json (macOS only)
     reports/speed.json       (speed step)
@@ -99,6 +100,10 @@ class RunDir:
 
     def model_path(self, role: str = "student") -> Path:
         return self.model_dir(role) / "model.pt"
+
+    def hf_model_dir(self, role: str = "student") -> Path:
+        """The trained model in Hugging Face format, with the run's tokenizer (``save_pretrained``)."""
+        return self.model_dir(role) / "hf"
 
     def qat_probe(self, role: str = "student") -> Path:
         return self.model_dir(role) / "qat_probe.json"

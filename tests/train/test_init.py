@@ -81,3 +81,78 @@ def test_recipe_without_a_local_teacher_says_so(artifacts: dict[str, Any], tmp_p
     with pytest.raises(ValueError, match="needs a local teacher"):
         train_student(cfg, "student", tmp_path, kd_path=artifacts["kd_path"], tokenizer=artifacts["tokenizer"],
                       train_items=artifacts["train"], eval_items=artifacts["eval"], progress=False, device="cpu")
+
+
+def _save_qwen2(path: Path, vocab: int, tokenizer: Any) -> Any:
+    """A tiny random Qwen2 (q/k/v biases) checkpoint with ``tokenizer`` saved beside it."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(3)
+    hf = Qwen2ForCausalLM(Qwen2Config(vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32768,
+                                      tie_word_embeddings=True)).eval()  # fmt: skip
+    hf.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return hf
+
+
+@pytest.mark.parametrize("role", ["student", "drafter"])
+def test_recipe_starts_from_a_hf_checkpoint_and_saves_hf_format(
+    artifacts: dict[str, Any], tmp_path: Path, role: str
+) -> None:
+    torch.set_num_threads(1)
+    tok = artifacts["tokenizer"]
+    hf = _save_qwen2(tmp_path / "qwen2", len(tok), tok)
+    cfg = artifacts["make_config"](len(tok), steps=3, lr=1e-9, warmup_steps=1, init_from=f"hf:{tmp_path / 'qwen2'}")
+    if role == "drafter":  # drafter_train.init_from, the student's train section untouched
+        cfg.drafter_train, cfg.train = cfg.train, dataclasses.replace(cfg.train, init_from="scratch")
+    else:
+        cfg.student = None  # the checkpoint is the architecture
+    path = train_student(cfg, role, tmp_path, kd_path=artifacts["kd_path"], tokenizer=tok,
+                         train_items=artifacts["train"], eval_items=artifacts["eval"], progress=False, device="cpu")
+    assert json.loads((tmp_path / role / "init.json").read_text()) == {"from": f"hf:{tmp_path / 'qwen2'}"}
+    student = load_model(path)
+    assert student.config.attention_bias and student.config.max_seq_len == max(cfg.shapes.lengths)  # not 32768
+    # lr 1e-9: three steps leave the checkpoint's weights (biases included) where they were
+    torch.testing.assert_close(student.layers[1].attn.k_proj.bias, hf.model.layers[1].self_attn.k_proj.bias,
+                               atol=1e-5, rtol=0)  # fmt: skip
+    from transformers import AutoModelForCausalLM
+
+    saved = AutoModelForCausalLM.from_pretrained(tmp_path / role / "hf", local_files_only=True)
+    assert saved.config.model_type == "qwen2"
+    ids = torch.randint(0, len(tok), (1, 10))
+    with torch.no_grad():
+        torch.testing.assert_close(saved(ids).logits, student(ids), atol=1e-5, rtol=1e-5)
+
+
+def test_hf_init_refuses_another_tokenizer_naming_both_sizes(artifacts: dict[str, Any], tmp_path: Path) -> None:
+    from distillgates.tokenizer import train_tokenizer
+
+    other = train_tokenizer(["an unrelated corpus of words"] * 8, vocab_size=300, min_frequency=1)
+    _save_qwen2(tmp_path / "qwen2", len(artifacts["tokenizer"]), other)
+    cfg = artifacts["make_config"](len(artifacts["tokenizer"]), steps=3, init_from=f"hf:{tmp_path / 'qwen2'}")
+    cfg.student = None
+    with pytest.raises(ValueError, match=rf"the run's tokenizer \({len(artifacts['tokenizer'])} tokens\) does not "
+                                         rf"match the checkpoint's \({len(other)} tokens\)"):  # fmt: skip
+        train_student(cfg, "student", tmp_path, kd_path=artifacts["kd_path"], tokenizer=artifacts["tokenizer"],
+                      train_items=artifacts["train"], eval_items=artifacts["eval"], progress=False, device="cpu")
+
+
+def test_hf_init_refuses_a_model_section_that_disagrees(artifacts: dict[str, Any], tmp_path: Path) -> None:
+    tok = artifacts["tokenizer"]
+    from distillgates.hf import model_config_from_hf
+
+    hf = _save_qwen2(tmp_path / "qwen2", len(tok), tok)
+    cfg = artifacts["make_config"](len(tok), steps=3, init_from=f"hf:{tmp_path / 'qwen2'}")
+    cfg.student = dataclasses.replace(model_config_from_hf(hf.config, max(cfg.shapes.lengths)), n_layers=3)
+    with pytest.raises(ValueError, match="the model section sets n_layers = 3, the checkpoint has 2"):
+        train_student(cfg, "student", tmp_path, kd_path=artifacts["kd_path"], tokenizer=tok,
+                      train_items=artifacts["train"], eval_items=artifacts["eval"], progress=False, device="cpu")
+
+
+def test_init_from_must_name_a_checkpoint_dir() -> None:
+    from distillgates.config import TrainConfig
+
+    assert TrainConfig(init_from="hf:models/smollm").hf_init_dir == Path("models/smollm")
+    with pytest.raises(ValueError, match="scratch, teacher or hf:<checkpoint dir>, got 'hf:'"):
+        TrainConfig(init_from="hf:")

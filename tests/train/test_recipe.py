@@ -250,3 +250,22 @@ def test_fsdp_resume_continues_like_an_uninterrupted_run(artifacts: dict[str, An
         torch.testing.assert_close(b[k], a[k], rtol=1e-5, atol=1e-6)
     steps = [r["step"] for r in _log(tmp_path / "resumed" / "student" / "train_log.jsonl") if "total" in r]
     assert steps == [1, 2, 3, 4]
+
+
+def test_chunked_losses_equal_the_unchunked_step(artifacts: dict[str, Any], tmp_path: Path) -> None:
+    """``train.loss_chunk``: the same loss components and gradients as the whole-batch path (float tolerance)."""
+    torch.set_num_threads(1)
+    results = []
+    for chunk in (0, 7):
+        recipe = _recipe(artifacts, tmp_path / str(chunk), steps=4, loss_chunk=chunk,
+                         length={"weight": 0.5, "hinge": 0.0, "exempt_when_covered": False})  # fmt: skip
+        recipe.setup()
+        batch = recipe._micro_batches(0)[0]
+        total, parts = recipe.compute_loss(batch, epoch=1.0)
+        total.backward()
+        results.append((parts, recipe.model.layers[0].attn.q_proj.weight.grad.clone()))
+    (plain, plain_grad), (chunked, chunked_grad) = results
+    assert set(plain) == set(chunked) and {"ce", "process", "kd", "length", "early_tool"} <= set(plain)
+    for name, value in plain.items():
+        assert chunked[name] == pytest.approx(value, rel=1e-5, abs=1e-6), name
+    torch.testing.assert_close(chunked_grad, plain_grad, atol=1e-6, rtol=1e-4)

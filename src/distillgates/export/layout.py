@@ -45,17 +45,12 @@ class StandardLayout(nn.Module):
         return self.model.embed(ids)  # (1, T, d)
 
     def qkv(self, i: int, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-        cfg, attn = self.config, self.model.layers[i].attn
-        h = self.model.layers[i].attn_norm(x)
-        # reshape with -1 (not a traced T) so no shape op reaches the Core ML program
-        q = attn.q_proj(h).view(1, -1, cfg.n_heads, cfg.head_dim).transpose(1, 2)  # (1, H, T, hd)
-        k = attn.k_proj(h).view(1, -1, cfg.n_kv_heads, cfg.head_dim).transpose(1, 2)  # (1, n_kv, T, hd)
-        v = attn.v_proj(h).view(1, -1, cfg.n_kv_heads, cfg.head_dim).transpose(1, 2)  # (1, n_kv, T, hd)
-        return q, k, v
+        layer = self.model.layers[i]
+        return layer.attn.project(layer.attn_norm(x))  # (1, H, T, hd), (1, n_kv, T, hd) x2
 
     def finish_block(self, i: int, x: Tensor, y: Tensor) -> Tensor:
         layer = self.model.layers[i]
-        h = x + layer.attn.o_proj(y.transpose(1, 2).reshape(1, -1, self.config.d_model))  # (1, T, d)
+        h = x + layer.attn.o_proj(y.transpose(1, 2).reshape(1, -1, self.config.n_heads * (self.config.head_dim or 0)))
         return h + layer.mlp(layer.mlp_norm(h))
 
     def select(self, x: Tensor, index: Tensor) -> Tensor:
@@ -135,6 +130,9 @@ class ANETransformer(nn.Module):
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
+        unsupported = [name for name in ("attention_bias", "qk_norm") if getattr(cfg, name)]
+        if unsupported:
+            raise ValueError(f"export.layout 'ane' does not support {', '.join(unsupported)} yet; use layout: standard")
         self.config = cfg
         self.embed = nn.Embedding(cfg.vocab_size, cfg.d_model)
         self.layers = cast("ModuleListOf[_ANEBlock]", nn.ModuleList(_ANEBlock(cfg) for _ in range(cfg.n_layers)))
@@ -168,7 +166,7 @@ class ANETransformer(nn.Module):
 
     def finish_block(self, i: int, x: Tensor, y: Tensor) -> Tensor:
         layer = self.layers[i]
-        y = y.transpose(2, 3).reshape(1, self.config.d_model, 1, -1)  # (1, H*hd, 1, T)
+        y = y.transpose(2, 3).reshape(1, self.config.n_heads * (self.config.head_dim or 0), 1, -1)  # (1, H*hd, 1, T)
         h = x + layer.attn.o_proj(y)  # (1, d, 1, T)
         return h + layer.mlp(layer.mlp_norm(h))
 

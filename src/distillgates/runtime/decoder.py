@@ -15,7 +15,10 @@ Design choices (measured in docs/benchmarks.md section 1):
   causal-mask rows as views; attention over the filled prefix ``[:kv_len]`` only, with no mask
   at all for one query without padding;
 - GQA by query grouping (:func:`~distillgates.model.gqa_attention`), never ``repeat_interleave``
-  of the cache.
+  of the cache;
+- the optional features of other families: q/k/v biases (Qwen2) become one ``addmm`` bias (rotated
+  like the weights); per-head q/k RMSNorm (Qwen3) runs after the matmul, on ``R q`` with its weight
+  halves swapped (``rotate_half(w * q) == swap(w) * rotate_half(q)``, and the norm of ``R q`` is that of ``q``).
 """
 
 from __future__ import annotations
@@ -39,10 +42,19 @@ def _rms(x: Tensor, d_eps: float) -> Tensor:
     return (x32 * torch.rsqrt(x32.pow(2).sum(-1, keepdim=True) + d_eps)).to(x.dtype)
 
 
+class _Layer(NamedTuple):
+    qkv_r_t: Tensor  # (d, (2H+3n_kv)*hd): rows [q; k; v; R q; R k], attention norm folded in
+    o_t: Tensor  # (H*hd, d)
+    gate_up_t: Tensor  # (d, 2*ffn), MLP norm folded in
+    down_t: Tensor  # (ffn, d)
+    qkv_r_bias: Tensor | None  # ((2H+3n_kv)*hd,): biases of the rows of qkv_r (attention_bias)
+    qk_norm: tuple[Tensor, Tensor] | None  # (H+n_kv, 1, hd) weights for [q; k] and [R q; R k] (qk_norm)
+
+
 class _Plan(NamedTuple):
     sources: list[Tensor]  # the parameters the fused tensors were built from
     stamp: tuple[tuple[int, int], ...]  # (data_ptr, _version) of each source at build time
-    layers: list[tuple[Tensor, Tensor, Tensor, Tensor]]  # (qkv_r^T, o^T, gate_up^T, down^T)
+    layers: list[_Layer]
     head: Tensor  # lm_head^T with the final norm folded in
 
 
@@ -102,6 +114,9 @@ class FusedDecoder:
             w = w.view(heads, 2, half, -1)
             return torch.cat([-w[:, 1], w[:, 0]], dim=1).reshape(heads * 2 * half, -1)
 
+        def swapped(w: Tensor) -> Tensor:  # rotate_half(w * q) == swapped(w) * rotate_half(q)
+            return torch.cat([w[half:], w[:half]])
+
         def folded(norm: Tensor, *ws: Tensor) -> Tensor:  # (in, out) contiguous, norm weight folded in
             return (torch.cat(ws).float() * (norm.float() * math.sqrt(cfg.d_model))).to(ws[0].dtype).t().contiguous()
 
@@ -115,7 +130,19 @@ class FusedDecoder:
                 sources += norms
                 qkv_r = folded(norms[0], wq, wk, wv, rotated(wq, cfg.n_heads), rotated(wk, cfg.n_kv_heads))
                 gate_up = folded(norms[1], m.gate_proj.weight, m.up_proj.weight)
-                layers.append((qkv_r, a.o_proj.weight.t().contiguous(), gate_up, m.down_proj.weight.t().contiguous()))
+                bias = qk_norm = None
+                if a.q_proj.bias is not None and a.k_proj.bias is not None and a.v_proj.bias is not None:
+                    bq, bk, bv = a.q_proj.bias, a.k_proj.bias, a.v_proj.bias
+                    sources += [bq, bk, bv]
+                    bias = torch.cat([bq, bk, bv, rotated(bq[:, None], cfg.n_heads)[:, 0],
+                                      rotated(bk[:, None], cfg.n_kv_heads)[:, 0]])  # fmt: skip
+                if a.q_norm is not None and a.k_norm is not None:
+                    wqn, wkn = a.q_norm.weight, a.k_norm.weight
+                    sources += [wqn, wkn]
+                    heads = (wqn,) * cfg.n_heads + (wkn,) * cfg.n_kv_heads  # per head of [q; k]
+                    qk_norm = (torch.stack(heads)[:, None], torch.stack([swapped(w) for w in heads])[:, None])
+                layers.append(_Layer(qkv_r, a.o_proj.weight.t().contiguous(), gate_up,
+                                     m.down_proj.weight.t().contiguous(), bias, qk_norm))  # fmt: skip
             sources += [model.norm.weight, model.lm_head.weight, model.embed.weight]
             head = folded(model.norm.weight, model.lm_head.weight)
         stamp = tuple((p.data_ptr(), p._version) for p in sources)
@@ -173,11 +200,20 @@ class FusedDecoder:
         mask = None if last_layer == 0 else self._mask(input_pos, attention_mask, contiguous, kv_len, False)
         x = F.embedding(idx.reshape(-1), model.embed.weight)  # (B*T, d): 2-D rows for torch.mm
         cast = self.caches[0][0].dtype != x.dtype
-        for i, ((qkv_r_t, o_t, gate_up_t, down_t), (k_cache, v_cache)) in enumerate(zip(plan.layers, self.caches)):
-            qkv = torch.mm(_rms(x, d_eps), qkv_r_t)  # (B*T, (2H+3n_kv)*hd)
+        for i, (layer, (k_cache, v_cache)) in enumerate(zip(plan.layers, self.caches)):
+            qkv_r_t, o_t, gate_up_t, down_t, qkv_r_bias, qk_norm = layer
+            if qkv_r_bias is None:
+                qkv = torch.mm(_rms(x, d_eps), qkv_r_t)  # (B*T, (2H+3n_kv)*hd)
+            else:
+                qkv = torch.addmm(qkv_r_bias, _rms(x, d_eps), qkv_r_t)  # (B*T, (2H+3n_kv)*hd)
             # (B, heads, T, hd); with T == 1 the transpose is a plain view
             qkv = qkv.view(B, -1, 1, hd) if T == 1 else qkv.view(B, T, -1, hd).transpose(1, 2)
             qk, v, qk_rot = qkv.split_with_sizes([H + n_kv, n_kv, H + n_kv], dim=1)  # (B, heads, T, hd)
+            if qk_norm is not None:  # per-head RMSNorm of q and k (Qwen3), fp32 accumulation as RMSNorm
+                qk32 = qk.float()
+                inv_rms = torch.rsqrt(qk32.pow(2).mean(-1, keepdim=True) + cfg.norm_eps)  # (B, H+n_kv, T, 1)
+                qk = qk_norm[0] * (qk32 * inv_rms).to(qk.dtype)
+                qk_rot = qk_norm[1] * (qk_rot.float() * inv_rms).to(qk.dtype)
             qk = torch.addcmul(qk * cos, qk_rot, sin)  # RoPE on q and k: x * cos + rotate_half(x) * sin
             q, k = qk.split_with_sizes([H, n_kv], dim=1)  # (B, H, T, hd), (B, n_kv, T, hd)
             if k_cache.shape[0] != B:

@@ -1,4 +1,5 @@
-"""Initialise a student from its teacher by depth pruning (the "prune, then distill" recipe).
+"""Initialise a student: from its teacher by depth pruning (the "prune, then distill" recipe), or from
+a pretrained Hugging Face checkpoint (:func:`pretrained_student`).
 
 A student with the teacher's width and fewer layers starts from the teacher's embeddings, final
 norm and its ``n_layers`` most influential blocks, kept in their original order; distillation
@@ -15,12 +16,16 @@ influential of four blocks keeps teacher-forced argument-value accuracy, 0.71 vs
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
 
 import torch
 from torch import Tensor
 
+from distillgates.config import ModelConfig
 from distillgates.model import Transformer
 
 log = logging.getLogger(__name__)
@@ -92,3 +97,53 @@ def init_from_teacher(student: Transformer, teacher: Transformer, layers: Sequen
             state[name] = t_state[name]
     student.load_state_dict({k: v.clone() for k, v in state.items()})
     log.info("student initialised from teacher layers %s", list(layers))
+
+
+# fields a ``student:``/``drafter:`` section may set for an ``hf:`` student without describing the checkpoint
+_RUN_FIELDS = ("max_seq_len", "gradient_checkpointing")
+
+
+def pretrained_student(path: Path, shape_max: int, tokenizer: Any, section: ModelConfig | None) -> Transformer:
+    """The student of ``init_from: hf:<path>``: the checkpoint converted strictly (:func:`distillgates.hf.load_hf`).
+
+    Args:
+        shape_max: the largest enumerated shape: the KV cache, mask and RoPE length unless the
+            section sets ``max_seq_len`` (the checkpoint's 32k-128k context would allocate a
+            ``max_seq_len**2`` causal mask).
+        tokenizer: the run's tokenizer, which must be the checkpoint's (same vocabulary): ids mean
+            the same tokens or nothing trains.
+        section: the config's model section, if any: it may set ``max_seq_len`` and
+            ``gradient_checkpointing``; every other field must equal the checkpoint's.
+
+    Raises:
+        ValueError: the run's tokenizer differs from the checkpoint's (both sizes named), or the
+            section disagrees with the checkpoint (the field named).
+        HFConversionError: see :func:`distillgates.hf.load_hf`.
+    """
+    from transformers import PreTrainedTokenizerFast
+
+    from distillgates.hf import load_hf
+
+    where = f"train.init_from 'hf:{path}'"
+    if not (path / "tokenizer.json").is_file():
+        raise ValueError(f"{where}: no tokenizer.json in {path} to check the run's tokenizer against")
+    # tokenizer.json as written (AutoTokenizer may pick a family class that adds tokens of its own)
+    ckpt_vocab = PreTrainedTokenizerFast.from_pretrained(path, local_files_only=True).get_vocab()
+    run_vocab = tokenizer.get_vocab()
+    if run_vocab != ckpt_vocab:
+        raise ValueError(
+            f"{where}: the run's tokenizer ({len(run_vocab)} tokens) does not match the checkpoint's "
+            f"({len(ckpt_vocab)} tokens); token ids would mean other tokens, so nothing is trained"
+        )
+    model = load_hf(path, section.max_seq_len if section is not None else shape_max)
+    cfg = model.config
+    if section is not None:
+        for item in dataclasses.fields(ModelConfig):
+            if item.name not in _RUN_FIELDS and getattr(section, item.name) != getattr(cfg, item.name):
+                raise ValueError(
+                    f"{where}: the model section sets {item.name} = {getattr(section, item.name)!r}, the checkpoint "
+                    f"has {getattr(cfg, item.name)!r} (drop the section or make it match)"
+                )
+        model.config = dataclasses.replace(cfg, gradient_checkpointing=section.gradient_checkpointing)
+    log.info("student initialised from the Hugging Face checkpoint %s", path)
+    return model

@@ -43,6 +43,7 @@ from torch import Tensor
 from distillgates import losses
 from distillgates.config import Config, ModelConfig, ShapesConfig, SpeedConfig, TrainConfig, load_config, to_dict
 from distillgates.data.shapes import ShapeSampler
+from distillgates.hf import save_hf
 from distillgates.io import atomic_write_json, atomic_write_text, load_checksummed, save_checksummed
 from distillgates.model import Transformer, save_model
 from distillgates.rundir import RunDir
@@ -52,6 +53,7 @@ from distillgates.train.qat import QAT, probe
 from distillgates.train.schedule import warmup_cosine
 
 CKPT_NAME = "checkpoint.pt"
+HF_DIR_NAME = "hf"  # the trained model in Hugging Face format (RunDir.hf_model_dir)
 
 
 @dataclass
@@ -137,6 +139,8 @@ class Recipe:
         kd_records: offline KD records by item id (``teacher_mode: offline``).
         teacher: a callable ``input_ids (B, T) -> logits (B, T, V)`` (``teacher_mode: online``).
         init_teacher: the teacher as a :class:`Transformer` (``init_from: teacher``).
+        init_model: the pretrained model itself (``init_from: hf:<dir>``), trained in place; its
+            config must be ``model_cfg``.
         device: ``cpu``/``cuda``/``auto``.
         max_steps: stop early after this many steps (tests, time-boxed runs); the schedule still
             follows ``train_cfg.steps``.
@@ -156,6 +160,7 @@ class Recipe:
         teacher: Any = None,
         device: str = "auto",
         init_teacher: Transformer | None = None,
+        init_model: Transformer | None = None,
         max_steps: int | None = None,
         progress: bool = True,
         speed_prompts: int = 4,
@@ -174,7 +179,9 @@ class Recipe:
             raise ValueError("teacher_mode 'online' needs a teacher; got none")
         if train_cfg.init_from == "teacher" and init_teacher is None:
             raise ValueError("train.init_from 'teacher' needs the teacher model; got none")
-        self.init_teacher = init_teacher
+        if train_cfg.hf_init_dir is not None and (init_model is None or init_model.config != model_cfg):
+            raise ValueError(f"train.init_from {train_cfg.init_from!r} needs the converted checkpoint as init_model")
+        self.init_teacher, self.init_model = init_teacher, init_model
 
     # ------------------------------------------------------------------ setup
 
@@ -204,9 +211,13 @@ class Recipe:
             raise ValueError(f"batch_size {cfg.batch_size} must be divisible by world_size*grad_accum = {per_step}")
         # batch_at(step) is a pure function of (seed, step): the data position is the step itself
         self.sampler = ShapeSampler([r.length for r in self.rows], self.shapes, cfg.batch_size, cfg.steps, cfg.seed)
-        self.model = Transformer(self.model_cfg)
-        if cfg.init_from == "teacher" and not (self.out_dir / CKPT_NAME).exists():  # a resume loads its own
-            self._init_from_teacher()
+        self.model = self.init_model if self.init_model is not None else Transformer(self.model_cfg)
+        if not (self.out_dir / CKPT_NAME).exists():  # a resume loads its own
+            if cfg.init_from == "teacher":
+                self._init_from_teacher()
+            elif cfg.hf_init_dir is not None and self.dist.main:
+                self.out_dir.mkdir(parents=True, exist_ok=True)
+                atomic_write_json(self.out_dir / "init.json", {"from": cfg.init_from})
         self.model.to(self.device)
         if cfg.fsdp and self.dist.world > 1:
             if cfg.qat.enabled:
@@ -356,23 +367,51 @@ class Recipe:
             out[i] = not losses.coverage_met(item, calls, answer)
         return out
 
+    def _position_stats(self, logits: Tensor, batch: Batch, input_ids: Tensor) -> dict[str, Tensor]:
+        """What :meth:`compute_loss` needs per position, ``train.loss_chunk`` positions at a time."""
+        cfg, dev = self.cfg, self.device
+        teacher = topk_ids = topk_logprobs = None
+        if cfg.kd.weight > 0 and cfg.teacher_mode == "online":
+            with torch.no_grad():
+                teacher = self.teacher(input_ids)  # (R, L, V), cast to fp32 per chunk
+        elif cfg.kd.weight > 0 and batch.kd_ids is not None and batch.kd_logprobs is not None:
+            topk_ids, topk_logprobs = batch.kd_ids.to(dev), batch.kd_logprobs.to(dev)
+        return losses.position_stats(
+            logits, batch.targets.to(dev), cfg.loss_chunk,
+            early_targets=batch.early_targets.to(dev) if cfg.early_tool.weight > 0 else None,
+            stop_ids=[self.end_id] if cfg.length.weight > 0 else (),
+            topk_ids=topk_ids, topk_logprobs=topk_logprobs, teacher_logits=teacher,
+            kind=cfg.kd.kind, temperature=cfg.kd.temperature,
+        )  # fmt: skip
+
     def compute_loss(self, batch: Batch, epoch: float) -> tuple[Tensor, dict[str, float]]:
         """Weighted loss of one micro-batch and its logged components.
 
         ``log_softmax`` over the vocabulary is computed once and shared by CE, process,
-        early-tool and the stop probability; KD at temperature T needs its own.
+        early-tool and the stop probability; KD at temperature T needs its own. With
+        ``train.loss_chunk`` all of them come from :func:`distillgates.losses.position_stats`
+        (chunked over positions: no full-vocabulary fp32 log-softmax is kept).
         """
         cfg = self.cfg
         dev = self.device
         input_ids = batch.input_ids.to(dev)
-        logits = self._forward(input_ids).float()  # (R, L, V)
-        log_probs = logits.log_softmax(-1)  # (R, L, V)
-        nll = losses.token_nll(log_probs, batch.targets.to(dev))  # (R, L)
+        logits = self._forward(input_ids)  # (R, L, V)
+        per_pos: dict[str, Tensor] = {}
+        if cfg.loss_chunk:
+            per_pos = self._position_stats(logits, batch, input_ids)
+            nll = per_pos["nll"]  # (R, L)
+        else:
+            logits = logits.float()
+            log_probs = logits.log_softmax(-1)  # (R, L, V)
+            nll = losses.token_nll(log_probs, batch.targets.to(dev))  # (R, L)
         comp: dict[str, Tensor] = {"ce": losses.masked_mean(nll, batch.ce_mask.to(dev))}
         if cfg.process_weight > 0:
             comp["process"] = losses.masked_mean(nll, batch.process_mask.to(dev))
         if cfg.kd.weight > 0:
-            if cfg.teacher_mode == "online":
+            if "kd" in per_pos:
+                mask = batch.ce_mask if cfg.teacher_mode == "online" else batch.kd_mask
+                comp["kd"] = losses.masked_mean(per_pos["kd"], mask.to(dev))
+            elif cfg.teacher_mode == "online":
                 with torch.no_grad():
                     t_logits = self.teacher(input_ids).float()  # (R, L, V)
                 mask = batch.ce_mask.to(dev)  # dense teacher on the same rows: every generated position
@@ -393,7 +432,7 @@ class Recipe:
             else:
                 needs = torch.ones(batch.input_ids.shape[0], dtype=torch.bool)
             comp["length"], expected_len = losses.length_loss(
-                losses.stop_probability(log_probs, [self.end_id]),
+                per_pos["stop_prob"] if per_pos else losses.stop_probability(log_probs, [self.end_id]),
                 batch.turn_mask.to(dev),
                 batch.turn_start.to(dev),
                 target_len.to(dev),
@@ -404,7 +443,7 @@ class Recipe:
             )
         early_w = losses.ramp(cfg.early_tool.weight, epoch, cfg.early_tool.ramp_epochs)
         if cfg.early_tool.weight > 0:
-            early_nll = losses.token_nll(log_probs, batch.early_targets.to(dev))  # (R, L)
+            early_nll = per_pos["early_nll"] if per_pos else losses.token_nll(log_probs, batch.early_targets.to(dev))
             comp["early_tool"] = losses.masked_mean(early_nll, batch.early_mask.to(dev) * batch.tool.to(dev)[:, None])
         weights = {
             "ce": cfg.ce_weight,
@@ -535,7 +574,8 @@ class Recipe:
     # ------------------------------------------------------------------ cleanup
 
     def cleanup(self) -> Path:
-        """Finalize QAT (+ probe), save the final model (config travels with weights)."""
+        """Finalize QAT (+ probe), save the final model (config travels with weights) and its Hugging Face
+        copy with the run's tokenizer (``hf/``: ``from_pretrained`` works on it)."""
         final = self.model
         extra: dict[str, Any] = {"train_config": to_dict(self.cfg), "steps": self.step}
         if self.qat is not None and self.qat_reference is not None:
@@ -560,6 +600,7 @@ class Recipe:
                 final.load_state_dict(full)
         if self.dist.main:
             save_model(path, final.cpu(), **extra)
+            save_hf(final, self.out_dir / HF_DIR_NAME, self.tokenizer)
         if self.dist.world > 1 and dist.is_initialized():
             dist.barrier()
             dist.destroy_process_group()
@@ -633,11 +674,17 @@ def train_student(
     if role not in ("student", "drafter"):
         raise ValueError(f"role must be 'student' or 'drafter', got {role!r}")
     model_cfg = getattr(cfg, role)
-    if model_cfg is None:
-        raise ValueError(f"config has no '{role}' section")
     train_cfg = cfg.drafter_train if role == "drafter" and cfg.drafter_train is not None else cfg.train
     run = run_dir if isinstance(run_dir, RunDir) else RunDir(run_dir)
     tokenizer = tokenizer if tokenizer is not None else run.tokenizer()
+    init_model = None
+    if train_cfg.hf_init_dir is not None:  # the checkpoint's architecture (the section, if any, must agree)
+        from distillgates.train.init import pretrained_student
+
+        init_model = pretrained_student(train_cfg.hf_init_dir, max(cfg.shapes.lengths), tokenizer, model_cfg)
+        model_cfg = init_model.config
+    if model_cfg is None:
+        raise ValueError(f"config has no '{role}' section")
     train_items = train_items if train_items is not None else run.items("train")
     eval_items = eval_items if eval_items is not None else run.items("eval")
     kd_records = None
@@ -648,7 +695,7 @@ def train_student(
         train_cfg, model_cfg, cfg.shapes, tokenizer, train_items, eval_items, run.model_dir(role),
         kd_records=kd_records, teacher=teacher_fn, device=device, max_steps=max_steps, progress=progress,
         speed_prompts=min(cfg.speed.n_prompts, 4),
-        init_teacher=_init_teacher(cfg, run) if train_cfg.init_from == "teacher" else None,
+        init_teacher=_init_teacher(cfg, run) if train_cfg.init_from == "teacher" else None, init_model=init_model,
     )
     recipe.setup()
     recipe.train()

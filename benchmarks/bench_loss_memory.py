@@ -1,0 +1,112 @@
+"""Peak training memory of a SmolLM-135M-shaped student (random weights) with and without chunked losses.
+
+Both arms run the real recipe (:class:`distillgates.train.recipe.Recipe`: CE, process, top-k KD,
+length and early-tool losses, AdamW; QAT off) on the same toy rows, the same enumerated shapes and
+the same seed; only ``train.loss_chunk`` differs. Each arm runs in its own fresh process (a
+process's peak memory cannot be shared), alternating arms for ``--repeats`` rounds. Per arm:
+
+- ``step_peak_mib``: peak resident memory during training steps 2-3 above the resident memory
+  before them (the peak is reset through ``/proc/self/clear_refs`` after the first step, which
+  allocates AdamW's state); this is what the losses change;
+- ``process_peak_mib``: the process's whole peak (model, AdamW state, data and the step).
+
+    .venv/bin/python benchmarks/bench_loss_memory.py [--chunk 128] [--batch 4] [--repeats 2]
+
+Linux only (``/proc``). Not part of the test suite.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+
+SMOLLM_135M = dict(vocab_size=49152, d_model=576, n_layers=30, n_heads=9, n_kv_heads=3, ffn_hidden=1536,
+                   rope_theta=10000.0, tie_embeddings=True)  # fmt: skip  # HuggingFaceTB/SmolLM-135M config.json
+
+
+def _status_kib(field: str) -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1])
+    raise RuntimeError(f"/proc/self/status has no {field}")
+
+
+def arm(chunk: int, batch: int, items: int, threads: int) -> dict[str, float]:
+    """One arm in this process: set up the recipe, one step, reset the peak, two more steps."""
+    from bench_train_throughput import kd_records
+
+    from distillgates.config import ModelConfig, load_config
+    from distillgates.data.chat import render_conversation
+    from distillgates.data.generator import generate_items
+    from distillgates.model import Transformer
+    from distillgates.tokenizer import train_tokenizer
+    from distillgates.train.recipe import Recipe
+
+    torch.set_num_threads(threads)
+    cfg = load_config(Path(__file__).resolve().parents[1] / "configs" / "toy.yaml")
+    cfg.train.qat.enabled, cfg.train.init_from = False, "scratch"  # random weights: no pruned teacher
+    cfg.train.eval_every = cfg.train.ckpt_every = 0
+    cfg.train.batch_size, cfg.train.loss_chunk = batch, chunk
+    rows = generate_items(0, items)
+    tok = train_tokenizer([render_conversation(i) for i in rows], vocab_size=cfg.tokenizer.vocab_size)
+    student = ModelConfig(**SMOLLM_135M, max_seq_len=max(cfg.shapes.lengths))  # type: ignore[arg-type]
+    torch.manual_seed(0)  # top-k teacher signal from a one-layer model of the same vocabulary (cheap)
+    teacher = Transformer(ModelConfig(**{**SMOLLM_135M, "n_layers": 1, "d_model": 64, "n_heads": 2, "n_kv_heads": 1,
+                                         "ffn_hidden": 128}, max_seq_len=student.max_seq_len)).eval()  # type: ignore[arg-type]
+    records = kd_records(rows, tok, teacher, k=cfg.kd.top_k, max_len=student.max_seq_len)
+    del teacher
+    with tempfile.TemporaryDirectory() as tmp:
+        recipe = Recipe(cfg.train, student, cfg.shapes, tok, rows, [], tmp, kd_records=records, device="cpu",
+                        progress=False, speed_prompts=0, max_steps=1)  # fmt: skip
+        recipe.setup()
+        recipe.train()  # step 1: AdamW state allocated
+        before = _status_kib("VmRSS")
+        Path("/proc/self/clear_refs").write_text("5")  # reset VmHWM (the peak) to the current RSS
+        recipe.max_steps = 3
+        recipe.train()
+        step_peak = _status_kib("VmHWM") - before
+    return {"chunk": chunk, "step_peak_mib": step_peak / 1024, "process_peak_mib": _status_kib("VmHWM") / 1024,
+            "rss_before_steps_mib": before / 1024}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--chunk", type=int, default=128, help="train.loss_chunk of the chunked arm")
+    parser.add_argument("--batch", type=int, default=4)
+    parser.add_argument("--items", type=int, default=64)
+    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--arm", type=int, default=None, help=argparse.SUPPRESS)  # internal: run one arm
+    args = parser.parse_args()
+    if args.arm is not None:
+        print(json.dumps(arm(args.arm, args.batch, args.items, args.threads)))
+        return
+    results: dict[int, list[dict[str, float]]] = {0: [], args.chunk: []}
+    for _ in range(args.repeats):
+        for chunk in (0, args.chunk):  # alternating arms, each in a fresh process
+            cmd = [sys.executable, __file__, "--arm", str(chunk), "--batch", str(args.batch), "--items",
+                   str(args.items), "--threads", str(args.threads)]  # fmt: skip
+            out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
+            results[chunk].append(json.loads(out.strip().splitlines()[-1]))
+    summary = {}
+    for chunk, runs in results.items():
+        summary[chunk] = {key: statistics.median(r[key] for r in runs)
+                          for key in ("step_peak_mib", "process_peak_mib", "rss_before_steps_mib")}  # fmt: skip
+    plain, chunked = summary[0], summary[args.chunk]
+    print(f"SmolLM-135M shape, vocab {SMOLLM_135M['vocab_size']}, batch {args.batch}, toy shapes, "
+          f"median of {args.repeats} fresh processes per arm")  # fmt: skip
+    print(f"{'':26}{'unchunked':>12}{f'chunk {args.chunk}':>12}{'ratio':>8}")
+    for key in ("step_peak_mib", "process_peak_mib", "rss_before_steps_mib"):
+        print(f"{key:26}{plain[key]:12.0f}{chunked[key]:12.0f}{chunked[key] / plain[key]:8.2f}")
+    print(json.dumps({"args": vars(args), "runs": {str(k): v for k, v in results.items()}}))
+
+
+if __name__ == "__main__":
+    main()

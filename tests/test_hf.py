@@ -1,0 +1,219 @@
+"""Hugging Face interop per family: logits parity (padding, KV-cached decode, fused decoder), strict conversion
+errors, export back (``to_hf``/``save_hf``). Random tiny weights from the transformers config classes; nothing
+is downloaded."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import transformers
+from torch import Tensor
+
+from distillgates.export.layout import ANETransformer, StandardLayout
+from distillgates.hf import HFConversionError, from_hf, load_hf, save_hf, to_hf
+from distillgates.model import Transformer, apply_rope
+from distillgates.runtime.decoder import FusedDecoder
+from distillgates.tokenizer import train_tokenizer
+
+from .conftest import assert_close
+
+VOCAB, MAX_SEQ = 96, 48
+COMMON = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+              num_key_value_heads=2, max_position_embeddings=4096, rms_norm_eps=1e-6)  # fmt: skip
+LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+               "high_freq_factor": 4.0, "original_max_position_embeddings": 16}  # fmt: skip
+FAMILIES: dict[str, Any] = {
+    "llama3": lambda: transformers.LlamaConfig(**COMMON, rope_parameters=LLAMA3_ROPE, tie_word_embeddings=False),
+    "smollm": lambda: transformers.LlamaConfig(**COMMON, tie_word_embeddings=True),  # SmolLM is a tied Llama
+    "mistral": lambda: transformers.MistralConfig(**COMMON, tie_word_embeddings=False),  # window 4096: no effect
+    "qwen2": lambda: transformers.Qwen2Config(**COMMON, tie_word_embeddings=True),  # q/k/v biases
+    "qwen3": lambda: transformers.Qwen3Config(**COMMON, head_dim=32, tie_word_embeddings=False),  # q/k norm, hd*H != d
+}
+
+
+def hf_model(config: Any, seed: int = 0) -> Any:
+    """A random HF model; every weight (norms and biases too) moved off its init value so that each counts."""
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(config).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.1)
+    return model
+
+
+@pytest.fixture(params=sorted(FAMILIES))
+def pair(request: pytest.FixtureRequest) -> tuple[Any, Transformer]:
+    hf = hf_model(FAMILIES[request.param]())
+    return hf, from_hf(hf, max_seq_len=MAX_SEQ)
+
+
+def padded_batch(T: int = 14, pads: tuple[int, ...] = (0, 5, 2)) -> tuple[Tensor, Tensor]:
+    """Left-padded ids ``(B, T)`` and attention mask (1 = real token)."""
+    ids = torch.randint(0, VOCAB, (len(pads), T), generator=torch.Generator().manual_seed(1))
+    mask = torch.ones(len(pads), T, dtype=torch.long)
+    for row, pad in enumerate(pads):
+        mask[row, :pad] = 0
+    return ids, mask
+
+
+def test_conversion_keeps_the_families_features(pair: tuple[Any, Transformer]) -> None:
+    hf, model = pair
+    cfg = model.config
+    assert cfg.max_seq_len == MAX_SEQ and model.causal_mask.shape == (MAX_SEQ, MAX_SEQ)  # clamped, not 4096
+    assert cfg.attention_bias == (hf.config.model_type == "qwen2")
+    assert cfg.qk_norm == (hf.config.model_type == "qwen3")
+    assert cfg.tie_embeddings == hf.config.tie_word_embeddings
+    assert (model.lm_head.weight is model.embed.weight) == cfg.tie_embeddings
+    assert sum(p.numel() for p in model.parameters()) == sum(p.numel() for p in hf.parameters()) == cfg.n_params
+
+
+@torch.no_grad()
+def test_padded_forward_matches_hf(pair: tuple[Any, Transformer]) -> None:
+    hf, model = pair
+    ids, mask = padded_batch()
+    real = mask.bool()
+    assert_close(model(ids, attention_mask=real)[real], hf(ids, attention_mask=mask).logits[real], atol=2e-5)
+
+
+@pytest.mark.parametrize("engine", ["model", "fused"])
+@torch.no_grad()
+def test_cached_decode_matches_hf(pair: tuple[Any, Transformer], engine: str) -> None:
+    """Left-padded prefill, then four KV-cached decode steps, against HF's own cache."""
+    hf, model = pair
+    ids, mask = padded_batch()
+    B, T = ids.shape
+    model.setup_caches(B)
+    step = FusedDecoder(model).forward if engine == "fused" else model
+    slots = torch.zeros(B, MAX_SEQ, dtype=torch.bool)  # attention mask over cache slots
+    slots[:, :T] = mask.bool()
+    ours = step(ids, torch.arange(T), slots)
+    out = hf(ids, attention_mask=mask, use_cache=True)
+    real = mask.bool()
+    assert_close(ours[real], out.logits[real], atol=2e-5)
+    past, hf_mask, token = out.past_key_values, mask, out.logits[:, -1].argmax(-1, keepdim=True)
+    for pos in range(T, T + 4):
+        slots[:, pos] = True
+        hf_mask = torch.cat([hf_mask, torch.ones(B, 1, dtype=torch.long)], dim=1)
+        ours = step(token, torch.tensor([pos]), slots)
+        out = hf(token, attention_mask=hf_mask, past_key_values=past, use_cache=True)
+        assert_close(ours[:, -1], out.logits[:, -1], atol=2e-5)
+        past, token = out.past_key_values, out.logits[:, -1].argmax(-1, keepdim=True)
+
+
+@torch.no_grad()
+def test_to_hf_gives_back_the_family_and_the_logits(pair: tuple[Any, Transformer]) -> None:
+    hf, model = pair
+    back = to_hf(model, hf.config.model_type)
+    assert type(back) is type(hf)
+    ids, mask = padded_batch()
+    real = mask.bool()
+    assert_close(back(ids, attention_mask=mask).logits[real], hf(ids, attention_mask=mask).logits[real], atol=1e-5)
+
+
+@torch.no_grad()
+def test_standard_export_layout_computes_the_features(pair: tuple[Any, Transformer]) -> None:
+    """The export's layout reuses the attention projection, so biases and q/k norms reach Core ML too."""
+    _, model = pair
+    layout, ids = StandardLayout(model), torch.randint(0, VOCAB, (1, 9))
+    cos, sin = model.rope_cos[:9], model.rope_sin[:9]
+    x = layout.embed_tokens(ids)
+    for i in range(model.config.n_layers):
+        q, k, v = layout.qkv(i, x)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        groups = model.config.n_heads // model.config.n_kv_heads
+        k, v = k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1)
+        x = layout.finish_block(i, x, torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True))
+    assert_close(layout.head(x[:, -1:]), model(ids)[:, -1], atol=2e-5)
+
+
+def test_ane_layout_refuses_features_it_lacks() -> None:
+    model = from_hf(hf_model(FAMILIES["qwen3"]()), max_seq_len=MAX_SEQ)
+    with pytest.raises(ValueError, match="does not support qk_norm"):
+        ANETransformer.from_standard(model)
+
+
+def test_save_hf_round_trips_with_the_tokenizer(tmp_path: Path) -> None:
+    tiny_tokenizer = train_tokenizer(["a tiny corpus for a tiny tokenizer"] * 4, vocab_size=300, min_frequency=1)
+    # a Llama (the toy's family): AutoTokenizer maps a qwen2 config.json to Qwen2Tokenizer, which adds its own
+    # <|endoftext|> to a foreign vocabulary
+    model = from_hf(hf_model(FAMILIES["llama3"]()), max_seq_len=MAX_SEQ)
+    out = save_hf(model, tmp_path / "hf", tiny_tokenizer)
+    assert not [p for p in tmp_path.iterdir() if p.name != "hf"]  # the temporary directory is gone
+    reloaded = transformers.AutoModelForCausalLM.from_pretrained(out, local_files_only=True)
+    assert reloaded.config.model_type == "llama" and reloaded.config.rope_parameters["rope_type"] == "llama3"
+    tokenizer = transformers.AutoTokenizer.from_pretrained(out, local_files_only=True)
+    assert tokenizer.get_vocab() == tiny_tokenizer.get_vocab()
+    ids = torch.randint(0, VOCAB, (1, 12))
+    with torch.no_grad():
+        assert_close(reloaded(ids).logits, model(ids), atol=1e-5)
+        assert_close(load_hf(out, MAX_SEQ)(ids), model(ids), atol=1e-5)
+
+
+# ------------------------------------------------------------------ strict conversion: one test per failure
+
+
+def _config(family: str, **overrides: Any) -> Any:
+    config = FAMILIES[family]()
+    for key, value in overrides.items():
+        setattr(config, key, value)
+    return config
+
+
+@pytest.mark.parametrize(
+    ("make", "fragment"),
+    [
+        (lambda: transformers.GPT2Config(vocab_size=VOCAB, n_embd=64, n_layer=2, n_head=4),
+         "unsupported model_type 'gpt2' (supported: llama, mistral, qwen2, qwen3)"),
+        (lambda: transformers.LlamaConfig(**COMMON, rope_parameters={"rope_type": "yarn", "rope_theta": 1e4,
+                                                                     "factor": 4.0}),
+         "rope_type 'yarn' is not supported"),
+        (lambda: transformers.LlamaConfig(**COMMON, rope_parameters={"rope_type": "dynamic", "rope_theta": 1e4,
+                                                                     "factor": 2.0}),
+         "rope_type 'dynamic' is not supported"),
+        (lambda: transformers.MistralConfig(**{**COMMON, "max_position_embeddings": 64}, sliding_window=16),
+         "sliding_window 16 is in effect below max_seq_len 48"),
+        (lambda: transformers.Qwen2Config(**COMMON, use_sliding_window=True, sliding_window=32, max_window_layers=0),
+         "sliding_window 32 is in effect below max_seq_len 48"),
+        (lambda: transformers.LlamaConfig(**COMMON, attention_bias=True), "attention_bias=True (a bias on o_proj"),
+        (lambda: transformers.LlamaConfig(**COMMON, mlp_bias=True), "mlp_bias=True is not supported"),
+        (lambda: transformers.LlamaConfig(**COMMON, hidden_act="gelu"), "hidden_act 'gelu' is not supported"),
+        (lambda: transformers.LlamaConfig(**{**COMMON, "max_position_embeddings": 32}),
+         "max_position_embeddings 32 is below the 48 needed"),
+    ],
+    ids=["unknown-model-type", "rope-yarn", "rope-dynamic", "mistral-window", "qwen2-window", "llama-attention-bias",
+         "mlp-bias", "activation", "short-context"],
+)
+def test_unsupported_settings_are_errors_naming_them(make: Any, fragment: str) -> None:
+    with pytest.raises(HFConversionError) as err:
+        from_hf(transformers.AutoModelForCausalLM.from_config(make()), max_seq_len=MAX_SEQ)
+    assert fragment in str(err.value)
+
+
+def test_sliding_window_wider_than_the_context_is_accepted() -> None:
+    model = from_hf(hf_model(transformers.MistralConfig(**COMMON, sliding_window=MAX_SEQ)), max_seq_len=MAX_SEQ)
+    assert model.config.max_seq_len == MAX_SEQ
+
+
+def test_unused_weight_is_an_error_naming_it() -> None:
+    hf = hf_model(FAMILIES["smollm"]())
+    hf.model.layers[1].self_attn.register_parameter("extra", torch.nn.Parameter(torch.zeros(4)))
+    with pytest.raises(HFConversionError, match=r"unused \['model\.layers\.1\.self_attn\.extra'\]"):
+        from_hf(hf, max_seq_len=MAX_SEQ)
+
+
+def test_missing_weight_is_an_error_naming_it() -> None:
+    hf = hf_model(FAMILIES["qwen2"]())
+    hf.model.layers[0].self_attn.k_proj.bias = None  # a Qwen2 checkpoint without one of its biases
+    with pytest.raises(HFConversionError, match=r"missing \['model\.layers\.0\.self_attn\.k_proj\.bias'\]"):
+        from_hf(hf, max_seq_len=MAX_SEQ)
+
+
+def test_load_hf_names_the_file_and_reads_no_weight_of_an_unknown_type(tmp_path: Path) -> None:
+    transformers.GPT2Config(vocab_size=VOCAB, n_embd=64, n_layer=2, n_head=4).save_pretrained(tmp_path)
+    with pytest.raises(HFConversionError, match=rf"{tmp_path / 'config.json'}: .*model_type 'gpt2'"):
+        load_hf(tmp_path, MAX_SEQ)  # config only: it fails before looking for weights
+    with pytest.raises(FileNotFoundError, match="no Hugging Face checkpoint"):
+        load_hf(tmp_path / "absent", MAX_SEQ)
