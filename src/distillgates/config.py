@@ -148,9 +148,15 @@ class ShapesConfig:
 
 @dataclass
 class DataConfig:
-    """Toy tool-calling dataset generation."""
+    """Where the items come from: the toy generator (default) or the user's OpenAI chat-format files."""
 
-    seed: int = 0
+    # toy: the generator; jsonl: OpenAI chat-format JSONL; hf: the same through Hugging Face datasets
+    # (local json/jsonl/parquet, nothing downloaded). Format: docs/user-guide.md "Your own data"
+    source: str = "toy"
+    path: str | None = None  # the rows (jsonl/hf); relative to the working directory
+    eval_path: str | None = None  # given eval rows; without it a seeded eval_fraction of path is held out
+    eval_fraction: float = 0.1
+    seed: int = 0  # the toy generator's seed, and the train/eval split's
     n_train: int = 2000
     n_eval: int = 200
     locales: list[str] = field(default_factory=lambda: ["en", "de"])
@@ -161,6 +167,12 @@ class DataConfig:
     def __post_init__(self) -> None:
         if not 0.0 <= self.verbose_share <= 1.0:
             raise ValueError(f"verbose_share must be in [0, 1], got {self.verbose_share}")
+        if self.source not in ("toy", "jsonl", "hf"):
+            raise ValueError(f"source must be toy/jsonl/hf, got {self.source!r}")
+        if self.source != "toy" and not self.path:
+            raise ValueError(f"source {self.source!r} needs path (the OpenAI-format rows)")
+        if not 0.0 < self.eval_fraction < 1.0:
+            raise ValueError(f"eval_fraction must be in (0, 1), got {self.eval_fraction}")
 
 
 @dataclass

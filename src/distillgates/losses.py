@@ -270,7 +270,7 @@ def coverage_met(item: Mapping[str, Any], calls: Sequence[Mapping[str, Any] | No
 
     Items without expected calls and integration fields are always covered.
     """
-    from distillgates.data.registry import validate_call
+    from distillgates.data.tools import validate_call
     from distillgates.eval.matching import match_call, normalize_text, value_text
 
     expected = list(item.get("expected_calls") or [])
@@ -317,7 +317,7 @@ def early_tool_target(
     use a tool or no valid call exists.
     """
     from distillgates.data.chat import TOOL_CALL, parse_transcript
-    from distillgates.data.registry import canonical_call, validate_call
+    from distillgates.data.tools import canonical_call, validate_call
 
     if not item.get("tool_should_be_used"):
         return None

@@ -49,6 +49,9 @@ class Step:
     run: Callable[[Config, RunDir], dict[str, Any]]  # returns a small JSON summary
     outputs: Outputs  # what the step writes: checksummed in the manifest; folders in the run dir are cleared
     resumable: bool = False  # an interrupted run of the same inputs continues from its checkpoint
+    # the step builds its outputs aside and swaps them in itself: a failed run keeps the previous ones
+    replaces_outputs: bool = False
+    files: Callable[[Config], tuple[Path, ...]] | None = None  # input files outside the run (content hashed)
 
     @functools.cached_property
     def code(self) -> dict[str, str]:
@@ -97,7 +100,10 @@ class Pipeline:
         """Everything the step's output depends on (what its fingerprint hashes)."""
         upstream = {dep: sha256_json(self.manifest.get(dep, {}).get("outputs")) for dep in step.depends}
         config = {field: config_value(self.cfg, field) for field in step.config}
-        return {"step": step.name, "config": config, "seed": self.cfg.seed, "code": step.code, "upstream": upstream}
+        inputs = {"step": step.name, "config": config, "seed": self.cfg.seed, "code": step.code, "upstream": upstream}
+        if files := (step.files(self.cfg) if step.files else ()):  # absent otherwise: the toy keeps its fingerprints
+            inputs["files"] = {str(p): sha256_file(p) if Path(p).is_file() else None for p in files}
+        return inputs
 
     def fingerprint(self, step: Step) -> str:
         return sha256_json(self.inputs(step))
@@ -109,9 +115,9 @@ class Pipeline:
             return "not run yet"
         if entry.get("fingerprint") != self.fingerprint(step):
             before, current = entry.get("inputs", {}), self.inputs(step)
-            changed = [f"{kind} {name}" for kind in ("config", "code", "upstream")
-                       for name in sorted(set(before.get(kind, {})) | set(current[kind]))
-                       if before.get(kind, {}).get(name) != current[kind].get(name)]  # fmt: skip
+            changed = [f"{kind} {name}" for kind in ("config", "code", "upstream", "files")
+                       for name in sorted(set(before.get(kind, {})) | set(current.get(kind, {})))
+                       if before.get(kind, {}).get(name) != current.get(kind, {}).get(name)]  # fmt: skip
             return "inputs changed: " + (", ".join(changed[:6]) + (" ..." if len(changed) > 6 else "") or "seed")
         recorded = entry.get("outputs", {})
         current = output_checksums(step.outputs(self.cfg, self.run_dir), self.run_dir)
@@ -157,7 +163,7 @@ class Pipeline:
         keep = step.resumable and not force and started == fingerprint
         root = self.run_dir.root.resolve()
         for out in step.outputs(self.cfg, self.run_dir):
-            if keep or not out.resolve().is_relative_to(root):  # never delete outside the run dir (teacher.path)
+            if keep or step.replaces_outputs or not out.resolve().is_relative_to(root):  # never outside the run dir
                 continue
             if out.is_dir():
                 shutil.rmtree(out)
@@ -207,14 +213,14 @@ def run_pipeline(config_path: str | Path, run_dir: str | Path | None = None, for
 
 
 def step_data(cfg: Config, run: RunDir) -> dict[str, Any]:
-    from distillgates.data.build import build_toy_data
+    from distillgates.data.build import build_data
 
-    toy = build_toy_data(cfg, run.data_dir)
+    built = build_data(cfg, run.data_dir)
     return {
-        "tokenizer_fingerprint": toy.tokenizer_fingerprint,
-        "dataset_sha256": toy.dataset_sha256,
-        "dropped": {split: len(ids) for split, ids in toy.dropped.items()},
-        "shape_counts": {split: {str(k): v for k, v in c.items()} for split, c in toy.shape_counts.items()},
+        "tokenizer_fingerprint": built.tokenizer_fingerprint,
+        "dataset_sha256": built.dataset_sha256,
+        "dropped": {split: len(ids) for split, ids in built.dropped.items()},
+        "shape_counts": {split: {str(k): v for k, v in c.items()} for split, c in built.shape_counts.items()},
     }
 
 
@@ -407,6 +413,12 @@ def step_report(cfg: Config, run: RunDir) -> dict[str, Any]:
     return {"report": str(path)}
 
 
+def _data_files(cfg: Config) -> tuple[Path, ...]:
+    from distillgates.data.build import input_files
+
+    return input_files(cfg)
+
+
 def _teacher_outputs(cfg: Config, run: RunDir) -> tuple[Path, ...]:
     if cfg.teacher is not None and cfg.teacher.kind == "openai":
         return ()
@@ -415,8 +427,8 @@ def _teacher_outputs(cfg: Config, run: RunDir) -> tuple[Path, ...]:
 
 
 STEPS: list[Step] = [
-    Step("data", "generate the toy dataset and train the tokenizer", ("data", "tokenizer", "shapes"), (), step_data,
-         lambda cfg, run: (run.data_dir,)),
+    Step("data", "generate the toy dataset (or read your own) and train the tokenizer", ("data", "tokenizer", "shapes"),
+         (), step_data, lambda cfg, run: (run.data_dir,), replaces_outputs=True, files=_data_files),
     Step("teacher", "train the toy teacher (LlamaForCausalLM)",
          ("teacher.kind", "teacher.path", "teacher.model", "teacher.train"), ("data",), step_teacher,
          _teacher_outputs),

@@ -31,7 +31,7 @@ import numpy as np
 import torch
 
 from distillgates.config import ModelConfig, SpeedConfig
-from distillgates.data.registry import parse_tool_call, validate_call
+from distillgates.data.tools import parse_tool_call, validate_call
 from distillgates.hardware import torch_threads
 from distillgates.io import atomic_write_json
 from distillgates.runtime.base import EngineBase

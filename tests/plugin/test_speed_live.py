@@ -13,7 +13,7 @@ import json
 import pytest
 
 from distillgates.config import load_config
-from distillgates.data.build import build_toy_data
+from distillgates.data.build import build_data
 from distillgates.model import Transformer, load_model, save_model
 from distillgates.rundir import RunDir
 
@@ -25,7 +25,7 @@ from .conftest import REPO
 def live_run(make_run):
     run = make_run("live")
     cfg = load_config(REPO / "configs" / "toy.yaml")
-    build_toy_data(cfg, run / "data")
+    build_data(cfg, run / "data")
     tiny = tiny_model_config(vocab_size=cfg.tokenizer.vocab_size, max_seq_len=512)
     save_model(run / "student" / "model.pt", Transformer(tiny))
     RunDir(run).contract.unlink()  # not exported: the speed probe measures the PyTorch engine on every platform

@@ -15,7 +15,8 @@ from jsonschema import Draft202012Validator
 
 from distillgates.data.chat import render_conversation
 from distillgates.data.generator import generate_items
-from distillgates.data.registry import TOOLS, canonical_call, validate_call
+from distillgates.data.registry import TOOLS
+from distillgates.data.tools import canonical_call, validate_call
 from distillgates.runtime.constrained import (
     S_BODY,
     Bounds,

@@ -36,7 +36,7 @@ from typing import Any, Protocol
 import torch
 
 from distillgates.data.chat import parse_assistant_turn, render_prompt, system_prompt, tool_result_text
-from distillgates.data.registry import validate_call
+from distillgates.data.tools import validate_call
 from distillgates.eval.broker import ToolBroker
 from distillgates.eval.fingerprints import directory_fingerprint, runner_fingerprint
 from distillgates.tokenizer import ASSISTANT, END, EOS, TOOL_CALL, TOOL_RESULT
