@@ -343,6 +343,7 @@ def step_eval(cfg: Config, run: RunDir) -> dict[str, Any]:
     """Student and teacher on the held-out items, each evaluated once; the student's outputs are also
     the unsharded arm of the determinism check (the shards re-run it, on the same thread count)."""
     from distillgates.data.fingerprints import dataset_sha256
+    from distillgates.eval.broker import FixturePolicy
     from distillgates.eval.evaluate import evaluate, item_lengths, sharded_determinism
     from distillgates.eval.scorer import item_rows, score_items
     from distillgates.eval.sharding import outputs_sha256, write_outputs
@@ -362,8 +363,10 @@ def step_eval(cfg: Config, run: RunDir) -> dict[str, Any]:
         from distillgates.teacher.local import LocalTeacher
 
         teacher = TorchEngine(from_hf(LocalTeacher(run.teacher_model_dir(cfg)).model).eval())
+    policy = FixturePolicy(cfg.eval.missing_fixture, cfg.eval.mock_result)
     common: dict[str, Any] = {"lengths": cfg.shapes.lengths, "dataset_sha256": eval_sha, "progress": True,
-                              "max_calls": cfg.eval.max_calls, "max_new_tokens": cfg.eval.max_new_tokens}
+                              "max_calls": cfg.eval.max_calls, "max_new_tokens": cfg.eval.max_new_tokens,
+                              "policy": policy, "privacy": cfg.eval.privacy}
     with torch_threads(cfg.eval.threads):  # the shard workers' thread count: the same kernels, bit for bit
         student, outputs = evaluate(TorchEngine(run.load_model()), items, tokenizer, return_outputs=True,
                                     constrained=cfg.eval.constrained_tool_calls, **common)
@@ -371,11 +374,12 @@ def step_eval(cfg: Config, run: RunDir) -> dict[str, Any]:
     quality = {"student": student, "teacher": evaluate(teacher, items, tokenizer, **common)}
     write_outputs(run.eval_outputs, outputs)
     # per-item F1 of the student for the paired drift gates (kept out of report.json: one row per item)
-    scores = score_items(items, outputs, item_lengths(items, tokenizer), cfg.shapes.lengths)
+    scores = score_items(items, outputs, item_lengths(items, tokenizer), cfg.shapes.lengths, cfg.eval.privacy)
     atomic_write_json(run.item_scores, {"role": "student", "items": item_rows(scores)})
     spec = {"dataset": str(run.dataset("eval")), "tokenizer": str(run.tokenizer_dir), "model": str(run.model_path()),
             "runner": "engine", "max_new_tokens": cfg.eval.max_new_tokens, "max_calls": cfg.eval.max_calls,
-            "constrained_tool_calls": cfg.eval.constrained_tool_calls, "threads": cfg.eval.threads}
+            "constrained_tool_calls": cfg.eval.constrained_tool_calls, "threads": cfg.eval.threads,
+            "missing_fixture": cfg.eval.missing_fixture, "mock_result": cfg.eval.mock_result}
     run.shards_dir.mkdir(parents=True, exist_ok=True)
     determinism = sharded_determinism(spec, world_size=2, work_dir=run.shards_dir, unsharded=outputs)
     atomic_write_json(run.quality, quality)
