@@ -48,6 +48,7 @@ from typing import Any
 
 from distillgates.data.chat import LOCALES, answer_text, item_system_prompt, tool_call_text, tool_result_text
 from distillgates.data.dataset import DatasetError, validate_item
+from distillgates.data.tools import validate_call
 
 _ROW_FIELDS = {"id", "messages", "tools", "kind", "pii", "locale", "argument_alternatives", "integration_fields"}
 
@@ -159,6 +160,7 @@ def row_to_item(row: Any, where: str, default_id: str) -> dict[str, Any]:
         raise _fail(where, "messages", "no user message")
     last_user = users[-1]
     results = _results_by_id(messages, where)
+    tools = _tools(row, where)
     used: set[str] = set()
 
     def calls_of(i: int) -> list[tuple[str, dict[str, Any]]]:
@@ -166,15 +168,17 @@ def row_to_item(row: Any, where: str, default_id: str) -> dict[str, Any]:
         if not isinstance(calls, list):
             raise _fail(where, f"messages[{i}].tool_calls", f"expected a list, got {type(calls).__name__}")
         out = [_call(c, where, f"messages[{i}].tool_calls[{j}]") for j, c in enumerate(calls)]
-        for call_id, _ in out:
+        for j, (call_id, call) in enumerate(out):
+            if errors := validate_call(call, tools):
+                part = "name" if errors[0].startswith("unknown_tool") else "arguments"
+                raise _fail(where, f"messages[{i}].tool_calls[{j}].function.{part}", "; ".join(errors))
             if call_id not in results:
-                raise _fail(where, f"messages[{i}].tool_calls", f"call {call_id!r} has no tool message with that id")
+                raise _fail(where, f"messages[{i}].tool_calls[{j}].id", f"no tool message answers call {call_id!r}")
             if call_id in used:
-                raise _fail(where, f"messages[{i}].tool_calls", f"call id {call_id!r} is used twice")
+                raise _fail(where, f"messages[{i}].tool_calls[{j}].id", f"call id {call_id!r} is used twice")
             used.add(call_id)
         return out
 
-    tools = _tools(row, where)
     instructions = None
     history: list[dict[str, Any]] = []
     for i, message in enumerate(messages[: last_user + 1]):
