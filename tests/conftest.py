@@ -121,7 +121,7 @@ def own_data_rows(variants: int = 1) -> list[dict]:
                     "title": f"VPN licence {v}", "priority": "normal",
                     "reporter": {"email": f"anna{v}@example.com"}})]},
                 _tool("t", {"ticket_id": f"T-{n + 2}"}),
-                {"role": "assistant", "content": f"Ticket T-{n + 2} is open."}]},
+                {"role": "assistant", "content": f"Your ticket is T-{n + 2}."}]},
             {"id": f"control-{v}", "tools": OWN_TOOLS, "kind": "control", "messages": [
                 {"role": "user", "content": "What does VPN stand for?"},
                 {"role": "assistant", "content": "Virtual private network."}]},
