@@ -307,7 +307,8 @@ def read_items(path: str | Path, fmt: str = "jsonl") -> list[dict[str, Any]]:
     """
     rows = jsonl_rows(path) if fmt == "jsonl" else hf_rows(path)
     stem = Path(path).stem
-    items, seen = [], {}
+    items: list[dict[str, Any]] = []
+    seen: dict[str, str] = {}
     for where, row in rows:
         number = where.rsplit(":", 1)[1]
         item = row_to_item(row, where, f"{stem}-{int(number):06d}")

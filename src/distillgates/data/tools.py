@@ -106,7 +106,7 @@ def validate_call(call: Any, tools: Tools | None = None) -> list[str]:
         errors.append(f"malformed_call: arguments: expected an object, got {type(arguments).__name__}")
     if errors:
         return errors
-    for err in sorted(validators[name].iter_errors(arguments), key=lambda e: list(e.absolute_path)):
+    for err in sorted(validators[str(name)].iter_errors(arguments), key=lambda e: list(e.absolute_path)):
         reason = _REASON_BY_KEYWORD.get(str(err.validator), "value_error")
         path = ".".join(["arguments", *map(str, err.absolute_path)])
         errors.append(f"{reason}: {path}: {err.message}")
