@@ -156,8 +156,8 @@ class DataConfig:
     source: str = "toy"
     path: str | None = None  # the rows (jsonl/hf); relative to the working directory
     eval_path: str | None = None  # given eval rows; without it a seeded eval_fraction of path is held out
-    eval_fraction: float = 0.1
-    seed: int = 0  # the toy generator's seed, and the train/eval split's
+    eval_fraction: float = 0.1  # share of the rows held out for eval (seeded shuffle) when eval_path is not given
+    seed: int = 0  # the toy generator's seed (items are a pure function of seed, split, index); the split's too
     n_train: int = 2000
     n_eval: int = 200
     locales: list[str] = field(default_factory=lambda: ["en", "de"])
@@ -435,7 +435,7 @@ class EvalConfig:
     # a tool call no fixture answers: "error" (an error result for the model) or "mock" (mock_result, counted
     # apart as mocked_calls); a counted miss of the fixture hit-rate either way
     missing_fixture: str = "error"
-    mock_result: dict[str, Any] = field(default_factory=lambda: {"status": "ok"})
+    mock_result: dict[str, Any] = field(default_factory=lambda: {"status": "ok"})  # the model's result of a mock
     privacy: PrivacyConfig = field(default_factory=PrivacyConfig)
 
     def __post_init__(self) -> None:
