@@ -301,6 +301,7 @@ def step_speed(cfg: Config, run: RunDir) -> dict[str, Any]:
     from typing import cast
 
     from distillgates.data.chat import render_prompt
+    from distillgates.data.tools import item_tools
     from distillgates.hardware import hardware_header
     from distillgates.runtime.base import EngineBase
     from distillgates.runtime.prompt_cache import prefix_until
@@ -310,6 +311,7 @@ def step_speed(cfg: Config, run: RunDir) -> dict[str, Any]:
 
     backend, tokenizer = cfg.speed.engine, run.tokenizer()
     prompts = [render_prompt(item) for item in run.items("eval")]
+    tools = [item_tools(item) for item in run.items("eval")]  # TTFA: a call valid against the item's tools
     stop_ids = (cast(int, tokenizer.convert_tokens_to_ids(END)), cast(int, tokenizer.convert_tokens_to_ids(EOS)))
     model = run.load_model()
     if backend == "coreml":  # macOS: the Core ML runtime (the import pulls in the export code)
@@ -322,6 +324,7 @@ def step_speed(cfg: Config, run: RunDir) -> dict[str, Any]:
     speed = measure_speed(
         speed_engine, tokenizer, prompts, cfg.speed, model_config=model.config, backend=backend,
         export=backend == "coreml", hardware_profile_key=hardware["hardware_profile_key"], stop_ids=stop_ids,
+        tools=tools,
     )  # fmt: skip
     torch_engine = speed_engine if isinstance(speed_engine, TorchEngine) else TorchEngine(model)
     ids = [tokenizer.encode(p, add_special_tokens=False) for p in prompts[: cfg.speed.n_prompts]]
