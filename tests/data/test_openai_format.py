@@ -181,3 +181,12 @@ def test_hugging_face_datasets_source_gives_the_same_items(tmp_path, rows_file, 
     write_jsonl(tmp_path / "bad.jsonl", flat)
     with pytest.raises(DatasetError, match=re.escape(f"{tmp_path / 'bad.jsonl'}:3: messages[5].role:")):
         read_items(tmp_path / "bad.jsonl", "hf")
+
+
+def test_parallel_groups_are_checked(rows_file):
+    from distillgates.data.dataset import validate_item
+
+    item = {i["id"]: i for i in read_items(rows_file)}["parallel-0"]
+    for bad in ([[0, 1]], [[1, 3]], [["0", 2]], [[0, 2], [0, 2]]):
+        with pytest.raises(DatasetError, match=r"x: parallel_calls\[\d\]:"):
+            validate_item({**item, "parallel_calls": bad}, "x")

@@ -137,3 +137,19 @@ def test_calls_validate_against_the_items_tools_not_the_registry(items):
     assert score([item], [output])["json_validity"] == 0.0
     typed = replay(item, [call_turn("create_ticket", title="x", priority="low", urgent="yes"), "Ok."])
     assert typed["calls"][0]["errors"][0].startswith("type_error: arguments.urgent")
+
+
+def test_calls_of_one_parallel_turn_may_come_in_any_order(items):
+    item = items["parallel-0"]
+    assert item["parallel_calls"] == [[0, 2]]
+    ticket = call_turn("create_ticket", title="printer 0 jams", priority="low")
+    search = call_turn("search_files", query="printer manual", max_results=1)
+    answer = "Ticket T-1041 is filed; the manual is docs/printer-manual.pdf."
+    swapped = replay(item, [search, ticket, answer])
+    metrics = score([item], [swapped])
+    assert metrics["tool_selection"] == metrics["arg_match_strict"] == metrics["fixture_hit_rate"] == 1.0
+    sequential = {**item, "parallel_calls": []}  # the same calls in two turns: order matters
+    metrics = score([sequential], [swapped])
+    assert metrics["tool_selection"] == 0.0 and metrics["failure_reasons"] == {"wrong_func_name": 1}
+    twice = replay(item, [search, search, answer])  # a call twice is not the pair, in any order
+    assert score([item], [twice])["tool_selection"] == 0.0

@@ -33,7 +33,8 @@ _ITEM_FIELDS: dict[str, type | tuple[type, ...]] = {
     "pii": list,
     "reference": str,
 }
-_OPTIONAL_FIELDS: dict[str, type] = {"style": str, "tools": list, "instructions": str, "argument_alternatives": list}
+_OPTIONAL_FIELDS: dict[str, type] = {"style": str, "tools": list, "instructions": str, "argument_alternatives": list,
+                                     "parallel_calls": list}
 _MESSAGE_ROLES = ("system", "user", "assistant", "tool")
 _HEADER_FIELDS: dict[str, type | tuple[type, ...]] = {
     "__header__": bool,
@@ -108,6 +109,12 @@ def validate_item(item: Any, where: str = "<item>") -> None:
         errors = validate_call(call, tools)
         if errors:
             raise _fail(where, f"expected_calls[{i}]", "; ".join(errors))
+    previous_end = 0
+    for i, group in enumerate(item.get("parallel_calls", [])):
+        ok = isinstance(group, list) and len(group) == 2 and all(type(v) is int for v in group)
+        if not ok or not previous_end <= group[0] < group[1] - 1 < len(item["expected_calls"]):
+            raise _fail(where, f"parallel_calls[{i}]", "expected [first, end) of 2+ expected calls, in order")
+        previous_end = group[1]
     alternatives = item.get("argument_alternatives")
     if alternatives is not None:
         if len(alternatives) != len(item["expected_calls"]):

@@ -24,7 +24,8 @@ Conversion (:func:`row_to_item`):
   result, and the final assistant message the answer; everything before is the prompt (earlier
   turns are history the model reads). The target must end with an assistant answer.
 - parallel calls are interleaved with their results (call 1, result 1, call 2, result 2), the
-  order the runtime plays a conversation in; the expected calls keep the row's order.
+  order the runtime plays a conversation in; the expected calls keep the row's order, and the
+  item's ``parallel_calls`` (``[first, end)`` per parallel turn) lets the scorer accept them in any order.
 - a tool result that is a JSON object is used as is; any other content becomes ``{"content": text}``.
 - the row's system message becomes the item's ``instructions`` (the system prompt then lists the
   row's tools after it); ``tools`` accepts the OpenAI ``{"type": "function", "function": {...}}``
@@ -194,7 +195,11 @@ def row_to_item(row: Any, where: str, default_id: str) -> dict[str, Any]:
                 history.append({"role": "assistant", "content": content if j == 0 else "", "tool_calls": [call]})
                 history.append({"role": "tool", "content": json.dumps(results[call_id][1], separators=(",", ":"),
                                                                       ensure_ascii=False)})  # fmt: skip
-    expected, fixtures, reference, answer, alt_ids = [], [], "", None, []
+    expected: list[dict[str, Any]] = []
+    fixtures: list[dict[str, Any]] = []
+    alt_ids: list[str] = []
+    groups: list[list[int]] = []
+    reference, answer = "", None
     for i in range(last_user + 1, len(messages)):
         message = messages[i]
         if message["role"] == "tool":
@@ -208,7 +213,10 @@ def row_to_item(row: Any, where: str, default_id: str) -> dict[str, Any]:
         if not message.get("tool_calls"):
             answer = content
             continue
-        for j, (call_id, call) in enumerate(calls_of(i)):
+        turn_calls = calls_of(i)
+        if len(turn_calls) > 1:
+            groups.append([len(expected), len(expected) + len(turn_calls)])
+        for j, (call_id, call) in enumerate(turn_calls):
             result = results[call_id][1]
             expected.append(call)
             alt_ids.append(call_id)
@@ -240,6 +248,8 @@ def row_to_item(row: Any, where: str, default_id: str) -> dict[str, Any]:
     }
     if instructions is not None:
         item["instructions"] = instructions
+    if groups:
+        item["parallel_calls"] = groups
     if raw_alternatives:
         item["argument_alternatives"] = [dict(raw_alternatives.get(call_id, {})) for call_id in alt_ids]
     if item["locale"] not in LOCALES:

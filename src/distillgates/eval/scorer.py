@@ -4,6 +4,8 @@ Definitions (DESIGN.md "Quality metrics"; keys fixed in the contract's METRICS):
 
 - **tool_selection**: the sequence of emitted tool names (an unparsable call counts as a
   wrong name) equals the expected sequence; "no tool" is the empty sequence. Over all items.
+  Calls of one parallel turn (the item's ``parallel_calls`` groups) may come in any order: they
+  are compared in the order that matches best (:func:`order_parallel_calls`).
 - **json_validity**: share of emitted calls that parse and pass THE shared validator
   :func:`distillgates.data.tools.validate_call` against the item's own tools. Over emitted calls.
 - **arg_match_strict / arg_match_lax** (BFCL-style): over items that expect tools; the item
@@ -46,6 +48,7 @@ shape, locale and tool-absent.
 
 from __future__ import annotations
 
+import itertools
 import math
 import re
 import statistics
@@ -208,7 +211,8 @@ def score_item(
     locale = str(item.get("locale", "en"))
     expected = list(item.get("expected_calls", []))
     calls = list(output.get("calls", []))
-    parsed = [c.get("call") for c in calls]
+    parsed = order_parallel_calls([c.get("call") for c in calls], expected, item.get("parallel_calls") or [],
+                                  locale, tools, alternatives)
     tool_item = bool(item.get("tool_should_be_used", bool(expected)))
     control = item.get("kind") in CONTROL_KINDS
     answer = output.get("answer") or ""
@@ -267,6 +271,34 @@ def score_item(
     if control:
         score.control_integration = bool(calls) or bool(find_spans_named(answer, result_vocab))
     return score
+
+
+def order_parallel_calls(
+    parsed: Sequence[Any],
+    expected: Sequence[Mapping[str, Any]],
+    groups: Sequence[Sequence[int]],
+    locale: str,
+    tools: Sequence[Mapping[str, Any]],
+    alternatives: Sequence[Mapping[str, Any]],
+) -> list[Any]:
+    """The emitted calls with each parallel group (``[first, end)`` of the expected calls, from one
+    assistant message with several calls) in the order that best matches the expected calls: calls of
+    one parallel turn may come in any order (BFCL's parallel category). Groups of more than 6 calls,
+    or that the emitted calls do not reach, keep the emitted order."""
+    out = list(parsed)
+    for first, end in groups:
+        if end > len(out) or end - first > 6:
+            continue
+
+        def fit(order: tuple[int, ...], first: int = first) -> tuple[int, int]:
+            pairs = [(out[i], first + k) for k, i in enumerate(order)]
+            matched = sum(match_call(c, expected[j], True, locale, tools, alternatives[j]) is None for c, j in pairs)
+            named = sum(isinstance(c, Mapping) and c.get("name") == expected[j]["name"] for c, j in pairs)
+            return matched, named
+
+        best = max(itertools.permutations(range(first, end)), key=fit)  # first best: the emitted order on ties
+        out[first:end] = [out[i] for i in best]
+    return out
 
 
 def find_spans_named(answer: str, named_values: Sequence[str]) -> list[str]:
