@@ -190,3 +190,11 @@ def test_parallel_groups_are_checked(rows_file):
     for bad in ([[0, 1]], [[1, 3]], [["0", 2]], [[0, 2], [0, 2]]):
         with pytest.raises(DatasetError, match=r"x: parallel_calls\[\d\]:"):
             validate_item({**item, "parallel_calls": bad}, "x")
+
+
+def test_hf_source_without_the_datasets_package_says_what_to_install(rows_file, monkeypatch):
+    import sys
+
+    monkeypatch.setitem(sys.modules, "datasets", None)  # import datasets -> ImportError
+    with pytest.raises(DatasetError, match=re.escape(f"{rows_file}: <file>: the 'datasets' package is needed")):
+        read_items(rows_file, "hf")
