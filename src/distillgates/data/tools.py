@@ -53,6 +53,12 @@ def tool_errors(tool: Any) -> list[str]:
     """
     if not isinstance(tool, Mapping):
         return [f"$: expected an object, got {type(tool).__name__}"]
+    return list(_tool_errors(json.dumps(tool, sort_keys=True, ensure_ascii=False)))
+
+
+@lru_cache(maxsize=1024)  # every item of a dataset usually repeats the same few tools
+def _tool_errors(tool_json: str) -> tuple[str, ...]:
+    tool = json.loads(tool_json)
     errors = []
     if not isinstance(tool.get("name"), str) or not tool.get("name"):
         errors.append("name: expected a non-empty string")
@@ -60,14 +66,14 @@ def tool_errors(tool: Any) -> list[str]:
         errors.append("description: expected a string")
     params = tool.get("parameters", {"type": "object", "properties": {}})
     if not isinstance(params, Mapping):
-        return [*errors, f"parameters: expected a JSON Schema object, got {type(params).__name__}"]
+        return (*errors, f"parameters: expected a JSON Schema object, got {type(params).__name__}")
     try:
         Draft202012Validator.check_schema(dict(params))
     except SchemaError as err:
         errors.append(f"parameters: not a valid JSON Schema: {err.message}")
     if params.get("type", "object") != "object":
         errors.append(f"parameters.type: expected 'object', got {params.get('type')!r}")
-    return errors
+    return tuple(errors)
 
 
 @lru_cache(maxsize=256)
