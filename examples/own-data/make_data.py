@@ -135,13 +135,20 @@ def row(rng: random.Random, index: int, split: str) -> dict:
     return out
 
 
+SPLITS = {"train": 1200, "eval": 100}
+
+
+def rows_of(split: str) -> list[dict]:
+    rng = random.Random(f"own-data:{split}")
+    return [row(rng, i, split) for i in range(SPLITS[split])]
+
+
 def main() -> None:
     here = Path(__file__).parent
-    for split, count in (("train", 600), ("eval", 80)):
-        rng = random.Random(f"own-data:{split}")
-        rows = [row(rng, i, split) for i in range(count)]
+    for split in SPLITS:
+        rows = rows_of(split)
         (here / f"{split}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
-        print(f"wrote {count} rows to {here / f'{split}.jsonl'}")
+        print(f"wrote {len(rows)} rows to {here / f'{split}.jsonl'}")
 
 
 if __name__ == "__main__":
