@@ -135,7 +135,7 @@ def row(rng: random.Random, index: int, split: str) -> dict:
     return out
 
 
-SPLITS = {"train": 1200, "eval": 100}
+SPLITS = {"train": 600, "eval": 80}
 
 
 def rows_of(split: str) -> list[dict]:
