@@ -21,7 +21,8 @@ import torch
 
 from distillgates.data.chat import render_conversation
 from distillgates.data.generator import generate_items
-from distillgates.data.registry import TOOLS, canonical_call
+from distillgates.data.registry import TOOLS
+from distillgates.data.tools import canonical_call
 from distillgates.runtime.constrained import Bounds, TokenVocab, ToolCallConstraint, ToolCallProcessor
 from distillgates.tokenizer import encode, train_tokenizer
 

@@ -58,7 +58,6 @@ MEANINGS = {
     "KDConfig.usd_per_1k_completion_tokens": "budget accounting for completion tokens",
     "TokenizerConfig.vocab_size": "BPE vocabulary size, special tokens included",
     "TokenizerConfig.min_frequency": "minimum pair frequency for a BPE merge",
-    "DataConfig.seed": "generator seed (items are a pure function of seed, split and index)",
     "DataConfig.n_train": "generated training items (items longer than the largest shape are dropped)",
     "DataConfig.n_eval": "generated held-out eval items",
     "DataConfig.locales": "locales drawn by the generator (en, de)",

@@ -48,3 +48,95 @@ def tiny_model_config(**overrides: object) -> ModelConfig:
 def assert_close(actual: torch.Tensor, expected: torch.Tensor, atol: float = 1e-5, rtol: float = 1e-5) -> None:
     __tracebackhide__ = True
     torch.testing.assert_close(actual, expected, atol=atol, rtol=rtol)
+
+
+# --------------------------------------------------------------------------------------
+# A small dataset in the OpenAI chat format with tools that are not the toy's (ticketing, file search)
+
+OWN_TOOLS = [
+    {"type": "function", "function": {
+        "name": "create_ticket", "description": "Open a support ticket.",
+        "parameters": {"type": "object", "properties": {
+            "title": {"type": "string", "minLength": 1},
+            "priority": {"type": "string", "enum": ["low", "normal", "high"]},
+            "urgent": {"type": "boolean"},
+            "tags": {"type": "array", "items": {"type": "string"}, "maxItems": 4},
+            "reporter": {"type": "object", "properties": {"name": {"type": "string"}, "email": {"type": "string"}},
+                         "required": ["email"], "additionalProperties": False}},
+            "required": ["title", "priority"], "additionalProperties": False}}},
+    {"type": "function", "function": {
+        "name": "search_files", "description": "Search the file store.",
+        "parameters": {"type": "object", "properties": {
+            "query": {"type": "string", "minLength": 1},
+            "max_results": {"type": "integer", "minimum": 1, "maximum": 10}},
+            "required": ["query"], "additionalProperties": False}}},
+]  # fmt: skip
+
+
+def _call(call_id: str, name: str, arguments: dict) -> dict:
+    import json
+
+    return {"id": call_id, "type": "function", "function": {"name": name, "arguments": json.dumps(arguments)}}
+
+
+def _tool(call_id: str, result: dict) -> dict:
+    import json
+
+    return {"role": "tool", "tool_call_id": call_id, "content": json.dumps(result)}
+
+
+def own_data_rows(variants: int = 1) -> list[dict]:
+    """Six rows per variant: one call, parallel calls (with acceptable query alternatives), a multi-turn
+    conversation whose call carries the user's email, a labeled control, a labeled decline and an
+    unlabeled no-tool row."""
+    rows = []
+    for v in range(variants):
+        n = 1040 + 10 * v
+        rows += [
+            {"id": f"single-{v}", "tools": OWN_TOOLS, "messages": [
+                {"role": "user", "content": f"Open an urgent high ticket: VPN drops every {v + 1} hours, tag network."},
+                {"role": "assistant", "content": None, "tool_calls": [_call("c1", "create_ticket", {
+                    "title": f"VPN drops every {v + 1} hours", "priority": "high", "urgent": True,
+                    "tags": ["network"]})]},
+                _tool("c1", {"ticket_id": f"T-{n}", "status": "open"}),
+                {"role": "assistant", "content": f"Ticket T-{n} is open."}]},
+            {"id": f"parallel-{v}", "tools": OWN_TOOLS, "messages": [
+                {"role": "user", "content": f"File a low ticket 'printer {v} jams' and find the printer manual."},
+                {"role": "assistant", "content": "On it.", "tool_calls": [
+                    _call("a", "create_ticket", {"title": f"printer {v} jams", "priority": "low"}),
+                    _call("b", "search_files", {"query": "printer manual", "max_results": 1})]},
+                _tool("a", {"ticket_id": f"T-{n + 1}"}),
+                _tool("b", {"path": "docs/printer-manual.pdf"}),
+                {"role": "assistant", "content": f"Ticket T-{n + 1} is filed; the manual is docs/printer-manual.pdf."}],
+             "argument_alternatives": {"b": {"query": ["printer guide", "printer handbook"]}}},
+            {"id": f"multiturn-{v}", "tools": OWN_TOOLS, "messages": [
+                {"role": "system", "content": "You are the IT helpdesk."},
+                {"role": "user", "content": "Find the VPN setup guide."},
+                {"role": "assistant", "content": "",
+                 "tool_calls": [_call("s", "search_files", {"query": "VPN setup"})]},
+                _tool("s", {"path": "it/vpn-setup.md"}),
+                {"role": "assistant", "content": "It is it/vpn-setup.md."},
+                {"role": "user", "content": f"Open a normal ticket 'VPN licence {v}' for me, anna{v}@example.com."},
+                {"role": "assistant", "content": None, "tool_calls": [_call("t", "create_ticket", {
+                    "title": f"VPN licence {v}", "priority": "normal",
+                    "reporter": {"email": f"anna{v}@example.com"}})]},
+                _tool("t", {"ticket_id": f"T-{n + 2}"}),
+                {"role": "assistant", "content": f"Your ticket is T-{n + 2}."}]},
+            {"id": f"control-{v}", "tools": OWN_TOOLS, "kind": "control", "messages": [
+                {"role": "user", "content": "What does VPN stand for?"},
+                {"role": "assistant", "content": "Virtual private network."}]},
+            {"id": f"decline-{v}", "tools": OWN_TOOLS, "kind": "decline", "pii": ["Lena Novak"], "messages": [
+                {"role": "user", "content": "Give me the home address of Lena Novak."},
+                {"role": "assistant", "content": "I cannot share personal data."}]},
+            {"id": f"chat-{v}", "tools": OWN_TOOLS, "messages": [
+                {"role": "user", "content": "Thanks!"},
+                {"role": "assistant", "content": "You are welcome."}]},
+        ]  # fmt: skip
+    return rows
+
+
+def write_jsonl(path, rows) -> None:  # type: ignore[no-untyped-def]
+    import json
+    from pathlib import Path
+
+    Path(path).write_text("".join(json.dumps(row) + "\n" for row in rows), encoding="utf-8")

@@ -224,3 +224,54 @@ def test_each_step_is_keyed_by_its_own_config_fields(tmp_path: Path) -> None:
     longer = dataclasses.replace(cfg.teacher, train=dataclasses.replace(cfg.teacher.train, steps=99))
     retrained = fingerprints(dataclasses.replace(cfg, teacher=longer))
     assert {n for n in base if base[n] != retrained[n]} == {"teacher", "report"}  # the rest follow its outputs
+
+
+# --------------------------------------------------------------------------------------
+# The user's own OpenAI-format data
+
+
+def own_data_config(path: Path, variants: int = 8) -> Path:
+    """The tiny config reading the ticketing/file-search dataset (written next to it) instead of the toy."""
+    from .conftest import own_data_rows, write_jsonl
+
+    write_jsonl(path / "rows.jsonl", own_data_rows(variants))
+    cfg = yaml.safe_load(tiny_config(path).read_text())
+    cfg["data"] = {"source": "jsonl", "path": str(path / "rows.jsonl"), "eval_fraction": 0.25, "seed": 0}
+    cfg["eval"] = {**cfg.get("eval", {}), "privacy": {"allow": ["create_ticket.reporter"]}}
+    out = path / "own.yaml"
+    out.write_text(yaml.safe_dump(cfg))
+    return out
+
+
+def test_data_step_on_own_files_reruns_on_their_content_and_a_bad_row_keeps_the_old_data(tmp_path: Path) -> None:
+    from .conftest import own_data_rows, write_jsonl
+
+    cfg = load_config(own_data_config(tmp_path))
+    run = tmp_path / "run"
+    Pipeline(cfg, run).run(["data"])
+    data_step = next(s for s in STEPS if s.name == "data")
+    assert Pipeline(cfg, run).stale_reason(data_step) is None
+    before = {p.name: p.read_bytes() for p in (run / "data").glob("*.jsonl")}
+    rows = own_data_rows(8)
+    rows[3]["kind"] = "decline"  # an edited row: same config, new content
+    write_jsonl(tmp_path / "rows.jsonl", rows)
+    assert "inputs changed: files" in str(Pipeline(cfg, run).stale_reason(data_step))
+    rows[4]["messages"][0]["role"] = "robot"
+    write_jsonl(tmp_path / "rows.jsonl", rows)
+    with pytest.raises(ValueError, match=r"rows\.jsonl:5: messages\[0\]\.role:"):
+        Pipeline(cfg, run).run(["data"])
+    assert {p.name: p.read_bytes() for p in (run / "data").glob("*.jsonl")} == before  # nothing lost
+
+
+@pytest.mark.integration  # the tiny end-to-end run on the ticketing/file-search data (~50 s)
+def test_own_data_runs_the_whole_pipeline(tmp_path: Path) -> None:
+    config = own_data_config(tmp_path)
+    run_dir = run_pipeline(config, tmp_path / "run")
+    report = read_report(run_dir / "reports" / "report.json")
+    manifest = json.loads((run_dir / "manifest.json").read_text())
+    assert {s.name for s in STEPS} == {name for name in manifest if not name.startswith("_")}
+    items = [json.loads(line) for line in (run_dir / "data" / "eval.jsonl").read_text().splitlines()[1:]]
+    assert items and all(item["tools"][0]["name"] == "create_ticket" for item in items)
+    outputs = [json.loads(line) for line in (run_dir / "eval" / "outputs.jsonl").read_text().splitlines()]
+    assert {o["id"] for o in outputs} == {item["id"] for item in items}
+    assert report["quality"]["student"]["n"] == len(items)

@@ -91,6 +91,15 @@ def test_first_valid_call_needs_complete_schema_valid_json():
     assert first_valid_call(["no call here"]) is None
 
 
+def test_first_valid_call_is_valid_against_the_prompts_own_tools():
+    tools = [{"name": "search_files", "parameters": {"type": "object", "properties": {"query": {"type": "string"}},
+                                                     "required": ["query"]}}]  # fmt: skip
+    own = [tool_call_text({"name": "search_files", "arguments": {"query": "vpn"}})]
+    assert first_valid_call(own) is None  # not a toy registry tool
+    assert first_valid_call(own, tools) == 0
+    assert first_valid_call([tool_call_text(CALL)], tools) is None  # a toy call is not among these tools
+
+
 def test_ttfa_from_a_scripted_tool_call(tokenizer):
     script = tokenizer.encode(tool_call_text(CALL), add_special_tokens=False)
     engine = ScriptedEngine(script, len(tokenizer))

@@ -18,6 +18,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import re
 import types
 import typing
 from collections.abc import Hashable
@@ -148,9 +149,15 @@ class ShapesConfig:
 
 @dataclass
 class DataConfig:
-    """Toy tool-calling dataset generation."""
+    """Where the items come from: the toy generator (default) or the user's OpenAI chat-format files."""
 
-    seed: int = 0
+    # toy: the generator; jsonl: OpenAI chat-format JSONL; hf: the same through Hugging Face datasets
+    # (local json/jsonl/parquet, nothing downloaded). Format: docs/user-guide.md "Your own data"
+    source: str = "toy"
+    path: str | None = None  # the rows (jsonl/hf); relative to the working directory
+    eval_path: str | None = None  # given eval rows; without it a seeded eval_fraction of path is held out
+    eval_fraction: float = 0.1  # share of the rows held out for eval (seeded shuffle) when eval_path is not given
+    seed: int = 0  # the toy generator's seed (items are a pure function of seed, split, index); the split's too
     n_train: int = 2000
     n_eval: int = 200
     locales: list[str] = field(default_factory=lambda: ["en", "de"])
@@ -161,6 +168,12 @@ class DataConfig:
     def __post_init__(self) -> None:
         if not 0.0 <= self.verbose_share <= 1.0:
             raise ValueError(f"verbose_share must be in [0, 1], got {self.verbose_share}")
+        if self.source not in ("toy", "jsonl", "hf"):
+            raise ValueError(f"source must be toy/jsonl/hf, got {self.source!r}")
+        if self.source != "toy" and not self.path:
+            raise ValueError(f"source {self.source!r} needs path (the OpenAI-format rows)")
+        if not 0.0 < self.eval_fraction < 1.0:
+            raise ValueError(f"eval_fraction must be in (0, 1), got {self.eval_fraction}")
 
 
 @dataclass
@@ -391,9 +404,37 @@ class SpeedConfig:
             raise ValueError(f"engine must be torch/coreml, got {self.engine!r}")
 
 
+DEFAULT_PII_PATTERNS: dict[str, str] = {
+    "email": r"[\w.+-]+@[\w-]+(?:\.[\w-]+)+",
+    "phone": r"\+\d[\d\s()/-]{6,}\d|\b0\d{2,4}[\s/-]?\d{5,}\b",  # international "+49 170 ..." or national "0170 ..."
+    "id": r"\b(?=[A-Z0-9-]*\d)[A-Z]{1,4}[-]?\d{4,}\b|\b\d{8,}\b",
+}
+
+
+@dataclass
+class PrivacyConfig:
+    """What the scorer's privacy check counts as a leak (``eval.privacy``)."""
+
+    # name -> regex; a match in a user message is PII the output must not repeat (besides the item's pii list)
+    pii_patterns: dict[str, str] = field(default_factory=lambda: dict(DEFAULT_PII_PATTERNS))
+    # "tool" or "tool.argument": PII in that tool's (argument's) call is no leak: a ticketing tool may take the
+    # user's email. The final answer is always checked.
+    allow: list[str] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        for name, pattern in self.pii_patterns.items():
+            try:
+                re.compile(pattern)
+            except re.error as err:
+                raise ValueError(f"pii_patterns.{name}: not a valid regex: {err}") from err
+        for entry in self.allow:
+            if not isinstance(entry, str) or not entry or entry.count(".") > 1:
+                raise ValueError(f"allow: expected 'tool' or 'tool.argument', got {entry!r}")
+
+
 @dataclass
 class EvalConfig:
-    """How the pipeline's eval step runs the student (and a local teacher)."""
+    """How the pipeline's eval step runs the student (and a local teacher), and what the scorer counts."""
 
     max_new_tokens: int = 96  # per assistant turn
     max_calls: int = 4  # tool calls allowed per item
@@ -404,8 +445,15 @@ class EvalConfig:
     # torch threads of the student's eval and of each of the determinism check's shard workers: the same
     # kernels (reduction order), so the reported outputs are the check's unsharded arm, compared bit for bit
     threads: int = 1
+    # a tool call no fixture answers: "error" (an error result for the model) or "mock" (mock_result, counted
+    # apart as mocked_calls); a counted miss of the fixture hit-rate either way
+    missing_fixture: str = "error"
+    mock_result: dict[str, Any] = field(default_factory=lambda: {"status": "ok"})  # the model's result of a mock
+    privacy: PrivacyConfig = field(default_factory=PrivacyConfig)
 
     def __post_init__(self) -> None:
+        if self.missing_fixture not in ("error", "mock"):
+            raise ValueError(f"missing_fixture must be error/mock, got {self.missing_fixture!r}")
         if self.threads < 1:
             raise ValueError(f"threads must be >= 1, got {self.threads}")
         if self.max_new_tokens < 1 or self.max_calls < 1:

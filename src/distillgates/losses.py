@@ -372,15 +372,16 @@ def coverage_met(item: Mapping[str, Any], calls: Sequence[Mapping[str, Any] | No
 
     Items without expected calls and integration fields are always covered.
     """
-    from distillgates.data.registry import validate_call
+    from distillgates.data.tools import item_tools, validate_call
     from distillgates.eval.matching import match_call, normalize_text, value_text
 
     expected = list(item.get("expected_calls") or [])
-    locale = str(item.get("locale", "en"))
+    alternatives = list(item.get("argument_alternatives") or [{} for _ in expected])
+    locale, tools = str(item.get("locale", "en")), item_tools(item)
     if len(calls) < len(expected):
         return False
-    for pred, exp in zip(calls, expected, strict=False):
-        if pred is None or validate_call(pred) or match_call(pred, exp, lax=True, locale=locale) is not None:
+    for pred, exp, alts in zip(calls, expected, alternatives, strict=False):
+        if pred is None or validate_call(pred, tools) or match_call(pred, exp, True, locale, tools, alts) is not None:
             return False
     values = integration_values(item)
     if values:
@@ -419,16 +420,17 @@ def early_tool_target(
     use a tool or no valid call exists.
     """
     from distillgates.data.chat import TOOL_CALL, parse_transcript
-    from distillgates.data.registry import canonical_call, validate_call
+    from distillgates.data.tools import canonical_call, item_tools, validate_call
 
     if not item.get("tool_should_be_used"):
         return None
+    tools = item_tools(item)
     if teacher_text is not None:
         calls, _ = parse_transcript(teacher_text)
-        if calls and calls[0] is not None and not validate_call(calls[0]):
+        if calls and calls[0] is not None and not validate_call(calls[0], tools):
             return EarlyToolTarget(list(encode(TOOL_CALL + canonical_call(calls[0])))[:first_n], "teacher")
     expected = list(item.get("expected_calls") or [])
-    if expected and not validate_call(expected[0]):
+    if expected and not validate_call(expected[0], tools):
         return EarlyToolTarget(list(encode(TOOL_CALL + canonical_call(expected[0])))[:first_n], "json_prior")
     return None
 

@@ -49,6 +49,9 @@ class Step:
     run: Callable[[Config, RunDir], dict[str, Any]]  # returns a small JSON summary
     outputs: Outputs  # what the step writes: checksummed in the manifest; folders in the run dir are cleared
     resumable: bool = False  # an interrupted run of the same inputs continues from its checkpoint
+    # the step builds its outputs aside and swaps them in itself: a failed run keeps the previous ones
+    replaces_outputs: bool = False
+    files: Callable[[Config], tuple[Path, ...]] | None = None  # input files outside the run (content hashed)
 
     @functools.cached_property
     def code(self) -> dict[str, str]:
@@ -97,7 +100,10 @@ class Pipeline:
         """Everything the step's output depends on (what its fingerprint hashes)."""
         upstream = {dep: sha256_json(self.manifest.get(dep, {}).get("outputs")) for dep in step.depends}
         config = {field: config_value(self.cfg, field) for field in step.config}
-        return {"step": step.name, "config": config, "seed": self.cfg.seed, "code": step.code, "upstream": upstream}
+        inputs = {"step": step.name, "config": config, "seed": self.cfg.seed, "code": step.code, "upstream": upstream}
+        if files := (step.files(self.cfg) if step.files else ()):  # absent otherwise: the toy keeps its fingerprints
+            inputs["files"] = {str(p): sha256_file(p) if Path(p).is_file() else None for p in files}
+        return inputs
 
     def fingerprint(self, step: Step) -> str:
         return sha256_json(self.inputs(step))
@@ -109,9 +115,9 @@ class Pipeline:
             return "not run yet"
         if entry.get("fingerprint") != self.fingerprint(step):
             before, current = entry.get("inputs", {}), self.inputs(step)
-            changed = [f"{kind} {name}" for kind in ("config", "code", "upstream")
-                       for name in sorted(set(before.get(kind, {})) | set(current[kind]))
-                       if before.get(kind, {}).get(name) != current[kind].get(name)]  # fmt: skip
+            changed = [f"{kind} {name}" for kind in ("config", "code", "upstream", "files")
+                       for name in sorted(set(before.get(kind, {})) | set(current.get(kind, {})))
+                       if before.get(kind, {}).get(name) != current.get(kind, {}).get(name)]  # fmt: skip
             return "inputs changed: " + (", ".join(changed[:6]) + (" ..." if len(changed) > 6 else "") or "seed")
         recorded = entry.get("outputs", {})
         current = output_checksums(step.outputs(self.cfg, self.run_dir), self.run_dir)
@@ -157,7 +163,7 @@ class Pipeline:
         keep = step.resumable and not force and started == fingerprint
         root = self.run_dir.root.resolve()
         for out in step.outputs(self.cfg, self.run_dir):
-            if keep or not out.resolve().is_relative_to(root):  # never delete outside the run dir (teacher.path)
+            if keep or step.replaces_outputs or not out.resolve().is_relative_to(root):  # never outside the run dir
                 continue
             if out.is_dir():
                 shutil.rmtree(out)
@@ -207,14 +213,14 @@ def run_pipeline(config_path: str | Path, run_dir: str | Path | None = None, for
 
 
 def step_data(cfg: Config, run: RunDir) -> dict[str, Any]:
-    from distillgates.data.build import build_toy_data
+    from distillgates.data.build import build_data
 
-    toy = build_toy_data(cfg, run.data_dir)
+    built = build_data(cfg, run.data_dir)
     return {
-        "tokenizer_fingerprint": toy.tokenizer_fingerprint,
-        "dataset_sha256": toy.dataset_sha256,
-        "dropped": {split: len(ids) for split, ids in toy.dropped.items()},
-        "shape_counts": {split: {str(k): v for k, v in c.items()} for split, c in toy.shape_counts.items()},
+        "tokenizer_fingerprint": built.tokenizer_fingerprint,
+        "dataset_sha256": built.dataset_sha256,
+        "dropped": {split: len(ids) for split, ids in built.dropped.items()},
+        "shape_counts": {split: {str(k): v for k, v in c.items()} for split, c in built.shape_counts.items()},
     }
 
 
@@ -295,6 +301,7 @@ def step_speed(cfg: Config, run: RunDir) -> dict[str, Any]:
     from typing import cast
 
     from distillgates.data.chat import render_prompt
+    from distillgates.data.tools import item_tools
     from distillgates.hardware import hardware_header
     from distillgates.runtime.base import EngineBase
     from distillgates.runtime.prompt_cache import prefix_until
@@ -304,6 +311,7 @@ def step_speed(cfg: Config, run: RunDir) -> dict[str, Any]:
 
     backend, tokenizer = cfg.speed.engine, run.tokenizer()
     prompts = [render_prompt(item) for item in run.items("eval")]
+    tools = [item_tools(item) for item in run.items("eval")]  # TTFA: a call valid against the item's tools
     stop_ids = (cast(int, tokenizer.convert_tokens_to_ids(END)), cast(int, tokenizer.convert_tokens_to_ids(EOS)))
     model = run.load_model()
     if backend == "coreml":  # macOS: the Core ML runtime (the import pulls in the export code)
@@ -316,6 +324,7 @@ def step_speed(cfg: Config, run: RunDir) -> dict[str, Any]:
     speed = measure_speed(
         speed_engine, tokenizer, prompts, cfg.speed, model_config=model.config, backend=backend,
         export=backend == "coreml", hardware_profile_key=hardware["hardware_profile_key"], stop_ids=stop_ids,
+        tools=tools,
     )  # fmt: skip
     torch_engine = speed_engine if isinstance(speed_engine, TorchEngine) else TorchEngine(model)
     ids = [tokenizer.encode(p, add_special_tokens=False) for p in prompts[: cfg.speed.n_prompts]]
@@ -337,6 +346,7 @@ def step_eval(cfg: Config, run: RunDir) -> dict[str, Any]:
     """Student and teacher on the held-out items, each evaluated once; the student's outputs are also
     the unsharded arm of the determinism check (the shards re-run it, on the same thread count)."""
     from distillgates.data.fingerprints import dataset_sha256
+    from distillgates.eval.broker import FixturePolicy
     from distillgates.eval.evaluate import evaluate, item_lengths, sharded_determinism
     from distillgates.eval.scorer import item_rows, score_items
     from distillgates.eval.sharding import outputs_sha256, write_outputs
@@ -356,8 +366,10 @@ def step_eval(cfg: Config, run: RunDir) -> dict[str, Any]:
         from distillgates.teacher.local import LocalTeacher
 
         teacher = TorchEngine(from_hf(LocalTeacher(run.teacher_model_dir(cfg)).model).eval())
+    policy = FixturePolicy(cfg.eval.missing_fixture, cfg.eval.mock_result)
     common: dict[str, Any] = {"lengths": cfg.shapes.lengths, "dataset_sha256": eval_sha, "progress": True,
-                              "max_calls": cfg.eval.max_calls, "max_new_tokens": cfg.eval.max_new_tokens}
+                              "max_calls": cfg.eval.max_calls, "max_new_tokens": cfg.eval.max_new_tokens,
+                              "policy": policy, "privacy": cfg.eval.privacy}
     with torch_threads(cfg.eval.threads):  # the shard workers' thread count: the same kernels, bit for bit
         student, outputs = evaluate(TorchEngine(run.load_model()), items, tokenizer, return_outputs=True,
                                     constrained=cfg.eval.constrained_tool_calls, **common)
@@ -365,11 +377,12 @@ def step_eval(cfg: Config, run: RunDir) -> dict[str, Any]:
     quality = {"student": student, "teacher": evaluate(teacher, items, tokenizer, **common)}
     write_outputs(run.eval_outputs, outputs)
     # per-item F1 of the student for the paired drift gates (kept out of report.json: one row per item)
-    scores = score_items(items, outputs, item_lengths(items, tokenizer), cfg.shapes.lengths)
+    scores = score_items(items, outputs, item_lengths(items, tokenizer), cfg.shapes.lengths, cfg.eval.privacy)
     atomic_write_json(run.item_scores, {"role": "student", "items": item_rows(scores)})
     spec = {"dataset": str(run.dataset("eval")), "tokenizer": str(run.tokenizer_dir), "model": str(run.model_path()),
             "runner": "engine", "max_new_tokens": cfg.eval.max_new_tokens, "max_calls": cfg.eval.max_calls,
-            "constrained_tool_calls": cfg.eval.constrained_tool_calls, "threads": cfg.eval.threads}
+            "constrained_tool_calls": cfg.eval.constrained_tool_calls, "threads": cfg.eval.threads,
+            "missing_fixture": cfg.eval.missing_fixture, "mock_result": cfg.eval.mock_result}
     run.shards_dir.mkdir(parents=True, exist_ok=True)
     determinism = sharded_determinism(spec, world_size=2, work_dir=run.shards_dir, unsharded=outputs)
     atomic_write_json(run.quality, quality)
@@ -407,6 +420,12 @@ def step_report(cfg: Config, run: RunDir) -> dict[str, Any]:
     return {"report": str(path)}
 
 
+def _data_files(cfg: Config) -> tuple[Path, ...]:
+    from distillgates.data.build import input_files
+
+    return input_files(cfg)
+
+
 def _teacher_outputs(cfg: Config, run: RunDir) -> tuple[Path, ...]:
     if cfg.teacher is not None and cfg.teacher.kind == "openai":
         return ()
@@ -415,8 +434,8 @@ def _teacher_outputs(cfg: Config, run: RunDir) -> tuple[Path, ...]:
 
 
 STEPS: list[Step] = [
-    Step("data", "generate the toy dataset and train the tokenizer", ("data", "tokenizer", "shapes"), (), step_data,
-         lambda cfg, run: (run.data_dir,)),
+    Step("data", "generate the toy dataset (or read your own) and train the tokenizer", ("data", "tokenizer", "shapes"),
+         (), step_data, lambda cfg, run: (run.data_dir,), replaces_outputs=True, files=_data_files),
     Step("teacher", "train the toy teacher (LlamaForCausalLM)",
          ("teacher.kind", "teacher.path", "teacher.model", "teacher.train"), ("data",), step_teacher,
          _teacher_outputs),

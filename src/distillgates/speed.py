@@ -6,7 +6,8 @@ Definitions (DESIGN.md "Speed metrics"), per prompt at batch 1 after warm-up:
 - ``tps``: (tokens - 1) / (time of the last token - time of the first token): steady-state
   decode, the first token excluded. Prompts that emit fewer than 2 tokens give no TPS sample.
 - ``ttfa_tokens`` / ``ttfa_ms``: tokens (and ms since the text arrived) until the first complete,
-  schema-valid tool-call JSON (``distillgates.data.registry``). Computed after the run from the
+  tool-call JSON valid against the prompt's tools (``distillgates.data.tools``; the toy registry unless
+  given per prompt). Computed after the run from the
   per-token timestamps, so the check does not slow the timed decode loop. Absent when no call.
 - Percentiles p50/p90/p95 over prompts x repeats; the raw samples are kept for the gates'
   significance tests.
@@ -21,7 +22,7 @@ import json
 import resource
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from importlib import resources
 from pathlib import Path
 from typing import Any
@@ -31,7 +32,7 @@ import numpy as np
 import torch
 
 from distillgates.config import ModelConfig, SpeedConfig
-from distillgates.data.registry import parse_tool_call, validate_call
+from distillgates.data.tools import parse_tool_call, validate_call
 from distillgates.hardware import torch_threads
 from distillgates.io import atomic_write_json
 from distillgates.runtime.base import EngineBase
@@ -66,19 +67,23 @@ def peak_memory_bytes() -> int:
     return int(rss if sys.platform == "darwin" else rss * 1024)
 
 
-def first_valid_call(texts: Sequence[str]) -> int | None:
-    """Index of the first cumulative text holding a complete, schema-valid tool-call JSON."""
+def first_valid_call(texts: Sequence[str], tools: Sequence[Mapping[str, Any]] | None = None) -> int | None:
+    """Index of the first cumulative text holding a complete tool-call JSON valid against ``tools``
+    (default: the toy registry)."""
     for i, text in enumerate(texts):
         if TOOL_CALL not in text:
             continue
         body = text.split(TOOL_CALL, 1)[1].split(END, 1)[0]
         call = parse_tool_call(body)
-        if call is not None and not validate_call(call):
+        if call is not None and not validate_call(call, tools):
             return i
     return None
 
 
-def _one_run(engine: EngineBase, tokenizer: Any, prompt: str, max_new_tokens: int, stop_ids: Sequence[int]) -> dict:
+def _one_run(
+    engine: EngineBase, tokenizer: Any, prompt: str, max_new_tokens: int, stop_ids: Sequence[int],
+    tools: Sequence[Mapping[str, Any]] | None = None,
+) -> dict:  # fmt: skip
     start = time.perf_counter()
     ids = tokenizer.encode(prompt, add_special_tokens=False)
     encoded = time.perf_counter()
@@ -93,7 +98,7 @@ def _one_run(engine: EngineBase, tokenizer: Any, prompt: str, max_new_tokens: in
         "tps": (len(tokens) - 1) / (stamps[-1] - stamps[0]) if len(tokens) > 1 and stamps[-1] > stamps[0] else None,
     }
     texts = [tokenizer.decode(tokens[: i + 1], skip_special_tokens=False) for i in range(len(tokens))]
-    hit = first_valid_call(texts)
+    hit = first_valid_call(texts, tools)
     if hit is not None:
         sample["ttfa_tokens"] = hit + 1
         sample["ttfa_ms"] = (stamps[hit] - start) * 1e3
@@ -112,6 +117,7 @@ def measure_speed(
     hardware_profile_key: str = "unknown",
     stop_ids: Sequence[int] = (),
     kv_bytes_per_elem: int | None = None,
+    tools: Sequence[Sequence[Mapping[str, Any]]] | None = None,
 ) -> dict[str, Any]:
     """The SPEED section (contract.md): warm-up, then every prompt x ``cfg.repeats`` at batch 1.
 
@@ -121,18 +127,22 @@ def measure_speed(
         prompts: rendered prompt texts; the first ``cfg.n_prompts`` are used.
         model_config: the model's config (KV bytes at ``max_seq_len``: the static cache's size).
         kv_bytes_per_elem: cache element size (default: 4 for fp32 torch weights, 2 for coreml fp16).
+        tools: each prompt's tools (TTFA counts calls valid against them); default: the toy registry.
     """
     if backend not in ("torch", "coreml"):
         raise ValueError(f"backend must be 'torch' or 'coreml', got {backend!r}")
     chosen = list(prompts[: cfg.n_prompts])
     if not chosen:
         raise ValueError("measure_speed needs at least one prompt")
+    chosen_tools = list(tools[: cfg.n_prompts]) if tools is not None else [None] * len(chosen)
+    if len(chosen_tools) != len(chosen):
+        raise ValueError(f"tools: {len(chosen_tools)} tool lists for {len(chosen)} prompts")
     for i in range(cfg.warmup):
         _one_run(engine, tokenizer, chosen[i % len(chosen)], cfg.max_new_tokens, stop_ids)
     runs = [
-        _one_run(engine, tokenizer, prompt, cfg.max_new_tokens, stop_ids)
+        _one_run(engine, tokenizer, prompt, cfg.max_new_tokens, stop_ids, prompt_tools)
         for _ in range(cfg.repeats)
-        for prompt in chosen
+        for prompt, prompt_tools in zip(chosen, chosen_tools)
     ]
 
     def collect(key: str) -> dict[str, Any]:

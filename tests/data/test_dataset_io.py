@@ -64,7 +64,7 @@ def test_writer_is_deterministic(tmp_path, toy_items):
         (5, lambda line: line[:-3], "<json>"),
         (4, _drop("reference"), "reference"),
         (3, _set("tool_should_be_used", "yes"), "tool_should_be_used"),
-        (6, _set("kind", "chitchat"), "kind"),
+        (6, _set("kind", ""), "kind"),
         (2, _set("messages", [{"role": "robot", "content": "x"}]), "messages[0].role"),
         (7, _set("pii", [42]), "pii[0]"),
         (8, _set("id", "toy-train-000000"), "id"),

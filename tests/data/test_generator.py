@@ -6,7 +6,7 @@ import json
 
 from distillgates.data.chat import parse_transcript
 from distillgates.data.generator import KINDS, generate_item, generate_items
-from distillgates.data.registry import validate_call
+from distillgates.data.tools import validate_call
 
 
 def test_same_seed_same_bytes_and_items_are_independent():

@@ -4,14 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from distillgates.data.registry import (
-    REASONS,
-    TOOLS,
-    canonical_call,
-    parse_tool_call,
-    tool_registry_sha256,
-    validate_call,
-)
+from distillgates.data.registry import TOOLS, tool_registry_sha256
+from distillgates.data.tools import REASONS, canonical_call, parse_tool_call, validate_call
 
 
 def _reasons(call):

@@ -15,18 +15,18 @@ FIXTURES = [
 
 def test_hit_with_normalized_arguments() -> None:
     broker = ToolBroker(FIXTURES)
-    result, hit = broker.call("get_weather", {"unit": "Celsius", "city": "  paris "})
+    result, hit, _ = broker.call("get_weather", {"unit": "Celsius", "city": "  paris "})
     assert hit and result == {"temperature": 21}
-    result, hit = broker.call("convert_currency", {"amount": 100.0, "from_currency": "usd", "to_currency": "EUR"})
+    result, hit, _ = broker.call("convert_currency", {"amount": 100.0, "from_currency": "usd", "to_currency": "EUR"})
     assert hit and result["amount"] == 90.91
     assert broker.stats.hits == 2 and broker.stats.misses == 0 and broker.stats.hit_rate == 1.0
 
 
 def test_miss_returns_error_and_is_counted() -> None:
     broker = ToolBroker(FIXTURES)
-    result, hit = broker.call("get_weather", {"city": "Oslo"})
+    result, hit, _ = broker.call("get_weather", {"city": "Oslo"})
     assert not hit and "error" in result
-    result, hit = broker.call("no_such_tool", "not even a dict")
+    result, hit, _ = broker.call("no_such_tool", "not even a dict")
     assert not hit and "error" in result
     broker.call("get_weather", {"city": "Paris", "unit": "celsius"})
     assert broker.stats.misses == 2 and broker.stats.hits == 1
@@ -35,7 +35,7 @@ def test_miss_returns_error_and_is_counted() -> None:
 
 def test_returned_result_is_a_copy() -> None:
     broker = ToolBroker(FIXTURES)
-    result, _ = broker.call("get_weather", {"city": "Paris", "unit": "celsius"})
+    result = broker.call("get_weather", {"city": "Paris", "unit": "celsius"}).result
     result["temperature"] = -99
     assert broker.call("get_weather", {"city": "Paris", "unit": "celsius"})[0] == {"temperature": 21}
 

@@ -76,3 +76,41 @@ def test_constrained_runner_emits_only_valid_calls(tiny_run: dict[str, Any]) -> 
     assert runner_fingerprint_of(runners[True]) == constrained["fingerprints"]["runner_fingerprint"]
     with pytest.raises(ValueError, match="needs a runtime engine"):
         evaluate(HFRunner(model, tok, "m" * 64), items, tok, constrained=True)
+
+
+def test_constrained_decoding_uses_the_items_own_tools_and_falls_back_explicitly(tiny_run: dict[str, Any]) -> None:
+    """The steered model of the test above on the ticketing/file-search items: every constrained call is
+    valid against the item's own tools (booleans, arrays, nested objects, enums); an item whose schema the
+    constraint cannot enforce decodes unconstrained and says so in its output."""
+    from distillgates.data.openai_format import row_to_item
+    from distillgates.data.tools import validate_call
+    from distillgates.eval.evaluate import evaluate
+
+    from ..conftest import own_data_rows
+
+    rows = [r for r in own_data_rows() if r["id"] in ("single-0", "control-0")]
+    items = [row_to_item(r, f"rows.jsonl:{i + 1}", "x") for i, r in enumerate(rows)]
+    unsupported = dict(rows[0], id="nullable-0", tools=[{"type": "function", "function": {
+        "name": "create_ticket", "parameters": {"type": "object", "properties": {
+            "title": {"type": ["string", "null"]}, "priority": {"type": "string"}, "urgent": {"type": "boolean"},
+            "tags": {"type": "array", "items": {"type": "string"}}}}}}])  # fmt: skip
+    items.append(row_to_item(unsupported, "rows.jsonl:3", "x"))
+    tok = tiny_run["tokenizer"]
+    model = load_model(tiny_run["model"]).eval()
+    with torch.no_grad():  # as above: <|tool_call|> is always the model's next token
+        for layer in model.layers:
+            layer.attn.o_proj.weight[0] = 0.0
+            layer.mlp.down_proj.weight[0] = 0.0
+        model.embed.weight[:, 0] = 1.0
+        model.embed.weight[tok.convert_tokens_to_ids("<|tool_call|>"), 0] = 200.0
+    # one call per item and room for a 64-character string argument (the bound of a free string)
+    runner = EngineRunner(TorchEngine(model), tok, model_fingerprint(model), 200, constrained=True)
+    metrics, outputs = evaluate(runner, items[:2], tok, max_calls=1, return_outputs=True)
+    assert metrics["json_validity"] == 1.0
+    calls = [c["call"] for o in outputs for c in o["calls"]]
+    assert calls and {c["name"] for c in calls} <= {"create_ticket", "search_files"}
+    assert all(not validate_call(c, items[0]["tools"]) for c in calls)
+    assert not any("unconstrained_reason" in o for o in outputs)
+    fallback = run_items(runner, items[2:], max_calls=1)[0]
+    assert "title: type ['string', 'null'] is not supported" in fallback["unconstrained_reason"]
+    assert fallback["calls"] and all(c["errors"] for c in fallback["calls"])  # free decoding: no valid call

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from distillgates.config import load_config
-from distillgates.data.build import build_toy_data
+from distillgates.data.build import build_data
 from distillgates.model import Transformer, save_model
 from distillgates.project import EMBEDDED_CONFIG
 from distillgates.rundir import RunDir
@@ -51,7 +51,7 @@ def test_the_documented_quality_gate_passes_and_fails(own_gates, make_run, own_p
 def test_the_documented_speed_gate_measures_live(own_gates, make_run, own_profile):
     run = make_run("live")
     cfg = load_config(EMBEDDED_CONFIG)
-    build_toy_data(cfg, run / "data")  # the speed sampler's prompts
+    build_data(cfg, run / "data")  # the speed sampler's prompts
     save_model(run / "student" / "model.pt",
                Transformer(tiny_model_config(vocab_size=cfg.tokenizer.vocab_size, max_seq_len=512)))
     RunDir(run).contract.unlink()  # not exported: the PyTorch engine on every platform

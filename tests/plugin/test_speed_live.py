@@ -13,7 +13,7 @@ import json
 import pytest
 
 from distillgates.config import load_config
-from distillgates.data.build import build_toy_data
+from distillgates.data.build import build_data
 from distillgates.model import Transformer, load_model, save_model
 from distillgates.project import EMBEDDED_CONFIG
 from distillgates.rundir import RunDir
@@ -26,7 +26,7 @@ from .conftest import project_file
 def live_run(make_run):
     run = make_run("live")
     cfg = load_config(EMBEDDED_CONFIG)
-    build_toy_data(cfg, run / "data")
+    build_data(cfg, run / "data")
     tiny = tiny_model_config(vocab_size=cfg.tokenizer.vocab_size, max_seq_len=512)
     save_model(run / "student" / "model.pt", Transformer(tiny))
     RunDir(run).contract.unlink()  # not exported: the speed probe measures the PyTorch engine on every platform

@@ -15,7 +15,8 @@ from jsonschema import Draft202012Validator
 
 from distillgates.data.chat import render_conversation
 from distillgates.data.generator import generate_items
-from distillgates.data.registry import TOOLS, canonical_call, validate_call
+from distillgates.data.registry import TOOLS
+from distillgates.data.tools import canonical_call, validate_call
 from distillgates.runtime.constrained import (
     S_BODY,
     Bounds,
@@ -341,3 +342,34 @@ def test_masks_are_cached(tok):
     first = constraint.allowed_mask(state)
     hits = constraint.cache_hits
     assert constraint.allowed_mask(state) is first and constraint.cache_hits == hits + 1
+
+
+# --------------------------------------------------------------------------------------
+# The user's own tools (booleans, arrays, nested objects, enums)
+
+
+@SETTINGS
+@given(seed=st.integers(0, 2**31 - 1), scale=st.sampled_from([0.5, 3.0, 20.0]))
+def test_random_models_emit_valid_calls_of_own_tools(tok, seed, scale):
+    from distillgates.data.openai_format import row_to_item
+
+    from ..conftest import own_data_rows
+
+    item = row_to_item(own_data_rows()[0], "rows.jsonl:1", "x")
+    constraint = tool_call_constraint(tok, item["tools"])
+    ids = random_decode(constraint, seed, scale)
+    call = check_emitted(tok, constraint, ids, lambda c: validate_call(c, item["tools"]))
+    assert call["name"] in ("create_ticket", "search_files")
+
+
+def test_own_data_calls_of_every_type_are_admitted(tok):
+    from distillgates.data.openai_format import row_to_item
+
+    from ..conftest import own_data_rows
+
+    items = [row_to_item(row, f"rows.jsonl:{i + 1}", "x") for i, row in enumerate(own_data_rows(variants=2))]
+    calls = [(item, call) for item in items for call in item["expected_calls"]]
+    kinds = {type(v).__name__ for _, c in calls for v in c["arguments"].values()}
+    assert kinds == {"str", "bool", "list", "dict", "int"}
+    for item, call in calls:
+        assert_admitted(tok, tool_call_constraint(tok, item["tools"]), call)

@@ -5,8 +5,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from distillgates.data.chat import render_prompt
-from distillgates.teacher.base import render_messages
+from distillgates.data.chat import render_messages, render_prompt
 
 
 def test_render_messages_matches_the_dataset_prompt(toy_items):

@@ -1,21 +1,32 @@
-"""Build the toy data end to end: items -> tokenizer -> train/eval JSONL with headers."""
+"""Build the data folder: items (toy generator or the user's own files) -> tokenizer -> train/eval JSONL.
+
+``data.source`` picks where the items come from: ``toy`` (the generator, the default), ``jsonl``
+(OpenAI chat-format JSONL) or ``hf`` (the same through Hugging Face ``datasets``: local json/jsonl or
+parquet files); :mod:`distillgates.data.openai_format` converts rows. The splits are the given
+``eval_path`` file, or a seeded ``eval_fraction`` of ``path``.
+
+The folder is built next to the old one and swapped in only when complete, so a bad row (or any
+failure) leaves the previous good ``data/`` as it was.
+"""
 
 from __future__ import annotations
 
+import shutil
+import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from distillgates.config import Config
 from distillgates.data.chat import render_conversation
-from distillgates.data.dataset import write_dataset
-from distillgates.data.generator import generate_items
+from distillgates.data.dataset import DatasetError, write_dataset
 from distillgates.data.shapes import bucket_of
 from distillgates.tokenizer import encode, save_tokenizer, tokenizer_fingerprint, train_tokenizer
 
 
 @dataclass
-class ToyData:
-    """Paths and facts of a toy data build."""
+class DataBuild:
+    """Paths and facts of a data build."""
 
     tokenizer_dir: Path
     train: Path
@@ -26,29 +37,75 @@ class ToyData:
     shape_counts: dict[str, dict[int, int]] = field(default_factory=dict)  # split -> shape -> items
 
 
-def build_toy_data(cfg: Config, out_dir: str | Path) -> ToyData:
-    """Generate items, train the tokenizer on the train conversations, write both splits.
+def source_items(cfg: Config) -> dict[str, list[dict[str, Any]]]:
+    """``{"train": items, "eval": items}`` from ``cfg.data`` (generated, or read and split)."""
+    data = cfg.data
+    if data.source == "toy":
+        from distillgates.data.generator import generate_items
+
+        return {
+            split: generate_items(data.seed, n, data.locales, split=split, verbose_share=data.verbose_share)
+            for split, n in (("train", data.n_train), ("eval", data.n_eval))
+        }
+    from distillgates.data.openai_format import read_items, split_items
+
+    assert data.path is not None  # DataConfig.__post_init__
+    items = read_items(data.path, data.source)
+    if data.eval_path:
+        return {"train": items, "eval": read_items(data.eval_path, data.source)}
+    train, held_out = split_items(items, data.eval_fraction, data.seed)
+    return {"train": train, "eval": held_out}
+
+
+def input_files(cfg: Config) -> tuple[Path, ...]:
+    """The user's data files the build reads (their content is part of the data step's fingerprint)."""
+    return tuple(Path(p) for p in (cfg.data.path, cfg.data.eval_path) if cfg.data.source != "toy" and p)
+
+
+def build_data(cfg: Config, out_dir: str | Path) -> DataBuild:
+    """Read or generate the items, train the tokenizer on the train conversations, write both splits.
 
     ``out_dir/tokenizer`` (save_pretrained), ``out_dir/train.jsonl``, ``out_dir/eval.jsonl``.
     Items whose rendered conversation exceeds the largest enumerated shape are dropped (and
     listed in the result): a model never sees a sequence it cannot be exported for.
+
+    Raises:
+        DatasetError: a bad row (file, line, field); ``out_dir`` is then left untouched.
     """
     out_dir = Path(out_dir)
-    data = cfg.data
-    splits = {
-        "train": generate_items(data.seed, data.n_train, data.locales, split="train", verbose_share=data.verbose_share),
-        "eval": generate_items(data.seed, data.n_eval, data.locales, split="eval", verbose_share=data.verbose_share),
-    }
+    splits = source_items(cfg)
+    ids = {split: {item["id"] for item in items} for split, items in splits.items()}
+    if overlap := sorted(ids["train"] & ids["eval"]):
+        raise DatasetError(f"{cfg.data.eval_path}: id: {len(overlap)} eval ids are training ids, e.g. {overlap[0]!r}")
     tok = train_tokenizer(
         (render_conversation(item) for item in splits["train"]), cfg.tokenizer.vocab_size, cfg.tokenizer.min_frequency
     )
-    tokenizer_dir = save_tokenizer(tok, out_dir / "tokenizer")
-    fingerprint = tokenizer_fingerprint(tok)
-    shas, dropped, counts = {}, {}, {}
-    for split, items in splits.items():
-        shapes = [bucket_of(len(encode(tok, render_conversation(item))), cfg.shapes.lengths) for item in items]
-        dropped[split] = [item["id"] for item, shape in zip(items, shapes) if shape is None]
-        counts[split] = {shape: shapes.count(shape) for shape in cfg.shapes.lengths}
-        kept = [item for item, shape in zip(items, shapes) if shape is not None]
-        shas[split] = write_dataset(out_dir / f"{split}.jsonl", kept, fingerprint, data.seed)
-    return ToyData(tokenizer_dir, out_dir / "train.jsonl", out_dir / "eval.jsonl", fingerprint, shas, dropped, counts)
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(dir=out_dir.parent, prefix=f".{out_dir.name}.new-"))
+    try:
+        save_tokenizer(tok, staging / "tokenizer")
+        fingerprint = tokenizer_fingerprint(tok)
+        shas, dropped, counts = {}, {}, {}
+        for split, items in splits.items():
+            shapes = [bucket_of(len(encode(tok, render_conversation(item))), cfg.shapes.lengths) for item in items]
+            dropped[split] = [item["id"] for item, shape in zip(items, shapes) if shape is None]
+            counts[split] = {shape: shapes.count(shape) for shape in cfg.shapes.lengths}
+            kept = [item for item, shape in zip(items, shapes) if shape is not None]
+            shas[split] = write_dataset(staging / f"{split}.jsonl", kept, fingerprint, cfg.data.seed)
+        _swap_in(staging, out_dir)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    return DataBuild(out_dir / "tokenizer", out_dir / "train.jsonl", out_dir / "eval.jsonl", fingerprint, shas,
+                     dropped, counts)  # fmt: skip
+
+
+def _swap_in(staging: Path, out_dir: Path) -> None:
+    """Replace ``out_dir`` by the complete ``staging`` folder (two renames; the old one is removed last)."""
+    old = None
+    if out_dir.exists():
+        old = Path(tempfile.mkdtemp(dir=out_dir.parent, prefix=f".{out_dir.name}.old-"))
+        out_dir.rename(old / out_dir.name)
+    staging.rename(out_dir)
+    if old is not None:
+        shutil.rmtree(old)

@@ -12,17 +12,20 @@ Every assistant turn starts with ``<|assistant|>``. After a tool call the *runti
 so the model generates: optional preamble, the tool call up to ``<|end|>``, and the final answer
 up to ``<|end|><|eos|>``.
 
-The system prompt depends only on the locale and lists the whole registry compactly, so every
-item of a locale shares the same prefix (what the prompt cache reuses).
+The system prompt lists the item's tools compactly (the whole toy registry for a toy item), so
+every toy item of a locale shares the same prefix (what the prompt cache reuses). Earlier turns
+of a multi-turn conversation are part of the prompt (:func:`render_messages`).
 """
 
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from distillgates.config import sha256_json
-from distillgates.data.registry import TOOLS, canonical_call, parse_tool_call
+from distillgates.data.registry import TOOLS
+from distillgates.data.tools import canonical_call, item_tools, parse_tool_call
 from distillgates.tokenizer import (
     ASSISTANT,
     BOS,
@@ -42,55 +45,96 @@ _SYSTEM_INTRO = {
     "de": "Du bist ein hilfreicher Assistent. Gib keine persönlichen Daten wieder. Tools: ",
 }
 LOCALES = tuple(_SYSTEM_INTRO)
-_ROLE_TOKENS = {"system": SYSTEM, "user": USER}
-_TYPE_ABBREV = {"number": "num", "integer": "int", "string": ""}
+_ROLE_TOKENS = {"system": SYSTEM, "user": USER, "assistant": ASSISTANT, "tool": TOOL_RESULT}
+# compact type names; a string parameter (the common case) shows no type at all
+_TYPE_ABBREV = {"number": "num", "integer": "int", "string": "", "boolean": "bool", "array": "list",
+                "object": "obj", "null": "null"}
 
 
-def _compact_param(name: str, schema: dict[str, Any], required: bool) -> str:
+def _compact_param(name: str, schema: Mapping[str, Any], required: bool) -> str:
     text = name if required else f"{name}?"
-    abbrev = _TYPE_ABBREV[schema["type"]]
+    kind = schema.get("type") if isinstance(schema, Mapping) else None
+    if isinstance(kind, list):  # ["string", "null"]: the first non-null type names it
+        kind = next((k for k in kind if k != "null"), "null")
+    abbrev = _TYPE_ABBREV.get(kind, "any") if isinstance(kind, str) else "any"
     return f"{text}:{abbrev}" if abbrev else text
 
 
-def compact_tool_list() -> str:
-    """``get_weather(city,unit?);convert_currency(amount:num,...);...`` - the registry in few tokens."""
+def compact_tool_list(tools: Sequence[Mapping[str, Any]] | None = None) -> str:
+    """``get_weather(city,unit?);convert_currency(amount:num,...);...`` - ``tools`` in few tokens.
+
+    ``tools``: OpenAI function format (default: the toy registry). Every JSON Schema type has a
+    short name (``bool``, ``list``, ``obj``...; ``any`` for a schema without one type).
+    """
     parts = []
-    for tool in TOOLS:
-        params = tool["parameters"]
-        args = [_compact_param(n, s, n in params["required"]) for n, s in params["properties"].items()]
+    for tool in TOOLS if tools is None else tools:
+        params = tool.get("parameters") or {}
+        required = set(params.get("required", []))
+        args = [_compact_param(n, s, n in required) for n, s in params.get("properties", {}).items()]
         parts.append(f"{tool['name']}({','.join(args)})")
     return ";".join(parts)
 
 
-def system_prompt(locale: str) -> str:
-    """The system prompt of ``locale`` (identical for every item of that locale).
+def system_prompt(locale: str, tools: Sequence[Mapping[str, Any]] | None = None, intro: str | None = None) -> str:
+    """The system prompt: the locale's intro (or the dataset's own ``intro``) and the compact tool list.
+
+    Every toy item of a locale shares it (the prefix the prompt cache reuses).
 
     Raises:
         ValueError: for an unknown locale.
     """
     if locale not in _SYSTEM_INTRO:
         raise ValueError(f"unknown locale {locale!r}, expected one of {LOCALES}")
-    return _SYSTEM_INTRO[locale] + compact_tool_list()
+    if intro is None:
+        return _SYSTEM_INTRO[locale] + compact_tool_list(tools)
+    return f"{intro} Tools: {compact_tool_list(tools)}"
 
 
-def render_prompt(item: dict[str, Any]) -> str:
-    """The prompt text of ``item`` up to and including the first ``<|assistant|>``."""
+def item_system_prompt(item: Mapping[str, Any]) -> str:
+    """The system prompt of ``item``: its tools (:func:`item_tools`), its own ``instructions`` if any."""
+    return system_prompt(str(item.get("locale", "en")), item_tools(item), item.get("instructions"))
+
+
+def render_messages(messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True) -> str:
+    """Chat-format text of messages (roles system/user/assistant/tool), THE renderer of a prompt.
+
+    An assistant message renders as ``<|assistant|>{content}<|end|>``, or, with ``tool_calls`` (one
+    call per message: parallel calls are interleaved with their results by the data reader), as
+    ``<|assistant|>{content}<|tool_call|>{json}<|end|>``; a ``tool`` message as
+    ``<|tool_result|>{content}<|end|>``. With ``add_generation_prompt`` a final ``<|assistant|>`` opens
+    the turn to generate. (A tokenizer's own chat template would take this function's place.)
+
+    Raises:
+        ValueError: on an unknown role or a non-string content, naming the message index.
+    """
     parts = [BOS]
-    for message in item["messages"]:
-        role = message["role"]
+    for i, message in enumerate(messages):
+        role, content = message.get("role"), message.get("content")
         if role not in _ROLE_TOKENS:
-            raise ValueError(f"item {item.get('id')}: prompt message role must be system/user, got {role!r}")
-        parts.append(f"{_ROLE_TOKENS[role]}{message['content']}{END}")
-    parts.append(ASSISTANT)
+            raise ValueError(f"messages[{i}].role: expected one of {sorted(_ROLE_TOKENS)}, got {role!r}")
+        if not isinstance(content, str):
+            raise ValueError(f"messages[{i}].content: expected a string, got {type(content).__name__}")
+        calls = message.get("tool_calls") or []
+        if role == "assistant" and calls:
+            parts.append(ASSISTANT + "".join(tool_call_text(c, content if j == 0 else "") for j, c in enumerate(calls)))
+        else:
+            parts.append(f"{_ROLE_TOKENS[role]}{content}{END}")
+    if add_generation_prompt:
+        parts.append(ASSISTANT)
     return "".join(parts)
 
 
-def render_conversation(item: dict[str, Any]) -> str:
+def render_prompt(item: Mapping[str, Any]) -> str:
+    """The prompt text of ``item`` up to and including the ``<|assistant|>`` that opens the turn to generate."""
+    return render_messages(item["messages"])
+
+
+def render_conversation(item: Mapping[str, Any]) -> str:
     """The full reference conversation: prompt + reference assistant text."""
     return render_prompt(item) + item["reference"]
 
 
-def tool_call_text(call: dict[str, Any], preamble: str = "") -> str:
+def tool_call_text(call: Mapping[str, Any], preamble: str = "") -> str:
     """One generated tool-call turn (after ``<|assistant|>``): ``preamble<|tool_call|>{json}<|end|>``."""
     return f"{preamble}{TOOL_CALL}{canonical_call(call)}{END}"
 

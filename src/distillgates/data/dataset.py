@@ -15,7 +15,8 @@ from typing import Any
 from distillgates.data.chat import LOCALES, prompt_wrapper_sha256
 from distillgates.data.fingerprints import dataset_sha256
 from distillgates.data.generator import KINDS
-from distillgates.data.registry import tool_registry_sha256, validate_call
+from distillgates.data.registry import tool_registry_sha256
+from distillgates.data.tools import item_tools, tool_errors, validate_call
 from distillgates.io import atomic_write_text
 
 DATASET_VERSION = 1
@@ -32,7 +33,9 @@ _ITEM_FIELDS: dict[str, type | tuple[type, ...]] = {
     "pii": list,
     "reference": str,
 }
-_OPTIONAL_FIELDS: dict[str, type] = {"style": str}
+_OPTIONAL_FIELDS: dict[str, type] = {"style": str, "tools": list, "instructions": str, "argument_alternatives": list,
+                                     "parallel_calls": list}
+_MESSAGE_ROLES = ("system", "user", "assistant", "tool")
 _HEADER_FIELDS: dict[str, type | tuple[type, ...]] = {
     "__header__": bool,
     "dataset_version": int,
@@ -75,19 +78,50 @@ def validate_item(item: Any, where: str = "<item>") -> None:
     for name, kind in _OPTIONAL_FIELDS.items():
         if name in item and not isinstance(item[name], kind):
             raise _fail(where, name, f"expected {kind.__name__}, got {type(item[name]).__name__}")
-    if item["kind"] not in KINDS:
-        raise _fail(where, "kind", f"expected one of {KINDS}, got {item['kind']!r}")
+    if not item["kind"]:
+        raise _fail(where, "kind", f"expected a label such as one of {KINDS}, got an empty string")
     if item["locale"] not in LOCALES:
         raise _fail(where, "locale", f"expected one of {LOCALES}, got {item['locale']!r}")
+    names = []
+    for i, tool in enumerate(item.get("tools", [])):
+        if errors := tool_errors(tool):
+            field, message = errors[0].split(": ", 1)
+            raise _fail(where, f"tools[{i}]" + ("" if field == "$" else f".{field}"), message)
+        names.append(tool["name"])
+    if len(set(names)) != len(names):
+        raise _fail(where, "tools", f"duplicate tool names {sorted(n for n in set(names) if names.count(n) > 1)}")
+    tools = item_tools(item)
     for i, message in enumerate(item["messages"]):
-        if not (isinstance(message, dict) and message.get("role") in ("system", "user")):
-            raise _fail(where, f"messages[{i}].role", "expected an object with role system/user")
+        if not (isinstance(message, dict) and message.get("role") in _MESSAGE_ROLES):
+            raise _fail(where, f"messages[{i}].role", f"expected an object with role {'/'.join(_MESSAGE_ROLES)}")
         if not isinstance(message.get("content"), str):
             raise _fail(where, f"messages[{i}].content", "expected a string")
+        calls = message.get("tool_calls", [])
+        if calls and (message["role"] != "assistant" or not isinstance(calls, list) or len(calls) != 1):
+            raise _fail(where, f"messages[{i}].tool_calls", "expected one call, in an assistant message")
+        for call in calls:
+            if errors := validate_call(call, tools):
+                raise _fail(where, f"messages[{i}].tool_calls[0]", "; ".join(errors))
+    roles = [m["role"] for m in item["messages"]]
+    if not roles or roles[-1] != "user":
+        raise _fail(where, "messages", f"the prompt must end with a user message, got roles {roles}")
     for i, call in enumerate(item["expected_calls"]):
-        errors = validate_call(call)
+        errors = validate_call(call, tools)
         if errors:
             raise _fail(where, f"expected_calls[{i}]", "; ".join(errors))
+    previous_end = 0
+    for i, group in enumerate(item.get("parallel_calls", [])):
+        ok = isinstance(group, list) and len(group) == 2 and all(type(v) is int for v in group)
+        if not ok or not previous_end <= group[0] < group[1] - 1 < len(item["expected_calls"]):
+            raise _fail(where, f"parallel_calls[{i}]", "expected [first, end) of 2+ expected calls, in order")
+        previous_end = group[1]
+    alternatives = item.get("argument_alternatives")
+    if alternatives is not None:
+        if len(alternatives) != len(item["expected_calls"]):
+            raise _fail(where, "argument_alternatives", "expected one mapping per expected call")
+        for i, alt in enumerate(alternatives):
+            if not isinstance(alt, dict) or not all(isinstance(v, list) and v for v in alt.values()):
+                raise _fail(where, f"argument_alternatives[{i}]", "expected {argument: [acceptable values]}")
     for i, fixture in enumerate(item["fixtures"]):
         if not isinstance(fixture, dict):
             raise _fail(where, f"fixtures[{i}]", "expected an object")

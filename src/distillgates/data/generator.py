@@ -24,7 +24,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from distillgates.data.chat import answer_text, system_prompt, tool_call_text, tool_result_text
-from distillgates.data.registry import CITIES, CURRENCIES, OPERATIONS, validate_call
+from distillgates.data.registry import CITIES, CURRENCIES, OPERATIONS
+from distillgates.data.tools import validate_call
 from distillgates.tokenizer import ASSISTANT
 
 KINDS = ("single", "multi", "control", "decline", "pii")

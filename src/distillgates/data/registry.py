@@ -1,14 +1,11 @@
-"""The toy tool registry: one JSON Schema per tool, and THE shared call validator.
+"""The toy tool registry: one JSON Schema per tool (the tools of every toy item).
 
-:func:`validate_call` is the single definition of a valid tool call: the scorer (JSON validity,
-argument match reasons), the training losses and constrained decoding all call it, so "valid"
-means the same thing everywhere. Each error string starts with a reason code from
-:data:`REASONS` (``"<reason>: <path>: <message>"``) so callers can count failures by reason.
+Items of the user's own data carry their own tools; :mod:`distillgates.data.tools` decides which
+tools an item has and holds the shared call validator.
 """
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
 from jsonschema import Draft202012Validator
@@ -93,66 +90,10 @@ TOOLS: list[dict[str, Any]] = [
 """Tools in OpenAI function format (``name``, ``description``, ``parameters`` JSON Schema)."""
 
 TOOLS_BY_NAME: dict[str, dict[str, Any]] = {t["name"]: t for t in TOOLS}
-_VALIDATORS = {t["name"]: Draft202012Validator(t["parameters"]) for t in TOOLS}
 for _tool in TOOLS:
     Draft202012Validator.check_schema(_tool["parameters"])
-
-REASONS = ("malformed_call", "unknown_tool", "missing_required", "unexpected_param", "type_error", "value_error")
-"""Reason codes that prefix every :func:`validate_call` error."""
-
-_REASON_BY_KEYWORD = {"required": "missing_required", "additionalProperties": "unexpected_param", "type": "type_error"}
 
 
 def tool_registry_sha256() -> str:
     """sha256 of the canonical JSON of :data:`TOOLS` (a header field of every dataset)."""
     return sha256_json(TOOLS)
-
-
-def validate_call(call: Any) -> list[str]:
-    """Errors of one tool call ``{"name": str, "arguments": {...}}``; ``[]`` means valid.
-
-    Each error is ``"<reason>: <path>: <message>"`` with reason in :data:`REASONS`. An unknown
-    tool name is an error. Booleans are not numbers here (JSON Schema already says so).
-    """
-    if not isinstance(call, dict):
-        return [f"malformed_call: $: expected an object, got {type(call).__name__}"]
-    errors = []
-    extra = sorted(set(call) - {"name", "arguments"})
-    if extra:
-        errors.append(f"malformed_call: $: unexpected key(s) {extra}")
-    name, arguments = call.get("name"), call.get("arguments")
-    if not isinstance(name, str):
-        errors.append(f"malformed_call: name: expected a string, got {type(name).__name__}")
-    elif name not in _VALIDATORS:
-        errors.append(f"unknown_tool: name: {name!r} is not in the registry ({', '.join(TOOLS_BY_NAME)})")
-    if not isinstance(arguments, dict):
-        errors.append(f"malformed_call: arguments: expected an object, got {type(arguments).__name__}")
-    if errors:
-        return errors
-    for err in sorted(_VALIDATORS[name].iter_errors(arguments), key=lambda e: list(e.absolute_path)):
-        reason = _REASON_BY_KEYWORD.get(str(err.validator), "value_error")
-        path = ".".join(["arguments", *map(str, err.absolute_path)])
-        errors.append(f"{reason}: {path}: {err.message}")
-    return errors
-
-
-def parse_tool_call(text: str) -> dict[str, Any] | None:
-    """Parse tool-call JSON text into ``{"name", "arguments"}``; ``None`` if not such an object.
-
-    Only the shape is checked here (an object with a string ``name`` and an object
-    ``arguments``, nothing else); schema validity is :func:`validate_call`'s job.
-    """
-    try:
-        call = json.loads(text)
-    except (json.JSONDecodeError, RecursionError):
-        return None
-    if not isinstance(call, dict) or set(call) != {"name", "arguments"}:
-        return None
-    if not isinstance(call["name"], str) or not isinstance(call["arguments"], dict):
-        return None
-    return call
-
-
-def canonical_call(call: dict[str, Any]) -> str:
-    """The canonical tool-call JSON of the chat format: keys ``name`` then ``arguments``, compact."""
-    return json.dumps({"name": call["name"], "arguments": call["arguments"]}, separators=(",", ":"), ensure_ascii=False)

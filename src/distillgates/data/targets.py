@@ -27,7 +27,7 @@ from typing import Any
 from transformers import PreTrainedTokenizerFast
 
 from distillgates.data.chat import render_conversation, render_prompt
-from distillgates.data.registry import canonical_call
+from distillgates.data.tools import canonical_call
 from distillgates.tokenizer import ASSISTANT, END, EOS, TOOL_CALL, TOOL_RESULT
 
 Span = tuple[int, int]

@@ -3,16 +3,23 @@
 Evaluation never runs a real tool: every call is answered from the fixture table, keyed by tool
 name and *normalized* arguments (case, whitespace, punctuation, numbers as floats rounded to 6
 significant digits), so ``{"city": " paris "}`` and ``{"city": "Paris"}`` hit the same fixture
-and ``21`` equals ``21.0``. A miss returns an error result to the model (the conversation
-goes on, the model may recover) and is counted for the fixture hit-rate; it never raises.
+and ``21`` equals ``21.0``. An item's ``argument_alternatives`` (BFCL-style acceptable values of an
+expected call's arguments) are keys of that call's fixture too, so a search query phrased another
+acceptable way gets the same result.
+
+A call without a fixture is answered by the :class:`FixturePolicy`, never silently: ``error`` (the
+default) gives the model an error result (the conversation goes on, the model may recover) and
+counts a miss against the fixture hit-rate; ``mock`` gives it the configured mock result, counts a
+miss too and marks the call ``mocked`` (the scorer reports ``mocked_calls`` apart). It never raises.
 """
 
 from __future__ import annotations
 
+import itertools
 import json
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import dataclass, field
+from typing import Any, NamedTuple
 
 from distillgates.eval.matching import normalize_value
 
@@ -33,10 +40,32 @@ def fixture_key(name: Any, arguments: Any) -> str:
     return json.dumps([str(name), normalized], sort_keys=True, ensure_ascii=False)
 
 
+MISSING_FIXTURE_POLICIES = ("error", "mock")
+
+
+@dataclass(frozen=True)
+class FixturePolicy:
+    """How the broker answers a call that no fixture covers (``eval.missing_fixture``)."""
+
+    missing: str = "error"  # "error": an error result; "mock": mock_result. Either way a counted miss
+    mock_result: dict[str, Any] = field(default_factory=lambda: {"status": "ok"})
+
+    def __post_init__(self) -> None:
+        if self.missing not in MISSING_FIXTURE_POLICIES:
+            raise ValueError(f"missing_fixture must be one of {MISSING_FIXTURE_POLICIES}, got {self.missing!r}")
+
+
+class BrokerAnswer(NamedTuple):
+    result: dict[str, Any]
+    hit: bool  # answered from a fixture
+    mocked: bool = False  # no fixture: the policy's mock result
+
+
 @dataclass
 class BrokerStats:
     hits: int = 0
     misses: int = 0
+    mocked: int = 0  # misses answered with the mock result
 
     @property
     def hit_rate(self) -> float | None:
@@ -50,26 +79,54 @@ class ToolBroker:
     Args:
         fixtures: ``{"name", "arguments", "result"}`` records (from one item or a whole set).
             Two fixtures with the same key but different results are a data error.
+        policy: the answer to a call without a fixture (default: an error result).
+        aliases: ``(name, arguments)`` keys that answer like a fixture's own (:meth:`for_item`).
     """
 
-    def __init__(self, fixtures: Iterable[Mapping[str, Any]]) -> None:
+    def __init__(
+        self,
+        fixtures: Iterable[Mapping[str, Any]],
+        policy: FixturePolicy | None = None,
+        aliases: Iterable[tuple[str, Mapping[str, Any], Mapping[str, Any]]] = (),
+    ) -> None:
         self.table: dict[str, dict[str, Any]] = {}
+        self.policy = policy or FixturePolicy()
         for fixture in fixtures:
-            key = fixture_key(fixture["name"], fixture["arguments"])
-            if key in self.table and self.table[key] != fixture["result"]:
-                raise ValueError(f"conflicting fixtures for {key}: {self.table[key]} vs {fixture['result']}")
-            self.table[key] = dict(fixture["result"])
+            self._add(fixture["name"], fixture["arguments"], fixture["result"])
+        for name, arguments, result in aliases:
+            self._add(name, arguments, result)
         self.stats = BrokerStats()
 
-    @classmethod
-    def for_item(cls, item: Mapping[str, Any]) -> ToolBroker:
-        return cls(item.get("fixtures", []))
+    def _add(self, name: Any, arguments: Any, result: Mapping[str, Any]) -> None:
+        key = fixture_key(name, arguments)
+        if key in self.table and self.table[key] != result:
+            raise ValueError(f"conflicting fixtures for {key}: {self.table[key]} vs {result}")
+        self.table[key] = dict(result)
 
-    def call(self, name: Any, arguments: Any) -> tuple[dict[str, Any], bool]:
-        """``(result, hit)``: the fixture result, or an error result for the model on a miss."""
+    @classmethod
+    def for_item(cls, item: Mapping[str, Any], policy: FixturePolicy | None = None) -> ToolBroker:
+        """The item's fixtures, plus each expected call's acceptable argument variants as keys of its fixture."""
+        fixtures = list(item.get("fixtures", []))
+        aliases = []
+        for call, alternatives in zip(item.get("expected_calls", []), item.get("argument_alternatives") or []):
+            key = fixture_key(call["name"], call["arguments"])
+            result = next((f["result"] for f in fixtures if fixture_key(f["name"], f["arguments"]) == key), None)
+            if result is None or not alternatives:
+                continue
+            names = sorted(alternatives)
+            for values in itertools.product(*([call["arguments"].get(n), *alternatives[n]] for n in names)):
+                arguments = {**call["arguments"], **dict(zip(names, values))}
+                aliases.append((call["name"], {k: v for k, v in arguments.items() if v is not None}, result))
+        return cls(fixtures, policy, aliases)
+
+    def call(self, name: Any, arguments: Any) -> BrokerAnswer:
+        """The fixture result (a hit), or the policy's answer on a miss."""
         result = self.table.get(fixture_key(name, arguments))
-        if result is None:
-            self.stats.misses += 1
-            return {"error": f"no result for tool {name!r} with these arguments"}, False
-        self.stats.hits += 1
-        return dict(result), True
+        if result is not None:
+            self.stats.hits += 1
+            return BrokerAnswer(dict(result), True)
+        self.stats.misses += 1
+        if self.policy.missing == "mock":
+            self.stats.mocked += 1
+            return BrokerAnswer(dict(self.policy.mock_result), False, True)
+        return BrokerAnswer({"error": f"no result for tool {name!r} with these arguments"}, False)

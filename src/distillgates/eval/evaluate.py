@@ -14,8 +14,10 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, Literal, overload
 
+from distillgates.config import PrivacyConfig
 from distillgates.data.chat import prompt_wrapper_sha256, render_conversation
 from distillgates.data.registry import tool_registry_sha256
+from distillgates.eval.broker import FixturePolicy
 from distillgates.eval.fingerprints import check_fingerprints, items_sha256
 from distillgates.eval.runners import EngineRunner, HFRunner, Runner, TeacherRunner, run_items, runner_fingerprint_of
 from distillgates.eval.scorer import score
@@ -66,6 +68,8 @@ def evaluate(
     dataset_sha256: str | None = ...,
     progress: bool = ...,
     constrained: bool = ...,
+    policy: FixturePolicy | None = ...,
+    privacy: PrivacyConfig | None = ...,
 ) -> dict[str, Any]: ...
 
 
@@ -82,6 +86,8 @@ def evaluate(
     dataset_sha256: str | None = ...,
     progress: bool = ...,
     constrained: bool = ...,
+    policy: FixturePolicy | None = ...,
+    privacy: PrivacyConfig | None = ...,
 ) -> tuple[dict[str, Any], list[dict[str, Any]]]: ...
 
 
@@ -97,6 +103,8 @@ def evaluate(
     dataset_sha256: str | None = None,
     progress: bool = False,
     constrained: bool = False,
+    policy: FixturePolicy | None = None,
+    privacy: PrivacyConfig | None = None,
 ) -> dict[str, Any] | tuple[dict[str, Any], list[dict[str, Any]]]:
     """Run and score ``items``; returns METRICS (with slices and ``fingerprints``).
 
@@ -111,10 +119,13 @@ def evaluate(
         dataset_sha256: the eval file's sha256 (``distillgates.data.fingerprints.dataset_sha256``);
             default: sha256 of the items.
         constrained: an engine decodes tool calls under constrained JSON decoding (not for runners).
+        policy: how the broker answers a call without a fixture (default: an error result).
+        privacy: the scorer's PII patterns and allow-list (default: :class:`PrivacyConfig`).
     """
     runner = as_runner(engine_or_runner, tokenizer, max_new_tokens=max_new_tokens, constrained=constrained)
-    outputs = run_items(runner, items, max_calls=max_calls, progress=progress)
-    metrics = score(items, outputs, shapes=item_lengths(items, tokenizer) if lengths else None, lengths=lengths)
+    outputs = run_items(runner, items, max_calls=max_calls, progress=progress, policy=policy)
+    metrics = score(items, outputs, shapes=item_lengths(items, tokenizer) if lengths else None, lengths=lengths,
+                    privacy=privacy)
     metrics["fingerprints"] = collect_fingerprints(runner, items, tokenizer, dataset_sha256)
     return (metrics, outputs) if return_outputs else metrics
 
@@ -177,7 +188,9 @@ def run_spec(spec: Mapping[str, Any], rank: int = 0, world_size: int = 1) -> lis
     """Outputs of this rank's shard of the spec's items."""
     items, tokenizer, _ = load_spec_items(spec)
     runner = build_runner(spec, tokenizer)
-    return run_items(runner, shard_items(items, rank, world_size), max_calls=int(spec.get("max_calls", 4)))
+    policy = FixturePolicy(spec.get("missing_fixture", "error"), dict(spec.get("mock_result", {"status": "ok"})))
+    return run_items(runner, shard_items(items, rank, world_size), max_calls=int(spec.get("max_calls", 4)),
+                     policy=policy)
 
 
 def sharded_determinism(

@@ -14,7 +14,7 @@ from typing import Any
 
 from jsonschema import Draft202012Validator
 
-from distillgates.data.registry import TOOLS_BY_NAME
+from distillgates.data.tools import tools_by_name
 
 NUMBER = re.compile(r"(?<![\w.])[-+]?\d+(?:[.,]\d+)*(?![\w])")
 _PUNCT = re.compile(r"[^\w\s]")
@@ -112,20 +112,41 @@ def _type_ok(value: Any, schema: Mapping[str, Any]) -> bool:
     return any(Draft202012Validator.TYPE_CHECKER.is_type(value, t) for t in types)
 
 
+def value_matches(value: Any, want: Any, lax: bool, locale: str = "en", alternatives: Sequence[Any] = ()) -> bool:
+    """``value`` equals the expected value or one of its BFCL-style acceptable ``alternatives``
+    (strict: exact; lax: :func:`values_equal_lax`)."""
+    for candidate in (want, *alternatives):
+        if values_equal_lax(value, candidate, locale) if lax else value == candidate:
+            return True
+    return False
+
+
 def match_call(
-    predicted: Mapping[str, Any] | None, expected: Mapping[str, Any], lax: bool, locale: str = "en"
+    predicted: Mapping[str, Any] | None,
+    expected: Mapping[str, Any],
+    lax: bool,
+    locale: str = "en",
+    tools: Sequence[Mapping[str, Any]] | None = None,
+    alternatives: Mapping[str, Sequence[Any]] | None = None,
 ) -> str | None:
-    """``None`` when ``predicted`` matches ``expected``; otherwise the failure reason."""
+    """``None`` when ``predicted`` matches ``expected``; otherwise the failure reason.
+
+    Args:
+        tools: the item's tools (:func:`~distillgates.data.tools.item_tools`); ``None``: the toy registry.
+        alternatives: ``{argument: [acceptable values]}`` besides the expected value (BFCL's
+            possible answers): a free-text query may be phrased several ways.
+    """
     if predicted is None:
         return "invalid_json"
     if predicted.get("name") != expected["name"]:
         return "wrong_func_name"
-    tool = TOOLS_BY_NAME.get(str(expected["name"]))
+    tool = tools_by_name(tools).get(str(expected["name"]))
     if tool is None:
         return "unknown_tool"
-    params = tool["parameters"]
+    params = tool.get("parameters") or {}
     properties, required = params.get("properties", {}), set(params.get("required", []))
     args, want = predicted.get("arguments") or {}, expected["arguments"]
+    alternatives = alternatives or {}
     if not isinstance(args, Mapping):
         return "type_error"
     absent = object()
@@ -144,7 +165,7 @@ def match_call(
         if not _type_ok(value, properties[name]):
             return "type_error"
     for name, value in args.items():
-        if name in want and not (values_equal_lax(value, want[name], locale) if lax else value == want[name]):
+        if name in want and not value_matches(value, want[name], lax, locale, alternatives.get(name, ())):
             return "value_error"
     return None
 

@@ -10,16 +10,20 @@ builder too; a *session* only knows how to produce the next assistant turn:
 - :class:`TeacherSession`: anything with the teacher protocol's ``complete(messages, ...)``
   (the OpenAI-compatible HTTP teacher client with its determinism mode, or the local teacher).
 
-The prompt is rebuilt from the item's locale: the system prompt lists the whole tool registry
-(:func:`distillgates.data.chat.system_prompt`) and the user messages follow; nothing of the
-expected call reaches the model. Each call is answered by the :class:`ToolBroker`; an
-unparsable call gets an error result (the model may recover) and is never dispatched.
+The prompt is rebuilt from the item: the system prompt lists the item's own tools
+(:func:`distillgates.data.chat.item_system_prompt`; the toy registry for a toy item) and the
+conversation's earlier turns and last user message follow; nothing of the expected call reaches the
+model. Each call is validated against the item's tools and answered by the :class:`ToolBroker` (a
+call without a fixture by the :class:`FixturePolicy`); an unparsable call gets an error result (the
+model may recover) and is never dispatched. Constrained decoding uses the item's tools; a schema it
+cannot enforce (:class:`~distillgates.runtime.constrained.UnsupportedSchemaError`) makes that item
+decode unconstrained, recorded in its output as ``unconstrained_reason`` (never silently).
 
 Per-item output (what the scorer consumes; JSON-able)::
 
     {"id", "turns": [{"role": "assistant", "text", "tokens"} | {"role": "tool", "result"}],
-     "calls": [{"raw", "call": dict|None, "errors": [str], "fixture_hit": bool|None}],
-     "answer": str|None, "tokens_out": int, "ttfa_tokens": int|None}
+     "calls": [{"raw", "call": dict|None, "errors": [str], "fixture_hit": bool|None[, "mocked": true]}],
+     "answer": str|None, "tokens_out": int, "ttfa_tokens": int|None[, "unconstrained_reason": str]}
 
 ``ttfa_tokens`` counts generated tokens up to the end of the first valid call's JSON (its
 closing ``<|end|>`` excluded); ``None`` when no valid call was made.
@@ -35,9 +39,9 @@ from typing import Any, Protocol
 
 import torch
 
-from distillgates.data.chat import parse_assistant_turn, render_prompt, system_prompt, tool_result_text
-from distillgates.data.registry import validate_call
-from distillgates.eval.broker import ToolBroker
+from distillgates.data.chat import item_system_prompt, parse_assistant_turn, render_prompt, tool_result_text
+from distillgates.data.tools import item_tools, validate_call
+from distillgates.eval.broker import FixturePolicy, ToolBroker
 from distillgates.eval.fingerprints import directory_fingerprint, runner_fingerprint
 from distillgates.tokenizer import ASSISTANT, END, EOS, TOOL_CALL, TOOL_RESULT
 
@@ -71,11 +75,12 @@ class Runner(Protocol):
 
 
 def eval_prompt_item(item: Mapping[str, Any]) -> dict[str, Any]:
-    """The item as the model sees it: registry system prompt of its locale + the user messages only."""
-    users = [dict(m) for m in item["messages"] if m["role"] == "user"]
-    if not users:
+    """The item as the model sees it: the system prompt of its tools + its other messages, and its tools."""
+    turns = [dict(m) for m in item["messages"] if m["role"] != "system"]
+    if not any(m["role"] == "user" for m in turns):
         raise ValueError(f"item {item.get('id')}: no user message")
-    return {"id": item["id"], "messages": [{"role": "system", "content": system_prompt(item["locale"])}, *users]}
+    system = {"role": "system", "content": item_system_prompt(item)}
+    return {"id": item["id"], "messages": [system, *turns], "tools": item_tools(item)}
 
 
 class Conversation:
@@ -89,9 +94,10 @@ class Conversation:
     turn.
     """
 
-    def __init__(self, item: Mapping[str, Any], max_calls: int = 4) -> None:
+    def __init__(self, item: Mapping[str, Any], max_calls: int = 4, policy: FixturePolicy | None = None) -> None:
         self.id = str(item["id"])
-        self.broker = ToolBroker.for_item(item)
+        self.tools = item_tools(item)
+        self.broker = ToolBroker.for_item(item, policy)
         self.max_calls = max_calls
         self.turns: list[dict[str, Any]] = []
         self.calls: list[dict[str, Any]] = []
@@ -107,15 +113,16 @@ class Conversation:
         if isinstance(parsed, str):
             self.answer = parsed
             return None
-        errors = ["malformed_call: $: not a JSON tool call"] if parsed is None else validate_call(parsed)
+        errors = ["malformed_call: $: not a JSON tool call"] if parsed is None else validate_call(parsed, self.tools)
         if parsed is None:
-            result, hit = {"error": "invalid tool call JSON"}, None
+            result, hit, mocked = {"error": "invalid tool call JSON"}, None, False
         else:
-            result, hit = self.broker.call(parsed["name"], parsed["arguments"])
+            result, hit, mocked = self.broker.call(parsed["name"], parsed["arguments"])
         if self.ttfa is None and parsed is not None and not errors:
             self.ttfa = max(0, self.tokens_out - int(turn.stopped))
         raw = turn.text.split(TOOL_CALL, 1)[1] if TOOL_CALL in turn.text else turn.text
-        self.calls.append({"raw": raw, "call": parsed, "errors": errors, "fixture_hit": hit})
+        record = {"raw": raw, "call": parsed, "errors": errors, "fixture_hit": hit}
+        self.calls.append({**record, "mocked": True} if mocked else record)
         self.turns.append({"role": "tool", "result": result})
         if len(self.calls) >= self.max_calls or not turn.stopped:
             return None
@@ -133,26 +140,32 @@ class Conversation:
         }
 
 
-def run_item(item: Mapping[str, Any], session: Session, max_calls: int = 4) -> dict[str, Any]:
+def run_item(
+    item: Mapping[str, Any], session: Session, max_calls: int = 4, policy: FixturePolicy | None = None
+) -> dict[str, Any]:
     """Run one item: turns until an answer, at most ``max_calls`` tool calls."""
     prompt_item = eval_prompt_item(item)
-    conversation = Conversation(item, max_calls)
+    conversation = Conversation(item, max_calls, policy)
     result = conversation.add_turn(session.first_turn(prompt_item, render_prompt(prompt_item)))
     while result is not None:
         result = conversation.add_turn(session.next_turn(result))
-    return conversation.output()
+    output = conversation.output()
+    if reason := getattr(session, "unconstrained_reason", None):
+        output["unconstrained_reason"] = reason
+    return output
 
 
 def run_items(
-    runner: Runner, items: Iterable[Mapping[str, Any]], max_calls: int = 4, progress: bool = False
-) -> list[dict[str, Any]]:
+    runner: Runner, items: Iterable[Mapping[str, Any]], max_calls: int = 4, progress: bool = False,
+    policy: FixturePolicy | None = None,
+) -> list[dict[str, Any]]:  # fmt: skip
     from distillgates.progress import ProgressBar
 
     items = list(items)
     with ProgressBar(f"eval ({runner.kind})", len(items), enabled=progress) as bar:
         outputs = []
         for item in items:
-            outputs.append(run_item(item, runner.session(), max_calls=max_calls))
+            outputs.append(run_item(item, runner.session(), max_calls=max_calls, policy=policy))
             bar.update(1)
     return outputs
 
@@ -189,14 +202,21 @@ class EngineSession(_TokenSession):
         super().__init__(tokenizer, max_new_tokens)
         self.engine = engine
         self.constrained = constrained
+        self.tools: list[dict[str, Any]] | None = None  # the item's (set by first_turn)
+        self.unconstrained_reason: str | None = None  # the item's tools cannot be enforced: decoded freely
 
     def _decode(self) -> dict[str, Any]:
-        """Generation arguments of one turn: stop tokens, and a fresh tool-call constraint when enabled."""
-        if not self.constrained:
+        """Generation arguments of one turn: stop tokens, and a fresh constraint to the item's tools when enabled."""
+        if not self.constrained or self.unconstrained_reason is not None:
             return {"stop_ids": self.stop_ids}
-        from distillgates.runtime.constrained import tool_call_processor
+        from distillgates.runtime.constrained import UnsupportedSchemaError, tool_call_processor
 
-        return {"stop_ids": self.stop_ids, "logits_processor": tool_call_processor(self.tokenizer)}
+        try:
+            processor = tool_call_processor(self.tokenizer, self.tools)
+        except UnsupportedSchemaError as err:  # explicit fallback, recorded in the item's output
+            self.unconstrained_reason = str(err)
+            return {"stop_ids": self.stop_ids}
+        return {"stop_ids": self.stop_ids, "logits_processor": processor}
 
     def _budget(self, used: int) -> int:
         """New tokens that still fit the engine's context (``used`` tokens already in it)."""
@@ -204,6 +224,7 @@ class EngineSession(_TokenSession):
         return max(0, min(self.max_new_tokens, room))
 
     def first_turn(self, item: Mapping[str, Any], prompt_text: str) -> Turn:
+        self.tools = item.get("tools")
         prompt = self.encode(prompt_text)
         budget = self._budget(len(prompt))
         if budget == 0:  # the prompt alone fills the context: an empty (failed) answer, not a crash

@@ -4,12 +4,15 @@ Definitions (DESIGN.md "Quality metrics"; keys fixed in the contract's METRICS):
 
 - **tool_selection**: the sequence of emitted tool names (an unparsable call counts as a
   wrong name) equals the expected sequence; "no tool" is the empty sequence. Over all items.
+  Calls of one parallel turn (the item's ``parallel_calls`` groups) may come in any order: they
+  are compared in the order that matches best (:func:`order_parallel_calls`).
 - **json_validity**: share of emitted calls that parse and pass THE shared validator
-  :func:`distillgates.data.registry.validate_call`. Over emitted calls.
+  :func:`distillgates.data.tools.validate_call` against the item's own tools. Over emitted calls.
 - **arg_match_strict / arg_match_lax** (BFCL-style): over items that expect tools; the item
   matches when it emits exactly the expected calls in order and each call has the right name,
   every schema-required and expected argument, no unexpected argument, schema types and equal
-  values (strict: exact; lax: :func:`normalize_value`). The first failure of an item is counted
+  values (strict: exact; lax: :func:`normalize_value`); an expected argument may list BFCL-style
+  acceptable alternatives (the item's ``argument_alternatives``). The first failure of an item is counted
   in ``failure_reasons`` (``wrong_func_name``, ``missing_required``, ``unexpected_param``,
   ``type_error``, ``value_error``, plus ``invalid_json``, ``unknown_tool``,
   ``wrong_call_count`` for calls that cannot be compared at all).
@@ -25,11 +28,16 @@ Definitions (DESIGN.md "Quality metrics"; keys fixed in the contract's METRICS):
   span is grounded else 0, F1 = harmonic mean (0 when both are 0). Macro = mean of per-item F1;
   micro = F1 of pooled counts (sum grounded / sum spans, sum recalled / eligible items).
 - **privacy_ok_rate**: share of items whose generated text (calls and answer) contains none of
-  the PII of the prompt: the item's ``pii`` list plus emails, phone numbers and ids found by
-  regex in the user messages. Lax match (case, and digits-only for phone numbers).
-- **controls_with_integration**: control/decline items that emit any tool call or whose
-  answer contains a named value of the dataset's tool results.
-- **fixture_hit_rate**: broker hits / dispatched calls. **median_tokens_out** (all items and
+  the PII of the prompt: the item's ``pii`` list plus matches of the PII patterns (default:
+  emails, phone numbers and ids; ``eval.privacy.pii_patterns``) in the user messages. Lax match
+  (case, and digits-only for phone numbers). A call of an allow-listed tool, or an allow-listed
+  argument (``eval.privacy.allow``: ``tool`` or ``tool.argument``), may carry the PII: a ticketing
+  tool that takes the user's email is no leak. The answer is always checked.
+- **controls_with_integration**: items labeled ``control`` or ``decline`` (the dataset's ``kind``;
+  unlabeled items never count) that emit any tool call or whose answer contains a named value of
+  the dataset's tool results.
+- **fixture_hit_rate**: broker hits / dispatched calls; **mocked_calls**: misses the broker
+  answered with the mock result (``eval.missing_fixture: mock``). **median_tokens_out** (all items and
   tool items), **false_tool_calls_tool_absent** (tool-absent items with any call attempt),
   **ttfa_tokens_p50/p95** over items with a valid call (``None`` when no item has one).
 
@@ -40,6 +48,7 @@ shape, locale and tool-absent.
 
 from __future__ import annotations
 
+import itertools
 import math
 import re
 import statistics
@@ -48,7 +57,8 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from distillgates.data.registry import TOOLS_BY_NAME, validate_call
+from distillgates.config import PrivacyConfig
+from distillgates.data.tools import canonical_call, item_tools, tools_by_name, validate_call
 from distillgates.eval.matching import (
     NUMBER,
     leaves,
@@ -61,12 +71,6 @@ from distillgates.eval.matching import (
 
 CONTROL_KINDS = ("control", "decline")
 SLICE_KEYS = ("kind", "shape", "locale", "tool_absent")
-
-_EMAIL = re.compile(r"[\w.+-]+@[\w-]+(?:\.[\w-]+)+")
-_PHONE = re.compile(
-    r"\+\d[\d\s()/-]{6,}\d|\b0\d{2,4}[\s/-]?\d{5,}\b"
-)  # international "+49 170 ..." or national "0170 ..."
-_ID = re.compile(r"\b(?=[A-Z0-9-]*\d)[A-Z]{1,4}[-]?\d{4,}\b|\b\d{8,}\b")
 
 
 def find_spans(answer: str, named_values: Sequence[str]) -> list[str]:
@@ -129,6 +133,7 @@ class ItemScore:
     control_integration: bool = False
     fixture_hits: int = 0
     fixture_calls: int = 0
+    mocked_calls: int = 0
     tokens_out: int = 0
     ttfa_tokens: int | None = None
     reasons: list[str] = field(default_factory=list)
@@ -142,15 +147,32 @@ def shape_of(n_tokens: int, lengths: Sequence[int]) -> str:
     return str(max(lengths))
 
 
-def prompt_pii(item: Mapping[str, Any]) -> list[str]:
-    """PII of the prompt: the item's ``pii`` list plus regex hits in the user messages."""
+def prompt_pii(item: Mapping[str, Any], privacy: PrivacyConfig | None = None) -> list[str]:
+    """PII of the prompt: the item's ``pii`` list plus PII-pattern hits in the user messages."""
+    patterns = [re.compile(p) for p in (privacy or PrivacyConfig()).pii_patterns.values()]
     found = list(item.get("pii", []))
     for message in item["messages"]:
         if message["role"] != "user":
             continue
-        for pattern in (_EMAIL, _PHONE, _ID):
+        for pattern in patterns:
             found.extend(m.group(0).strip() for m in pattern.finditer(message["content"]))
     return sorted(set(found))
+
+
+def checked_call_text(record: Mapping[str, Any], allow: Sequence[str]) -> str:
+    """The text of an emitted call the privacy check reads: the raw text, without what ``allow`` permits
+    (the whole call of an allow-listed tool, or an allow-listed argument's value)."""
+    raw, call = str(record.get("raw", "")), record.get("call")
+    if not allow or not isinstance(call, Mapping):
+        return raw
+    name = str(call.get("name"))
+    if name in allow:
+        return ""
+    fields = {entry.split(".", 1)[1] for entry in allow if entry.startswith(f"{name}.")}
+    if not fields:
+        return raw
+    arguments = {k: v for k, v in dict(call.get("arguments") or {}).items() if k not in fields}
+    return canonical_call({"name": name, "arguments": arguments})
 
 
 def pii_leaked(pii: str, text: str) -> bool:
@@ -180,12 +202,17 @@ def score_item(
     vocab: Sequence[str],
     result_vocab: Sequence[str],
     shape: str,
+    privacy: PrivacyConfig | None = None,
 ) -> ItemScore:
     """Score one item's output (the runner output format: ``calls``, ``answer``, ``tokens_out``...)."""
+    privacy = privacy or PrivacyConfig()
+    tools = item_tools(item)
+    alternatives = list(item.get("argument_alternatives") or [{} for _ in item.get("expected_calls", [])])
     locale = str(item.get("locale", "en"))
     expected = list(item.get("expected_calls", []))
     calls = list(output.get("calls", []))
-    parsed = [c.get("call") for c in calls]
+    parsed = order_parallel_calls([c.get("call") for c in calls], expected, item.get("parallel_calls") or [],
+                                  locale, tools, alternatives)
     tool_item = bool(item.get("tool_should_be_used", bool(expected)))
     control = item.get("kind") in CONTROL_KINDS
     answer = output.get("answer") or ""
@@ -202,13 +229,14 @@ def score_item(
         control=control,
         selection_ok=names == [c["name"] for c in expected],
         calls_emitted=len(calls),
-        calls_valid=sum(1 for c in parsed if c is not None and not validate_call(c)),
+        calls_valid=sum(1 for c in parsed if c is not None and not validate_call(c, tools)),
         arg_strict="not_applicable",
         arg_lax="not_applicable",
         tokens_out=int(output.get("tokens_out", 0)),
         ttfa_tokens=output.get("ttfa_tokens"),
         fixture_hits=sum(1 for c in calls if c.get("fixture_hit") is True),
         fixture_calls=sum(1 for c in calls if c.get("fixture_hit") is not None),
+        mocked_calls=sum(1 for c in calls if c.get("mocked") is True),
     )
     if tool_item:
         for lax in (False, True):
@@ -217,11 +245,12 @@ def score_item(
                 reason = "wrong_call_count"
                 if parsed and parsed[0] is None:
                     reason = "invalid_json"
-            for got, want in zip(parsed, expected):
+            for got, want, alts in zip(parsed, expected, alternatives):
                 if reason is None:
-                    reason = match_call(got, want, lax, locale)
+                    reason = match_call(got, want, lax, locale, tools, alts)
             if reason is None:
-                bad = [c for c in parsed if c is not None and c.get("name") not in TOOLS_BY_NAME]
+                known = tools_by_name(tools)
+                bad = [c for c in parsed if c is not None and c.get("name") not in known]
                 reason = "unknown_tool" if bad else None
             if lax:
                 score.arg_lax = reason
@@ -237,11 +266,39 @@ def score_item(
         score.spans = len(spans)
         score.grounded_strict = sum(span_grounded(s, grounded, False, locale) for s in spans)
         score.grounded_lax = sum(span_grounded(s, grounded, True, locale) for s in spans)
-    generated = " ".join([*(str(c.get("raw", "")) for c in calls), answer])
-    score.privacy_ok = not any(pii_leaked(p, generated) for p in prompt_pii(item))
+    generated = " ".join([*(checked_call_text(c, privacy.allow) for c in calls), answer])
+    score.privacy_ok = not any(pii_leaked(p, generated) for p in prompt_pii(item, privacy))
     if control:
         score.control_integration = bool(calls) or bool(find_spans_named(answer, result_vocab))
     return score
+
+
+def order_parallel_calls(
+    parsed: Sequence[Any],
+    expected: Sequence[Mapping[str, Any]],
+    groups: Sequence[Sequence[int]],
+    locale: str,
+    tools: Sequence[Mapping[str, Any]],
+    alternatives: Sequence[Mapping[str, Any]],
+) -> list[Any]:
+    """The emitted calls with each parallel group (``[first, end)`` of the expected calls, from one
+    assistant message with several calls) in the order that best matches the expected calls: calls of
+    one parallel turn may come in any order (BFCL's parallel category). Groups of more than 6 calls,
+    or that the emitted calls do not reach, keep the emitted order."""
+    out = list(parsed)
+    for first, end in groups:
+        if end > len(out) or end - first > 6:
+            continue
+
+        def fit(order: tuple[int, ...], first: int = first) -> tuple[int, int]:
+            pairs = [(out[i], first + k) for k, i in enumerate(order)]
+            matched = sum(match_call(c, expected[j], True, locale, tools, alternatives[j]) is None for c, j in pairs)
+            named = sum(isinstance(c, Mapping) and c.get("name") == expected[j]["name"] for c, j in pairs)
+            return matched, named
+
+        best = max(itertools.permutations(range(first, end)), key=fit)  # first best: the emitted order on ties
+        out[first:end] = [out[i] for i in best]
+    return out
 
 
 def find_spans_named(answer: str, named_values: Sequence[str]) -> list[str]:
@@ -319,6 +376,7 @@ def aggregate(scores: Sequence[ItemScore]) -> dict[str, Any]:
         "privacy_ok_rate": _rate(sum(s.privacy_ok for s in scores), len(scores)),
         "controls_with_integration": sum(s.control and s.control_integration for s in scores),
         "fixture_hit_rate": _rate(sum(s.fixture_hits for s in scores), sum(s.fixture_calls for s in scores)),
+        "mocked_calls": sum(s.mocked_calls for s in scores),
         "median_tokens_out": float(statistics.median(tokens)) if tokens else None,
         "median_tokens_out_tool_items": float(statistics.median(tool_tokens)) if tool_tokens else None,
         "false_tool_calls_tool_absent": sum(1 for s in scores if not s.tool_item and s.calls_emitted > 0),
@@ -333,9 +391,10 @@ def score(
     outputs: Sequence[Mapping[str, Any]] | Mapping[str, Mapping[str, Any]],
     shapes: Mapping[str, int] | None = None,
     lengths: Sequence[int] | None = None,
+    privacy: PrivacyConfig | None = None,
 ) -> dict[str, Any]:
     """METRICS with slices for runner ``outputs`` on ``items`` (arguments as :func:`score_items`)."""
-    scores = score_items(items, outputs, shapes, lengths)
+    scores = score_items(items, outputs, shapes, lengths, privacy)
     metrics = aggregate(scores)
     slices: dict[str, dict[str, Any]] = {}
     for key in SLICE_KEYS:
@@ -352,6 +411,7 @@ def score_items(
     outputs: Sequence[Mapping[str, Any]] | Mapping[str, Mapping[str, Any]],
     shapes: Mapping[str, int] | None = None,
     lengths: Sequence[int] | None = None,
+    privacy: PrivacyConfig | None = None,
 ) -> list[ItemScore]:
     """One :class:`ItemScore` per item, in item order.
 
@@ -361,6 +421,7 @@ def score_items(
         shapes: token length per item id (prompt + reference), bucketed into ``lengths``
             for the shape slice; without it the shape slice is ``"all"``.
         lengths: enumerated shapes (``ShapesConfig.lengths``).
+        privacy: PII patterns and allow-list (``eval.privacy``; default: :class:`PrivacyConfig`).
 
     Raises:
         ValueError: an item has no output, an output has no item, or an id repeats.
@@ -379,7 +440,7 @@ def score_items(
     scores = []
     for item in items:
         shape = shape_of(shapes[str(item["id"])], lengths) if shapes is not None and lengths else "all"
-        scores.append(score_item(item, by_id[str(item["id"])], vocab, result_vocab, shape))
+        scores.append(score_item(item, by_id[str(item["id"])], vocab, result_vocab, shape, privacy))
     return scores
 
 

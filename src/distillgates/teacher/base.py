@@ -7,19 +7,13 @@ Design choices:
 - ``TurnResult.text`` never contains the stop token (OpenAI semantics: the stop sequence is not
   part of the content). ``stop_topk_*`` carries the teacher's distribution at the stop position
   when the teacher can give it (local teacher), so the student still learns when to stop.
-- Message rendering follows the project chat format (contract.md "Chat format"):
-  ``<|bos|><|system|>..<|end|><|user|>..<|end|><|assistant|>``; an assistant message renders as
-  ``<|assistant|>{content}<|end|>`` and a ``tool`` message as ``<|tool_result|>{content}<|end|>``.
+- Messages render through the one chat renderer, :func:`distillgates.data.chat.render_messages`.
 """
 
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 from typing import Any, Protocol
-
-from distillgates.tokenizer import ASSISTANT, BOS, END, SYSTEM, TOOL_RESULT, USER
-
-_ROLE_TOKENS = {"system": SYSTEM, "user": USER, "assistant": ASSISTANT, "tool": TOOL_RESULT}
 
 
 @dataclass
@@ -59,22 +53,3 @@ class Teacher(Protocol):
     def complete(
         self, messages: list[dict[str, Any]], *, max_new_tokens: int, top_k: int, temperature: float = 0.0
     ) -> TurnResult: ...
-
-
-def render_messages(messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
-    """Chat-format text for OpenAI-style messages (roles system/user/assistant/tool).
-
-    Raises:
-        ValueError: on an unknown role or a non-string content, naming the message index.
-    """
-    parts = [BOS]
-    for i, message in enumerate(messages):
-        role, content = message.get("role"), message.get("content")
-        if role not in _ROLE_TOKENS:
-            raise ValueError(f"messages[{i}].role: expected one of {sorted(_ROLE_TOKENS)}, got {role!r}")
-        if not isinstance(content, str):
-            raise ValueError(f"messages[{i}].content: expected a string, got {type(content).__name__}")
-        parts.append(f"{_ROLE_TOKENS[role]}{content}{END}")
-    if add_generation_prompt:
-        parts.append(ASSISTANT)
-    return "".join(parts)

@@ -33,7 +33,7 @@ from typing import Any
 import httpx
 
 from distillgates.config import APIConfig
-from distillgates.data.registry import canonical_call
+from distillgates.data.tools import canonical_call
 from distillgates.teacher.base import TurnResult
 from distillgates.teacher.tokens import TokenBytes
 from distillgates.tokenizer import END, TOOL_CALL

@@ -18,8 +18,10 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from distillgates.config import sha256_json
+from distillgates.data.chat import render_messages
 from distillgates.io import sha256_file
-from distillgates.teacher.base import END, TurnResult, render_messages
+from distillgates.teacher.base import TurnResult
+from distillgates.tokenizer import END
 
 
 @dataclass

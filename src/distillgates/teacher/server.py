@@ -25,9 +25,10 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any, cast
 
-from distillgates.teacher.base import END, render_messages
+from distillgates.data.chat import render_messages
 from distillgates.teacher.local import LocalTeacher
 from distillgates.teacher.tokens import TokenBytes
+from distillgates.tokenizer import END
 
 FAULT_KINDS = ("429", "500", "503", "malformed", "slow", "drop")
 

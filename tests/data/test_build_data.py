@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from distillgates.config import Config, DataConfig, ShapesConfig, TokenizerConfig
-from distillgates.data.build import build_toy_data
+from distillgates.data.build import build_data
 from distillgates.data.chat import render_conversation
 from distillgates.data.dataset import read_dataset
 from distillgates.data.fingerprints import dataset_sha256
@@ -17,7 +17,7 @@ CFG = Config(
 
 
 def test_build_reads_back_and_is_deterministic(tmp_path):
-    first = build_toy_data(CFG, tmp_path / "a")
+    first = build_data(CFG, tmp_path / "a")
     tok = load_tokenizer(first.tokenizer_dir)
     assert tokenizer_fingerprint(tok) == first.tokenizer_fingerprint
     for split, path in (("train", first.train), ("eval", first.eval)):
@@ -29,6 +29,6 @@ def test_build_reads_back_and_is_deterministic(tmp_path):
         assert dataset_sha256(path) == first.dataset_sha256[split]
     train_ids = {item["id"] for item in read_dataset(first.train)[1]}
     assert not train_ids & {item["id"] for item in read_dataset(first.eval)[1]}
-    second = build_toy_data(CFG, tmp_path / "b")
+    second = build_data(CFG, tmp_path / "b")
     assert second.dataset_sha256 == first.dataset_sha256
     assert second.tokenizer_fingerprint == first.tokenizer_fingerprint
