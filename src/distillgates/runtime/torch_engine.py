@@ -21,7 +21,9 @@ Design choices (gpt-fast style):
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import os
+import time
+from collections.abc import Callable, Sequence
 
 import torch
 from torch import Tensor
@@ -29,6 +31,22 @@ from torch import Tensor
 from distillgates.model import Transformer
 from distillgates.runtime.base import EngineBase, make_generator, sample_token
 from distillgates.runtime.decoder import FusedDecoder
+
+# Test hook of the speed gates' power benchmark: a real engine slowdown. Each prefill/decode call is
+# stretched by this fraction of its own duration (busy wait: the CPU stays as busy as slower code).
+SLOWDOWN_ENV = "DISTILLGATES_TEST_ENGINE_SLOWDOWN"
+
+
+def _stretched(call: Callable[..., Tensor], fraction: float) -> Callable[..., Tensor]:
+    def slower(*args: object) -> Tensor:
+        start = time.perf_counter()
+        out = call(*args)
+        until = start + (1.0 + fraction) * (time.perf_counter() - start)
+        while time.perf_counter() < until:
+            pass
+        return out
+
+    return slower
 
 
 class TorchEngine(EngineBase):
@@ -66,6 +84,10 @@ class TorchEngine(EngineBase):
         self._decode = torch.compile(self._decode_compiled, dynamic=False) if compile else self._decode_eager
         self.tokens: list[int] = []  # token ids in the KV state (batch-1 conversation)
         self.pending = None
+        slowdown = float(os.environ.get(SLOWDOWN_ENV) or 0.0)
+        if slowdown > 0:  # benchmarks/bench_speed_gate_power.py: a real +10% / +20% engine regression
+            self.prefill = _stretched(self.prefill, slowdown)  # type: ignore[method-assign]
+            self.decode_step = _stretched(self.decode_step, slowdown)  # type: ignore[method-assign]
 
     # ---- batch 1: the Engine protocol ------------------------------------------------
 
