@@ -279,7 +279,7 @@ class Gate:
         key = baseline_key or name
         if self.context.bless:
             try:
-                samples = [float(s) for s in speed.after(speed.looks, metric)[1]]
+                samples = [float(s) for block in speed.after(speed.looks, metric)[1] for s in block]
                 extra = speed.bless_record()
             except (StaleReference, WorkerError) as err:
                 return self._finish(GateRecord(self.nodeid, self.group, name, None, None, "bless", None, "fail",
@@ -294,9 +294,11 @@ class Gate:
         rebless = self.context.bless_command(self.nodeid)
         stored = base.samples or []
 
-        def samples_after(rounds: int) -> tuple[list[float], list[float]]:
+        def samples_after(rounds: int) -> tuple[list[Any], list[Any]]:
             reference, candidate = speed.after(rounds, metric)
-            return (stored, candidate) if speed.mode == "stored" else (reference, candidate)
+            if speed.mode == "stored":
+                return stored, [s for block in candidate for s in block]
+            return reference, candidate  # paired blocks
 
         try:
             if speed.mode == "ab":
@@ -305,11 +307,13 @@ class Gate:
                 raise StaleReference(f"baseline {self.group}/{key} has no raw samples; re-bless it: {rebless}")
             result = sequential_speed_gate(samples_after, looks=speed.looks, threshold=threshold,
                                            higher_is_better=higher_is_better, quantile=quantile, alpha=alpha,
-                                           n_gates=n_gates)
+                                           n_gates=n_gates, paired_blocks=speed.mode == "ab")
         except (StaleReference, WorkerError, ValueError) as err:
             return self._finish(GateRecord(self.nodeid, self.group, name, None, threshold, "speed_no_regression",
                                            base.value, "fail", f"{speed.mode} mode: {err}"))
-        reference, candidate = samples_after(result.rounds)
+        reference, candidate = speed.after(result.rounds, metric)
+        reference = stored if speed.mode == "stored" else [s for block in reference for s in block]
+        candidate = [s for block in candidate for s in block]
         return self._finish(GateRecord(
             self.nodeid, self.group, name, float(np.quantile(candidate, quantile)), threshold, "speed_no_regression",
             base.value, result.verdict, f"{speed.mode} mode: {result.reason}",

@@ -84,8 +84,8 @@ class ReferenceStore:
         return {"sha256": self.put_bytes(path.read_bytes()), "name": path.name, "kind": "file"}
 
     def get(self, artifact: dict[str, Any], into: Path, rebless: str) -> Path:
-        """The stored ``artifact`` (as recorded by :meth:`put`), hash verified: the object itself for a
-        file, else the tree extracted under ``into``.
+        """The stored ``artifact`` (as recorded by :meth:`put`), hash verified, under ``into``: a file as a link
+        named as it was (with its ``.sha256`` sidecar), a tree extracted.
 
         Raises:
             StaleReference: the object is missing or its content changed (names ``rebless``).
@@ -99,11 +99,17 @@ class ReferenceStore:
         if found != sha:
             raise StaleReference(f"blessed speed reference artifact {path} has changed: sha256 {found}, blessed "
                                  f"{sha}; re-bless: {rebless}")
-        if artifact.get("kind") != "tree":
-            return path
-        with tarfile.open(path) as tar:
-            tar.extractall(into, filter="data")
-        return into / str(artifact["name"])
+        into.mkdir(parents=True, exist_ok=True)
+        if artifact.get("kind") == "tree":
+            with tarfile.open(path) as tar:
+                tar.extractall(into, filter="data")
+            return into / str(artifact["name"])
+        # the file under its own name, with the sha256 sidecar that checkpoint loading verifies (distillgates.io)
+        named = into / str(artifact["name"])
+        named.unlink(missing_ok=True)
+        named.symlink_to(path.resolve())
+        Path(f"{named}.sha256").write_text(sha + "\n")
+        return named
 
 
 @dataclass(frozen=True)

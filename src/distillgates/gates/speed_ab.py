@@ -18,6 +18,7 @@ gates after it reuse (the statistics allow it: :func:`distillgates.gates.stats.s
 
 from __future__ import annotations
 
+import math
 import os
 import shutil
 import sys
@@ -61,9 +62,10 @@ class SpeedRounds:
         self.reference_arm: Arm | None = None
         self.reference_record: dict[str, Any] | None = None
         self.rounds = 0
-        self._blocks = 0
-        self.candidate: dict[str, list[float]] = {m: [] for m in METRICS}
-        self.reference: dict[str, list[float]] = {m: [] for m in METRICS}
+        # samples per block (one request); block j of the two arms was measured back to back
+        self.candidate: dict[str, list[list[float]]] = {m: [] for m in METRICS}
+        self.reference: dict[str, list[list[float]]] = {m: [] for m in METRICS}
+        self._blocks_per_round = math.ceil(samples / BLOCK)
 
     @property
     def mode(self) -> str:
@@ -93,40 +95,46 @@ class SpeedRounds:
         self.reference_arm = self.reference_factory(record, rebless)
         self.reference_record = record
 
+    def _arms(self) -> list[Arm]:
+        return [self.candidate_arm] + ([self.reference_arm] if self.reference_arm is not None else [])
+
     def _round(self) -> None:
+        if self.rounds == 0:
+            for arm in self._arms():  # warm-up block, not recorded: the other worker may still be loading
+                arm.measure(BLOCK)
         left = self.samples
         while left > 0:
             n = min(BLOCK, left)
-            arms: list[tuple[Arm, dict[str, list[float]]]] = [(self.candidate_arm, self.candidate)]
+            arms: list[tuple[Arm, dict[str, list[list[float]]]]] = [(self.candidate_arm, self.candidate)]
             if self.reference_arm is not None:  # ABBA: reference first in even blocks, candidate first in odd ones
                 pair = [(self.reference_arm, self.reference), (self.candidate_arm, self.candidate)]
-                arms = pair if self._blocks % 2 == 0 else pair[::-1]
+                arms = pair if len(self.candidate["tps"]) % 2 == 0 else pair[::-1]
             for arm, into in arms:
                 for metric, values in arm.measure(n).items():
-                    into[metric] += values
-            self._blocks += 1
+                    into[metric].append(values)
             left -= n
         self.rounds += 1
 
-    def after(self, rounds: int, metric: str) -> tuple[list[float], list[float]]:
-        """``(reference, candidate)`` samples of ``metric`` after ``rounds`` rounds (measured when first needed).
-
-        The gates share rounds: a gate asking for 2 rounds after another asked for 3 sees all 3 (more data, same test
-        level; the Bonferroni split holds for any number of rounds up to ``looks``).
-        """
+    def after(self, rounds: int, metric: str) -> tuple[list[list[float]], list[list[float]]]:
+        """``(reference, candidate)`` blocks of samples of ``metric`` of exactly the first ``rounds`` rounds
+        (measured when first needed; the gates share rounds, and each gate's looks see the same data whatever
+        the order of the gates). The reference has no blocks in ``stored`` mode."""
         if self.mode == "ab" and self.reference_arm is None:
             raise RuntimeError("ab mode: use_reference() must start the reference arm first")
-        while self.rounds < min(rounds, self.looks):
+        if not 1 <= rounds <= self.looks:
+            raise ValueError(f"rounds must be in [1, {self.looks}], got {rounds}")
+        while self.rounds < rounds:
             self._round()
-        return self.reference[metric], self.candidate[metric]
+        blocks = rounds * self._blocks_per_round
+        return self.reference[metric][:blocks], self.candidate[metric][:blocks]
 
 
 # -- workers on the real path --------------------------------------------------------------------
 
 
 def _worker_args(run: RunDir, model: Path, export_dir: Path | None) -> list[str]:
-    return ["--run-dir", str(run.root.resolve()), "--model", str(model.resolve()),
-            *(["--export-dir", str(export_dir.resolve())] if export_dir else [])]
+    return ["--run-dir", str(run.root.absolute()), "--model", str(model.absolute()),
+            *(["--export-dir", str(export_dir.absolute())] if export_dir else [])]
 
 
 def measures_coreml(run: RunDir) -> bool:
