@@ -116,9 +116,13 @@ class SpeedWorker:
         source_dir: the ``src`` folder whose ``distillgates`` the worker imports (prepended to PYTHONPATH).
         args: the worker's command-line arguments (``--run-dir``, ``--model``, ``--export-dir``).
         env: the environment (default: this process's).
+        cpu: pin the worker to this CPU (Linux). The arms of an A/B never run at the same time, so pinning
+            both to one CPU costs nothing and makes them share that CPU's other load instead of each getting
+            whatever the scheduler's placement gives it (a difference that persists for the whole session).
     """
 
-    def __init__(self, name: str, source_dir: Path, args: Sequence[str], env: Mapping[str, str] | None = None) -> None:
+    def __init__(self, name: str, source_dir: Path, args: Sequence[str], env: Mapping[str, str] | None = None,
+                 cpu: int | None = None) -> None:
         self.name = name
         environ = dict(os.environ if env is None else env)
         environ["PYTHONPATH"] = os.pathsep.join([str(source_dir), *filter(None, [environ.get("PYTHONPATH")])])
@@ -127,6 +131,8 @@ class SpeedWorker:
         self.stderr = tempfile.TemporaryFile("w+")  # noqa: SIM115 (closed by close()); a file, not a pipe: warnings can never fill it and block
         self.process = subprocess.Popen(self.command, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                         stderr=self.stderr, text=True, env=environ, cwd=source_dir.parent)
+        if cpu is not None and hasattr(os, "sched_setaffinity"):  # Linux; macOS has no CPU affinity
+            os.sched_setaffinity(self.process.pid, {cpu})
         self.source_dir = source_dir
         self.backend: str | None = None
 

@@ -157,6 +157,8 @@ class WorkerArms:
         self.coreml = measures_coreml(run)
         self.workdir = Path(tempfile.mkdtemp(prefix="distillgates-speed-"))
         self.workers: list[SpeedWorker] = []
+        # both arms on one CPU (they take turns): the same neighbours for both (SpeedWorker's cpu)
+        self.cpu = max(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None
 
     def _start(self, worker: SpeedWorker) -> SpeedWorker:
         self.workers.append(worker)
@@ -166,7 +168,7 @@ class WorkerArms:
         """Started now (loading in the background); the first request waits for its handshake."""
         model = self.run.require(self.run.model_path())
         export = self.run.require(self.run.export_dir) if self.coreml else None
-        return self._start(_Lazy("candidate", PACKAGE_DIR.parent, _worker_args(self.run, model, export)))
+        return self._start(_Lazy("candidate", PACKAGE_DIR.parent, _worker_args(self.run, model, export), cpu=self.cpu))
 
     def record(self) -> dict[str, Any]:
         """At bless: store the measured artifacts and the code identity; the record for the baselines."""
@@ -194,7 +196,7 @@ class WorkerArms:
         export = self.store.get(artifacts["export"], self.workdir / "artifacts", rebless) if self.coreml else None
         source = checkout_code(record.get("code") or {}, self.store, self.workdir / "code", rebless)
         env = {k: v for k, v in os.environ.items() if k != SLOWDOWN_ENV}
-        return self._start(_Lazy("reference", source, _worker_args(self.run, model, export), env, rebless))
+        return self._start(_Lazy("reference", source, _worker_args(self.run, model, export), env, rebless, self.cpu))
 
     def close(self) -> None:
         for worker in self.workers:
@@ -207,8 +209,8 @@ class _Lazy(SpeedWorker):
     A reference worker that cannot speak the protocol (a commit from before it) names the re-bless command."""
 
     def __init__(self, name: str, source_dir: Path, args: list[str], env: dict[str, str] | None = None,
-                 rebless: str | None = None) -> None:
-        super().__init__(name, source_dir, args, env)
+                 rebless: str | None = None, cpu: int | None = None) -> None:
+        super().__init__(name, source_dir, args, env, cpu)
         self.rebless = rebless
         self.ready = False
 
