@@ -153,10 +153,12 @@ def speed_reference_record(speed_arms: WorkerArms) -> Callable[[], dict[str, Any
 
 
 @pytest.fixture(scope="session")
-def speed_rounds(gate_session: Any, speed_policy: GatingPolicy, speed_candidate: Arm, speed_reference: ReferenceFactory,
+def speed_rounds(report: RunArtifacts, gate_session: Any, speed_policy: GatingPolicy, speed_candidate: Arm,
+                 speed_reference: ReferenceFactory,
                  speed_reference_record: Callable[[], dict[str, Any]]) -> SpeedRounds:
     """Every speed gate's samples (``--speed-mode``: ``ab`` interleaved with the blessed reference, or ``stored``);
-    at bless, the candidate alone and the reference record stored with the baselines."""
+    at bless, the candidate alone and the reference record stored with the baselines. Of the gated run
+    (``report``): its fingerprints go with the blessed baselines."""
     settings = gate_session.context.speed
     ab = settings.mode == "ab" and not gate_session.options.bless
     return SpeedRounds(speed_candidate, samples=settings.samples, looks=settings.looks,

@@ -92,8 +92,9 @@ def pytest_addoption(parser: pytest.Parser) -> None:
                     help="ab (default): measure the blessed reference (its commit's code on its stored artifacts) and "
                          "the candidate in alternating rounds in this session; stored: compare with the samples "
                          "stored at bless time (sensitive to the machine's speed drifting between sessions)")
-    group.addoption("--speed-samples", dest="dg_speed_samples", type=_int_at_least(5), default=64, metavar="N",
-                    help="speed samples per arm and measurement round (default: 64)")
+    group.addoption("--speed-samples", dest="dg_speed_samples", type=_int_at_least(16), default=64, metavar="N",
+                    help="speed samples per arm and measurement round, measured in blocks of 8 (default: 64, at "
+                         "least 16)")
     group.addoption("--speed-max-rounds", dest="dg_speed_max_rounds", type=_int_at_least(0), default=3,
                     metavar="N", help="extra measurement rounds while a speed gate is inconclusive (default: 3); the "
                                       "false-alarm bound is split over all rounds")

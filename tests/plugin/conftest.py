@@ -157,35 +157,47 @@ DELETE = object()
 
 SPEED_OVERRIDE = '''
 
-# --- test override: synthetic speed samples (the gate statistics are what is under test) ---
+# --- test override: synthetic speed arms (the gate statistics are what is under test) ---
 import random as _random
 
 SLOWDOWN = {slowdown!r}
 NOISE = {noise!r}
+TAIL = {tail!r}
+
+
+class _SyntheticArm:
+    """TTFT ~10 ms and TPS ~100 tokens/s times ``factor`` (TPS divided); every 10th request ``tail`` times slower
+    in TTFT (a regression of the slow tail only). ``noise``: a log-normal sigma, or a fixed list of factors."""
+
+    def __init__(self, factor, tail, seed, noise):
+        self.factor, self.tail, self.rng, self.noise, self.calls = factor, tail, _random.Random(seed), noise, 0
+
+    def measure(self, n):
+        ttft, tps = [], []
+        for _ in range(n):
+            if isinstance(self.noise, list):
+                noise = self.noise[self.calls % len(self.noise)]
+            else:
+                noise = self.rng.lognormvariate(0, self.noise)
+            ttft.append(10.0 * self.factor * noise * (self.tail if self.calls % 10 == 9 else 1.0))
+            tps.append(100.0 / self.factor / noise)
+            self.calls += 1
+        return {{"ttft_ms": ttft, "tps": tps}}
 
 
 @pytest.fixture(scope="session")
-def speed_measure():
-    rng = _random.Random(SLOWDOWN)
-    def for_metric(metric):
-        def measure(n):
-            base, factor = (10.0, SLOWDOWN) if metric == "ttft_ms" else (100.0, 1 / SLOWDOWN)
-            if isinstance(NOISE, list):  # a fixed, wide spread: deterministic and never significant
-                return [base * factor * NOISE[i % len(NOISE)] for i in range(n)]
-            return [base * factor * rng.lognormvariate(0, NOISE) for _ in range(n)]
-        return measure
-    return for_metric
+def speed_candidate():
+    return _SyntheticArm(SLOWDOWN, TAIL, SLOWDOWN, NOISE)
 
 
 @pytest.fixture(scope="session")
 def speed_reference():
-    rng = _random.Random(7)
-    def build(entry):
-        def for_metric(metric):
-            base = 10.0 if metric == "ttft_ms" else 100.0
-            return lambda n: [base * rng.lognormvariate(0, 0.02) for _ in range(n)]
-        return for_metric
-    return build
+    return lambda record, rebless: _SyntheticArm(1.0, 1.0, 7, 0.02)
+
+
+@pytest.fixture(scope="session")
+def speed_reference_record():
+    return lambda: {{"code": {{"commit": "synthetic"}}, "artifacts": {{}}}}
 '''
 
 
@@ -196,7 +208,7 @@ def own_profile() -> str:
 
 @pytest.fixture
 def gates_project(pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch) -> Callable[..., Path]:
-    """Copy gates/ into the pytester dir; ``slowdown`` swaps in synthetic speed samples.
+    """Copy gates/ into the pytester dir; ``slowdown`` swaps in synthetic speed arms (``noise``, ``tail``).
 
     When this session also collected the repo's gates/ (a bare ``pytest`` runs tests/ and gates/),
     its modules sit in ``sys.modules`` as ``gates.conftest``, ``gates.test_*``; with importlib
@@ -206,7 +218,7 @@ def gates_project(pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch) ->
     for name in [n for n in sys.modules if n == "gates" or n.startswith("gates.")]:
         monkeypatch.delitem(sys.modules, name)
 
-    def make(slowdown: float | None = None, noise: float | list[float] = 0.02) -> Path:
+    def make(slowdown: float | None = None, noise: float | list[float] = 0.02, tail: float = 1.0) -> Path:
         target = pytester.path / "gates"
         target.mkdir(exist_ok=True)
         for path in (REPO / "gates").glob("*.py"):
@@ -215,7 +227,7 @@ def gates_project(pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch) ->
         shutil.copy(REPO / "configs" / "toy.yaml", pytester.path / "configs" / "toy.yaml")
         if slowdown is not None:
             conftest = target / "conftest.py"
-            conftest.write_text(conftest.read_text() + SPEED_OVERRIDE.format(slowdown=slowdown, noise=noise))
+            conftest.write_text(conftest.read_text() + SPEED_OVERRIDE.format(slowdown=slowdown, noise=noise, tail=tail))
         # hypothesis/benchmark/xdist cost ~4 s per in-process run and are not needed by the gates
         pytester.makeini("[pytest]\naddopts = -p no:cacheprovider -p no:hypothesispytest -p no:benchmark -p no:xdist "
                          "--import-mode=importlib\n")

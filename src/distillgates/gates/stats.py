@@ -128,8 +128,9 @@ def compare_quantiles(
     if paired_blocks:
         ref_blocks = _block_matrix("reference", reference)  # type: ignore[arg-type]
         cand_blocks = _block_matrix("candidate", candidate)  # type: ignore[arg-type]
-        if len(ref_blocks) != len(cand_blocks):
-            raise ValueError(f"paired blocks: {len(ref_blocks)} reference and {len(cand_blocks)} candidate blocks")
+        if len(ref_blocks) != len(cand_blocks) or len(ref_blocks) < 2:
+            raise ValueError(f"paired blocks: need equally many blocks, at least 2, got {len(ref_blocks)} reference "
+                             f"and {len(cand_blocks)} candidate blocks (more samples per round: --speed-samples)")
 
         def block_slowdown(index: np.ndarray, axis: int = -1) -> np.ndarray:
             ref = ref_blocks[index].reshape(*index.shape[:-1], -1)  # (..., J * width)
