@@ -311,9 +311,9 @@ class Gate:
         except (StaleReference, WorkerError, ValueError) as err:
             return self._finish(GateRecord(self.nodeid, self.group, name, None, threshold, "speed_no_regression",
                                            base.value, "fail", f"{speed.mode} mode: {err}"))
-        reference, candidate = speed.after(result.rounds, metric)
-        reference = stored if speed.mode == "stored" else [s for block in reference for s in block]
-        candidate = [s for block in candidate for s in block]
+        reference_blocks, candidate_blocks = speed.after(result.rounds, metric)
+        reference = stored if speed.mode == "stored" else [s for block in reference_blocks for s in block]
+        candidate = [s for block in candidate_blocks for s in block]
         return self._finish(GateRecord(
             self.nodeid, self.group, name, float(np.quantile(candidate, quantile)), threshold, "speed_no_regression",
             base.value, result.verdict, f"{speed.mode} mode: {result.reason}",
