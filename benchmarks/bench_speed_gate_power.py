@@ -17,6 +17,7 @@ inconclusive, else passes. Results are written after every session.
 
     .venv/bin/python benchmarks/bench_speed_gate_power.py --run-dir runs/toy --sessions 100 \\
         --out benchmarks/results/speed_gate_power.json
+    .venv/bin/python benchmarks/bench_speed_gate_power.py --table benchmarks/results/speed_gate_power.json
 """
 
 from __future__ import annotations
@@ -73,7 +74,24 @@ def summary(trials: list[dict[str, Any]]) -> dict[str, Any]:
             "median_session_s": sorted(t["wall_s"] for t in trials)[n // 2] if n else None}
 
 
+def markdown_table(results: dict[str, Any]) -> str:
+    """The docs/gates.md table of a results file (``--table``)."""
+    rows = ["| mode | slowdown | sessions | failed (95% CI) | inconclusive | passed | gate fails (ttft p50/p95, tps "
+            "p50/p5) | median session |", "|---|---|---|---|---|---|---|---|"]
+    for key, row in results["summary"].items():
+        mode, slowdown = key.split()
+        ci = row["fail_rate_95ci"] or [0, 0]
+        fails = "/".join(str(row["gate_fails"].get(g, 0)) for g in ("ttft_ms.p50", "ttft_ms.p95", "tps.p50", "tps.p5"))
+        rows.append(f"| {mode} | {'A/A' if slowdown == '+0%' else slowdown} | {row['sessions']} | **{row['fail']}** "
+                    f"({ci[0]:.0%}-{ci[1]:.0%}) | {row['inconclusive']} | {row['pass']} | {fails} | "
+                    f"{row['median_session_s']:.0f} s |")
+    return "\n".join(rows)
+
+
 def main() -> None:
+    if sys.argv[1:2] == ["--table"]:  # print the markdown table of a results file
+        print(markdown_table(json.loads(Path(sys.argv[2]).read_text())))
+        return
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--run-dir", type=Path, required=True, help="a built toy run (read only)")
     parser.add_argument("--sessions", type=int, default=100, help="sessions per cell (mode x slowdown)")
