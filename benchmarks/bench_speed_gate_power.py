@@ -8,7 +8,8 @@ on a toy run, wall clock, with the speed workers, the blessed reference and the 
 the gates. The slowdown is real and in the engine code: the candidate's ``TorchEngine`` stretches
 each prefill/decode call by a fraction of its own duration (``DISTILLGATES_TEST_ENGINE_SLOWDOWN``,
 distillgates.runtime.torch_engine; the reference arm never gets it: it stands for a change of
-the candidate's code). The speed baselines are blessed once, into a temporary folder, at the start.
+the candidate's code; the stretch is of the call's CPU time, like code doing that much more work). The
+speed baselines are blessed once, into a temporary folder, at the start.
 
 Cells: mode (``ab``, ``stored``) x slowdown (0 = A/A, 0.10, 0.20), visited round-robin so that the
 machine's load changes hit every cell alike, until ``--sessions`` per cell or ``--until`` (UTC,
@@ -71,19 +72,23 @@ def summary(trials: list[dict[str, Any]]) -> dict[str, Any]:
             "fail_rate_95ci": [fail.low, fail.high] if fail else None,
             "inconclusive_rate": counts["inconclusive"] / n if n else None,
             "gate_fails": dict(Counter(g for t in trials for g, v in t["gates"].items() if v == "fail")),
+            "median_slowdown": {g: sorted(t["slowdowns"][g] for t in trials if t["slowdowns"].get(g))[n // 2]
+                                for g in (trials[0]["slowdowns"] if n else {})},
             "median_session_s": sorted(t["wall_s"] for t in trials)[n // 2] if n else None}
 
 
 def markdown_table(results: dict[str, Any]) -> str:
     """The docs/gates.md table of a results file (``--table``)."""
-    rows = ["| mode | slowdown | sessions | failed (95% CI) | inconclusive | passed | gate fails (ttft p50/p95, tps "
-            "p50/p5) | median session |", "|---|---|---|---|---|---|---|---|"]
+    gates = ("ttft_ms.p50", "ttft_ms.p95", "tps.p50", "tps.p5")
+    rows = ["| mode | injected | sessions | failed (95% CI) | inconclusive | passed | gate fails (TTFT p50/p95, TPS "
+            "p50/p5) | median measured slowdown (same order) | median session |", "|---" * 9 + "|"]
     for key, row in results["summary"].items():
         mode, slowdown = key.split()
         ci = row["fail_rate_95ci"] or [0, 0]
-        fails = "/".join(str(row["gate_fails"].get(g, 0)) for g in ("ttft_ms.p50", "ttft_ms.p95", "tps.p50", "tps.p5"))
+        fails = "/".join(str(row["gate_fails"].get(g, 0)) for g in gates)
+        measured = " / ".join(f"{row['median_slowdown'].get(g, float('nan')):.2f}" for g in gates)
         rows.append(f"| {mode} | {'A/A' if slowdown == '+0%' else slowdown} | {row['sessions']} | **{row['fail']}** "
-                    f"({ci[0]:.0%}-{ci[1]:.0%}) | {row['inconclusive']} | {row['pass']} | {fails} | "
+                    f"({ci[0]:.0%}-{ci[1]:.0%}) | {row['inconclusive']} | {row['pass']} | {fails} | {measured} | "
                     f"{row['median_session_s']:.0f} s |")
     return "\n".join(rows)
 
