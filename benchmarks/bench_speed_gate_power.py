@@ -28,6 +28,7 @@ import datetime as dt
 import json
 import os
 import platform
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -143,6 +144,7 @@ def main() -> None:
             results |= {"finished_at": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
                         "summary": {k: summary(v) for k, v in trials.items()}, "trials": trials}
             atomic_write_json(args.out, results)
+    shutil.rmtree(work, ignore_errors=True)  # the temporary baselines and reference store
     for key, row in results["summary"].items():
         print(f"{key:12s} sessions {row['sessions']:3d}  fail {row['fail']:3d}  inconclusive {row['inconclusive']:3d}  "
               f"pass {row['pass']:3d}  gate fails {row['gate_fails']}")
