@@ -1,109 +1,153 @@
-"""False-alarm rate and power of the statistical speed gate under real measurement noise.
+"""False alarms and power of the speed gates, measured on the real gate path.
 
-Each sample is the wall time of a small real PyTorch workload (a tiny GQA transformer forward
-at batch 1, one thread) on this machine, with whatever load the machine has. Two experiments,
-each repeated ``--trials`` times, in both gate modes:
+Each trial is one real pytest session, in a subprocess, exactly as a user runs it:
 
-- **A/A**: candidate = the same code as the reference. Any ``fail`` is a false alarm.
-- **A/B**: candidate does 10% more work (the forward pass repeated 11 times instead of 10), a
-  real 10% slowdown. A ``fail`` is a detection.
+    pytest gates/test_speed.py -m speed --run-dir RUN --baselines-dir BLESSED --speed-mode MODE
 
-Unpaired mode blesses the reference samples first and then measures the candidate (like CI
-comparing with a stored baseline); paired mode interleaves reference and candidate (ABBA).
-Two clocks: wall time (``perf_counter``, what a user feels) and the thread's CPU time
-(``thread_time``, blind to the time the scheduler gives to other processes on a shared runner).
+on a toy run, wall clock, with the speed workers, the blessed reference and the statistics of
+the gates. The slowdown is real and in the engine code: the candidate's ``TorchEngine`` stretches
+each prefill/decode call by a fraction of its own duration (``DISTILLGATES_TEST_ENGINE_SLOWDOWN``,
+distillgates.runtime.torch_engine; the reference arm never gets it: it stands for a change of
+the candidate's code; the stretch is of the call's CPU time, like code doing that much more work). The
+speed baselines are blessed once, into a temporary folder, at the start.
 
-    .venv/bin/python benchmarks/bench_speed_gate_power.py --trials 20 --out benchmarks/results/speed_gate_power.json
+Cells: mode (``ab``, ``stored``) x slowdown (0 = A/A, 0.10, 0.20), visited round-robin so that the
+machine's load changes hit every cell alike, until ``--sessions`` per cell or ``--until`` (UTC,
+HH:MM). A session *fails* when any speed gate fails, is *inconclusive* when none fails and one is
+inconclusive, else passes. Results are written after every session.
+
+    .venv/bin/python benchmarks/bench_speed_gate_power.py --run-dir runs/toy --sessions 100 \\
+        --out benchmarks/results/speed_gate_power.json
+    .venv/bin/python benchmarks/bench_speed_gate_power.py --table benchmarks/results/speed_gate_power.json
 """
 
 from __future__ import annotations
 
 import argparse
+import datetime as dt
+import json
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import tempfile
 import time
 from collections import Counter
 from pathlib import Path
+from typing import Any
 
-import torch
-
-from distillgates.config import ModelConfig
-from distillgates.gates.stats import sequential_speed_gate
+from distillgates.gates.stats import wilson_interval
+from distillgates.hardware import hardware_header
 from distillgates.io import atomic_write_json
-from distillgates.model import Transformer
+from distillgates.runtime.torch_engine import SLOWDOWN_ENV
 
-REPS = 10  # forward passes per sample in the reference workload; the slow candidate does 11
-
-
-CLOCKS = {"wall": time.perf_counter, "cpu": time.thread_time}
+REPO = Path(__file__).resolve().parents[1]
 
 
-def make_workload(reps: int, clock=time.perf_counter):
-    torch.manual_seed(0)
-    cfg = ModelConfig(vocab_size=256, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_hidden=128, max_seq_len=64)
-    model = Transformer(cfg).eval()
-    ids = torch.randint(0, cfg.vocab_size, (1, 32))
-
-    def measure(n: int) -> list[float]:
-        samples = []
-        with torch.inference_mode():
-            for _ in range(n):
-                start = clock()
-                for _ in range(reps):
-                    model(ids)  # (1, 32, V)
-                samples.append((clock() - start) * 1e3)  # ms
-        return samples
-
-    measure(3)  # warm-up
-    return measure
+def pytest_session(args: list[str], env: dict[str, str], report: Path) -> tuple[dict[str, Any], float]:
+    command = [sys.executable, "-m", "pytest", "gates/test_speed.py", "-m", "speed", "-q", "-p", "no:cacheprovider",
+               f"--gate-report={report}", *args]
+    start = time.perf_counter()
+    done = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True)
+    wall = time.perf_counter() - start
+    if not report.is_file():
+        raise RuntimeError(f"{' '.join(command)} wrote no gate report (exit {done.returncode}):\n{done.stdout[-3000:]}"
+                           f"\n{done.stderr[-3000:]}")
+    data = json.loads(report.read_text())
+    report.unlink()
+    return data, wall
 
 
-def trial(reference, candidate, paired: bool, args: argparse.Namespace, seed: int) -> dict:
-    common = dict(samples=args.samples, max_extra_rounds=args.max_extra_rounds, threshold=args.threshold,
-                  higher_is_better=False, alpha=args.alpha, seed=seed)
-    if paired:
-        result, _, cand = sequential_speed_gate(candidate, measure_reference=reference, **common)
-    else:
-        result, _, cand = sequential_speed_gate(candidate, reference=reference(args.samples), **common)
-    return {"verdict": result.verdict, "slowdown": result.slowdown, "p_value": result.p_value,
-            "rounds": result.rounds, "n_candidate": len(cand)}
+def outcome(gates: list[dict[str, Any]]) -> str:
+    verdicts = {g["verdict"] for g in gates}
+    return "fail" if "fail" in verdicts else "inconclusive" if "inconclusive" in verdicts else "pass"
+
+
+def summary(trials: list[dict[str, Any]]) -> dict[str, Any]:
+    counts = Counter(t["outcome"] for t in trials)
+    n = len(trials)
+    fail = wilson_interval(counts["fail"], n) if n else None
+    return {"sessions": n, "fail": counts["fail"], "pass": counts["pass"], "inconclusive": counts["inconclusive"],
+            "fail_rate": counts["fail"] / n if n else None,
+            "fail_rate_95ci": [fail.low, fail.high] if fail else None,
+            "inconclusive_rate": counts["inconclusive"] / n if n else None,
+            "gate_fails": dict(Counter(g for t in trials for g, v in t["gates"].items() if v == "fail")),
+            "median_slowdown": {g: sorted(t["slowdowns"][g] for t in trials if t["slowdowns"].get(g))[n // 2]
+                                for g in (trials[0]["slowdowns"] if n else {})},
+            "median_session_s": sorted(t["wall_s"] for t in trials)[n // 2] if n else None}
+
+
+def markdown_table(results: dict[str, Any]) -> str:
+    """The docs/gates.md table of a results file (``--table``)."""
+    gates = ("ttft_ms.p50", "ttft_ms.p95", "tps.p50", "tps.p5")
+    rows = ["| mode | injected | sessions | failed (95% CI) | inconclusive | passed | gate fails (TTFT p50/p95, TPS "
+            "p50/p5) | median measured slowdown (same order) | median session |", "|---" * 9 + "|"]
+    for key, row in results["summary"].items():
+        mode, slowdown = key.split()
+        ci = row["fail_rate_95ci"] or [0, 0]
+        fails = "/".join(str(row["gate_fails"].get(g, 0)) for g in gates)
+        measured = " / ".join(f"{row['median_slowdown'].get(g, float('nan')):.2f}" for g in gates)
+        rows.append(f"| {mode} | {'A/A' if slowdown == '+0%' else slowdown} | {row['sessions']} | **{row['fail']}** "
+                    f"({ci[0]:.0%}-{ci[1]:.0%}) | {row['inconclusive']} | {row['pass']} | {fails} | {measured} | "
+                    f"{row['median_session_s']:.0f} s |")
+    return "\n".join(rows)
 
 
 def main() -> None:
+    if sys.argv[1:2] == ["--table"]:  # print the markdown table of a results file
+        print(markdown_table(json.loads(Path(sys.argv[2]).read_text())))
+        return
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--trials", type=int, default=20)
-    parser.add_argument("--samples", type=int, default=20)
-    parser.add_argument("--max-extra-rounds", type=int, default=3)
-    parser.add_argument("--threshold", type=float, default=0.05)
-    parser.add_argument("--alpha", type=float, default=0.05)
-    parser.add_argument("--clocks", nargs="+", choices=sorted(CLOCKS), default=["wall", "cpu"])
-    parser.add_argument("--modes", nargs="+", choices=["unpaired", "paired"], default=["unpaired", "paired"])
-    parser.add_argument("--out", type=Path, default=None)
+    parser.add_argument("--run-dir", type=Path, required=True, help="a built toy run (read only)")
+    parser.add_argument("--sessions", type=int, default=100, help="sessions per cell (mode x slowdown)")
+    parser.add_argument("--until", default=None, help="stop starting sessions at this UTC time (HH:MM)")
+    parser.add_argument("--modes", nargs="+", choices=["ab", "stored"], default=["ab", "stored"])
+    parser.add_argument("--slowdowns", nargs="+", type=float, default=[0.0, 0.10, 0.20])
+    parser.add_argument("--pytest-args", default="", help="extra gate options, e.g. '--speed-samples=64'")
+    parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
-    torch.set_num_threads(1)
-    rows = {}
-    for clock_name in args.clocks:
-        clock = CLOCKS[clock_name]
-        same, slower, reference = (make_workload(REPS, clock), make_workload(REPS + 1, clock),
-                                   make_workload(REPS, clock))
-        for mode in args.modes:
-            for experiment, candidate in (("A/A", same), ("A/B +10%", slower)):
-                trials = [trial(reference, candidate, mode == "paired", args, seed) for seed in range(args.trials)]
-                counts = Counter(t["verdict"] for t in trials)
-                slowdowns = sorted(t["slowdown"] for t in trials)
-                key = f"{clock_name} {mode} {experiment}"
-                rows[key] = r = {
-                    "trials": args.trials, "fail": counts["fail"], "pass": counts["pass"],
-                    "inconclusive": counts["inconclusive"], "fail_rate": counts["fail"] / args.trials,
-                    "median_slowdown": slowdowns[len(slowdowns) // 2], "min_slowdown": slowdowns[0],
-                    "max_slowdown": slowdowns[-1], "mean_rounds": sum(t["rounds"] for t in trials) / args.trials,
-                    "trials_detail": trials,
-                }
-                print(f"{key:24s} fail {r['fail']:3d}/{args.trials}  pass {r['pass']:3d}  "
-                      f"inconclusive {r['inconclusive']:3d}  slowdown median {r['median_slowdown']:.3f} "
-                      f"[{r['min_slowdown']:.3f}, {r['max_slowdown']:.3f}]  rounds {r['mean_rounds']:.2f}", flush=True)
-    if args.out:
-        atomic_write_json(args.out, {"settings": {k: v for k, v in vars(args).items() if k != "out"},
-                                     "workload": f"tiny transformer forward x{REPS} (x{REPS + 1} slow), 1 thread",
-                                     "torch": torch.__version__, "results": rows})
+    deadline = None
+    if args.until:
+        hour, minute = (int(x) for x in args.until.split(":"))
+        now = dt.datetime.now(dt.UTC)
+        deadline = now.replace(hour=hour, minute=minute, second=0, microsecond=0)
+    env = {k: v for k, v in os.environ.items() if k not in (SLOWDOWN_ENV, "CI")}
+    env["OMP_NUM_THREADS"] = "1"
+    work = Path(tempfile.mkdtemp(prefix="speed-power-"))
+    baselines, report = work / "baselines", work / "report.json"
+    common = [f"--run-dir={args.run_dir.resolve()}", f"--baselines-dir={baselines}", *args.pytest_args.split()]
+    blessed, bless_s = pytest_session([*common, "--bless"], env, report)
+    if outcome(blessed["gates"]) != "pass" or any(g["verdict"] != "blessed" for g in blessed["gates"]):
+        raise RuntimeError(f"bless failed: {blessed['gates']}")
+    cells = [(mode, slowdown) for mode in args.modes for slowdown in args.slowdowns]
+    trials: dict[str, list[dict[str, Any]]] = {f"{m} +{s:.0%}": [] for m, s in cells}
+    results: dict[str, Any] = {
+        "command": " ".join([Path(sys.executable).name, *sys.argv]),
+        "machine": {"hardware": hardware_header(), "platform": platform.platform(), "cpus": os.cpu_count(),
+                    "load_average_at_start": os.getloadavg()},
+        "started_at": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
+        "bless_s": bless_s, "settings": vars(args) | {"run_dir": str(args.run_dir), "out": str(args.out)},
+    }
+    for i in range(args.sessions):
+        for mode, slowdown in cells:
+            if deadline and dt.datetime.now(dt.UTC) >= deadline:
+                break
+            session_env = env | ({SLOWDOWN_ENV: str(slowdown)} if slowdown else {})
+            data, wall = pytest_session([*common, f"--speed-mode={mode}"], session_env, report)
+            gates = {g["name"]: g["verdict"] for g in data["gates"]}
+            key = f"{mode} +{slowdown:.0%}"
+            trials[key].append({"outcome": outcome(data["gates"]), "gates": gates, "wall_s": round(wall, 2),
+                                "slowdowns": {g["name"]: g["details"].get("slowdown") for g in data["gates"]},
+                                "rounds": max(g["details"].get("rounds", 0) for g in data["gates"])})
+            print(f"{i:3d} {key:12s} {trials[key][-1]['outcome']:12s} {wall:5.1f}s {gates}", flush=True)
+            results |= {"finished_at": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
+                        "summary": {k: summary(v) for k, v in trials.items()}, "trials": trials}
+            atomic_write_json(args.out, results)
+    shutil.rmtree(work, ignore_errors=True)  # the temporary baselines and reference store
+    for key, row in results["summary"].items():
+        print(f"{key:12s} sessions {row['sessions']:3d}  fail {row['fail']:3d}  inconclusive {row['inconclusive']:3d}  "
+              f"pass {row['pass']:3d}  gate fails {row['gate_fails']}")
 
 
 if __name__ == "__main__":

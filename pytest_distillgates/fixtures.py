@@ -9,20 +9,18 @@ and ``baseline_store``.
 from __future__ import annotations
 
 import json
-import math
-import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from distillgates.config import GatesConfig, SpeedConfig, load_config
-from distillgates.gates import BaselineEntry
+from distillgates.config import GatesConfig, load_config
+from distillgates.gates.references import ReferenceStore
 from distillgates.gates.session import GateSession, RunArtifacts
+from distillgates.gates.speed_ab import Arm, ReferenceFactory, SpeedRounds, WorkerArms
 from distillgates.gates.stats import Interval, mean_interval, wilson_interval
 from distillgates.hardware import GatingPolicy, load_profiles
-from distillgates.io import sha256_file
 from pytest_distillgates.checklist import CHECKLIST_DIR
 from pytest_distillgates.plugin import SESSION_KEY
 
@@ -115,89 +113,44 @@ def teacher(report: RunArtifacts) -> dict[str, Any]:
 
 # -- speed ---------------------------------------------------------------------------------
 
-SpeedMeasure = Callable[[str], Callable[[int], list[float]]]  # metric -> (n -> n samples)
 
-
-def _speed_probe(run: RunArtifacts, model_path: Path, coreml: bool = False) -> SpeedMeasure:
-    """Live samples from the speed harness on ``model_path``: PyTorch engine, or the run's Core ML export."""
-    import torch
-
-    from distillgates.data.chat import render_prompt
-    from distillgates.model import load_model
-    from distillgates.runtime.torch_engine import TorchEngine
-    from distillgates.speed import measure_speed
-    from distillgates.tokenizer import END, EOS
-
-    torch.set_num_threads(1)  # shared CI cores: one thread gives the least noisy samples
-    tokenizer = run.run.tokenizer()
-    prompts = [render_prompt(item) for item in run.run.items("eval")[:8]]
-    model = load_model(model_path)
-    if coreml:  # macOS only: MLModel.predict cannot run elsewhere
-        from distillgates.runtime.coreml_engine import CoreMLEngine
-
-        engine: Any = CoreMLEngine.from_export_dir(run.run.require(run.run.export_dir))
-    else:
-        engine = TorchEngine(model)
-    backend = "coreml" if coreml else "torch"
-    stop_ids = [tokenizer.convert_tokens_to_ids(t) for t in (END, EOS)]
-
-    def for_metric(metric: str) -> Callable[[int], list[float]]:
-        calls = [0]  # successive calls rotate through the prompts (paired mode asks for 1 sample at a time)
-
-        def measure(n: int) -> list[float]:
-            samples: list[float] = []
-            while len(samples) < n:
-                start = calls[0] % len(prompts)
-                calls[0] += 1
-                rotated = prompts[start:] + prompts[:start]
-                count = min(n - len(samples), len(prompts))
-                repeats = math.ceil((n - len(samples)) / count)
-                cfg = SpeedConfig(n_prompts=count, warmup=1, repeats=repeats, max_new_tokens=32)
-                result = measure_speed(engine, tokenizer, rotated[:count], cfg, model_config=model.config,
-                                       stop_ids=stop_ids, backend=backend)
-                if not result[metric]["samples"]:
-                    raise RuntimeError(f"speed harness returned no {metric} samples for {model_path}")
-                samples += result[metric]["samples"]
-            return samples[:n]
-
-        return measure
-
-    return for_metric
+@pytest.fixture(scope="session")
+def speed_arms(report: RunArtifacts, gate_session: Any, thresholds: GatesConfig) -> Iterator[WorkerArms]:
+    """The session's speed workers (real path): the candidate on the run's artifacts, the reference on the
+    blessed ones from the reference store (``gates.speed_reference_store``, default ``<baselines dir>/references``)."""
+    store = thresholds.speed_reference_store
+    root = Path(store) if store else gate_session.baselines_root() / "references"
+    arms = WorkerArms(report.run, ReferenceStore(root if root.is_absolute() else gate_session.rootdir / root))
+    yield arms
+    arms.close()
 
 
 @pytest.fixture(scope="session")
-def speed_measure(report: RunArtifacts, gate_session: Any) -> SpeedMeasure:
-    """Measure the run's student live: the Core ML export on macOS, else the PyTorch engine.
-
-    Paired mode measures both arms with the PyTorch engine (the blessed reference is a
-    checkpoint), so the two arms always run on the same engine.
-    """
-    coreml = sys.platform == "darwin" and report.run.contract.exists() and not gate_session.options.speed.paired
-    return _speed_probe(report, report.run.require(report.run.model_path()), coreml=coreml)
+def speed_candidate(speed_arms: WorkerArms) -> Arm:
+    return speed_arms.candidate()
 
 
 @pytest.fixture(scope="session")
-def speed_reference(report: RunArtifacts) -> Callable[[BaselineEntry], SpeedMeasure]:
-    """Paired mode: measure the blessed reference model (path + sha256 recorded at bless time)."""
-
-    def build(entry: BaselineEntry) -> SpeedMeasure:
-        ref = entry.provenance.get("reference_model") or {}
-        path = Path(ref.get("path", ""))
-        if not path.is_file() or sha256_file(path) != ref.get("sha256"):
-            raise AssertionError(f"paired mode: blessed reference model {ref or '<none>'} is missing or changed; "
-                                 "re-bless, or run without --speed-paired")
-        return _speed_probe(report, path)
-
-    return build
+def speed_reference(speed_arms: WorkerArms) -> ReferenceFactory:
+    return speed_arms.reference
 
 
 @pytest.fixture(scope="session")
-def reference_model_provenance(report: RunArtifacts) -> dict[str, Any]:
-    """Recorded when blessing a speed gate so ``--speed-paired`` can re-measure the blessed model."""
-    path = report.run.model_path().resolve()
-    if not path.is_file():
-        return {"reference_model": None}  # paired mode then refuses loudly (speed_reference)
-    return {"reference_model": {"path": str(path), "sha256": sha256_file(path)}}
+def speed_reference_record(speed_arms: WorkerArms) -> Callable[[], dict[str, Any]]:
+    return speed_arms.record
+
+
+@pytest.fixture(scope="session")
+def speed_rounds(report: RunArtifacts, gate_session: Any, speed_policy: GatingPolicy, speed_candidate: Arm,
+                 speed_reference: ReferenceFactory,
+                 speed_reference_record: Callable[[], dict[str, Any]]) -> SpeedRounds:
+    """Every speed gate's samples (``--speed-mode``: ``ab`` interleaved with the blessed reference, or ``stored``);
+    at bless, the candidate alone and the reference record stored with the baselines. Of the gated run
+    (``report``): its fingerprints go with the blessed baselines."""
+    settings = gate_session.context.speed
+    ab = settings.mode == "ab" and not gate_session.options.bless
+    return SpeedRounds(speed_candidate, samples=settings.samples, looks=settings.looks,
+                       reference=speed_reference if ab else None, record=speed_reference_record)
 
 
 @pytest.fixture(scope="session")

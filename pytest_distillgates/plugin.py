@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import io
+import os
 import re
 import subprocess
 import sys
@@ -40,7 +41,8 @@ GATE_MARKERS = {
               "lint (static MIL)",
     "ane_residency": "ANE residency gate (macOS): MLComputePlan share on the ANE and drop vs the profile's baseline",
     "coreml_parity": "Core ML parity gate: Core ML vs PyTorch logits per shape (macOS)",
-    "speed": "speed gate: TTFT/TPS regression vs same-profile baseline (runs only with -m speed)",
+    "speed": "speed gate: TTFT p50/p95 and TPS p50/p5 vs the blessed reference of the profile, interleaved A/B "
+             "(runs only with -m speed)",
     "prompt_cache": "prompt-cache gate: TTFT reduction with a cached prefix, hit rate",
     "speculative": "speculative-decoding gate: identical output, speedup, acceptance",
 }
@@ -94,14 +96,19 @@ def pytest_addoption(parser: pytest.Parser) -> None:
                     help="write a JSON gate report here")
     group.addoption("--gate-summary", dest="dg_gate_summary", type=Path, default=None, metavar="PATH",
                     help="write a Markdown gate summary here (fits a CI job summary)")
-    group.addoption("--speed-samples", dest="dg_speed_samples", type=_int_at_least(5), default=20, metavar="N",
-                    help="speed samples per measurement round (default: 20)")
+    group.addoption("--speed-mode", dest="dg_speed_mode", choices=("ab", "stored"), default="ab",
+                    help="ab (default): measure the blessed reference (its commit's code on its stored artifacts) and "
+                         "the candidate in alternating rounds in this session; stored: compare with the samples "
+                         "stored at bless time (sensitive to the machine's speed drifting between sessions)")
+    group.addoption("--speed-samples", dest="dg_speed_samples", type=_int_at_least(16), default=64, metavar="N",
+                    help="speed samples per arm and measurement round, measured in blocks of 8 (default: 64, at "
+                         "least 16)")
     group.addoption("--speed-max-rounds", dest="dg_speed_max_rounds", type=_int_at_least(0), default=3,
-                    metavar="N", help="extra measurement rounds while a speed gate is inconclusive (default: 3)")
-    group.addoption("--speed-paired", dest="dg_speed_paired", action="store_true",
-                    help="measure the blessed reference and the candidate interleaved in this session")
-    group.addoption("--speed-inconclusive", dest="dg_speed_inconclusive", choices=("skip", "fail"),
-                    default="skip", help="what an inconclusive speed gate does (default: skip, with the reason)")
+                    metavar="N", help="extra measurement rounds while a speed gate is inconclusive (default: 3); the "
+                                      "false-alarm bound is split over all rounds")
+    group.addoption("--speed-inconclusive", dest="dg_speed_inconclusive", choices=("skip", "fail"), default=None,
+                    help="what an inconclusive speed gate does (default: fail when the CI environment variable is "
+                         "set, else skip; with the reason)")
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -112,9 +119,10 @@ def pytest_configure(config: pytest.Config) -> None:
         hw_profile=opt.dg_hw_profile, bless=opt.dg_bless, allow_cross_hw=opt.dg_allow_cross_hw,
         allow_other_eval_set=opt.dg_allow_other_eval_set,
         baselines_dir=opt.dg_baselines_dir, run_dir=opt.dg_run_dir, gate_report=opt.dg_gate_report,
-        gate_summary=opt.dg_gate_summary, speed_inconclusive=opt.dg_speed_inconclusive,
+        gate_summary=opt.dg_gate_summary,
+        speed_inconclusive=opt.dg_speed_inconclusive or ("fail" if os.environ.get("CI") else "skip"),
         speed=SpeedSettings(samples=opt.dg_speed_samples, max_extra_rounds=opt.dg_speed_max_rounds,
-                            paired=opt.dg_speed_paired),
+                            mode=opt.dg_speed_mode),
     )
     try:
         session = GateSession(options, Path(config.rootpath))

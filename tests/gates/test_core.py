@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 
 from distillgates.eval.fingerprints import FINGERPRINT_KEYS
 from distillgates.gates import BaselineStore, Gate, GateContext, GateFailure, GateInconclusive, SpeedSettings
+from distillgates.gates.references import StaleReference
+from distillgates.gates.speed_ab import SpeedRounds
 
 RUN = {key: f"{key}-1" for key in FINGERPRINT_KEYS}  # the gated run's report fingerprints
 INF = float("inf")
@@ -91,8 +95,7 @@ def test_bless_refuses_a_value_that_is_not_a_finite_number(tmp_path, value):
 def test_bless_refuses_speed_samples_that_are_not_finite(tmp_path):
     gate, _ = make_gate(tmp_path, bless=True)
     with pytest.raises(GateFailure, match=r"refusing to bless: quality/ttft: ttft has non-finite samples \[inf\]"):
-        gate.speed_no_regression("ttft", lambda n: [1.0] * (n - 1) + [INF], threshold=0.05, higher_is_better=False,
-                                 definition="d")  # the median is finite, one sample is not
+        speed_gate(gate, SpeedRounds(Steady([1.0] * 7 + [INF]), samples=8, looks=1))  # a finite median, one inf
     assert gate.context.store.staged == {}
 
 
@@ -118,22 +121,85 @@ def test_hardware_mismatch_refuses_hardware_dependent_baselines(tmp_path):
         gate.no_regression("share", 0.9, tolerance=0.1, hardware_dependent=True)
 
 
-def test_speed_gate_bless_compare_and_inconclusive(tmp_path):
-    settings = SpeedSettings(samples=10, max_extra_rounds=1)
+class Steady:
+    """A synthetic arm: TTFT samples cycling through ``values`` times ``factor`` (TPS the inverse)."""
+
+    def __init__(self, values: list[float], factor: float = 1.0) -> None:
+        self.values, self.factor, self.calls = values, factor, 0
+
+    def measure(self, n: int) -> dict[str, list[float]]:
+        ttft = [self.factor * self.values[(self.calls + i) % len(self.values)] for i in range(n)]
+        self.calls += n
+        return {"ttft_ms": ttft, "tps": [1000.0 / t for t in ttft]}
+
+
+STEADY = [10.0, 10.1, 9.9, 10.2, 9.8, 10.0, 10.1, 9.9, 10.05, 9.95]
+RECORD = {"code": {"commit": "c" * 40}, "artifacts": {"model": {"sha256": "m" * 64}}}
+
+
+def speed_gate(gate: Gate, rounds: SpeedRounds) -> Any:
+    return gate.speed_no_regression("ttft", rounds, "ttft_ms", threshold=0.05, higher_is_better=False,
+                                    definition="d", quantile=0.5, alpha=0.05, n_gates=1)
+
+
+def test_speed_gate_blesses_the_reference_and_compares_interleaved(tmp_path):
+    settings = SpeedSettings(samples=16, max_extra_rounds=1)
     gate, _ = make_gate(tmp_path, bless=True, speed=settings)
-    steady = [10.0, 10.1, 9.9, 10.2, 9.8, 10.0, 10.1, 9.9, 10.05, 9.95]
-    gate.speed_no_regression("ttft", lambda n: steady[:n], threshold=0.05, higher_is_better=False, definition="d")
+    speed_gate(gate, SpeedRounds(Steady(STEADY), samples=16, looks=2, record=lambda: RECORD))
     gate.context.store.commit()
+    entry = gate.context.store.load("quality", "ttft", hardware_dependent=True, run_fingerprints=RUN)
+    assert entry.provenance["speed_reference"] == RECORD and len(entry.samples) == 32  # every look's round
+
     gate, _ = make_gate(tmp_path, speed=settings)
-    assert gate.speed_no_regression("ttft", lambda n: steady[:n], threshold=0.05, higher_is_better=False,
-                                    definition="d").verdict == "pass"
+    started = []
+
+    def reference(record, rebless):
+        started.append(record)
+        return Steady(STEADY)
+
+    same = SpeedRounds(Steady(STEADY), samples=16, looks=2, reference=reference)
+    assert speed_gate(gate, same).verdict == "pass" and started == [RECORD]
     with pytest.raises(GateFailure, match="significant regression"):
-        gate.speed_no_regression("ttft", lambda n: [1.2 * s for s in steady[:n]], threshold=0.05,
-                                 higher_is_better=False, definition="d")
-    wide = [5.0, 20.0, 6.0, 19.0, 7.0, 18.0, 8.0, 17.0, 9.0, 16.0]
-    with pytest.raises(GateInconclusive, match="INCONCLUSIVE"):
-        gate.speed_no_regression("ttft", lambda n: [1.1 * s for s in wide[:n]], threshold=0.05,
-                                 higher_is_better=False, definition="d")
+        speed_gate(gate, SpeedRounds(Steady(STEADY, 1.3), samples=16, looks=2, reference=reference))
+    # every other candidate block twice as slow, the others twice as fast: median +25%, not significant
+    with pytest.raises(GateInconclusive, match=r"INCONCLUSIVE.*look 2 of at most 2"):
+        speed_gate(gate, SpeedRounds(Steady([5.0] * 8 + [20.0] * 8), samples=16, looks=2,
+                                     reference=lambda record, rebless: Steady([10.0])))
+
+
+def test_speed_gate_without_a_recorded_reference_fails_with_the_rebless_command(tmp_path):
+    gate, _ = make_gate(tmp_path, bless=True, speed=SpeedSettings(samples=8, max_extra_rounds=0),
+                        bless_command=lambda nodeid: "pytest gates/test_speed.py --bless -m speed")
+    speed_gate(gate, SpeedRounds(Steady(STEADY), samples=8, looks=1))  # no record: blessed in stored mode
+    gate.context.store.commit()
+    gate, _ = make_gate(tmp_path, bless_command=lambda nodeid: "pytest gates/test_speed.py --bless -m speed")
+    rounds = SpeedRounds(Steady(STEADY), samples=8, looks=1, reference=lambda record, rebless: Steady(STEADY))
+    with pytest.raises(GateFailure, match=r"no re-runnable reference.*re-bless: pytest gates/test_speed.py --bless"):
+        speed_gate(gate, rounds)
+    assert speed_gate(gate, SpeedRounds(Steady(STEADY), samples=8, looks=1)).verdict == "pass"  # stored mode
+
+
+def test_speed_rounds_alternate_abba_and_share_rounds_between_gates():
+    order: list[str] = []
+
+    class Named(Steady):
+        def __init__(self, name: str) -> None:
+            super().__init__(STEADY)
+            self.name = name
+
+        def measure(self, n: int) -> dict[str, list[float]]:
+            order.append(self.name)
+            return super().measure(n)
+
+    rounds = SpeedRounds(Named("C"), samples=24, looks=3, reference=lambda record, rebless: Named("R"))
+    rounds.use_reference(RECORD, "rebless")
+    reference, candidate = rounds.after(1, "ttft_ms")
+    assert "".join(order) == "CR" + "RCCRRC"  # a warm-up block each, then ABBA blocks of 8
+    assert [len(b) for b in reference] == [len(b) for b in candidate] == [8, 8, 8]
+    rounds.after(2, "ttft_ms")
+    assert rounds.after(1, "ttft_ms")[1] == candidate and len(rounds.after(2, "tps")[1]) == 6  # exactly k rounds
+    with pytest.raises(StaleReference, match="another reference"):
+        rounds.use_reference({**RECORD, "code": {"commit": "d" * 40}}, "rebless")
 
 
 def test_paired_no_regression_blesses_items_and_compares_item_by_item(tmp_path):

@@ -170,35 +170,47 @@ def project_file(root: Path, setting: str, relpath: str, text: str) -> Path:
 SPEED_OVERRIDE = '''
 import pytest
 
-# --- test override: synthetic speed samples (the gate statistics are what is under test) ---
+# --- test override: synthetic speed arms (the gate statistics are what is under test) ---
 import random as _random
 
 SLOWDOWN = {slowdown!r}
 NOISE = {noise!r}
+TAIL = {tail!r}
+
+
+class _SyntheticArm:
+    """TTFT ~10 ms and TPS ~100 tokens/s times ``factor`` (TPS divided); every 10th request ``tail`` times slower
+    in TTFT (a regression of the slow tail only). ``noise``: a log-normal sigma, or a fixed list of factors."""
+
+    def __init__(self, factor, tail, seed, noise):
+        self.factor, self.tail, self.rng, self.noise, self.calls = factor, tail, _random.Random(seed), noise, 0
+
+    def measure(self, n):
+        ttft, tps = [], []
+        for _ in range(n):
+            if isinstance(self.noise, list):
+                noise = self.noise[self.calls % len(self.noise)]
+            else:
+                noise = self.rng.lognormvariate(0, self.noise)
+            ttft.append(10.0 * self.factor * noise * (self.tail if self.calls % 10 == 9 else 1.0))
+            tps.append(100.0 / self.factor / noise)
+            self.calls += 1
+        return {{"ttft_ms": ttft, "tps": tps}}
 
 
 @pytest.fixture(scope="session")
-def speed_measure():
-    rng = _random.Random(SLOWDOWN)
-    def for_metric(metric):
-        def measure(n):
-            base, factor = (10.0, SLOWDOWN) if metric == "ttft_ms" else (100.0, 1 / SLOWDOWN)
-            if isinstance(NOISE, list):  # a fixed, wide spread: deterministic and never significant
-                return [base * factor * NOISE[i % len(NOISE)] for i in range(n)]
-            return [base * factor * rng.lognormvariate(0, NOISE) for _ in range(n)]
-        return measure
-    return for_metric
+def speed_candidate():
+    return _SyntheticArm(SLOWDOWN, TAIL, SLOWDOWN, NOISE)
 
 
 @pytest.fixture(scope="session")
 def speed_reference():
-    rng = _random.Random(7)
-    def build(entry):
-        def for_metric(metric):
-            base = 10.0 if metric == "ttft_ms" else 100.0
-            return lambda n: [base * rng.lognormvariate(0, 0.02) for _ in range(n)]
-        return for_metric
-    return build
+    return lambda record, rebless: _SyntheticArm(1.0, 1.0, 7, 0.02)
+
+
+@pytest.fixture(scope="session")
+def speed_reference_record():
+    return lambda: {{"code": {{"commit": "synthetic"}}, "artifacts": {{}}}}
 '''
 
 
@@ -211,17 +223,17 @@ def own_profile() -> str:
 def gates_project(pytester: pytest.Pytester) -> Callable[..., Path]:
     """Copy the shipped checklist into ``gates/`` of the pytester dir, so tests name its files by short paths
     (``gates/test_privacy.py``); its fixtures come from the plugin as in any project. ``slowdown`` adds a
-    ``gates/conftest.py`` that overrides the speed samplers with synthetic samples. (The shipped checklist
+    ``gates/conftest.py`` that swaps in synthetic speed arms (``noise``, ``tail``). (The shipped checklist
     collected in place: tests/plugin/test_checklist.py.)
     """
 
-    def make(slowdown: float | None = None, noise: float | list[float] = 0.02) -> Path:
+    def make(slowdown: float | None = None, noise: float | list[float] = 0.02, tail: float = 1.0) -> Path:
         target = pytester.path / "gates"
         target.mkdir(exist_ok=True)
         for path in CHECKLIST_DIR.glob("test_*.py"):
             shutil.copy(path, target / path.name)
         if slowdown is not None:
-            (target / "conftest.py").write_text(SPEED_OVERRIDE.format(slowdown=slowdown, noise=noise))
+            (target / "conftest.py").write_text(SPEED_OVERRIDE.format(slowdown=slowdown, noise=noise, tail=tail))
         # hypothesis/benchmark/xdist cost ~4 s per in-process run and are not needed by the gates
         pytester.makeini("[pytest]\naddopts = -p no:cacheprovider -p no:hypothesispytest -p no:benchmark -p no:xdist "
                          "--import-mode=importlib\n")

@@ -16,9 +16,9 @@ def test_help_lists_options(pytester):
         "*--run-dir=DIR*",
         "*--gate-report=PATH*JSON*",
         "*--gate-summary=PATH*Markdown*",
+        "*--speed-mode={ab,stored}*",
         "*--speed-samples=N*",
         "*--speed-max-rounds=N*",
-        "*--speed-paired*",
         "*--speed-inconclusive*",
     ])
 

@@ -1,10 +1,10 @@
-"""Speed gates on the real measurement path: speed harness + PyTorch engine on a tiny student.
+"""Speed gates on the real path: speed workers (the current code, and the blessed commit's code from the
+reference store) measuring a tiny student with the PyTorch engine, interleaved.
 
-Real timings are noisy, so the comparison run may pass or be inconclusive, never fail: the
-student is compared with itself (an A/A check of the wiring; the statistics have their own
-tests and the power benchmark). The comparison is paired (blessed reference and candidate
-interleaved in one session): across sessions this shared box drifts by tens of percent, which
-unpaired mode cannot tell from a regression (docs/gates.md, A/A figures)."""
+Real timings on a shared machine are noisy, so what these tests assert does not depend on the machine being
+quiet: an A/A session never fails (it passes, or is inconclusive: skipped locally) with a wide wiring
+threshold, and the slower engine is 4x slower (``DISTILLGATES_TEST_ENGINE_SLOWDOWN=3``, the candidate only).
+The gates' false alarms and power at +10% / +20% are measured by benchmarks/bench_speed_gate_power.py."""
 
 from __future__ import annotations
 
@@ -14,12 +14,15 @@ import pytest
 
 from distillgates.config import load_config
 from distillgates.data.build import build_data
-from distillgates.model import Transformer, load_model, save_model
+from distillgates.model import Transformer, save_model
 from distillgates.project import EMBEDDED_CONFIG
 from distillgates.rundir import RunDir
+from distillgates.runtime.torch_engine import SLOWDOWN_ENV
 
 from ..conftest import tiny_model_config
 from .conftest import project_file
+
+pytestmark = pytest.mark.integration  # pytester sessions starting speed workers (a few seconds each)
 
 
 @pytest.fixture
@@ -29,47 +32,63 @@ def live_run(make_run):
     build_data(cfg, run / "data")
     tiny = tiny_model_config(vocab_size=cfg.tokenizer.vocab_size, max_seq_len=512)
     save_model(run / "student" / "model.pt", Transformer(tiny))
-    RunDir(run).contract.unlink()  # not exported: the speed probe measures the PyTorch engine on every platform
+    RunDir(run).contract.unlink()  # not exported: the workers measure the PyTorch engine on every platform
     return run
 
 
-def wiring_thresholds(pytester) -> None:
-    """A wiring check, not a power test: on a ~1 ms TTFT two engine instances of the same weights
-    differ by a few percent (allocation, cache placement), which a 5% gate may rightly call
-    significant. The statistics' power is shown in benchmarks/bench_speed_gate_power.py."""
-    project_file(pytester.path, "thresholds", "configs/gates.yaml", "gates:\n  speed_regression_max: 0.25\n")
-
-
-@pytest.mark.integration  # pytester runs measuring a live run (~5 s)
-def test_bless_and_compare_live_samples(pytester, gates_project, live_run, own_profile):
+@pytest.fixture
+def blessed(pytester, gates_project, live_run, own_profile, monkeypatch):
+    """Bless the speed gates on the live run (wide wiring threshold: two processes of one model may differ by
+    a few percent on a ~1 ms TTFT); returns the gate arguments."""
+    monkeypatch.delenv(SLOWDOWN_ENV, raising=False)
+    monkeypatch.delenv("CI", raising=False)
     gates_project()
-    wiring_thresholds(pytester)
-    args = ["gates/test_speed.py", "-m", "speed", "-k", "ttft_ms-p50", f"--run-dir={live_run}",
-            f"--hw-profile={own_profile}", "--speed-samples=10", "--speed-max-rounds=1", "--gate-report=r.json"]
-    pytester.runpytest(*args, "--bless").assert_outcomes(passed=1, deselected=3)
-    entry = json.loads((pytester.path / "baselines" / own_profile / "speed.json").read_text())["entries"]["ttft_ms.p50"]
-    assert len(entry["samples"]) == 10 and all(s > 0 for s in entry["samples"])
-    assert entry["provenance"]["reference_model"]["path"].endswith("student/model.pt")
-    result = pytester.runpytest(*args, "--speed-paired")
-    outcomes = result.parseoutcomes()
-    assert outcomes.get("failed", 0) == 0 and outcomes.get("passed", 0) + outcomes.get("skipped", 0) == 1
-    record = json.loads((pytester.path / "r.json").read_text())["gates"][0]
-    assert record["verdict"] in ("pass", "inconclusive") and len(record["details"]["candidate_samples"]) >= 10
+    project_file(pytester.path, "thresholds", "configs/gates.yaml", "gates:\n  speed_regression_max: 0.5\n")
+    args = ["gates/test_speed.py", "-m", "speed", f"--run-dir={live_run}", f"--hw-profile={own_profile}",
+            "--speed-samples=16", "--speed-max-rounds=1", "--gate-report=r.json"]
+    pytester.runpytest(*args, "--bless").assert_outcomes(passed=4)
+    return args
 
 
-@pytest.mark.integration  # pytester runs measuring a live run (~4 s)
-def test_paired_mode_measures_the_blessed_reference_and_refuses_a_changed_one(pytester, gates_project, live_run,
-                                                                              own_profile):
-    gates_project()
-    wiring_thresholds(pytester)
-    args = ["gates/test_speed.py", "-m", "speed", "-k", "tps-p50", f"--run-dir={live_run}",
-            f"--hw-profile={own_profile}", "--speed-samples=10", "--speed-max-rounds=0"]
-    pytester.runpytest(*args, "--bless").assert_outcomes(passed=1, deselected=3)
-    outcomes = pytester.runpytest(*args, "--speed-paired").parseoutcomes()
-    assert outcomes.get("failed", 0) == 0 and outcomes.get("passed", 0) + outcomes.get("skipped", 0) == 1
-    retrained = load_model(live_run / "student" / "model.pt")
-    retrained.embed.weight.data.mul_(1.01)  # a new student: the blessed reference file is overwritten
-    save_model(live_run / "student" / "model.pt", retrained)
-    result = pytester.runpytest(*args, "--speed-paired")
-    result.assert_outcomes(failed=1, deselected=3)
-    result.stdout.fnmatch_lines(["*paired mode: blessed reference model * is missing or changed*"])
+def reference_record(pytester, profile):
+    entries = json.loads((pytester.path / "baselines" / profile / "speed.json").read_text())["entries"]
+    records = [entry["provenance"]["speed_reference"] for entry in entries.values()]
+    assert all(r == records[0] for r in records)
+    return records[0]
+
+
+def test_a_a_never_fails_and_a_slower_engine_fails(pytester, blessed, own_profile, monkeypatch):
+    record = reference_record(pytester, own_profile)
+    store = pytester.path / "baselines" / "references" / "objects"
+    assert (store / record["artifacts"]["model"]["sha256"]).is_file()
+    assert len(record["code"]["commit"]) == 40 and record["backend"] == "torch"
+    outcomes = pytester.runpytest(*blessed).parseoutcomes()
+    assert outcomes.get("failed", 0) == 0 and outcomes.get("passed", 0) + outcomes.get("skipped", 0) == 4
+    gates = json.loads((pytester.path / "r.json").read_text())["gates"]
+    assert all(g["details"]["mode"] == "ab" and len(g["details"]["candidate_samples"]) >= 16 for g in gates)
+    monkeypatch.setenv(SLOWDOWN_ENV, "3")  # the candidate's engine calls take 4x as long
+    result = pytester.runpytest(*blessed)
+    assert result.parseoutcomes().get("failed", 0) >= 1
+    result.stdout.fnmatch_lines(["*gate speed/tps.p50 FAILED*ab mode: significant regression beyond threshold*"])
+
+
+def test_a_reference_that_cannot_be_rerun_fails_with_the_rebless_command(pytester, blessed, own_profile):
+    record = reference_record(pytester, own_profile)
+    model = pytester.path / "baselines" / "references" / "objects" / record["artifacts"]["model"]["sha256"]
+    baseline = pytester.path / "baselines" / own_profile / "speed.json"
+    good_model, good_baseline = model.read_bytes(), baseline.read_text()
+    rebless = f"re-bless: pytest gates/test_speed.py --bless --hw-profile={own_profile}*"
+    for change, expected in [("missing", "*artifact 'model.pt' is missing*"),
+                             ("changed", "*artifact * has changed: sha256*"),
+                             ("unknown commit", "*blessed commit 0000000000000000000000000000000000000000 is not in*")]:
+        if change == "missing":
+            model.unlink()
+        elif change == "changed":
+            model.write_bytes(good_model + b"retrained")
+        else:
+            baseline.write_text(good_baseline.replace(record["code"]["commit"], "0" * 40))
+        result = pytester.runpytest(*blessed)
+        result.assert_outcomes(failed=4)
+        result.stdout.fnmatch_lines([expected + rebless])
+        model.write_bytes(good_model)
+        baseline.write_text(good_baseline)

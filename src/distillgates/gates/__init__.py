@@ -11,7 +11,7 @@ from distillgates.gates.baselines import (
     MissingBaseline,
 )
 from distillgates.gates.core import Gate, GateContext, GateFailure, GateInconclusive, GateRecord, SpeedSettings
-from distillgates.gates.stats import SpeedComparison, compare_samples, sequential_speed_gate
+from distillgates.gates.stats import SpeedComparison, compare_quantiles, sequential_speed_gate
 
 __all__ = [
     "BaselineEntry",
@@ -26,6 +26,6 @@ __all__ = [
     "MissingBaseline",
     "SpeedComparison",
     "SpeedSettings",
-    "compare_samples",
+    "compare_quantiles",
     "sequential_speed_gate",
 ]

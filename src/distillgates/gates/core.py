@@ -14,13 +14,18 @@ import math
 import numbers
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from distillgates.eval.fingerprints import FingerprintError, check_fingerprints
 from distillgates.gates.baselines import BaselineEntry, BaselineError, BaselineStore
-from distillgates.gates.stats import Interval, Measure, compare_paired, mean_interval, sequential_speed_gate
+from distillgates.gates.references import StaleReference
+from distillgates.gates.stats import Interval, compare_paired, mean_interval, sequential_speed_gate
+from distillgates.speed_worker import WorkerError
+
+if TYPE_CHECKING:
+    from distillgates.gates.speed_ab import SpeedRounds
 
 
 class GateFailure(AssertionError):
@@ -54,10 +59,17 @@ class GateRecord:
 
 @dataclass
 class SpeedSettings:
-    samples: int = 20  # samples per measurement round
-    max_extra_rounds: int = 3  # extra rounds while inconclusive
-    paired: bool = False  # measure the blessed reference interleaved with the candidate
-    alpha: float = 0.05
+    samples: int = 64  # samples per arm and measurement round
+    max_extra_rounds: int = 3  # extra rounds while a gate is inconclusive (looks = 1 + this)
+    mode: str = "ab"  # "ab": interleaved against the blessed reference; "stored": vs the samples stored at bless
+
+    def __post_init__(self) -> None:
+        if self.mode not in ("ab", "stored"):
+            raise ValueError(f"speed mode must be 'ab' or 'stored', got {self.mode!r}")
+
+    @property
+    def looks(self) -> int:
+        return 1 + self.max_extra_rounds
 
 
 @dataclass
@@ -252,41 +264,58 @@ class Gate:
                                        base.value, result.verdict, f"{name}: {result.reason} ({definition})",
                                        result.to_dict(), **interval))
 
-    def speed_no_regression(self, name: str, measure: Measure, baseline_key: str | None = None, *,
-                            threshold: float, higher_is_better: bool, definition: str, quantile: float = 0.5,
-                            alpha: float | None = None,
-                            measure_reference: Callable[[BaselineEntry], Measure] | None = None,
-                            bless_extra: dict[str, Any] | None = None) -> GateRecord:
-        """Statistical speed gate on raw samples (see :mod:`distillgates.gates.stats`).
+    def speed_no_regression(self, name: str, speed: SpeedRounds, metric: str, baseline_key: str | None = None, *,
+                            threshold: float, higher_is_better: bool, definition: str, quantile: float,
+                            alpha: float, n_gates: int) -> GateRecord:
+        """Statistical speed gate on one quantile of ``metric`` (see :mod:`distillgates.gates.stats`).
 
-        ``measure(n)`` returns n fresh samples of the metric on this machine. In paired mode
-        ``measure_reference(entry)`` builds the measurement of the blessed reference model.
+        ``speed`` holds the session's samples (:class:`distillgates.gates.speed_ab.SpeedRounds`): in ``ab`` mode
+        the blessed reference (recorded in the baseline entry's provenance) is measured interleaved with the
+        candidate; in ``stored`` mode the candidate is compared with the entry's stored samples. ``alpha`` is
+        the session's false-alarm bound, split over ``n_gates`` speed gates and the looks of the sequential test.
+        Blessing measures every round of the candidate and records the reference (artifacts, code).
         """
         __tracebackhide__ = True
         key = baseline_key or name
-        settings = self.context.speed
         if self.context.bless:
-            samples = [float(s) for s in measure(settings.samples)]
-            return self._bless(name, key, float(np.quantile(samples, quantile)), definition, True, samples, bless_extra)
+            try:
+                samples = [float(s) for block in speed.after(speed.looks, metric)[1] for s in block]
+                extra = speed.bless_record()
+            except (StaleReference, WorkerError) as err:
+                return self._finish(GateRecord(self.nodeid, self.group, name, None, None, "bless", None, "fail",
+                                               f"refusing to bless: {err}"))
+            value = float(np.quantile(samples, quantile)) if samples else math.nan
+            return self._bless(name, key, value, definition, True, samples, extra)
         try:
             base = self._baseline(key, True)
         except BaselineError as err:
             return self._finish(GateRecord(self.nodeid, self.group, name, None, threshold, "speed_no_regression",
                                            None, "fail", str(err)))
-        if settings.paired:
-            if measure_reference is None:
-                raise ValueError(f"{name}: paired mode needs measure_reference")
-            kwargs: dict[str, Any] = {"measure_reference": measure_reference(base)}
-        else:
-            if not base.samples:
-                raise BaselineError(f"baseline {self.group}/{key} has no raw samples; re-bless it")
-            kwargs = {"reference": base.samples}
-        result, ref, cand = sequential_speed_gate(
-            measure, samples=settings.samples, max_extra_rounds=settings.max_extra_rounds, threshold=threshold,
-            higher_is_better=higher_is_better, alpha=alpha or settings.alpha, quantile=quantile, **kwargs,
-        )
-        measured = float(np.quantile(cand, quantile))
+        rebless = self.context.bless_command(self.nodeid)
+        stored = base.samples or []
+
+        def samples_after(rounds: int) -> tuple[list[Any], list[Any]]:
+            reference, candidate = speed.after(rounds, metric)
+            if speed.mode == "stored":
+                return stored, [s for block in candidate for s in block]
+            return reference, candidate  # paired blocks
+
+        try:
+            if speed.mode == "ab":
+                speed.use_reference(base.provenance.get("speed_reference"), rebless)
+            elif not stored:
+                raise StaleReference(f"baseline {self.group}/{key} has no raw samples; re-bless it: {rebless}")
+            result = sequential_speed_gate(samples_after, looks=speed.looks, threshold=threshold,
+                                           higher_is_better=higher_is_better, quantile=quantile, alpha=alpha,
+                                           n_gates=n_gates, paired_blocks=speed.mode == "ab")
+        except (StaleReference, WorkerError, ValueError) as err:
+            return self._finish(GateRecord(self.nodeid, self.group, name, None, threshold, "speed_no_regression",
+                                           base.value, "fail", f"{speed.mode} mode: {err}"))
+        reference_blocks, candidate_blocks = speed.after(result.rounds, metric)
+        reference = stored if speed.mode == "stored" else [s for block in reference_blocks for s in block]
+        candidate = [s for block in candidate_blocks for s in block]
         return self._finish(GateRecord(
-            self.nodeid, self.group, name, measured, threshold, "speed_no_regression", base.value, result.verdict,
-            result.reason, {**result.to_dict(), "reference_samples": ref, "candidate_samples": cand},
+            self.nodeid, self.group, name, float(np.quantile(candidate, quantile)), threshold, "speed_no_regression",
+            base.value, result.verdict, f"{speed.mode} mode: {result.reason}",
+            {**result.to_dict(), "mode": speed.mode, "reference_samples": reference, "candidate_samples": candidate},
         ))

@@ -136,12 +136,14 @@ class GateSession:
         return root if root.is_absolute() else self.rootdir / root
 
     def bless_command(self, nodeid: str) -> str:
-        parts = ["pytest", nodeid, "--bless", f"--hw-profile={self.profile}"]
+        speed = "[speed" in nodeid or "test_speed" in nodeid
+        # the speed gates share one reference (artifacts, code): they are blessed together, by file
+        parts = ["pytest", nodeid.split("::")[0] if speed else nodeid, "--bless", f"--hw-profile={self.profile}"]
         if self.options.baselines_dir:
             parts.append(f"--baselines-dir={self.options.baselines_dir}")
         if self.options.run_dir:
             parts.append(f"--run-dir={self.options.run_dir}")
-        if "[speed" in nodeid or "test_speed" in nodeid:
+        if speed:
             parts += ["-m", "speed"]
         return shlex.join(parts)
 

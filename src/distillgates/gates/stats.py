@@ -1,51 +1,56 @@
-"""Speed comparisons that do not cry wolf.
+"""Statistics of the gates: speed quantile comparisons, paired quality drift, intervals of quality figures.
 
-Shared machines vary by several percent from run to run, so a 5% gate on two single numbers
-is a coin toss. A speed gate here compares *raw samples* and decides in three ways:
+Speed (a gate tests the statistic it gates). Each speed gate compares one quantile of one metric
+between the reference and the candidate arm: TTFT p50 and p95, TPS p50 and p5 (for a rate the
+slow tail is the *low* quantile). The effect is the quantile ratio ``slowdown``, oriented so
+that > 1 is worse for both kinds (candidate / reference for times, reference / candidate for
+rates), with a percentile bootstrap confidence interval (``scipy.stats.bootstrap``, each arm
+resampled on its own) at the per-test level below. Decision rule, ``threshold`` = the hardware
+profile's ``max_regression``:
 
-- ``fail``: the slowdown of the median (or of another quantile, e.g. p95) exceeds the
-  threshold **and** the slowdown is significant (one-sided rank test p < alpha — Mann–Whitney
-  U unpaired, Wilcoxon signed-rank on the log ratios when paired — and the bootstrap CI of
-  the quantile ratio lies above 1);
-- ``pass``: the slowdown is within the threshold and bounded: the CI's upper end is below
-  twice the threshold (a noisy estimate that merely happens to land under the threshold while
-  a large regression is still plausible does not pass);
-- ``inconclusive``: anything else (a large but noisy slowdown, or a significant slowdown whose
-  CI straddles the threshold). The sequential driver then measures more rounds (bounded) and
-  reports ``inconclusive`` rather than guessing when still undecided.
+- ``fail``: the estimate is beyond the threshold (``slowdown > 1 + threshold``) **and** the
+  slowdown is significant (the CI's lower end is above 1);
+- ``inconclusive``: the estimate is beyond the threshold but not significant (a large slowdown
+  the noise cannot confirm). The sequential driver then measures one more round, up to a bound
+  of looks, and reports ``inconclusive`` with its reason rather than guessing;
+- ``pass``: the estimate is within the threshold. The CI is reported with it; how large a
+  regression passes unnoticed is the gate's power, measured on the real path
+  (``benchmarks/bench_speed_gate_power.py``, docs/gates.md), not claimed per session.
 
-"Slowdown" is oriented so that > 1 is worse for both kinds of metric: candidate / reference
-for times (``ttft_ms``), reference / candidate for rates (``tps``).
+False alarms are controlled for the whole session: Bonferroni over the ``n_gates`` speed gates
+and the ``looks`` of the sequential test (each look of each gate tests at
+``alpha / (n_gates * looks)``; the union bound holds whatever the stopping rule). A fail needs
+significance at that level, so with no change the chance that *any* speed gate of the session
+fails is at most ``alpha``.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 import numpy as np
 from scipy import stats
 
-MIN_SAMPLES = 5  # below this a rank test cannot reach p < 0.05 one-sided
-Measure = Callable[[int], Sequence[float]]  # n -> n raw samples of one metric
+MIN_SAMPLES = 5  # per arm: below this no quantile comparison is attempted
+N_RESAMPLES = 9999  # bootstrap resamples: the per-test tails hold alpha / (gates * looks), e.g. 0.3%
 
 
 @dataclass(frozen=True)
 class SpeedComparison:
-    """Outcome of comparing candidate samples with reference samples."""
+    """Outcome of comparing one quantile of candidate samples with reference samples."""
 
     verdict: str  # "pass" | "fail" | "inconclusive"
-    slowdown: float  # point estimate of the quantile (median) ratio, > 1 is worse
-    ci_low: float  # bootstrap CI of the slowdown (two-sided level 1 - 2 * alpha)
+    slowdown: float  # quantile ratio, > 1 is worse
+    ci_low: float  # bootstrap CI of the slowdown, two-sided level 1 - 2 * test_alpha
     ci_high: float
-    p_value: float  # one-sided: candidate worse than reference
     threshold: float  # tolerated regression (0.05 = 5%)
-    alpha: float
-    paired: bool
+    quantile: float  # 0.5, 0.95 (TTFT) or 0.05 (TPS)
+    test_alpha: float  # one-sided level of this test (the session's alpha split over gates and looks)
     n_reference: int
     n_candidate: int
-    rounds: int = 1  # measurement rounds used (sequential driver)
+    rounds: int = 1  # measurement rounds (looks) used
     reason: str = ""
 
     @property
@@ -69,133 +74,136 @@ def _as_samples(name: str, values: Sequence[float]) -> np.ndarray:
 def quantile_slowdown(
     reference: np.ndarray, candidate: np.ndarray, higher_is_better: bool, quantile: float = 0.5, axis: int = -1
 ) -> np.ndarray:
-    """Quantile ratio (median by default) oriented so that > 1 means the candidate is worse (vectorized)."""
+    """Quantile ratio oriented so that > 1 means the candidate is worse (vectorized)."""
     ratio = np.quantile(candidate, quantile, axis=axis) / np.quantile(reference, quantile, axis=axis)
     return 1.0 / ratio if higher_is_better else ratio
 
 
-def compare_samples(
-    reference: Sequence[float],
-    candidate: Sequence[float],
+def session_test_alpha(alpha: float, n_gates: int, looks: int) -> float:
+    """Per-test one-sided level: ``alpha`` (the session's false-alarm bound) split over gates and looks."""
+    if not 0.0 < alpha < 0.5 or n_gates < 1 or looks < 1:
+        raise ValueError(f"need 0 < alpha < 0.5, n_gates >= 1, looks >= 1; got {alpha}, {n_gates}, {looks}")
+    return alpha / (n_gates * looks)
+
+
+def _block_matrix(name: str, blocks: Sequence[Sequence[float]]) -> np.ndarray:
+    """Blocks of samples as a ``(J, width)`` array padded with NaN (a block may miss TPS samples)."""
+    width = max((len(b) for b in blocks), default=0)
+    matrix = np.full((len(blocks), width), np.nan)
+    for j, block in enumerate(blocks):
+        matrix[j, : len(block)] = block
+    _as_samples(name, matrix[np.isfinite(matrix)])
+    return matrix
+
+
+def compare_quantiles(
+    reference: Sequence[float] | Sequence[Sequence[float]],
+    candidate: Sequence[float] | Sequence[Sequence[float]],
     *,
     threshold: float,
     higher_is_better: bool,
-    alpha: float = 0.05,
-    paired: bool = False,
     quantile: float = 0.5,
-    n_resamples: int = 2000,
+    test_alpha: float = 0.05,
+    paired_blocks: bool = False,
+    n_resamples: int = N_RESAMPLES,
     seed: int = 0,
 ) -> SpeedComparison:
-    """Compare raw samples; see the module docstring for the decision rule.
+    """Compare one quantile of raw samples; see the module docstring for the decision rule.
+
+    Args:
+        reference, candidate: flat samples, or with ``paired_blocks`` equally many blocks of samples
+            where block ``j`` of both arms was measured back to back (interleaved A/B). Paired blocks are
+            resampled together (a block bootstrap), so the machine's drift, shared by the two blocks of a
+            pair, cancels in the interval instead of widening it.
 
     Raises:
-        ValueError: too few samples, non-positive samples, or unequal lengths when paired.
+        ValueError: too few samples, non-positive samples, unequal block counts, or impossible settings.
     """
-    ref = _as_samples("reference", reference)
-    cand = _as_samples("candidate", candidate)
-    if paired and ref.size != cand.size:
-        raise ValueError(f"paired comparison needs equal sample counts, got {ref.size} and {cand.size}")
-    if not 0.0 < alpha < 0.5 or threshold < 0 or not 0.0 < quantile < 1.0:
-        raise ValueError(f"need 0 < alpha < 0.5, threshold >= 0, 0 < quantile < 1; got {alpha}, {threshold}, "
-                         f"{quantile}")
-    worse = "less" if higher_is_better else "greater"  # candidate worse than reference
-    if paired:
-        log_ratio = np.log(cand) - np.log(ref)  # (n,) per-pair, measured adjacently
-        p_value = float(stats.wilcoxon(log_ratio, alternative=worse).pvalue) if np.any(log_ratio) else 1.0
+    if not 0.0 < test_alpha < 0.5 or threshold < 0 or not 0.0 < quantile < 1.0:
+        raise ValueError(f"need 0 < test_alpha < 0.5, threshold >= 0, 0 < quantile < 1; got {test_alpha}, "
+                         f"{threshold}, {quantile}")
+    level = 1.0 - 2.0 * test_alpha  # each tail holds test_alpha: the one-sided decisions
+    rng = np.random.default_rng(seed)
+    if paired_blocks:
+        ref_blocks = _block_matrix("reference", reference)  # type: ignore[arg-type]
+        cand_blocks = _block_matrix("candidate", candidate)  # type: ignore[arg-type]
+        if len(ref_blocks) != len(cand_blocks) or len(ref_blocks) < 2:
+            raise ValueError(f"paired blocks: need equally many blocks, at least 2, got {len(ref_blocks)} reference "
+                             f"and {len(cand_blocks)} candidate blocks (more samples per round: --speed-samples)")
+
+        # np.nanquantile loops in Python over rows: only blocks with missing samples pay for it
+        ref_q = np.nanquantile if np.isnan(ref_blocks).any() else np.quantile
+        cand_q = np.nanquantile if np.isnan(cand_blocks).any() else np.quantile
+
+        def block_slowdown(index: np.ndarray, axis: int = -1) -> np.ndarray:
+            ref = ref_blocks[index].reshape(*index.shape[:-1], -1)  # (..., J * width)
+            cand = cand_blocks[index].reshape(*index.shape[:-1], -1)
+            ratio = cand_q(cand, quantile, axis=-1) / ref_q(ref, quantile, axis=-1)
+            return 1.0 / ratio if higher_is_better else ratio
+
+        boot = stats.bootstrap((np.arange(len(ref_blocks)),), block_slowdown, n_resamples=n_resamples,
+                               vectorized=True, confidence_level=level, method="percentile", rng=rng)
+        ref, cand = ref_blocks[np.isfinite(ref_blocks)], cand_blocks[np.isfinite(cand_blocks)]
     else:
-        p_value = float(stats.mannwhitneyu(cand, ref, alternative=worse).pvalue)
-    boot = stats.bootstrap(
-        (ref, cand),
-        lambda r, c, axis: quantile_slowdown(r, c, higher_is_better, quantile, axis=axis),
-        n_resamples=n_resamples,
-        paired=paired,
-        vectorized=True,
-        confidence_level=1.0 - 2.0 * alpha,  # each tail holds alpha: matches the one-sided test
-        method="percentile",  # BCa is unstable with the ties of quantized timers
-        rng=np.random.default_rng(seed),
-    )
+        ref, cand = _as_samples("reference", reference), _as_samples("candidate", candidate)  # type: ignore[arg-type]
+        boot = stats.bootstrap(
+            (ref, cand), lambda r, c, axis: quantile_slowdown(r, c, higher_is_better, quantile, axis=axis),
+            n_resamples=n_resamples, vectorized=True, confidence_level=level,
+            method="percentile",  # BCa is unstable with the ties of quantized timers
+            rng=rng,
+        )
     slowdown = float(quantile_slowdown(ref, cand, higher_is_better, quantile))
     ci_low, ci_high = float(boot.confidence_interval.low), float(boot.confidence_interval.high)
-    significant = p_value < alpha and ci_low > 1.0
-    limit = 1.0 + threshold  # tolerated slowdown
+    limit = 1.0 + threshold
     numbers = (
-        f"slowdown {slowdown:.4f} (regression {slowdown - 1:+.2%}, threshold {threshold:.0%}), "
-        f"CI [{ci_low:.4f}, {ci_high:.4f}], p={p_value:.3g} (alpha {alpha})"
+        f"q{quantile:g} slowdown {slowdown:.4f} (regression {slowdown - 1:+.2%}, threshold {threshold:.0%}), "
+        f"{level:.2%} CI [{ci_low:.4f}, {ci_high:.4f}] ({'paired block' if paired_blocks else 'unpaired'} "
+        f"bootstrap), n={ref.size}/{cand.size} (reference/candidate)"
     )
-    if slowdown > limit and significant:
-        verdict, why = "fail", f"significant regression beyond threshold: {numbers}"
-    elif slowdown <= limit and ci_high <= 1.0 + 2.0 * threshold:
+    if slowdown <= limit:
         verdict, why = "pass", f"within threshold: {numbers}"
+    elif ci_low > 1.0:
+        verdict, why = "fail", f"significant regression beyond threshold: {numbers}"
     else:
-        verdict, why = "inconclusive", f"cannot decide: {numbers}"
-    return SpeedComparison(
-        verdict, slowdown, ci_low, ci_high, p_value, threshold, alpha, paired, ref.size, cand.size, 1, why
-    )
-
-
-def _interleaved(measure_reference: Measure, measure_candidate: Measure, n: int, start: int) -> tuple[list, list]:
-    """n reference/candidate pairs measured adjacently in ABBA order (cancels linear drift)."""
-    ref: list[float] = []
-    cand: list[float] = []
-    for i in range(start, start + n):
-        if i % 2 == 0:
-            ref.extend(measure_reference(1))
-            cand.extend(measure_candidate(1))
-        else:
-            cand.extend(measure_candidate(1))
-            ref.extend(measure_reference(1))
-    return ref, cand
+        verdict, why = "inconclusive", f"regression beyond threshold but not significant: {numbers}"
+    return SpeedComparison(verdict, slowdown, ci_low, ci_high, threshold, quantile, test_alpha, ref.size, cand.size,
+                           1, why)
 
 
 def sequential_speed_gate(
-    measure_candidate: Measure,
+    samples_after: Callable[[int], tuple[Sequence[Any], Sequence[Any]]],
     *,
-    reference: Sequence[float] | None = None,
-    measure_reference: Measure | None = None,
-    samples: int,
-    max_extra_rounds: int,
+    looks: int,
     threshold: float,
     higher_is_better: bool,
-    alpha: float = 0.05,
     quantile: float = 0.5,
+    alpha: float = 0.05,
+    n_gates: int = 1,
+    paired_blocks: bool = False,
     seed: int = 0,
-) -> tuple[SpeedComparison, list[float], list[float]]:
-    """Measure, compare, and measure ``samples`` more per extra round while inconclusive.
+) -> SpeedComparison:
+    """Decide after 1, 2, ... ``looks`` rounds, stopping at the first pass or fail.
 
-    Unpaired mode compares live candidate samples with stored ``reference`` samples (the
-    blessed baseline). Paired mode (``measure_reference`` given) measures the reference and the
-    candidate interleaved in this session, so slow drifts of a shared machine hit both.
-
-    Returns:
-        (comparison, reference samples, candidate samples) — the raw samples for the report.
+    Args:
+        samples_after: ``k -> (reference, candidate)`` samples of exactly the first ``k`` rounds (the
+            caller measures a round when first asked for it, and may have measured more for other gates).
+        alpha: the session's false-alarm bound, split over ``n_gates`` gates and ``looks`` looks.
     """
-    paired = measure_reference is not None
-    if paired == (reference is not None):
-        raise ValueError("give exactly one of reference (stored samples) or measure_reference (paired mode)")
-    if samples < MIN_SAMPLES or max_extra_rounds < 0:
-        raise ValueError(f"need samples >= {MIN_SAMPLES} and max_extra_rounds >= 0, got {samples}, {max_extra_rounds}")
-    ref = list(reference) if reference is not None else []
-    cand: list[float] = []
-    rounds = 0
-    while rounds <= max_extra_rounds:
-        rounds += 1
-        if measure_reference is not None:
-            more_ref, more_cand = _interleaved(measure_reference, measure_candidate, samples, len(ref))
-            ref += more_ref
-            cand += more_cand
-        else:
-            cand += list(measure_candidate(samples))
-        result = compare_samples(
-            ref, cand, threshold=threshold, higher_is_better=higher_is_better, alpha=alpha, paired=paired,
-            quantile=quantile, seed=seed,
-        )
+    test_alpha = session_test_alpha(alpha, n_gates, looks)
+    result: SpeedComparison | None = None
+    for look in range(1, looks + 1):
+        reference, candidate = samples_after(look)
+        result = compare_quantiles(reference, candidate, threshold=threshold, higher_is_better=higher_is_better,
+                                   quantile=quantile, test_alpha=test_alpha, paired_blocks=paired_blocks,
+                                   seed=seed + look)
         if result.verdict != "inconclusive":
             break
-    reason = result.reason + f" after {rounds} round(s) of {samples} samples"
+    assert result is not None
+    reason = (f"{result.reason}; look {look} of at most {looks} (rounds of samples; alpha {alpha:g} split over "
+              f"{n_gates} gate(s) x {looks} look(s))")
     if result.verdict == "inconclusive":
-        reason += f" (bound of {max_extra_rounds} extra rounds reached)"
-    final = SpeedComparison(**{**asdict(result), "rounds": rounds, "reason": reason})
-    return final, ref, cand
+        reason += " — the bound of rounds is reached"
+    return replace(result, rounds=look, reason=reason)
 
 
 # -- quality drift: paired per-item comparison -----------------------------------------------

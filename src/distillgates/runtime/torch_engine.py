@@ -21,7 +21,9 @@ Design choices (gpt-fast style):
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import os
+import time
+from collections.abc import Callable, Sequence
 
 import torch
 from torch import Tensor
@@ -29,6 +31,25 @@ from torch import Tensor
 from distillgates.model import Transformer
 from distillgates.runtime.base import EngineBase, make_generator, sample_token
 from distillgates.runtime.decoder import FusedDecoder
+
+# Test hook of the speed gates' power benchmark: a real engine slowdown. Each prefill/decode call does this
+# fraction more work: it spins until the thread's CPU time has grown by the fraction of the CPU time the call
+# took, as code doing that much more work would. (A wall-clock stretch is not that: on a loaded machine the
+# call's wall time includes the time given to other processes, and the spin then waits for the CPU in turn;
+# at load 8 on 2 cores a 10% wall-clock stretch read as a 1.9x lower TPS.)
+SLOWDOWN_ENV = "DISTILLGATES_TEST_ENGINE_SLOWDOWN"
+
+
+def _stretched(call: Callable[..., Tensor], fraction: float) -> Callable[..., Tensor]:
+    def slower(*args: object) -> Tensor:
+        start = time.thread_time()
+        out = call(*args)
+        until = start + (1.0 + fraction) * (time.thread_time() - start)
+        while time.thread_time() < until:
+            pass
+        return out
+
+    return slower
 
 
 class TorchEngine(EngineBase):
@@ -66,6 +87,10 @@ class TorchEngine(EngineBase):
         self._decode = torch.compile(self._decode_compiled, dynamic=False) if compile else self._decode_eager
         self.tokens: list[int] = []  # token ids in the KV state (batch-1 conversation)
         self.pending = None
+        slowdown = float(os.environ.get(SLOWDOWN_ENV) or 0.0)
+        if slowdown > 0:  # benchmarks/bench_speed_gate_power.py: a real +10% / +20% engine regression
+            self.prefill = _stretched(self.prefill, slowdown)  # type: ignore[method-assign]
+            self.decode_step = _stretched(self.decode_step, slowdown)  # type: ignore[method-assign]
 
     # ---- batch 1: the Engine protocol ------------------------------------------------
 

@@ -1,0 +1,179 @@
+"""Re-runnable speed references: content-addressed artifacts and the code identity they were blessed with.
+
+A speed bless records *what* was measured (the student checkpoint; on macOS the Core ML export)
+and *which code* measured it (the git commit of the ``distillgates`` source), so that a later
+session can run the blessed code on the blessed artifacts next to the candidate (interleaved
+A/B, :mod:`distillgates.gates.speed_ab`). Design choices:
+
+- :class:`ReferenceStore` owns a folder (``gates.speed_reference_store`` in configs/gates.yaml,
+  default ``baselines/references``, outside any run dir so a rebuilt run cannot change it).
+  Files are stored once under their sha256 (``objects/<sha256>``); a directory (an
+  ``.mlpackage`` export) becomes a deterministic tar first. Writes are atomic; reads verify
+  the hash, so an edited or truncated object is refused, never measured.
+- The code identity is ``git rev-parse HEAD`` of the checkout ``distillgates`` is imported
+  from. A package tree with uncommitted changes is not refused: its changes against HEAD
+  (``git diff --binary`` plus untracked files, under ``src/distillgates`` only) are stored as a
+  content-addressed patch that :func:`checkout_code` applies on top of the commit.
+- :func:`checkout_code` extracts the blessed package with ``git archive`` (no worktree is
+  registered in the repository) into a folder the caller owns.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import subprocess
+import tarfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import distillgates
+from distillgates.io import atomic_write_bytes, sha256_bytes, sha256_file
+
+PACKAGE_DIR = Path(distillgates.__file__).resolve().parent  # .../src/distillgates
+
+
+class StaleReference(AssertionError):
+    """A blessed speed reference cannot be re-run (artifact missing or changed, commit unknown)."""
+
+
+def _git(repo: Path, *args: str, check: bool = True) -> subprocess.CompletedProcess[bytes]:
+    result = subprocess.run(["git", "-C", str(repo), *args], capture_output=True, timeout=120)
+    if check and result.returncode != 0:
+        raise StaleReference(f"git {' '.join(args)} in {repo} failed: {result.stderr.decode(errors='replace').strip()}")
+    return result
+
+
+def _tree_archive(folder: Path) -> bytes:
+    """A deterministic tar of ``folder`` (sorted names, no owners or times): equal trees, equal bytes."""
+    buffer = io.BytesIO()
+    with tarfile.open(fileobj=buffer, mode="w", format=tarfile.PAX_FORMAT) as tar:
+        for path in sorted([folder, *folder.rglob("*")]):
+            info = tar.gettarinfo(str(path), arcname=str(Path(folder.name) / path.relative_to(folder)))
+            info.uid = info.gid = 0
+            info.uname = info.gname = ""
+            info.mtime = 0
+            if path.is_file():
+                with path.open("rb") as f:
+                    tar.addfile(info, f)
+            else:
+                tar.addfile(info)
+    return buffer.getvalue()
+
+
+class ReferenceStore:
+    """Content-addressed objects under ``root/objects/<sha256>``."""
+
+    def __init__(self, root: str | Path) -> None:
+        self.root = Path(root)
+
+    def object_path(self, sha256: str) -> Path:
+        return self.root / "objects" / sha256
+
+    def put_bytes(self, data: bytes) -> str:
+        sha = sha256_bytes(data)
+        if not self.object_path(sha).is_file():
+            atomic_write_bytes(self.object_path(sha), data)
+        return sha
+
+    def put(self, path: Path) -> dict[str, Any]:
+        """Store a file, or a directory as a deterministic tar; ``{"sha256", "name", "kind"}``."""
+        if path.is_dir():
+            return {"sha256": self.put_bytes(_tree_archive(path)), "name": path.name, "kind": "tree"}
+        return {"sha256": self.put_bytes(path.read_bytes()), "name": path.name, "kind": "file"}
+
+    def get(self, artifact: dict[str, Any], into: Path, rebless: str) -> Path:
+        """The stored ``artifact`` (as recorded by :meth:`put`), hash verified, under ``into``: a file as a link
+        named as it was (with its ``.sha256`` sidecar), a tree extracted.
+
+        Raises:
+            StaleReference: the object is missing or its content changed (names ``rebless``).
+        """
+        sha = str(artifact.get("sha256"))
+        path = self.object_path(sha)
+        if not path.is_file():
+            raise StaleReference(f"blessed speed reference artifact {artifact.get('name')!r} is missing: no {path} "
+                                 f"(was the reference store {self.root} committed / fetched?); re-bless: {rebless}")
+        found = sha256_file(path)
+        if found != sha:
+            raise StaleReference(f"blessed speed reference artifact {path} has changed: sha256 {found}, blessed "
+                                 f"{sha}; re-bless: {rebless}")
+        into.mkdir(parents=True, exist_ok=True)
+        if artifact.get("kind") == "tree":
+            with tarfile.open(path) as tar:
+                tar.extractall(into, filter="data")
+            return into / str(artifact["name"])
+        # the file under its own name, with the sha256 sidecar that checkpoint loading verifies (distillgates.io)
+        named = into / str(artifact["name"])
+        named.unlink(missing_ok=True)
+        named.symlink_to(path.resolve())
+        Path(f"{named}.sha256").write_text(sha + "\n")
+        return named
+
+
+@dataclass(frozen=True)
+class CodeIdentity:
+    """The code a speed reference was measured with: a commit, plus a patch object for uncommitted changes."""
+
+    commit: str | None  # None: not a git checkout (e.g. an installed wheel): the reference cannot re-run
+    patch_sha256: str | None = None
+    package: str = "src/distillgates"  # the package's path inside the repository
+
+    def to_json(self) -> dict[str, Any]:
+        return {"commit": self.commit, "patch_sha256": self.patch_sha256, "package": self.package}
+
+
+def code_identity(store: ReferenceStore, package_dir: Path = PACKAGE_DIR) -> CodeIdentity:
+    """The identity of the code in ``package_dir``; uncommitted changes are stored as a patch in ``store``."""
+    inside = _git(package_dir, "rev-parse", "--show-toplevel", check=False)
+    if inside.returncode != 0:
+        return CodeIdentity(None)
+    repo = Path(inside.stdout.decode().strip())
+    package = package_dir.resolve().relative_to(repo.resolve()).as_posix()
+    commit = _git(repo, "rev-parse", "HEAD").stdout.decode().strip()
+    patch = _git(repo, "diff", "--binary", "HEAD", "--", package).stdout
+    untracked = _git(repo, "ls-files", "--others", "--exclude-standard", "-z", "--", package).stdout
+    for name in filter(None, untracked.decode().split("\0")):
+        # --no-index exits 1 when the files differ (always, against /dev/null)
+        patch += _git(repo, "diff", "--binary", "--no-index", "--", "/dev/null", name, check=False).stdout
+    return CodeIdentity(commit, store.put_bytes(patch) if patch else None, package)
+
+
+def checkout_code(identity: dict[str, Any], store: ReferenceStore, into: Path, rebless: str,
+                  repo_dir: Path = PACKAGE_DIR) -> Path:
+    """Extract the blessed ``distillgates`` (commit + patch) under ``into``; the ``src`` folder to import from.
+
+    Raises:
+        StaleReference: no commit recorded, the commit is not in this repository (a shallow clone:
+            fetch with full history), or the patch is missing or does not apply.
+    """
+    commit, package = identity.get("commit"), str(identity.get("package") or "src/distillgates")
+    if not commit:
+        raise StaleReference("the speed reference records no git commit (blessed outside a git checkout), so its "
+                             f"code cannot be re-run; re-bless from a git checkout: {rebless}")
+    inside = _git(repo_dir, "rev-parse", "--show-toplevel", check=False)
+    if inside.returncode != 0:
+        raise StaleReference(f"cannot re-run the blessed code (commit {commit}): distillgates is not imported from a "
+                             f"git checkout ({repo_dir}); run from one, or re-bless: {rebless}")
+    repo = Path(inside.stdout.decode().strip())
+    if _git(repo, "cat-file", "-e", f"{commit}^{{commit}}", check=False).returncode != 0:
+        raise StaleReference(f"the blessed commit {commit} is not in {repo} (a shallow clone? fetch the full history, "
+                             f"e.g. actions/checkout with fetch-depth: 0); or re-bless: {rebless}")
+    into.mkdir(parents=True, exist_ok=True)
+    archive = _git(repo, "archive", "--format=tar", commit, "--", package).stdout
+    with tarfile.open(fileobj=io.BytesIO(archive)) as tar:
+        tar.extractall(into, filter="data")
+    patch_sha = identity.get("patch_sha256")
+    if patch_sha:
+        patch = store.get({"sha256": patch_sha, "name": "code patch", "kind": "file"}, into, rebless)
+        # GIT_CEILING_DIRECTORIES: apply to the extracted tree even if ``into`` lies inside some repository
+        applied = subprocess.run(["git", "apply", "--binary", str(patch.resolve())], cwd=into, capture_output=True,
+                                 env={**os.environ, "GIT_CEILING_DIRECTORIES": str(into.resolve().parent)})
+        if applied.returncode != 0:
+            raise StaleReference(f"the blessed code patch {patch} does not apply to commit {commit}: "
+                                 f"{applied.stderr.decode(errors='replace').strip()}; re-bless: {rebless}")
+    source = into / Path(package).parent
+    if not (source / "distillgates" / "__init__.py").is_file():
+        raise StaleReference(f"commit {commit} has no {package}/__init__.py; re-bless: {rebless}")
+    return source

@@ -1,0 +1,227 @@
+"""The speed gates' measurements for one session: interleaved A/B against the blessed reference, or stored samples.
+
+Two modes (``--speed-mode``):
+
+- ``ab`` (default): the reference arm (the blessed commit's code on the blessed artifacts, see
+  :mod:`distillgates.gates.references`) and the candidate arm (the current code on the current
+  artifacts) each run in a speed worker process (:mod:`distillgates.speed_worker`) and are
+  asked for samples in alternating blocks, ABBA order, as ``asv continuous`` does: slow drifts
+  of the machine hit both arms alike and cancel in the comparison.
+- ``stored``: only the candidate is measured; its samples are compared with the samples stored
+  at bless time. Sensitive to session drift: a shared machine that is a third slower today than
+  at bless time reads as a regression.
+
+One :class:`SpeedRounds` serves every speed gate of the session: the samples of a round give
+TTFT and TPS at once, and a gate that needs another look asks for one more round, which the
+gates after it reuse (the statistics allow it: :func:`distillgates.gates.stats.sequential_speed_gate`).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import shutil
+import sys
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, Protocol
+
+from distillgates.gates.references import PACKAGE_DIR, ReferenceStore, StaleReference, checkout_code, code_identity
+from distillgates.rundir import RunDir
+from distillgates.speed_worker import METRICS, SpeedWorker, WorkerError
+
+BLOCK = 8  # samples per request: one rotation of the worker's prompts; arms alternate per block
+MODES = ("ab", "stored")
+
+
+class Arm(Protocol):
+    def measure(self, n: int) -> dict[str, list[float]]: ...
+
+
+ReferenceFactory = Callable[[dict[str, Any], str], Arm]  # (blessed reference record, re-bless command) -> arm
+
+
+class SpeedRounds:
+    """Samples of the session, grown one round (``samples`` per arm) at a time, up to ``looks`` rounds.
+
+    Args:
+        candidate: the candidate arm.
+        reference: builds the reference arm from the blessed record (``ab`` mode; None: ``stored``).
+        record: at bless, the reference record to store with the baselines (artifacts, code identity).
+    """
+
+    def __init__(self, candidate: Arm, *, samples: int, looks: int, reference: ReferenceFactory | None = None,
+                 record: Callable[[], dict[str, Any]] | None = None) -> None:
+        self.candidate_arm = candidate
+        self.reference_factory = reference
+        self.samples = samples
+        self.looks = looks
+        self._record = record
+        self._record_value: dict[str, Any] | None = None
+        self.reference_arm: Arm | None = None
+        self.reference_record: dict[str, Any] | None = None
+        self.rounds = 0
+        # samples per block (one request); block j of the two arms was measured back to back
+        self.candidate: dict[str, list[list[float]]] = {m: [] for m in METRICS}
+        self.reference: dict[str, list[list[float]]] = {m: [] for m in METRICS}
+        self._blocks_per_round = math.ceil(samples / BLOCK)
+
+    @property
+    def mode(self) -> str:
+        return "stored" if self.reference_factory is None else "ab"
+
+    def bless_record(self) -> dict[str, Any]:
+        """The reference to record with the blessed baselines (computed once per session)."""
+        if self._record_value is None:
+            self._record_value = {"speed_reference": self._record() if self._record else None}
+        return self._record_value
+
+    def use_reference(self, record: dict[str, Any] | None, rebless: str) -> None:
+        """Start the reference arm of ``record`` (the same record for every gate of the session).
+
+        Raises:
+            StaleReference: no record, another record than the session's, or it cannot be re-run.
+        """
+        if not record:
+            raise StaleReference("the speed baseline records no re-runnable reference (blessed before interleaved "
+                                 f"A/B speed gates, or in --speed-mode=stored); re-bless: {rebless}")
+        if self.reference_arm is not None:
+            if record != self.reference_record:
+                raise StaleReference(f"this speed baseline was blessed with another reference than the session's "
+                                     f"other speed gates ({record} vs {self.reference_record}); re-bless: {rebless}")
+            return
+        assert self.reference_factory is not None
+        self.reference_arm = self.reference_factory(record, rebless)
+        self.reference_record = record
+
+    def _arms(self) -> list[Arm]:
+        return [self.candidate_arm] + ([self.reference_arm] if self.reference_arm is not None else [])
+
+    def _round(self) -> None:
+        if self.rounds == 0:
+            for arm in self._arms():  # warm-up block, not recorded: the other worker may still be loading
+                arm.measure(BLOCK)
+        left = self.samples
+        while left > 0:
+            n = min(BLOCK, left)
+            arms: list[tuple[Arm, dict[str, list[list[float]]]]] = [(self.candidate_arm, self.candidate)]
+            if self.reference_arm is not None:  # ABBA: reference first in even blocks, candidate first in odd ones
+                pair = [(self.reference_arm, self.reference), (self.candidate_arm, self.candidate)]
+                arms = pair if len(self.candidate["tps"]) % 2 == 0 else pair[::-1]
+            for arm, into in arms:
+                for metric, values in arm.measure(n).items():
+                    into[metric].append(values)
+            left -= n
+        self.rounds += 1
+
+    def after(self, rounds: int, metric: str) -> tuple[list[list[float]], list[list[float]]]:
+        """``(reference, candidate)`` blocks of samples of ``metric`` of exactly the first ``rounds`` rounds
+        (measured when first needed; the gates share rounds, and each gate's looks see the same data whatever
+        the order of the gates). The reference has no blocks in ``stored`` mode."""
+        if self.mode == "ab" and self.reference_arm is None:
+            raise RuntimeError("ab mode: use_reference() must start the reference arm first")
+        if not 1 <= rounds <= self.looks:
+            raise ValueError(f"rounds must be in [1, {self.looks}], got {rounds}")
+        while self.rounds < rounds:
+            self._round()
+        blocks = rounds * self._blocks_per_round
+        return self.reference[metric][:blocks], self.candidate[metric][:blocks]
+
+
+# -- workers on the real path --------------------------------------------------------------------
+
+
+def _worker_args(run: RunDir, model: Path, export_dir: Path | None) -> list[str]:
+    return ["--run-dir", str(run.root.absolute()), "--model", str(model.absolute()),
+            *(["--export-dir", str(export_dir.absolute())] if export_dir else [])]
+
+
+def measures_coreml(run: RunDir) -> bool:
+    """On macOS with an export the Core ML packages are measured; elsewhere the PyTorch engine."""
+    return sys.platform == "darwin" and run.contract.exists()
+
+
+class WorkerArms:
+    """Owner of the session's speed workers and of the blessed code's checkout (removed by :meth:`close`).
+
+    The candidate runs the code ``distillgates`` is imported from, on the run's artifacts; the reference runs
+    the blessed commit (plus patch) on the blessed artifacts from ``store``. Both get this process's
+    environment, except the engine slowdown test hook (``SLOWDOWN_ENV``), which stands for a change of the
+    candidate's code and so never reaches the reference.
+    """
+
+    def __init__(self, run: RunDir, store: ReferenceStore) -> None:
+        self.run = run
+        self.store = store
+        self.coreml = measures_coreml(run)
+        self.workdir = Path(tempfile.mkdtemp(prefix="distillgates-speed-"))
+        self.workers: list[SpeedWorker] = []
+        # both arms on one CPU (they take turns): the same neighbours for both (SpeedWorker's cpu)
+        self.cpu = max(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None
+
+    def _start(self, worker: SpeedWorker) -> SpeedWorker:
+        self.workers.append(worker)
+        return worker
+
+    def candidate(self) -> SpeedWorker:
+        """Started now (loading in the background); the first request waits for its handshake."""
+        model = self.run.require(self.run.model_path())
+        export = self.run.require(self.run.export_dir) if self.coreml else None
+        return self._start(_Lazy("candidate", PACKAGE_DIR.parent, _worker_args(self.run, model, export), cpu=self.cpu))
+
+    def record(self) -> dict[str, Any]:
+        """At bless: store the measured artifacts and the code identity; the record for the baselines."""
+        artifacts = {"model": self.store.put(self.run.require(self.run.model_path()))}
+        if self.coreml:
+            artifacts["export"] = self.store.put(self.run.require(self.run.export_dir))
+        return {"code": code_identity(self.store).to_json(), "artifacts": artifacts, "backend":
+                "coreml" if self.coreml else "torch"}
+
+    def reference(self, record: dict[str, Any], rebless: str) -> SpeedWorker:
+        """The blessed code on the blessed artifacts.
+
+        Raises:
+            StaleReference: an artifact is missing or changed, or the code cannot be checked out.
+        """
+        from distillgates.runtime.torch_engine import SLOWDOWN_ENV
+
+        artifacts = record.get("artifacts") or {}
+        if "model" not in artifacts:
+            raise StaleReference(f"the speed reference records no model artifact; re-bless: {rebless}")
+        if self.coreml and "export" not in artifacts:
+            raise StaleReference(f"the speed reference was blessed without a Core ML export (backend "
+                                 f"{record.get('backend')!r}), this session measures Core ML; re-bless: {rebless}")
+        model = self.store.get(artifacts["model"], self.workdir / "artifacts", rebless)
+        export = self.store.get(artifacts["export"], self.workdir / "artifacts", rebless) if self.coreml else None
+        source = checkout_code(record.get("code") or {}, self.store, self.workdir / "code", rebless)
+        env = {k: v for k, v in os.environ.items() if k != SLOWDOWN_ENV}
+        return self._start(_Lazy("reference", source, _worker_args(self.run, model, export), env, rebless, self.cpu))
+
+    def close(self) -> None:
+        for worker in self.workers:
+            worker.close()
+        shutil.rmtree(self.workdir, ignore_errors=True)
+
+
+class _Lazy(SpeedWorker):
+    """A worker whose handshake happens at its first request, so that both arms load in parallel.
+    A reference worker that cannot speak the protocol (a commit from before it) names the re-bless command."""
+
+    def __init__(self, name: str, source_dir: Path, args: list[str], env: dict[str, str] | None = None,
+                 rebless: str | None = None, cpu: int | None = None) -> None:
+        super().__init__(name, source_dir, args, env, cpu)
+        self.rebless = rebless
+        self.ready = False
+
+    def measure(self, n: int) -> dict[str, list[float]]:
+        if not self.ready:
+            try:
+                self.handshake()
+            except WorkerError as err:
+                if self.rebless is None:
+                    raise
+                raise StaleReference(f"the blessed code cannot serve speed measurements: {err}; re-bless: "
+                                     f"{self.rebless}") from err
+            self.ready = True
+        return super().measure(n)

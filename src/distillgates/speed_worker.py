@@ -1,0 +1,184 @@
+"""Speed worker: one process that measures one arm of a speed A/B comparison.
+
+The speed gates (``pytest -m speed``) start two workers of this kind, the candidate (the current
+code on the current artifacts) and the reference (the blessed commit's code, from a checkout, on
+the blessed artifacts), and ask them in turn for samples, so both arms share the session's
+machine state. Both are separate processes of the same interpreter and environment: neither
+arm runs in the pytest process (symmetry), and each arm imports its own ``distillgates``.
+
+Protocol (line-based JSON on stdin/stdout, ``PROTOCOL_VERSION``): the worker first prints
+``{"protocol": "distillgates-speed-worker", "version": 1, "backend": ...}``; then every request
+line ``measure N`` is answered by one line ``{"ttft_ms": [...], "tps": [...]}`` (N generations at
+batch 1 after the worker's warm-up, prompts rotating; a generation of fewer than two tokens has
+no TPS sample), and ``quit`` (or end of input) ends it. Errors are answered as ``{"error": ...}``.
+
+    python -m distillgates.speed_worker --run-dir runs/toy --model runs/toy/student/model.pt
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import shlex
+import subprocess
+import sys
+import tempfile
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import IO, Any
+
+PROTOCOL = "distillgates-speed-worker"
+PROTOCOL_VERSION = 1
+METRICS = ("ttft_ms", "tps")
+N_PROMPTS = 8  # eval prompts measured, in rotation
+MAX_NEW_TOKENS = 32
+
+Sampler = Callable[[int], dict[str, list[float]]]  # n generations -> samples per metric
+
+
+def speed_sampler(run_dir: Path, model_path: Path, export_dir: Path | None = None) -> tuple[Sampler, str]:
+    """``(sampler, backend)``: the speed harness (:func:`distillgates.speed.measure_speed`) on the run's
+    first eval prompts, with the PyTorch engine on ``model_path`` or (``export_dir``, macOS) Core ML."""
+    import torch
+
+    from distillgates.config import SpeedConfig
+    from distillgates.data.chat import render_prompt
+    from distillgates.model import load_model
+    from distillgates.rundir import RunDir
+    from distillgates.runtime.torch_engine import TorchEngine
+    from distillgates.speed import measure_speed
+    from distillgates.tokenizer import END, EOS
+
+    torch.set_num_threads(1)  # shared CI cores: one thread gives the least noisy samples
+    run = RunDir(run_dir)
+    tokenizer = run.tokenizer()
+    prompts = [render_prompt(item) for item in run.items("eval")[:N_PROMPTS]]
+    model = load_model(model_path)
+    engine: Any
+    if export_dir is not None:  # macOS only: MLModel.predict cannot run elsewhere
+        from distillgates.runtime.coreml_engine import CoreMLEngine
+
+        engine, backend = CoreMLEngine.from_export_dir(export_dir), "coreml"
+    else:
+        engine, backend = TorchEngine(model), "torch"
+    stop_ids = [tokenizer.convert_tokens_to_ids(t) for t in (END, EOS)]
+    calls = [0]  # successive requests rotate the prompts, so small requests still cover them all
+
+    def sample(n: int) -> dict[str, list[float]]:
+        start = calls[0] % len(prompts)
+        calls[0] += 1
+        rotated = (prompts[start:] + prompts[:start]) * math.ceil(n / len(prompts))
+        cfg = SpeedConfig(n_prompts=n, warmup=1, repeats=1, max_new_tokens=MAX_NEW_TOKENS)
+        result = measure_speed(engine, tokenizer, rotated[:n], cfg, model_config=model.config, stop_ids=stop_ids,
+                               backend=backend)
+        return {metric: result[metric]["samples"] for metric in METRICS}
+
+    return sample, backend
+
+
+def serve(sampler: Sampler, backend: str, stdin: IO[str], stdout: IO[str]) -> None:
+    """Answer ``measure N`` requests until ``quit`` or end of input (see the module docstring)."""
+    print(json.dumps({"protocol": PROTOCOL, "version": PROTOCOL_VERSION, "backend": backend}), file=stdout,
+          flush=True)
+    for line in stdin:
+        words = line.split()
+        if words == ["quit"]:
+            return
+        if len(words) == 2 and words[0] == "measure" and words[1].isdigit() and int(words[1]) > 0:
+            answer: dict[str, Any] = sampler(int(words[1]))
+        else:
+            answer = {"error": f"unknown request {line.strip()!r} (expected 'measure N' or 'quit')"}
+        print(json.dumps(answer), file=stdout, flush=True)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m distillgates.speed_worker", description=__doc__.splitlines()[0])
+    parser.add_argument("--run-dir", type=Path, required=True, help="run whose tokenizer and eval prompts are used")
+    parser.add_argument("--model", type=Path, required=True, help="student checkpoint (model.pt) to measure")
+    parser.add_argument("--export-dir", type=Path, default=None, help="Core ML export (contract.json) to measure")
+    args = parser.parse_args(argv)
+    sampler, backend = speed_sampler(args.run_dir, args.model, args.export_dir)
+    serve(sampler, backend, sys.stdin, sys.stdout)
+    return 0
+
+
+class WorkerError(RuntimeError):
+    """A speed worker could not start, spoke another protocol, or failed a request."""
+
+
+class SpeedWorker:
+    """Client of one worker process: ``measure(n)`` -> samples per metric.
+
+    Args:
+        name: the arm's name in messages ("candidate", "reference").
+        source_dir: the ``src`` folder whose ``distillgates`` the worker imports (prepended to PYTHONPATH).
+        args: the worker's command-line arguments (``--run-dir``, ``--model``, ``--export-dir``).
+        env: the environment (default: this process's).
+        cpu: pin the worker to this CPU (Linux). The arms of an A/B never run at the same time, so pinning
+            both to one CPU costs nothing and makes them share that CPU's other load instead of each getting
+            whatever the scheduler's placement gives it (a difference that persists for the whole session).
+    """
+
+    def __init__(self, name: str, source_dir: Path, args: Sequence[str], env: Mapping[str, str] | None = None,
+                 cpu: int | None = None) -> None:
+        self.name = name
+        environ = dict(os.environ if env is None else env)
+        environ["PYTHONPATH"] = os.pathsep.join([str(source_dir), *filter(None, [environ.get("PYTHONPATH")])])
+        environ.setdefault("OMP_NUM_THREADS", "1")
+        self.command = [sys.executable, "-m", "distillgates.speed_worker", *args]
+        self.stderr = tempfile.TemporaryFile("w+")  # noqa: SIM115 (closed by close()); a file, not a pipe: warnings can never fill it and block
+        self.process = subprocess.Popen(self.command, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                        stderr=self.stderr, text=True, env=environ, cwd=source_dir.parent)
+        if cpu is not None and hasattr(os, "sched_setaffinity"):  # Linux; macOS has no CPU affinity
+            os.sched_setaffinity(self.process.pid, {cpu})
+        self.source_dir = source_dir
+        self.backend: str | None = None
+
+    def _read(self) -> dict[str, Any]:
+        assert self.process.stdout is not None
+        line = self.process.stdout.readline()
+        if not line:
+            self.process.wait(timeout=30)
+            self.stderr.seek(0)
+            stderr = self.stderr.read()
+            raise WorkerError(f"{self.name} speed worker ({shlex.join(self.command)}, code from {self.source_dir}) "
+                              f"exited with code {self.process.returncode}: {stderr.strip()[-2000:]}")
+        try:
+            return json.loads(line)
+        except json.JSONDecodeError as err:
+            raise WorkerError(f"{self.name} speed worker answered {line.strip()[:200]!r}, not JSON") from err
+
+    def handshake(self) -> None:
+        """Wait for the protocol line (the worker has loaded its model)."""
+        hello = self._read()
+        if hello.get("protocol") != PROTOCOL or hello.get("version") != PROTOCOL_VERSION:
+            raise WorkerError(f"{self.name} speed worker speaks {hello!r}, expected protocol {PROTOCOL!r} version "
+                              f"{PROTOCOL_VERSION}")
+        self.backend = hello.get("backend")
+
+    def measure(self, n: int) -> dict[str, list[float]]:
+        assert self.process.stdin is not None
+        self.process.stdin.write(f"measure {n}\n")
+        self.process.stdin.flush()
+        answer = self._read()
+        if "error" in answer or any(not isinstance(answer.get(m), list) for m in METRICS):
+            raise WorkerError(f"{self.name} speed worker failed 'measure {n}': {answer!r}")
+        return {metric: [float(s) for s in answer[metric]] for metric in METRICS}
+
+    def close(self) -> None:
+        if self.process.poll() is None:
+            try:
+                assert self.process.stdin is not None
+                self.process.stdin.write("quit\n")
+                self.process.stdin.close()
+                self.process.wait(timeout=10)
+            except (OSError, subprocess.TimeoutExpired):
+                self.process.kill()
+                self.process.wait()
+        self.stderr.close()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,95 @@
+"""Reference store (content-addressed artifacts) and the blessed code's identity and checkout."""
+
+from __future__ import annotations
+
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from distillgates.gates.references import ReferenceStore, StaleReference, checkout_code, code_identity
+
+REBLESS = "pytest gates/test_speed.py --bless -m speed"
+
+
+def test_a_file_comes_back_under_its_name_with_its_checksum_sidecar(tmp_path):
+    store = ReferenceStore(tmp_path / "store")
+    (tmp_path / "model.pt").write_bytes(b"weights")
+    artifact = store.put(tmp_path / "model.pt")
+    assert artifact["kind"] == "file" and store.put(tmp_path / "model.pt") == artifact  # stored once
+    path = store.get(artifact, tmp_path / "out", REBLESS)
+    assert path.name == "model.pt" and path.read_bytes() == b"weights"
+    assert Path(f"{path}.sha256").read_text().strip() == artifact["sha256"]
+
+
+def test_a_missing_or_changed_object_is_refused_with_the_rebless_command(tmp_path):
+    store = ReferenceStore(tmp_path / "store")
+    (tmp_path / "model.pt").write_bytes(b"weights")
+    artifact = store.put(tmp_path / "model.pt")
+    store.object_path(artifact["sha256"]).write_bytes(b"retrained")
+    with pytest.raises(StaleReference, match=rf"has changed: sha256 .* re-bless: {REBLESS}"):
+        store.get(artifact, tmp_path / "out", REBLESS)
+    store.object_path(artifact["sha256"]).unlink()
+    with pytest.raises(StaleReference, match=rf"'model.pt' is missing.*re-bless: {REBLESS}"):
+        store.get(artifact, tmp_path / "out", REBLESS)
+
+
+def test_a_tree_is_stored_deterministically_and_extracted(tmp_path):
+    tree = tmp_path / "export"
+    (tree / "decode.mlpackage").mkdir(parents=True)
+    (tree / "decode.mlpackage" / "weights.bin").write_bytes(b"\x00\x01")
+    (tree / "contract.json").write_text("{}")
+    store = ReferenceStore(tmp_path / "store")
+    artifact = store.put(tree)
+    (tree / "contract.json").touch()  # a new mtime: same content, same object
+    assert store.put(tree) == artifact and artifact["kind"] == "tree"
+    out = store.get(artifact, tmp_path / "out", REBLESS)
+    assert (out / "decode.mlpackage" / "weights.bin").read_bytes() == b"\x00\x01"
+    assert (out / "contract.json").read_text() == "{}"
+
+
+def git(repo: Path, *args: str) -> str:
+    return subprocess.run(["git", "-C", str(repo), *args], check=True, capture_output=True, text=True).stdout
+
+
+@pytest.fixture
+def repo(tmp_path):
+    root = tmp_path / "repo"
+    package = root / "src" / "distillgates"
+    package.mkdir(parents=True)
+    (package / "__init__.py").write_text("")
+    (package / "engine.py").write_text("SPEED = 1\n")
+    git(root, "init", "-q")
+    git(root, "add", "-A")
+    git(root, "-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "code")
+    return root
+
+
+def test_a_clean_tree_is_its_commit_and_checks_out_as_it(repo, tmp_path):
+    store = ReferenceStore(tmp_path / "store")
+    identity = code_identity(store, repo / "src" / "distillgates")
+    assert identity.commit == git(repo, "rev-parse", "HEAD").strip() and identity.patch_sha256 is None
+    (repo / "src" / "distillgates" / "engine.py").write_text("SPEED = 2\n")  # later work does not leak in
+    source = checkout_code(identity.to_json(), store, tmp_path / "code", REBLESS, repo / "src" / "distillgates")
+    assert (source / "distillgates" / "engine.py").read_text() == "SPEED = 1\n"
+
+
+def test_uncommitted_and_untracked_changes_are_stored_as_a_patch_and_reapplied(repo, tmp_path):
+    store = ReferenceStore(tmp_path / "store")
+    package = repo / "src" / "distillgates"
+    (package / "engine.py").write_text("SPEED = 2\n")
+    (package / "worker.py").write_text("NEW = True\n")
+    identity = code_identity(store, package)
+    assert identity.patch_sha256 is not None
+    source = checkout_code(identity.to_json(), store, tmp_path / "code", REBLESS, package)
+    assert (source / "distillgates" / "engine.py").read_text() == "SPEED = 2\n"
+    assert (source / "distillgates" / "worker.py").read_text() == "NEW = True\n"
+
+
+def test_an_unknown_commit_or_none_is_refused_with_the_rebless_command(repo, tmp_path):
+    store = ReferenceStore(tmp_path / "store")
+    package = repo / "src" / "distillgates"
+    with pytest.raises(StaleReference, match=rf"blessed commit 0{{40}} is not in .*fetch-depth: 0.*{REBLESS}"):
+        checkout_code({"commit": "0" * 40}, store, tmp_path / "code", REBLESS, package)
+    with pytest.raises(StaleReference, match="records no git commit"):
+        checkout_code({"commit": None}, store, tmp_path / "code", REBLESS, package)

@@ -1,0 +1,50 @@
+"""Speed worker protocol (server loop and client) without a model: the real worker runs in the live tests."""
+
+from __future__ import annotations
+
+import io
+import json
+import sys
+
+import pytest
+
+from distillgates.speed_worker import PROTOCOL, PROTOCOL_VERSION, SpeedWorker, WorkerError, serve
+
+
+def test_serve_answers_measure_requests_after_the_protocol_line():
+    out = io.StringIO()
+    asked = []
+
+    def sampler(n):
+        asked.append(n)
+        return {"ttft_ms": [1.0] * n, "tps": [100.0] * n}
+
+    serve(sampler, "torch", io.StringIO("measure 3\nhello\nquit\nmeasure 9\n"), out)
+    lines = [json.loads(line) for line in out.getvalue().splitlines()]
+    assert lines[0] == {"protocol": PROTOCOL, "version": PROTOCOL_VERSION, "backend": "torch"}
+    assert lines[1] == {"ttft_ms": [1.0] * 3, "tps": [100.0] * 3}
+    assert "unknown request 'hello'" in lines[2]["error"]
+    assert asked == [3] and len(lines) == 3  # nothing after quit
+
+
+def test_a_worker_missing_at_that_code_is_a_clear_error(tmp_path):
+    """The blessed commit predates the worker: the client names the command, the code and the worker's error."""
+    (tmp_path / "src" / "distillgates").mkdir(parents=True)
+    (tmp_path / "src" / "distillgates" / "__init__.py").write_text("")
+    worker = SpeedWorker("reference", tmp_path / "src", ["--run-dir", "x", "--model", "y"])
+    with pytest.raises(WorkerError, match=r"reference speed worker .* exited with code 1: .*No module named "
+                                          r"distillgates.speed_worker"):
+        worker.handshake()
+    worker.close()
+
+
+def test_a_worker_speaking_another_protocol_is_refused(tmp_path):
+    package = tmp_path / "src" / "distillgates"
+    package.mkdir(parents=True)
+    (package / "__init__.py").write_text("")
+    (package / "speed_worker.py").write_text('print(\'{"protocol": "distillgates-speed-worker", "version": 0}\')\n')
+    worker = SpeedWorker("reference", tmp_path / "src", [], env={"PATH": "", "PYTHONPATH": ""})
+    with pytest.raises(WorkerError, match="expected protocol 'distillgates-speed-worker' version 1"):
+        worker.handshake()
+    worker.close()
+    assert sys.executable in worker.command
