@@ -32,7 +32,7 @@ def test_a_worker_missing_at_that_code_is_a_clear_error(tmp_path):
     (tmp_path / "src" / "distillgates").mkdir(parents=True)
     (tmp_path / "src" / "distillgates" / "__init__.py").write_text("")
     worker = SpeedWorker("reference", tmp_path / "src", ["--run-dir", "x", "--model", "y"])
-    with pytest.raises(WorkerError, match=r"reference speed worker .* exited with code 1: .*No module named "
+    with pytest.raises(WorkerError, match=r"(?s)reference speed worker .* exited with code 1: .*No module named "
                                           r"distillgates.speed_worker"):
         worker.handshake()
     worker.close()

@@ -104,6 +104,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     return 0
 
 
+# ``python -m distillgates.speed_worker`` importing ``distillgates`` from PYTHONPATH alone: an editable install's
+# finder (setuptools' ``__editable__..._finder`` on sys.meta_path) would otherwise resolve a module missing from
+# the blessed code (``distillgates.speed_worker`` at a commit that predates it) to the current checkout's copy,
+# silently mixing the two arms' code.
+_ONLY_SOURCE_DIR = ("import runpy, sys; "
+                    "sys.meta_path[:] = [f for f in sys.meta_path if not getattr(f, '__module__', '').startswith("
+                    "'__editable__')]; "
+                    "runpy.run_module('distillgates.speed_worker', run_name='__main__', alter_sys=True)")
+
+
 class WorkerError(RuntimeError):
     """A speed worker could not start, spoke another protocol, or failed a request."""
 
@@ -127,10 +137,11 @@ class SpeedWorker:
         environ = dict(os.environ if env is None else env)
         environ["PYTHONPATH"] = os.pathsep.join([str(source_dir), *filter(None, [environ.get("PYTHONPATH")])])
         environ.setdefault("OMP_NUM_THREADS", "1")
-        self.command = [sys.executable, "-m", "distillgates.speed_worker", *args]
+        self.command = [sys.executable, "-m", "distillgates.speed_worker", *args]  # what it runs, for messages
         self.stderr = tempfile.TemporaryFile("w+")  # noqa: SIM115 (closed by close()); a file, not a pipe: warnings can never fill it and block
-        self.process = subprocess.Popen(self.command, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                        stderr=self.stderr, text=True, env=environ, cwd=source_dir.parent)
+        self.process = subprocess.Popen([sys.executable, "-c", _ONLY_SOURCE_DIR, *args], stdin=subprocess.PIPE,
+                                        stdout=subprocess.PIPE, stderr=self.stderr, text=True, env=environ,
+                                        cwd=source_dir.parent)
         if cpu is not None and hasattr(os, "sched_setaffinity"):  # Linux; macOS has no CPU affinity
             os.sched_setaffinity(self.process.pid, {cpu})
         self.source_dir = source_dir
