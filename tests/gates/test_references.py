@@ -93,3 +93,25 @@ def test_an_unknown_commit_or_none_is_refused_with_the_rebless_command(repo, tmp
         checkout_code({"commit": "0" * 40}, store, tmp_path / "code", REBLESS, package)
     with pytest.raises(StaleReference, match="records no git commit"):
         checkout_code({"commit": None}, store, tmp_path / "code", REBLESS, package)
+
+
+def test_an_installed_package_is_its_version_and_source_digest(tmp_path):
+    """A wheel in a project's virtualenv (inside the project's repository, ignored): re-runnable while the same code
+    is installed, refused with both versions after an upgrade."""
+    project = tmp_path / "project"
+    package = project / ".venv" / "site-packages" / "distillgates"
+    package.mkdir(parents=True)
+    (package / "__init__.py").write_text("")
+    (package / "engine.py").write_text("SPEED = 1\n")
+    (project / ".gitignore").write_text(".venv/\n")
+    git(project, "init", "-q")
+    git(project, "add", "-A")
+    git(project, "-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "project")
+    store = ReferenceStore(tmp_path / "store")
+    identity = code_identity(store, package)
+    assert identity.commit is None and identity.installed is not None  # the project's commit is not the code's
+    assert checkout_code(identity.to_json(), store, tmp_path / "code", REBLESS, package) == package.parent
+    (package / "engine.py").write_text("SPEED = 2\n")  # another distillgates installed
+    with pytest.raises(StaleReference, match=rf"blessed with distillgates .* installed is .*install the blessed "
+                                             rf"version, or re-bless: {REBLESS}"):
+        checkout_code(identity.to_json(), store, tmp_path / "code", REBLESS, package)

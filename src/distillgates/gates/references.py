@@ -16,6 +16,10 @@ A/B, :mod:`distillgates.gates.speed_ab`). Design choices:
   content-addressed patch that :func:`checkout_code` applies on top of the commit.
 - :func:`checkout_code` extracts the blessed package with ``git archive`` (no worktree is
   registered in the repository) into a folder the caller owns.
+- An installed package (a wheel in a project's virtualenv: not tracked by any git repository) is
+  identified by its version and a sha256 of its source files. Its code is re-runnable only while
+  that same code is installed: the reference arm then imports the installed package; after an
+  upgrade the gate fails naming both versions (install the blessed one, or re-bless).
 """
 
 from __future__ import annotations
@@ -116,19 +120,32 @@ class ReferenceStore:
 class CodeIdentity:
     """The code a speed reference was measured with: a commit, plus a patch object for uncommitted changes."""
 
-    commit: str | None  # None: not a git checkout (e.g. an installed wheel): the reference cannot re-run
+    commit: str | None  # None: not a git checkout (an installed package: see ``installed``)
     patch_sha256: str | None = None
     package: str = "src/distillgates"  # the package's path inside the repository
+    installed: dict[str, str] | None = None  # {"version", "sha256"} of an installed (untracked) package
 
     def to_json(self) -> dict[str, Any]:
-        return {"commit": self.commit, "patch_sha256": self.patch_sha256, "package": self.package}
+        record: dict[str, Any] = {"commit": self.commit, "patch_sha256": self.patch_sha256, "package": self.package}
+        if self.installed:
+            record["installed"] = self.installed
+        return record
+
+
+def installed_identity(package_dir: Path = PACKAGE_DIR) -> dict[str, str]:
+    """Version and content digest (every ``.py`` file, by relative path) of the package in ``package_dir``."""
+    digest = "".join(f"{path.relative_to(package_dir).as_posix()}:{sha256_file(path)}\n"
+                     for path in sorted(package_dir.rglob("*.py")))
+    return {"version": distillgates.__version__, "sha256": sha256_bytes(digest.encode())}
 
 
 def code_identity(store: ReferenceStore, package_dir: Path = PACKAGE_DIR) -> CodeIdentity:
     """The identity of the code in ``package_dir``; uncommitted changes are stored as a patch in ``store``."""
     inside = _git(package_dir, "rev-parse", "--show-toplevel", check=False)
-    if inside.returncode != 0:
-        return CodeIdentity(None)
+    # a virtualenv inside a project's repository is in its work tree but untracked (ignored): an installed package
+    if inside.returncode != 0 or _git(package_dir, "ls-files", "--error-unmatch", "__init__.py",
+                                      check=False).returncode != 0:
+        return CodeIdentity(None, installed=installed_identity(package_dir))
     repo = Path(inside.stdout.decode().strip())
     package = package_dir.resolve().relative_to(repo.resolve()).as_posix()
     commit = _git(repo, "rev-parse", "HEAD").stdout.decode().strip()
@@ -149,9 +166,17 @@ def checkout_code(identity: dict[str, Any], store: ReferenceStore, into: Path, r
             fetch with full history), or the patch is missing or does not apply.
     """
     commit, package = identity.get("commit"), str(identity.get("package") or "src/distillgates")
+    if not commit and identity.get("installed"):
+        blessed, current = identity["installed"], installed_identity(repo_dir)
+        if blessed != current:
+            raise StaleReference(f"the speed reference was blessed with distillgates {blessed.get('version')} (source "
+                                 f"sha256 {str(blessed.get('sha256'))[:12]}), installed is {current['version']} "
+                                 f"(sha256 {current['sha256'][:12]}): install the blessed version, or re-bless: "
+                                 f"{rebless}")
+        return repo_dir.parent  # the same code is installed: the reference arm imports it
     if not commit:
-        raise StaleReference("the speed reference records no git commit (blessed outside a git checkout), so its "
-                             f"code cannot be re-run; re-bless from a git checkout: {rebless}")
+        raise StaleReference("the speed reference records no git commit and no installed package, so its "
+                             f"code cannot be re-run; re-bless: {rebless}")
     inside = _git(repo_dir, "rev-parse", "--show-toplevel", check=False)
     if inside.returncode != 0:
         raise StaleReference(f"cannot re-run the blessed code (commit {commit}): distillgates is not imported from a "
