@@ -2,7 +2,7 @@
 
 Each trial is one real pytest session, in a subprocess, exactly as a user runs it:
 
-    pytest gates/test_speed.py -m speed --run-dir RUN --baselines-dir BLESSED --speed-mode MODE
+    pytest pytest_distillgates/checklist/test_speed.py -m speed --run-dir RUN --baselines-dir BLESSED --speed-mode MODE
 
 on a toy run, wall clock, with the speed workers, the blessed reference and the statistics of
 the gates. The slowdown is real and in the engine code: the candidate's ``TorchEngine`` stretches
@@ -46,7 +46,8 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def pytest_session(args: list[str], env: dict[str, str], report: Path) -> tuple[dict[str, Any], float]:
-    command = [sys.executable, "-m", "pytest", "gates/test_speed.py", "-m", "speed", "-q", "-p", "no:cacheprovider",
+    command = [sys.executable, "-m", "pytest", "pytest_distillgates/checklist/test_speed.py", "-m", "speed", "-q",
+               "-p", "no:cacheprovider",
                f"--gate-report={report}", *args]
     start = time.perf_counter()
     done = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True)
@@ -56,6 +57,8 @@ def pytest_session(args: list[str], env: dict[str, str], report: Path) -> tuple[
                            f"\n{done.stderr[-3000:]}")
     data = json.loads(report.read_text())
     report.unlink()
+    if not data["gates"]:
+        raise RuntimeError(f"{' '.join(command)} ran no speed gate (exit {done.returncode}):\n{done.stdout[-3000:]}")
     return data, wall
 
 
