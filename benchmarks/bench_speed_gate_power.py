@@ -142,7 +142,8 @@ def main() -> None:
             key = f"{mode} +{slowdown:.0%}"
             trials[key].append({"outcome": outcome(data["gates"]), "gates": gates, "wall_s": round(wall, 2),
                                 "slowdowns": {g["name"]: g["details"].get("slowdown") for g in data["gates"]},
-                                "rounds": max(g["details"].get("rounds", 0) for g in data["gates"])})
+                                "rounds": max(g["details"].get("rounds", 0) for g in data["gates"]),
+                                "load_average": os.getloadavg()[0]})
             print(f"{i:3d} {key:12s} {trials[key][-1]['outcome']:12s} {wall:5.1f}s {gates}", flush=True)
             results |= {"finished_at": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
                         "summary": {k: summary(v) for k, v in trials.items()}, "trials": trials}

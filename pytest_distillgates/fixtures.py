@@ -18,7 +18,7 @@ import pytest
 from distillgates.config import GatesConfig, load_config
 from distillgates.gates.references import ReferenceStore
 from distillgates.gates.session import GateSession, RunArtifacts
-from distillgates.gates.speed_ab import Arm, ReferenceFactory, SpeedRounds, WorkerArms
+from distillgates.gates.speed_ab import ArmFactory, ReferenceFactory, SpeedRounds, WorkerArms
 from distillgates.gates.stats import Interval, mean_interval, wilson_interval
 from distillgates.hardware import GatingPolicy, load_profiles
 from pytest_distillgates.checklist import CHECKLIST_DIR
@@ -59,8 +59,8 @@ def thresholds(gate_session: GateSession) -> GatesConfig:
 @pytest.fixture(scope="session")
 def speed_policy(hardware_profile: str, thresholds: GatesConfig, gate_session: GateSession) -> GatingPolicy:
     """The speed gating policy of the selected hardware profile (the project's hardware profiles, else the
-    embedded ones): its ``max_regression`` is the gate threshold and every measurement round takes at least
-    its ``min_samples``. A machine without a profile (a generated key) uses ``gates.speed_regression_max``."""
+    embedded ones): its ``max_regression`` is the gate threshold and every worker process is asked for at
+    least its ``min_samples``. A machine without a profile (a generated key) uses ``gates.speed_regression_max``."""
     profiles = {p.key: p for p in load_profiles(gate_session.project.hardware_profiles_path)}
     if hardware_profile not in profiles:
         return GatingPolicy(max_regression=thresholds.speed_regression_max, min_samples=2)
@@ -126,8 +126,10 @@ def speed_arms(report: RunArtifacts, gate_session: Any, thresholds: GatesConfig)
 
 
 @pytest.fixture(scope="session")
-def speed_candidate(speed_arms: WorkerArms) -> Arm:
-    return speed_arms.candidate()
+def speed_candidate(speed_arms: WorkerArms) -> ArmFactory:
+    """``speed_candidate()`` starts a fresh speed worker process of the run's student (``.measure(n)``,
+    ``.close()``; closed at the end of the session at the latest)."""
+    return speed_arms.candidate
 
 
 @pytest.fixture(scope="session")
@@ -141,7 +143,7 @@ def speed_reference_record(speed_arms: WorkerArms) -> Callable[[], dict[str, Any
 
 
 @pytest.fixture(scope="session")
-def speed_rounds(report: RunArtifacts, gate_session: Any, speed_policy: GatingPolicy, speed_candidate: Arm,
+def speed_rounds(report: RunArtifacts, gate_session: Any, speed_policy: GatingPolicy, speed_candidate: ArmFactory,
                  speed_reference: ReferenceFactory,
                  speed_reference_record: Callable[[], dict[str, Any]]) -> SpeedRounds:
     """Every speed gate's samples (``--speed-mode``: ``ab`` interleaved with the blessed reference, or ``stored``);
@@ -149,7 +151,7 @@ def speed_rounds(report: RunArtifacts, gate_session: Any, speed_policy: GatingPo
     (``report``): its fingerprints go with the blessed baselines."""
     settings = gate_session.context.speed
     ab = settings.mode == "ab" and not gate_session.options.bless
-    return SpeedRounds(speed_candidate, samples=settings.samples, looks=settings.looks,
+    return SpeedRounds(speed_candidate, samples=settings.samples, workers=settings.workers, looks=settings.looks,
                        reference=speed_reference if ab else None, record=speed_reference_record)
 
 

@@ -100,9 +100,11 @@ def pytest_addoption(parser: pytest.Parser) -> None:
                     help="ab (default): measure the blessed reference (its commit's code on its stored artifacts) and "
                          "the candidate in alternating rounds in this session; stored: compare with the samples "
                          "stored at bless time (sensitive to the machine's speed drifting between sessions)")
-    group.addoption("--speed-samples", dest="dg_speed_samples", type=_int_at_least(16), default=64, metavar="N",
-                    help="speed samples per arm and measurement round, measured in blocks of 8 (default: 64, at "
-                         "least 16)")
+    group.addoption("--speed-samples", dest="dg_speed_samples", type=_int_at_least(16), default=24, metavar="N",
+                    help="speed samples per worker process and arm, measured in blocks of 8 (default: 24, at least 16)")
+    group.addoption("--speed-workers", dest="dg_speed_workers", type=_int_at_least(2), default=6, metavar="N",
+                    help="fresh speed worker processes per arm and measurement round (default: 6, at least 2): a "
+                         "process keeps a speed offset for its life, so the statistics compare processes")
     group.addoption("--speed-max-rounds", dest="dg_speed_max_rounds", type=_int_at_least(0), default=3,
                     metavar="N", help="extra measurement rounds while a speed gate is inconclusive (default: 3); the "
                                       "false-alarm bound is split over all rounds")
@@ -121,7 +123,8 @@ def pytest_configure(config: pytest.Config) -> None:
         baselines_dir=opt.dg_baselines_dir, run_dir=opt.dg_run_dir, gate_report=opt.dg_gate_report,
         gate_summary=opt.dg_gate_summary,
         speed_inconclusive=opt.dg_speed_inconclusive or ("fail" if os.environ.get("CI") else "skip"),
-        speed=SpeedSettings(samples=opt.dg_speed_samples, max_extra_rounds=opt.dg_speed_max_rounds,
+        speed=SpeedSettings(samples=opt.dg_speed_samples, workers=opt.dg_speed_workers,
+                            max_extra_rounds=opt.dg_speed_max_rounds,
                             mode=opt.dg_speed_mode),
     )
     try:

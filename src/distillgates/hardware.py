@@ -53,7 +53,7 @@ class GatingPolicy:
     """Relative speed gating against the blessed baseline of the same profile."""
 
     max_regression: float = 0.05  # relative regression (TTFT up / TPS down) tolerated
-    min_samples: int = 20  # raw samples per side before a significance test may decide
+    min_samples: int = 20  # raw samples per worker process and arm (--speed-samples is raised to it)
 
     def __post_init__(self) -> None:
         if not 0.0 < self.max_regression < 1.0:

@@ -126,9 +126,10 @@ class SpeedWorker:
         source_dir: the ``src`` folder whose ``distillgates`` the worker imports (prepended to PYTHONPATH).
         args: the worker's command-line arguments (``--run-dir``, ``--model``, ``--export-dir``).
         env: the environment (default: this process's).
-        cpu: pin the worker to this CPU (Linux). The arms of an A/B never run at the same time, so pinning
-            both to one CPU costs nothing and makes them share that CPU's other load instead of each getting
-            whatever the scheduler's placement gives it (a difference that persists for the whole session).
+        cpu: pin the worker to this CPU (Linux) once it has loaded (loading is not measured and may use every
+            CPU). The two processes of an A/B pair never measure at the same time, so pinning both to one CPU
+            costs nothing and makes them share that CPU's other load instead of each getting whatever the
+            scheduler's placement gives it.
     """
 
     def __init__(self, name: str, source_dir: Path, args: Sequence[str], env: Mapping[str, str] | None = None,
@@ -142,8 +143,7 @@ class SpeedWorker:
         self.process = subprocess.Popen([sys.executable, "-c", _ONLY_SOURCE_DIR, *args], stdin=subprocess.PIPE,
                                         stdout=subprocess.PIPE, stderr=self.stderr, text=True, env=environ,
                                         cwd=source_dir.parent)
-        if cpu is not None and hasattr(os, "sched_setaffinity"):  # Linux; macOS has no CPU affinity
-            os.sched_setaffinity(self.process.pid, {cpu})
+        self.cpu = cpu
         self.source_dir = source_dir
         self.backend: str | None = None
 
@@ -162,12 +162,15 @@ class SpeedWorker:
             raise WorkerError(f"{self.name} speed worker answered {line.strip()[:200]!r}, not JSON") from err
 
     def handshake(self) -> None:
-        """Wait for the protocol line (the worker has loaded its model)."""
+        """Wait for the protocol line (the worker has loaded its model), then pin it to its CPU."""
         hello = self._read()
         if hello.get("protocol") != PROTOCOL or hello.get("version") != PROTOCOL_VERSION:
             raise WorkerError(f"{self.name} speed worker speaks {hello!r}, expected protocol {PROTOCOL!r} version "
                               f"{PROTOCOL_VERSION}")
         self.backend = hello.get("backend")
+        if self.cpu is not None and hasattr(os, "sched_setaffinity"):  # Linux; macOS has no CPU affinity
+            for thread in Path(f"/proc/{self.process.pid}/task").iterdir():  # every thread it has started
+                os.sched_setaffinity(int(thread.name), {self.cpu})
 
     def measure(self, n: int) -> dict[str, list[float]]:
         assert self.process.stdin is not None

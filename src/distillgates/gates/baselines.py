@@ -55,7 +55,7 @@ class BaselineEntry:
 
     value: Any
     definition: str
-    samples: list[float] | None = None  # raw samples (speed gates)
+    samples: list[list[float]] | None = None  # raw samples per worker process (speed gates)
     provenance: dict[str, Any] = field(default_factory=dict)  # git sha, date, config, hardware
     fingerprints: dict[str, str] | None = None  # the run report's fingerprints it was blessed with
     hardware_profile_key: str | None = None  # profile of the file it came from (None: common)

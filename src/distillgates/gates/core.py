@@ -59,7 +59,8 @@ class GateRecord:
 
 @dataclass
 class SpeedSettings:
-    samples: int = 64  # samples per arm and measurement round
+    samples: int = 24  # samples per worker process and arm
+    workers: int = 6  # fresh worker processes per arm and measurement round
     max_extra_rounds: int = 3  # extra rounds while a gate is inconclusive (looks = 1 + this)
     mode: str = "ab"  # "ab": interleaved against the blessed reference; "stored": vs the samples stored at bless
 
@@ -176,14 +177,14 @@ class Gate:
         )
 
     def _refuse_bless(self, name: str, key: str, value: Any, hardware_dependent: bool,
-                      samples: list[float] | None) -> str | None:
+                      samples: list[list[float]] | None) -> str | None:
         """Why ``value`` must not become the blessed baseline ``key`` (None: it may)."""
         if hardware_dependent and self.context.hardware_mismatch and not self.context.allow_cross_hw:
             # never write this machine's numbers under another machine's profile
             return self.context.hardware_mismatch
         if not _is_finite_number(value):
             return f"{self.group}/{key}: {name} = {value!r} is not a finite number"
-        bad = [s for s in samples or [] if not _is_finite_number(s)]
+        bad = [s for group in samples or [] for s in group if not _is_finite_number(s)]
         if bad:
             return f"{self.group}/{key}: {name} has non-finite samples {bad[:5]!r}"
         try:
@@ -193,7 +194,7 @@ class Gate:
         return None
 
     def _bless(self, name: str, key: str, value: Any, definition: str, hardware_dependent: bool,
-               samples: list[float] | None = None, extra: dict[str, Any] | None = None,
+               samples: list[list[float]] | None = None, extra: dict[str, Any] | None = None,
                items: dict[str, float] | None = None) -> GateRecord:
         # non-finite item scores make a non-finite mean (``value``), which is refused
         refusal = self._refuse_bless(name, key, value, hardware_dependent, samples)
@@ -279,13 +280,14 @@ class Gate:
         key = baseline_key or name
         if self.context.bless:
             try:
-                samples = [float(s) for block in speed.after(speed.looks, metric)[1] for s in block]
+                groups = [[float(s) for s in group] for group in speed.after(speed.looks, metric)[1]]
                 extra = speed.bless_record()
             except (StaleReference, WorkerError) as err:
                 return self._finish(GateRecord(self.nodeid, self.group, name, None, None, "bless", None, "fail",
                                                f"refusing to bless: {err}"))
+            samples = [s for group in groups for s in group]
             value = float(np.quantile(samples, quantile)) if samples else math.nan
-            return self._bless(name, key, value, definition, True, samples, extra)
+            return self._bless(name, key, value, definition, True, groups, extra)
         try:
             base = self._baseline(key, True)
         except BaselineError as err:
@@ -296,24 +298,23 @@ class Gate:
 
         def samples_after(rounds: int) -> tuple[list[Any], list[Any]]:
             reference, candidate = speed.after(rounds, metric)
-            if speed.mode == "stored":
-                return stored, [s for block in candidate for s in block]
-            return reference, candidate  # paired blocks
+            return (stored, candidate) if speed.mode == "stored" else (reference, candidate)
 
         try:
             if speed.mode == "ab":
                 speed.use_reference(base.provenance.get("speed_reference"), rebless)
-            elif not stored:
-                raise StaleReference(f"baseline {self.group}/{key} has no raw samples; re-bless it: {rebless}")
+            elif not stored or not all(isinstance(group, list) for group in stored):
+                raise StaleReference(f"baseline {self.group}/{key} has no raw samples per worker process (blessed "
+                                     f"before they were kept); re-bless it: {rebless}")
             result = sequential_speed_gate(samples_after, looks=speed.looks, threshold=threshold,
                                            higher_is_better=higher_is_better, quantile=quantile, alpha=alpha,
-                                           n_gates=n_gates, paired_blocks=speed.mode == "ab")
+                                           n_gates=n_gates, paired=speed.mode == "ab")
         except (StaleReference, WorkerError, ValueError) as err:
             return self._finish(GateRecord(self.nodeid, self.group, name, None, threshold, "speed_no_regression",
                                            base.value, "fail", f"{speed.mode} mode: {err}"))
-        reference_blocks, candidate_blocks = speed.after(result.rounds, metric)
-        reference = stored if speed.mode == "stored" else [s for block in reference_blocks for s in block]
-        candidate = [s for block in candidate_blocks for s in block]
+        reference_groups, candidate_groups = samples_after(result.rounds)
+        reference = [s for group in reference_groups for s in group]
+        candidate = [s for group in candidate_groups for s in group]
         return self._finish(GateRecord(
             self.nodeid, self.group, name, float(np.quantile(candidate, quantile)), threshold, "speed_no_regression",
             base.value, result.verdict, f"{speed.mode} mode: {result.reason}",

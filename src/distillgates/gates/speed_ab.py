@@ -4,12 +4,18 @@ Two modes (``--speed-mode``):
 
 - ``ab`` (default): the reference arm (the blessed commit's code on the blessed artifacts, see
   :mod:`distillgates.gates.references`) and the candidate arm (the current code on the current
-  artifacts) each run in a speed worker process (:mod:`distillgates.speed_worker`) and are
-  asked for samples in alternating blocks, ABBA order, as ``asv continuous`` does: slow drifts
-  of the machine hit both arms alike and cancel in the comparison.
-- ``stored``: only the candidate is measured; its samples are compared with the samples stored
-  at bless time. Sensitive to session drift: a shared machine that is a third slower today than
-  at bless time reads as a regression.
+  artifacts) run in speed worker processes (:mod:`distillgates.speed_worker`). A round starts
+  ``workers`` fresh processes per arm and measures them as pairs, one reference and one candidate
+  process at a time, asked for samples in alternating blocks, ABBA order, as ``asv continuous``
+  does: slow drifts of the machine hit both processes of a pair alike and cancel in their ratio.
+- ``stored``: only the candidate's processes are measured; their samples are compared with the
+  samples stored at bless time. Sensitive to session drift: a shared machine that is a third
+  slower today than at bless time reads as a regression.
+
+Why fresh processes: a worker process keeps a speed offset for its whole life, so the statistics
+take the process as the unit of replication (:mod:`distillgates.gates.stats`). The processes of a
+round are started together (they load in parallel) and measured one pair after the other, each
+pair alone on one CPU.
 
 One :class:`SpeedRounds` serves every speed gate of the session: the samples of a round give
 TTFT and TPS at once, and a gate that needs another look asks for one more round, which the
@@ -18,7 +24,6 @@ gates after it reuse (the statistics allow it: :func:`distillgates.gates.stats.s
 
 from __future__ import annotations
 
-import math
 import os
 import shutil
 import sys
@@ -31,41 +36,51 @@ from distillgates.gates.references import PACKAGE_DIR, ReferenceStore, StaleRefe
 from distillgates.rundir import RunDir
 from distillgates.speed_worker import METRICS, SpeedWorker, WorkerError
 
-BLOCK = 8  # samples per request: one rotation of the worker's prompts; arms alternate per block
+BLOCK = 8  # samples per request: one rotation of the worker's prompts; the arms of a pair alternate per block
 MODES = ("ab", "stored")
 
 
 class Arm(Protocol):
+    """One worker process of an arm: ``measure(n)`` -> ``n`` samples per metric; ``close()`` ends it."""
+
     def measure(self, n: int) -> dict[str, list[float]]: ...
 
+    def close(self) -> None: ...
 
-ReferenceFactory = Callable[[dict[str, Any], str], Arm]  # (blessed reference record, re-bless command) -> arm
+
+ArmFactory = Callable[[], Arm]  # starts a fresh worker process of an arm
+ReferenceFactory = Callable[[dict[str, Any], str], ArmFactory]  # (blessed reference record, re-bless command)
 
 
 class SpeedRounds:
-    """Samples of the session, grown one round (``samples`` per arm) at a time, up to ``looks`` rounds.
+    """Samples of the session per worker process, grown one round (``workers`` processes per arm) at a time,
+    up to ``looks`` rounds.
 
     Args:
-        candidate: the candidate arm.
-        reference: builds the reference arm from the blessed record (``ab`` mode; None: ``stored``).
+        candidate: starts a candidate worker process.
+        samples: samples per process and arm (measured in blocks of :data:`BLOCK`, after one warm-up block).
+        workers: fresh processes per arm and round.
+        reference: builds the reference arm's factory from the blessed record (``ab`` mode; None: ``stored``).
         record: at bless, the reference record to store with the baselines (artifacts, code identity).
     """
 
-    def __init__(self, candidate: Arm, *, samples: int, looks: int, reference: ReferenceFactory | None = None,
-                 record: Callable[[], dict[str, Any]] | None = None) -> None:
-        self.candidate_arm = candidate
+    def __init__(self, candidate: ArmFactory, *, samples: int, workers: int, looks: int,
+                 reference: ReferenceFactory | None = None, record: Callable[[], dict[str, Any]] | None = None) -> None:
+        if samples < 1 or workers < 1 or looks < 1:
+            raise ValueError(f"need samples, workers, looks >= 1; got {samples}, {workers}, {looks}")
+        self.candidate_factory = candidate
         self.reference_factory = reference
         self.samples = samples
+        self.workers = workers
         self.looks = looks
         self._record = record
         self._record_value: dict[str, Any] | None = None
-        self.reference_arm: Arm | None = None
+        self.reference_arm: ArmFactory | None = None
         self.reference_record: dict[str, Any] | None = None
         self.rounds = 0
-        # samples per block (one request); block j of the two arms was measured back to back
+        # samples per process; process k of the two arms was measured as a pair
         self.candidate: dict[str, list[list[float]]] = {m: [] for m in METRICS}
         self.reference: dict[str, list[list[float]]] = {m: [] for m in METRICS}
-        self._blocks_per_round = math.ceil(samples / BLOCK)
 
     @property
     def mode(self) -> str:
@@ -78,7 +93,7 @@ class SpeedRounds:
         return self._record_value
 
     def use_reference(self, record: dict[str, Any] | None, rebless: str) -> None:
-        """Start the reference arm of ``record`` (the same record for every gate of the session).
+        """Prepare the reference arm of ``record`` (the same record for every gate of the session).
 
         Raises:
             StaleReference: no record, another record than the session's, or it cannot be re-run.
@@ -95,38 +110,55 @@ class SpeedRounds:
         self.reference_arm = self.reference_factory(record, rebless)
         self.reference_record = record
 
-    def _arms(self) -> list[Arm]:
-        return [self.candidate_arm] + ([self.reference_arm] if self.reference_arm is not None else [])
-
-    def _round(self) -> None:
-        if self.rounds == 0:
-            for arm in self._arms():  # warm-up block, not recorded: the other worker may still be loading
-                arm.measure(BLOCK)
-        left = self.samples
+    def _measure_pair(self, arms: list[tuple[Arm, dict[str, list[list[float]]]]]) -> None:
+        for arm, _ in arms:  # warm-up block, not recorded
+            arm.measure(BLOCK)
+        got: list[dict[str, list[float]]] = [{m: [] for m in METRICS} for _ in arms]
+        left, block = self.samples, 0
         while left > 0:
             n = min(BLOCK, left)
-            arms: list[tuple[Arm, dict[str, list[list[float]]]]] = [(self.candidate_arm, self.candidate)]
-            if self.reference_arm is not None:  # ABBA: reference first in even blocks, candidate first in odd ones
-                pair = [(self.reference_arm, self.reference), (self.candidate_arm, self.candidate)]
-                arms = pair if len(self.candidate["tps"]) % 2 == 0 else pair[::-1]
-            for arm, into in arms:
-                for metric, values in arm.measure(n).items():
-                    into[metric].append(values)
+            order = range(len(arms)) if block % 4 in (0, 3) else reversed(range(len(arms)))  # ABBA ABBA ...
+            for i in order:
+                for metric, values in arms[i][0].measure(n).items():
+                    got[i][metric].extend(values)
             left -= n
+            block += 1
+        for (_, into), samples in zip(arms, got, strict=True):
+            for metric in METRICS:
+                into[metric].append(samples[metric])
+
+    def _round(self) -> None:
+        # start every process of the round first: they load in parallel, then wait idle for their turn
+        pairs: list[list[tuple[Arm, dict[str, list[list[float]]]]]] = []
+        try:
+            for _ in range(self.workers):
+                pair: list[tuple[Arm, dict[str, list[list[float]]]]] = []
+                pairs.append(pair)
+                if self.reference_arm is not None:
+                    pair.append((self.reference_arm(), self.reference))
+                pair.append((self.candidate_factory(), self.candidate))
+            for pair in pairs:
+                self._measure_pair(pair)
+                for arm, _ in pair:
+                    arm.close()
+        finally:
+            for pair in pairs:
+                for arm, _ in pair:
+                    arm.close()
         self.rounds += 1
 
     def after(self, rounds: int, metric: str) -> tuple[list[list[float]], list[list[float]]]:
-        """``(reference, candidate)`` blocks of samples of ``metric`` of exactly the first ``rounds`` rounds
+        """``(reference, candidate)`` samples per process of ``metric`` of exactly the first ``rounds`` rounds
         (measured when first needed; the gates share rounds, and each gate's looks see the same data whatever
-        the order of the gates). The reference has no blocks in ``stored`` mode."""
+        the order of the gates). The reference has no processes in ``stored`` mode."""
         if self.mode == "ab" and self.reference_arm is None:
-            raise RuntimeError("ab mode: use_reference() must start the reference arm first")
+            raise RuntimeError("ab mode: use_reference() must prepare the reference arm first")
         if not 1 <= rounds <= self.looks:
             raise ValueError(f"rounds must be in [1, {self.looks}], got {rounds}")
         while self.rounds < rounds:
             self._round()
-        blocks = rounds * self._blocks_per_round
-        return self.reference[metric][:blocks], self.candidate[metric][:blocks]
+        groups = rounds * self.workers
+        return self.reference[metric][:groups], self.candidate[metric][:groups]
 
 
 # -- workers on the real path --------------------------------------------------------------------
@@ -157,7 +189,7 @@ class WorkerArms:
         self.coreml = measures_coreml(run)
         self.workdir = Path(tempfile.mkdtemp(prefix="distillgates-speed-"))
         self.workers: list[SpeedWorker] = []
-        # both arms on one CPU (they take turns): the same neighbours for both (SpeedWorker's cpu)
+        # both processes of a pair on one CPU once loaded (they take turns): the same neighbours for both
         self.cpu = max(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None
 
     def _start(self, worker: SpeedWorker) -> SpeedWorker:
@@ -165,7 +197,8 @@ class WorkerArms:
         return worker
 
     def candidate(self) -> SpeedWorker:
-        """Started now (loading in the background); the first request waits for its handshake."""
+        """A fresh candidate worker, started now (loading in the background); its first request waits for its
+        handshake."""
         model = self.run.require(self.run.model_path())
         export = self.run.require(self.run.export_dir) if self.coreml else None
         return self._start(_Lazy("candidate", PACKAGE_DIR.parent, _worker_args(self.run, model, export), cpu=self.cpu))
@@ -178,8 +211,8 @@ class WorkerArms:
         return {"code": code_identity(self.store).to_json(), "artifacts": artifacts, "backend":
                 "coreml" if self.coreml else "torch"}
 
-    def reference(self, record: dict[str, Any], rebless: str) -> SpeedWorker:
-        """The blessed code on the blessed artifacts.
+    def reference(self, record: dict[str, Any], rebless: str) -> Callable[[], SpeedWorker]:
+        """Starts fresh workers of the blessed code on the blessed artifacts (checked out here, once).
 
         Raises:
             StaleReference: an artifact is missing or changed, or the code cannot be checked out.
@@ -196,7 +229,8 @@ class WorkerArms:
         export = self.store.get(artifacts["export"], self.workdir / "artifacts", rebless) if self.coreml else None
         source = checkout_code(record.get("code") or {}, self.store, self.workdir / "code", rebless)
         env = {k: v for k, v in os.environ.items() if k != SLOWDOWN_ENV}
-        return self._start(_Lazy("reference", source, _worker_args(self.run, model, export), env, rebless, self.cpu))
+        args = _worker_args(self.run, model, export)
+        return lambda: self._start(_Lazy("reference", source, args, env, rebless, self.cpu))
 
     def close(self) -> None:
         for worker in self.workers:
@@ -205,7 +239,7 @@ class WorkerArms:
 
 
 class _Lazy(SpeedWorker):
-    """A worker whose handshake happens at its first request, so that both arms load in parallel.
+    """A worker whose handshake happens at its first request, so that the processes of a round load in parallel.
     A reference worker that cannot speak the protocol (a commit from before it) names the re-bless command."""
 
     def __init__(self, name: str, source_dir: Path, args: list[str], env: dict[str, str] | None = None,

@@ -4,16 +4,27 @@ Speed (a gate tests the statistic it gates). Each speed gate compares one quanti
 between the reference and the candidate arm: TTFT p50 and p95, TPS p50 and p5 (for a rate the
 slow tail is the *low* quantile). The effect is the quantile ratio ``slowdown``, oriented so
 that > 1 is worse for both kinds (candidate / reference for times, reference / candidate for
-rates), with a percentile bootstrap confidence interval (``scipy.stats.bootstrap``, each arm
-resampled on its own) at the per-test level below. Decision rule, ``threshold`` = the hardware
-profile's ``max_regression``:
+rates).
+
+The unit of replication is the worker *process*, not the sample. A process keeps a speed offset
+for its whole life (measured on the 2-core CI VM: the TPS of two processes of the same code and
+model differs by 7% (sd of the log ratio) and the two halves of one process's samples agree;
+children forked from one parent share its offset, so only fresh processes draw a new one). Samples
+of one process are therefore not independent evidence about the code, and an interval over samples
+alone is too narrow: it read an A/A difference between two processes as a significant regression.
+So each arm measures several fresh worker processes (``groups``): in ``ab`` mode group ``k`` of the
+two arms is one *pair* of processes measured back to back in interleaved blocks, and the per-pair
+log quantile ratios are the observations (a one-sample t test, ``K - 1`` degrees of freedom); in
+``stored`` mode the per-process log quantiles of the candidate are compared with those stored at
+bless time (Welch's t test). The estimate is the geometric mean of the per-process ratios.
+Decision rule, ``threshold`` = the hardware profile's ``max_regression``:
 
 - ``fail``: the estimate is beyond the threshold (``slowdown > 1 + threshold``) **and** the
-  slowdown is significant (the CI's lower end is above 1);
+  slowdown is significant (the lower end of the one-sided interval is above 1);
 - ``inconclusive``: the estimate is beyond the threshold but not significant (a large slowdown
-  the noise cannot confirm). The sequential driver then measures one more round, up to a bound
-  of looks, and reports ``inconclusive`` with its reason rather than guessing;
-- ``pass``: the estimate is within the threshold. The CI is reported with it; how large a
+  the noise cannot confirm). The sequential driver then measures one more round (more processes),
+  up to a bound of looks, and reports ``inconclusive`` with its reason rather than guessing;
+- ``pass``: the estimate is within the threshold. The interval is reported with it; how large a
   regression passes unnoticed is the gate's power, measured on the real path
   (``benchmarks/bench_speed_gate_power.py``, docs/gates.md), not claimed per session.
 
@@ -33,23 +44,27 @@ from typing import Any
 import numpy as np
 from scipy import stats
 
-MIN_SAMPLES = 5  # per arm: below this no quantile comparison is attempted
-N_RESAMPLES = 9999  # bootstrap resamples: the per-test tails hold alpha / (gates * looks), e.g. 0.3%
+MIN_SAMPLES = 5  # per process: below this no quantile is taken
+MIN_GROUPS = 2  # processes per arm: one gives no spread between processes
 
 
 @dataclass(frozen=True)
 class SpeedComparison:
-    """Outcome of comparing one quantile of candidate samples with reference samples."""
+    """Outcome of comparing one quantile of the candidate's processes with the reference's."""
 
     verdict: str  # "pass" | "fail" | "inconclusive"
-    slowdown: float  # quantile ratio, > 1 is worse
-    ci_low: float  # bootstrap CI of the slowdown, two-sided level 1 - 2 * test_alpha
+    slowdown: float  # geometric mean of the per-process quantile ratios, > 1 is worse
+    ci_low: float  # t interval of the slowdown, two-sided level 1 - 2 * test_alpha
     ci_high: float
+    p_value: float  # one-sided test of H0 "no slowdown" (slowdown <= 1)
     threshold: float  # tolerated regression (0.05 = 5%)
     quantile: float  # 0.5, 0.95 (TTFT) or 0.05 (TPS)
     test_alpha: float  # one-sided level of this test (the session's alpha split over gates and looks)
-    n_reference: int
+    n_reference: int  # samples
     n_candidate: int
+    groups_reference: int  # worker processes
+    groups_candidate: int
+    paired: bool  # ab mode: group k of both arms measured back to back
     rounds: int = 1  # measurement rounds (looks) used
     reason: str = ""
 
@@ -62,21 +77,21 @@ class SpeedComparison:
         return {**asdict(self), "regression": self.regression}
 
 
-def _as_samples(name: str, values: Sequence[float]) -> np.ndarray:
-    array = np.asarray(values, dtype=np.float64)
-    if array.ndim != 1 or array.size < MIN_SAMPLES:
-        raise ValueError(f"{name}: need a flat list of at least {MIN_SAMPLES} samples, got shape {array.shape}")
-    if not np.all(np.isfinite(array)) or np.any(array <= 0):
-        raise ValueError(f"{name}: samples must be finite and > 0, got min={array.min()!r}")
-    return array
-
-
-def quantile_slowdown(
-    reference: np.ndarray, candidate: np.ndarray, higher_is_better: bool, quantile: float = 0.5, axis: int = -1
-) -> np.ndarray:
-    """Quantile ratio oriented so that > 1 means the candidate is worse (vectorized)."""
-    ratio = np.quantile(candidate, quantile, axis=axis) / np.quantile(reference, quantile, axis=axis)
-    return 1.0 / ratio if higher_is_better else ratio
+def _log_quantiles(name: str, groups: Sequence[Sequence[float]], quantile: float) -> np.ndarray:
+    """Log of ``quantile`` of each group (process) of samples."""
+    if len(groups) < MIN_GROUPS:
+        raise ValueError(f"{name}: need samples of at least {MIN_GROUPS} worker processes, got {len(groups)} "
+                         f"(more processes per round: --speed-workers)")
+    out = []
+    for k, group in enumerate(groups):
+        array = np.asarray(group, dtype=np.float64)
+        if array.ndim != 1 or array.size < MIN_SAMPLES:
+            raise ValueError(f"{name} process {k}: need a flat list of at least {MIN_SAMPLES} samples, got shape "
+                             f"{array.shape}")
+        if not np.all(np.isfinite(array)) or np.any(array <= 0):
+            raise ValueError(f"{name} process {k}: samples must be finite and > 0, got min={array.min()!r}")
+        out.append(np.log(np.quantile(array, quantile)))
+    return np.asarray(out)
 
 
 def session_test_alpha(alpha: float, n_gates: int, looks: int) -> float:
@@ -86,92 +101,76 @@ def session_test_alpha(alpha: float, n_gates: int, looks: int) -> float:
     return alpha / (n_gates * looks)
 
 
-def _block_matrix(name: str, blocks: Sequence[Sequence[float]]) -> np.ndarray:
-    """Blocks of samples as a ``(J, width)`` array padded with NaN (a block may miss TPS samples)."""
-    width = max((len(b) for b in blocks), default=0)
-    matrix = np.full((len(blocks), width), np.nan)
-    for j, block in enumerate(blocks):
-        matrix[j, : len(block)] = block
-    _as_samples(name, matrix[np.isfinite(matrix)])
-    return matrix
-
-
 def compare_quantiles(
-    reference: Sequence[float] | Sequence[Sequence[float]],
-    candidate: Sequence[float] | Sequence[Sequence[float]],
+    reference: Sequence[Sequence[float]],
+    candidate: Sequence[Sequence[float]],
     *,
     threshold: float,
     higher_is_better: bool,
     quantile: float = 0.5,
     test_alpha: float = 0.05,
-    paired_blocks: bool = False,
-    n_resamples: int = N_RESAMPLES,
-    seed: int = 0,
+    paired: bool = True,
 ) -> SpeedComparison:
-    """Compare one quantile of raw samples; see the module docstring for the decision rule.
+    """Compare one quantile between the arms' worker processes; see the module docstring for the rule.
 
     Args:
-        reference, candidate: flat samples, or with ``paired_blocks`` equally many blocks of samples
-            where block ``j`` of both arms was measured back to back (interleaved A/B). Paired blocks are
-            resampled together (a block bootstrap), so the machine's drift, shared by the two blocks of a
-            pair, cancels in the interval instead of widening it.
+        reference, candidate: samples per worker process (a list per process). With ``paired``, equally
+            many processes, process ``k`` of both arms measured back to back (interleaved A/B): the test is
+            on the per-pair log ratios, so the machine's drift, shared within a pair, cancels. Without
+            (``stored`` mode): Welch's t test between the arms' per-process log quantiles.
 
     Raises:
-        ValueError: too few samples, non-positive samples, unequal block counts, or impossible settings.
+        ValueError: fewer than two processes or five samples per process, non-positive samples, unequal
+            process counts when paired, or impossible settings.
     """
     if not 0.0 < test_alpha < 0.5 or threshold < 0 or not 0.0 < quantile < 1.0:
         raise ValueError(f"need 0 < test_alpha < 0.5, threshold >= 0, 0 < quantile < 1; got {test_alpha}, "
                          f"{threshold}, {quantile}")
+    ref, cand = _log_quantiles("reference", reference, quantile), _log_quantiles("candidate", candidate, quantile)
+    sign = -1.0 if higher_is_better else 1.0  # log slowdown > 0 is worse
     level = 1.0 - 2.0 * test_alpha  # each tail holds test_alpha: the one-sided decisions
-    rng = np.random.default_rng(seed)
-    if paired_blocks:
-        ref_blocks = _block_matrix("reference", reference)  # type: ignore[arg-type]
-        cand_blocks = _block_matrix("candidate", candidate)  # type: ignore[arg-type]
-        if len(ref_blocks) != len(cand_blocks) or len(ref_blocks) < 2:
-            raise ValueError(f"paired blocks: need equally many blocks, at least 2, got {len(ref_blocks)} reference "
-                             f"and {len(cand_blocks)} candidate blocks (more samples per round: --speed-samples)")
-
-        # np.nanquantile loops in Python over rows: only blocks with missing samples pay for it
-        ref_q = np.nanquantile if np.isnan(ref_blocks).any() else np.quantile
-        cand_q = np.nanquantile if np.isnan(cand_blocks).any() else np.quantile
-
-        def block_slowdown(index: np.ndarray, axis: int = -1) -> np.ndarray:
-            ref = ref_blocks[index].reshape(*index.shape[:-1], -1)  # (..., J * width)
-            cand = cand_blocks[index].reshape(*index.shape[:-1], -1)
-            ratio = cand_q(cand, quantile, axis=-1) / ref_q(ref, quantile, axis=-1)
-            return 1.0 / ratio if higher_is_better else ratio
-
-        boot = stats.bootstrap((np.arange(len(ref_blocks)),), block_slowdown, n_resamples=n_resamples,
-                               vectorized=True, confidence_level=level, method="percentile", rng=rng)
-        ref, cand = ref_blocks[np.isfinite(ref_blocks)], cand_blocks[np.isfinite(cand_blocks)]
+    if paired:
+        if ref.size != cand.size:
+            raise ValueError(f"paired processes: {ref.size} reference and {cand.size} candidate processes")
+        diff = sign * (cand - ref)  # (K,) log slowdown of each pair
+        estimate = float(diff.mean())
+        if float(diff.std()) == 0.0:  # no spread to test against: the change is exact
+            p_value, low, high = (0.0 if estimate > 0 else 1.0), estimate, estimate
+        else:
+            result = stats.ttest_1samp(diff, 0.0, alternative="greater")
+            ci = stats.ttest_1samp(diff, 0.0).confidence_interval(confidence_level=level)
+            p_value, low, high = float(result.pvalue), float(ci.low), float(ci.high)
+        test = f"t test of {ref.size} process pairs' log ratios"
     else:
-        ref, cand = _as_samples("reference", reference), _as_samples("candidate", candidate)  # type: ignore[arg-type]
-        boot = stats.bootstrap(
-            (ref, cand), lambda r, c, axis: quantile_slowdown(r, c, higher_is_better, quantile, axis=axis),
-            n_resamples=n_resamples, vectorized=True, confidence_level=level,
-            method="percentile",  # BCa is unstable with the ties of quantized timers
-            rng=rng,
-        )
-    slowdown = float(quantile_slowdown(ref, cand, higher_is_better, quantile))
-    ci_low, ci_high = float(boot.confidence_interval.low), float(boot.confidence_interval.high)
-    limit = 1.0 + threshold
+        estimate = float(sign * (cand.mean() - ref.mean()))
+        if float(np.concatenate([cand - cand.mean(), ref - ref.mean()]).std()) == 0.0:
+            p_value, low, high = (0.0 if estimate > 0 else 1.0), estimate, estimate
+        else:
+            a, b = (cand, ref) if sign > 0 else (ref, cand)
+            result = stats.ttest_ind(a, b, equal_var=False, alternative="greater")
+            ci = stats.ttest_ind(a, b, equal_var=False).confidence_interval(confidence_level=level)
+            p_value, low, high = float(result.pvalue), float(ci.low), float(ci.high)
+        test = f"Welch t test of {cand.size} candidate vs {ref.size} stored processes"
+    slowdown, ci_low, ci_high = float(np.exp(estimate)), float(np.exp(low)), float(np.exp(high))
+    n_ref, n_cand = sum(len(g) for g in reference), sum(len(g) for g in candidate)
     numbers = (
         f"q{quantile:g} slowdown {slowdown:.4f} (regression {slowdown - 1:+.2%}, threshold {threshold:.0%}), "
-        f"{level:.2%} CI [{ci_low:.4f}, {ci_high:.4f}] ({'paired block' if paired_blocks else 'unpaired'} "
-        f"bootstrap), n={ref.size}/{cand.size} (reference/candidate)"
+        f"{level:.2%} CI [{ci_low:.4f}, {ci_high:.4f}], p={p_value:.3g} ({test}), n={n_ref}/{n_cand} samples "
+        f"(reference/candidate)"
     )
+    limit = 1.0 + threshold
     if slowdown <= limit:
         verdict, why = "pass", f"within threshold: {numbers}"
-    elif ci_low > 1.0:
+    elif p_value < test_alpha:
         verdict, why = "fail", f"significant regression beyond threshold: {numbers}"
     else:
         verdict, why = "inconclusive", f"regression beyond threshold but not significant: {numbers}"
-    return SpeedComparison(verdict, slowdown, ci_low, ci_high, threshold, quantile, test_alpha, ref.size, cand.size,
-                           1, why)
+    return SpeedComparison(verdict, slowdown, ci_low, ci_high, p_value, threshold, quantile, test_alpha, n_ref,
+                           n_cand, ref.size, cand.size, paired, 1, why)
 
 
 def sequential_speed_gate(
-    samples_after: Callable[[int], tuple[Sequence[Any], Sequence[Any]]],
+    samples_after: Callable[[int], tuple[Sequence[Sequence[float]], Sequence[Sequence[float]]]],
     *,
     looks: int,
     threshold: float,
@@ -179,14 +178,13 @@ def sequential_speed_gate(
     quantile: float = 0.5,
     alpha: float = 0.05,
     n_gates: int = 1,
-    paired_blocks: bool = False,
-    seed: int = 0,
+    paired: bool = True,
 ) -> SpeedComparison:
     """Decide after 1, 2, ... ``looks`` rounds, stopping at the first pass or fail.
 
     Args:
-        samples_after: ``k -> (reference, candidate)`` samples of exactly the first ``k`` rounds (the
-            caller measures a round when first asked for it, and may have measured more for other gates).
+        samples_after: ``k -> (reference, candidate)`` samples per process of exactly the first ``k`` rounds
+            (the caller measures a round when first asked for it, and may have measured more for other gates).
         alpha: the session's false-alarm bound, split over ``n_gates`` gates and ``looks`` looks.
     """
     test_alpha = session_test_alpha(alpha, n_gates, looks)
@@ -194,13 +192,12 @@ def sequential_speed_gate(
     for look in range(1, looks + 1):
         reference, candidate = samples_after(look)
         result = compare_quantiles(reference, candidate, threshold=threshold, higher_is_better=higher_is_better,
-                                   quantile=quantile, test_alpha=test_alpha, paired_blocks=paired_blocks,
-                                   seed=seed + look)
+                                   quantile=quantile, test_alpha=test_alpha, paired=paired)
         if result.verdict != "inconclusive":
             break
     assert result is not None
-    reason = (f"{result.reason}; look {look} of at most {looks} (rounds of samples; alpha {alpha:g} split over "
-              f"{n_gates} gate(s) x {looks} look(s))")
+    reason = (f"{result.reason}; look {look} of at most {looks} (rounds of worker processes; alpha {alpha:g} split "
+              f"over {n_gates} gate(s) x {looks} look(s))")
     if result.verdict == "inconclusive":
         reason += " — the bound of rounds is reached"
     return replace(result, rounds=look, reason=reason)
