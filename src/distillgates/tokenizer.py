@@ -7,6 +7,8 @@ Design choices:
   is one id and never split or merged by BPE.
 - No post-processor adds ``<|bos|>``: the rendered conversation already carries it, so
   ``encode(render_conversation(item))`` is the model input as is.
+- The toy chat format is this tokenizer's chat template (:data:`TOY_CHAT_TEMPLATE`), rendered by
+  ``apply_chat_template`` like any other (:mod:`distillgates.data.chat`).
 - Pre-tokenization is GPT-2's regex with ``_`` counted as a letter, so identifiers such as
   ``get_weather`` or ``from_currency`` can become one token (shorter tool calls in a tiny vocab).
 - ``trim_offsets=False``: offsets cover the leading space of a token, so character spans map to
@@ -41,6 +43,34 @@ TOOL_RESULT = "<|tool_result|>"
 END = "<|end|>"
 SPECIAL_TOKENS: tuple[str, ...] = (BOS, EOS, PAD, SYSTEM, USER, ASSISTANT, TOOL_CALL, TOOL_RESULT, END)
 """Chat special tokens; their ids are 0..8 in this order in every tokenizer trained here."""
+
+# The toy chat format as a Jinja chat template (OpenAI messages: assistant ``tool_calls`` in the OpenAI
+# ``{"function": {...}}`` or the flat ``{"name", "arguments"}`` form, ``tool`` messages). Layout:
+#   <|bos|><|system|>{system}<|end|><|user|>{user}<|end|><|assistant|>
+#   {preamble}<|tool_call|>{"name":...,"arguments":{...}}<|end|><|tool_result|>{result}<|end|><|assistant|>
+#   {answer}<|end|><|eos|>
+# The call JSON is compact with keys name, arguments (canonical_call); a conversation that ends on an
+# assistant answer ends with <|eos|>. ``tools`` are not rendered: the system message lists them.
+TOY_CHAT_TEMPLATE = (
+    "{{ bos_token }}"
+    "{%- for message in messages %}"
+    "{%- if message.role == 'system' %}<|system|>{{ message.content }}<|end|>"
+    "{%- elif message.role == 'user' %}<|user|>{{ message.content }}<|end|>"
+    "{%- elif message.role == 'tool' %}<|tool_result|>{{ message.content }}<|end|>"
+    "{%- elif message.role == 'assistant' %}<|assistant|>"
+    "{%- if message.tool_calls %}"
+    "{%- for tool_call in message.tool_calls %}"
+    "{%- set call = tool_call.function if tool_call.function is defined else tool_call %}"
+    "{%- if loop.first %}{{ message.content or '' }}{% endif %}"
+    "<|tool_call|>{{ {'name': call.name, 'arguments': call.arguments} | tojson(separators=(',', ':')) }}<|end|>"
+    "{%- endfor %}"
+    "{%- else %}{{ message.content }}<|end|>{% if loop.last and not add_generation_prompt %}{{ eos_token }}{% endif %}"
+    "{%- endif %}"
+    "{%- else %}{{ raise_exception('unknown role ' ~ message.role) }}"
+    "{%- endif %}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}<|assistant|>{% endif %}"
+)
 
 # GPT-2's split pattern, changed so tool arguments are copied token for token:
 # - words and numbers do NOT absorb their leading space (GPT-2 has " ?\p{L}+"): "Paris" in
@@ -116,6 +146,7 @@ def wrap_tokenizer(backend: Tokenizer) -> PreTrainedTokenizerFast:
         extra_special_tokens=[t for t in SPECIAL_TOKENS if t not in (BOS, EOS, PAD)],
         clean_up_tokenization_spaces=False,
         model_max_length=1 << 30,
+        chat_template=TOY_CHAT_TEMPLATE,
     )
 
 
@@ -128,22 +159,33 @@ def save_tokenizer(tok: PreTrainedTokenizerFast, path: str | Path) -> Path:
 
 
 def load_tokenizer(path: str | Path) -> PreTrainedTokenizerFast:
-    """Load a tokenizer saved by :func:`save_tokenizer` and check the chat specials are intact.
+    """Load a Hugging Face tokenizer directory (``AutoTokenizer``, local files only) with its chat template.
+
+    A toy tokenizer (the nine chat specials, no template of its own: one saved before the toy format
+    became a template) gets :data:`TOY_CHAT_TEMPLATE`; its specials must be single tokens.
 
     Raises:
-        FileNotFoundError: if ``path`` holds no ``tokenizer.json``.
-        ValueError: if a chat special token is missing or not a single token.
+        FileNotFoundError: if ``path`` holds no ``tokenizer.json`` (a fast tokenizer: masks need its offsets).
+        ValueError: if the tokenizer has no chat template, or a toy special is missing or split.
     """
-    from transformers import PreTrainedTokenizerFast
+    from transformers import AutoTokenizer
 
     path = Path(path)
     if not (path / "tokenizer.json").exists():
         raise FileNotFoundError(f"{path}: no tokenizer.json (expected a save_pretrained directory)")
-    tok = PreTrainedTokenizerFast.from_pretrained(str(path))
-    for token in SPECIAL_TOKENS:
-        ids = tok.encode(token, add_special_tokens=False)
-        if len(ids) != 1:
-            raise ValueError(f"{path}/tokenizer.json: special token {token!r} encodes to {len(ids)} ids, expected 1")
+    tok = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+    vocab = tok.get_vocab()
+    if tok.chat_template is None and all(t in vocab for t in SPECIAL_TOKENS):
+        tok.chat_template = TOY_CHAT_TEMPLATE
+    if tok.chat_template is None:
+        raise ValueError(f"{path}/tokenizer_config.json: chat_template: the tokenizer has no chat template "
+                         "(save one with the tokenizer, e.g. chat_template.jinja)")  # fmt: skip
+    if tok.chat_template == TOY_CHAT_TEMPLATE:
+        for token in SPECIAL_TOKENS:
+            ids = tok.encode(token, add_special_tokens=False)
+            if len(ids) != 1:
+                raise ValueError(f"{path}/tokenizer.json: special token {token!r} encodes to {len(ids)} ids, "
+                                 "expected 1")  # fmt: skip
     return tok
 
 
@@ -163,8 +205,12 @@ def tokenizer_fingerprint(tok: PreTrainedTokenizerFast | Tokenizer) -> str:
     """sha256 of the canonical serialization (tokenizer JSON with sorted keys, no whitespace).
 
     Stable across save/load; changes with any change of vocabulary, merges, specials or
-    pre/post-processing.
+    pre/post-processing, and with the chat template (the toy's is implied by its specials, so a toy
+    tokenizer's fingerprint is the same with or without it).
     """
     backend = tok if isinstance(tok, Tokenizer) else tok.backend_tokenizer
     canonical = json.dumps(json.loads(backend.to_str()), sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+    template = None if isinstance(tok, Tokenizer) else tok.chat_template
+    if template is not None and template != TOY_CHAT_TEMPLATE:
+        canonical += json.dumps({"chat_template": template}, sort_keys=True, ensure_ascii=False)
     return hashlib.sha256(canonical.encode()).hexdigest()
