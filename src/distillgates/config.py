@@ -113,10 +113,18 @@ class ModelConfig:
 
 @dataclass
 class TokenizerConfig:
-    """Byte-level BPE trained on the toy corpus."""
+    """The student's tokenizer and chat template: a Hugging Face tokenizer directory (``path``), or a
+    byte-level BPE trained on the rendered train conversations with the toy chat template."""
 
-    vocab_size: int = 1024
-    min_frequency: int = 2
+    vocab_size: int = 1024  # trained tokenizer only
+    min_frequency: int = 2  # trained tokenizer only
+    path: str | None = None  # a save_pretrained directory with a chat template (AutoTokenizer, local files only)
+    tool_call_format: str | None = None  # toy | hermes | llama3; None: detected from the chat template
+
+    def __post_init__(self) -> None:
+        if self.tool_call_format not in (None, "toy", "hermes", "llama3"):
+            raise ValueError(f"tokenizer.tool_call_format: expected toy, hermes or llama3, "
+                             f"got {self.tool_call_format!r}")
 
 
 @dataclass

@@ -53,11 +53,14 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+
+if TYPE_CHECKING:
+    from distillgates.data.chat import ChatFormat
 
 KD_KINDS = ("forward", "reverse", "jsd")
 
@@ -411,27 +414,29 @@ class EarlyToolTarget:
 
 
 def early_tool_target(
-    item: Mapping[str, Any], teacher_text: str | None, encode: Any, first_n: int
+    item: Mapping[str, Any], teacher_text: str | None, encode: Any, first_n: int, fmt: ChatFormat | None = None
 ) -> EarlyToolTarget | None:
     """The tool-call prefix the early-tool loss pulls toward (first ``first_n`` tokens).
 
     The teacher's first call is used when it parses and passes the shared validator; otherwise
     the reference's first expected call (the JSON prior). ``None`` when the item should not
-    use a tool or no valid call exists.
+    use a tool or no valid call exists. Calls are parsed and written in chat format ``fmt`` (default:
+    the toy's, where the target is ``<|tool_call|>{json}``).
     """
-    from distillgates.data.chat import TOOL_CALL, parse_transcript
-    from distillgates.data.tools import canonical_call, item_tools, validate_call
+    from distillgates.data.chat import toy_chat_format
+    from distillgates.data.tools import item_tools, validate_call
 
     if not item.get("tool_should_be_used"):
         return None
+    fmt = fmt or toy_chat_format()
     tools = item_tools(item)
     if teacher_text is not None:
-        calls, _ = parse_transcript(teacher_text)
+        calls, _ = fmt.parse_transcript(teacher_text)
         if calls and calls[0] is not None and not validate_call(calls[0], tools):
-            return EarlyToolTarget(list(encode(TOOL_CALL + canonical_call(calls[0])))[:first_n], "teacher")
+            return EarlyToolTarget(list(encode(fmt.call_text(calls[0])))[:first_n], "teacher")
     expected = list(item.get("expected_calls") or [])
     if expected and not validate_call(expected[0], tools):
-        return EarlyToolTarget(list(encode(TOOL_CALL + canonical_call(expected[0])))[:first_n], "json_prior")
+        return EarlyToolTarget(list(encode(fmt.call_text(expected[0])))[:first_n], "json_prior")
     return None
 
 

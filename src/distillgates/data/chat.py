@@ -355,6 +355,13 @@ class ChatFormat:
             spans.append((len(head), end))
         return spans
 
+    def call_text(self, call: Mapping[str, Any]) -> str:
+        """A generated turn that makes just ``call``, up to (not including) its end-of-turn token."""
+        user = [{"role": "user", "content": "Q"}]
+        head = self.render(user, add_generation_prompt=True)
+        turn = self.render([*user, {"role": "assistant", "content": "", "tool_calls": [call]}])[len(head) :]
+        return turn[: turn.rindex(self.end_of_turn)]
+
     def parse_turn(self, text: str) -> ParsedTurn:
         """Calls or answer of one generated turn (text after the assistant header; cut at its first stop token)."""
         return self._parse(self._cut(text))
@@ -381,15 +388,15 @@ class ChatFormat:
                 answer = parsed.answer
         return calls, answer
 
-    def tool_results_text(self, calls: Sequence[Mapping[str, Any] | None], results: Sequence[dict[str, Any]]) -> str:
-        """What the runtime appends after a turn that ended on its end-of-turn token with ``calls``:
-        the template's rendering of the ``tool`` messages of ``results`` and the next generation prompt."""
-        made = [c if c is not None else {"name": "invalid", "arguments": {}} for c in calls]
-        before = [{"role": "user", "content": "Q"}, {"role": "assistant", "content": "", "tool_calls": made}]
-        tool_messages = [{"role": "tool", "content": _compact_json(r)} for r in results]
+    def tool_results_text(self, results: Sequence[dict[str, Any]]) -> str:
+        """What the runtime appends after a turn that made ``len(results)`` calls and ended on its
+        end-of-turn token: the template's rendering of the ``tool`` messages and the next generation prompt."""
+        calls = [{"name": "call", "arguments": {}} for _ in results]  # the families here do not echo the call
+        before = [{"role": "user", "content": "Q"}, {"role": "assistant", "content": "", "tool_calls": calls}]
         head = self.render(before)
         cut = head.rindex(self.end_of_turn) + len(self.end_of_turn)
-        full = self.render([*before, *tool_messages], add_generation_prompt=True)
+        full = self.render([*before, *({"role": "tool", "content": _compact_json(r)} for r in results)],
+                           add_generation_prompt=True)  # fmt: skip
         if not full.startswith(head[:cut]):
             raise ValueError("the chat template renders an assistant call differently once its results follow")
         return full[cut:]

@@ -45,13 +45,13 @@ from pathlib import Path
 from typing import Any, TypedDict
 
 from distillgates.config import Config, KDConfig, TeacherConfig, sha256_json
-from distillgates.data.chat import prompt_wrapper_sha256, render_prompt, tool_result_text
+from distillgates.data.chat import chat_format, prompt_wrapper_sha256
 from distillgates.data.registry import tool_registry_sha256
 from distillgates.eval.runners import Conversation, Turn
 from distillgates.io import atomic_write_json, sha256_bytes
 from distillgates.teacher.base import Teacher, TurnResult
 from distillgates.teacher.cache import ResponseCache, cache_key
-from distillgates.tokenizer import END, EOS, tokenizer_fingerprint
+from distillgates.tokenizer import tokenizer_fingerprint
 
 log = logging.getLogger(__name__)
 
@@ -111,7 +111,8 @@ class KDConversation:
 
     def __init__(self, item: dict[str, Any], tokenizer: Any, max_turns: int) -> None:
         self.item, self.tokenizer = item, tokenizer
-        self.loop = Conversation(item, max_calls=max_turns)
+        self.fmt = chat_format(tokenizer)
+        self.loop = Conversation(item, max_calls=max_turns, fmt=self.fmt)
         self.messages = [dict(m) for m in item["messages"]]
         self.text = ""
         self.ids: list[int] = []
@@ -137,21 +138,22 @@ class KDConversation:
             self.topk_ids += turn.topk_ids
             self.topk_lp += [[round(v, 5) for v in row] for row in turn.topk_logprobs]
         stopped = turn.finish_reason == "stop"
-        if stopped:
-            self.text += END
-            self.ids.append(self.tokenizer.convert_tokens_to_ids(END))
+        if stopped:  # the stop token the teacher generated: the template's end of turn
+            self.text += self.fmt.end_of_turn
+            self.ids.append(self.tokenizer.convert_tokens_to_ids(self.fmt.end_of_turn))
             self.topk_ids.append(list(turn.stop_topk_ids))
             self.topk_lp.append([round(v, 5) for v in turn.stop_topk_logprobs])
-        result = self.loop.add_turn(Turn(text=turn.text, tokens=turn.completion_tokens, stopped=stopped))
-        if result is not None:
-            self._inject(tool_result_text(result))
+        results = self.loop.add_turn(Turn(text=turn.text, tokens=turn.completion_tokens, stopped=stopped))
+        if results is not None:
+            self._inject(self.fmt.tool_results_text(results))
             self.messages.append({"role": "assistant", "content": turn.text})
-            self.messages.append({"role": "tool", "content": json.dumps(result, separators=(",", ":"),
-                                                                        ensure_ascii=False)})  # fmt: skip
+            for result in results:
+                self.messages.append({"role": "tool", "content": json.dumps(result, separators=(",", ":"),
+                                                                            ensure_ascii=False)})  # fmt: skip
         elif not stopped:
             self.finish = "length"
         elif self.loop.answer is not None:
-            self._inject(EOS)  # the reference's final <|eos|> counts as generated (targets.py)
+            self._inject(self.fmt.answer_suffix)  # what the template renders after the answer (toy: <|eos|>)
             self.finish = "stop"
         else:
             self.finish = "max_turns"
@@ -162,7 +164,7 @@ class KDConversation:
             raise AssertionError(f"item {self.item['id']}: completion ids do not decode to the completion text")
         return {
             "id": self.item["id"],
-            "prompt_text": render_prompt(self.item),
+            "prompt_text": self.fmt.prompt(self.item),
             "completion_text": self.text,
             "completion_ids": self.ids,
             "topk_ids": self.topk_ids,

@@ -24,6 +24,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from distillgates.data.chat import chat_format
 from distillgates.losses import early_tool_positions, early_tool_target, turn_masks
 from distillgates.tokenizer import ASSISTANT, END, TOOL_CALL
 
@@ -171,7 +172,7 @@ def build_row(
         row.teacher_len = float(turn_masks(torch.tensor([prompt_ids[-1:] + ref_ids]), asst, end)[0].sum())
     if early_first_n > 0:
         encode: Callable[[str], list[int]] = lambda text: tokenizer.encode(text, add_special_tokens=False)  # noqa: E731
-        target = early_tool_target(item, teacher_text, encode, early_first_n)
+        target = early_tool_target(item, teacher_text, encode, early_first_n, chat_format(tokenizer))
         if target is not None:
             row.early = target.ids
     if mask_excess:

@@ -352,8 +352,9 @@ class Recipe:
 
     def _needs_length_penalty(self, logits: Tensor, batch: Batch) -> Tensor:
         """Per row: the student's teacher-forced prediction misses required args/evidence."""
-        from distillgates.data.chat import parse_transcript
+        from distillgates.data.chat import chat_format
 
+        fmt = chat_format(self.tokenizer)
         pred = logits.argmax(-1).cpu()  # (R, L)
         out = torch.zeros(pred.shape[0], dtype=torch.bool)
         for i, item in enumerate(batch.items):
@@ -362,8 +363,8 @@ class Recipe:
                 if batch.turn_start[i, t]:
                     turns.append([])
                 turns[-1].append(int(pred[i, t]))
-            text = "".join(ASSISTANT + self.tokenizer.decode(t) for t in turns)
-            calls, answer = parse_transcript(text)
+            text = "".join(fmt.assistant_header + self.tokenizer.decode(t) for t in turns)
+            calls, answer = fmt.parse_transcript(text)
             out[i] = not losses.coverage_met(item, calls, answer)
         return out
 
@@ -555,13 +556,13 @@ class Recipe:
 
     def speed_proxy(self) -> dict[str, Any]:
         """TTFT/TPS of the PyTorch engine on a copy of the model (``export=False``, hardware key)."""
-        from distillgates.data.chat import render_prompt
+        from distillgates.data.chat import chat_format
         from distillgates.hardware import detect_hardware, profile_key
         from distillgates.runtime.torch_engine import TorchEngine
         from distillgates.speed import measure_speed
 
         engine = TorchEngine(copy.deepcopy(self.model).cpu())
-        prompts = [render_prompt(item) for item in self.eval_items[: self.speed_prompts]]
+        prompts = [chat_format(self.tokenizer).prompt(item) for item in self.eval_items[: self.speed_prompts]]
         longest = max(len(self.tokenizer.encode(p, add_special_tokens=False)) for p in prompts)
         budget = min(self.cfg.length.max_new_tokens, self.model_cfg.max_seq_len - longest - 1)  # fits the cache
         speed_cfg = SpeedConfig(n_prompts=len(prompts), warmup=1, repeats=1, max_new_tokens=budget)
