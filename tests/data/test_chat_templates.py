@@ -62,7 +62,8 @@ LLAMA3_TEMPLATE = (
     "{%- set role = 'ipython' if message.role == 'tool' else message.role %}"
     "{{- '<|start_header_id|>' + role + '<|end_header_id|>\\n\\n' }}"
     "{%- if message.tool_calls %}{%- for tool_call in message.tool_calls %}"
-    "{{- '{\"name\": \"' + tool_call.function.name + '\", \"parameters\": ' + (tool_call.function.arguments | tojson) + '}' }}"
+    "{{- '{\"name\": \"' + tool_call.function.name + '\", \"parameters\": ' "
+    "+ (tool_call.function.arguments | tojson) + '}' }}"
     "{%- endfor %}{{- '<|eot_id|>' }}"
     "{%- else %}{{- message.content + '<|eot_id|>' }}{%- endif %}"
     "{%- endfor %}"
@@ -80,8 +81,9 @@ def _old_toy_render(messages: Sequence[Mapping[str, Any]], add_generation_prompt
     for message in messages:
         calls = message.get("tool_calls") or []
         if message["role"] == "assistant" and calls:
-            parts.append("<|assistant|>" + "".join(f"{message['content'] if j == 0 else ''}<|tool_call|>"
-                                                   f"{canonical_call(c)}<|end|>" for j, c in enumerate(calls)))  # fmt: skip
+            turns = (f"{message['content'] if j == 0 else ''}<|tool_call|>{canonical_call(c)}<|end|>"
+                     for j, c in enumerate(calls))
+            parts.append("<|assistant|>" + "".join(turns))
         else:
             parts.append(f"{roles[message['role']]}{message['content']}<|end|>")
     return "".join(parts) + ("<|assistant|>" if add_generation_prompt else "")
@@ -169,7 +171,8 @@ def test_template_families_are_detected():
 
 
 @pytest.mark.parametrize(("parse", "text", "calls", "answer"), [
-    (parse_toy_turn, 'Sure.<|tool_call|>{"name":"a","arguments":{"x":1}}', [{"name": "a", "arguments": {"x": 1}}], None),
+    (parse_toy_turn, 'Sure.<|tool_call|>{"name":"a","arguments":{"x":1}}', [{"name": "a", "arguments": {"x": 1}}],
+     None),
     (parse_toy_turn, '<|tool_call|>{"name":"a","argum', [None], None),
     (parse_toy_turn, "It is 3.", [], "It is 3."),
     (parse_hermes_turn, '<tool_call>\n{"name": "a", "arguments": {"x": 1}}\n</tool_call>',
@@ -237,3 +240,11 @@ def test_a_tokenizer_without_a_chat_template_is_a_clear_error(tmp_path):
     save_tokenizer(PreTrainedTokenizerFast(tokenizer_object=backend, eos_token="<|x|>"), tmp_path / "tok")
     with pytest.raises(ValueError, match=r"tokenizer_config\.json: chat_template"):
         load_tokenizer(tmp_path / "tok")
+
+
+def test_training_outside_the_toy_format_fails_loudly(hermes):
+    from distillgates.train.recipe import Recipe
+
+    with pytest.raises(ValueError, match="'hermes' chat format is not supported yet"):
+        Recipe._require_toy_turn_tokens(hermes.tokenizer)
+    Recipe._require_toy_turn_tokens(toy_chat_format().tokenizer)

@@ -194,6 +194,7 @@ class Recipe:
         seed_everything(cfg.seed, cfg.deterministic, self.device)
         tok = self.tokenizer
         self.pad_id = tok.pad_token_id if tok.pad_token_id is not None else 0
+        self._require_toy_turn_tokens(tok)
         self.assistant_id = tok.convert_tokens_to_ids(ASSISTANT)
         self.end_id = tok.convert_tokens_to_ids(END)
         early_n = cfg.early_tool.first_n_tokens if cfg.early_tool.weight > 0 else 0
@@ -349,6 +350,19 @@ class Recipe:
         dtype = torch.bfloat16 if amp == "bf16" else torch.float16
         with torch.autocast(dev, dtype=dtype):
             return self.forward_module(input_ids)
+
+    @staticmethod
+    def _require_toy_turn_tokens(tok: Any) -> None:
+        """The turn masks of the length, early-tool and excess objectives (:mod:`distillgates.train.data`)
+        still find turns by the toy's ``<|assistant|>``/``<|end|>``/``<|tool_call|>`` ids: training in another
+        chat format is not wired yet, so it fails here instead of training on empty masks."""
+        from distillgates.data.chat import chat_format
+
+        fmt = chat_format(tok)
+        if fmt.tool_call_format != "toy" or fmt.end_of_turn != END:
+            raise ValueError(f"training a student in the {fmt.tool_call_format!r} chat format is not supported yet: "
+                             "the length/early-tool/excess turn masks use the toy template's tokens; "
+                             "use the toy tokenizer (no tokenizer.path)")  # fmt: skip
 
     def _needs_length_penalty(self, logits: Tensor, batch: Batch) -> Tensor:
         """Per row: the student's teacher-forced prediction misses required args/evidence."""
