@@ -118,10 +118,13 @@ class TokenizerConfig:
 
     vocab_size: int = 1024  # trained tokenizer only
     min_frequency: int = 2  # trained tokenizer only
+    chat_template: str = "toy"  # trained tokenizer only: toy | chatml (distillgates.tokenizer.CHAT_TEMPLATES)
     path: str | None = None  # a save_pretrained directory with a chat template (AutoTokenizer, local files only)
     tool_call_format: str | None = None  # toy | hermes | llama3; None: detected from the chat template
 
     def __post_init__(self) -> None:
+        if self.chat_template not in ("toy", "chatml"):
+            raise ValueError(f"tokenizer.chat_template: expected toy or chatml, got {self.chat_template!r}")
         if self.tool_call_format not in (None, "toy", "hermes", "llama3"):
             raise ValueError(f"tokenizer.tool_call_format: expected toy, hermes or llama3, "
                              f"got {self.tool_call_format!r}")

@@ -344,24 +344,31 @@ def length_loss(
     return masked_mean(F.relu(rel_excess - hinge), active), exp_len.detach()
 
 
-def turn_masks(input_ids: Tensor, assistant_id: int, end_id: int) -> tuple[Tensor, Tensor]:
+def turn_masks(input_ids: Tensor, assistant_header: int | Sequence[int], end_id: int) -> tuple[Tensor, Tensor]:
     """Prediction positions of the closed assistant turns of ``input_ids (B, T)``.
 
-    A turn runs from the ``<|assistant|>`` token (which predicts the turn's first token) up to
-    the position before ``<|end|>`` (which predicts ``<|end|>``); a turn cut off by the row's
-    end is left out (its length is unknown).
+    A turn runs from the last token of the assistant header (toy: ``<|assistant|>``; the chat
+    format's ``assistant_header_ids``), which predicts the turn's first token, up to the position
+    before the end-of-turn token ``end_id`` (which predicts it); a turn cut off by the row's end is
+    left out (its length is unknown).
 
     Returns:
         (turn_mask, turn_start), both ``(B, T)`` bool.
     """
     B, T = input_ids.shape
+    header = [assistant_header] if isinstance(assistant_header, int) else list(assistant_header)
+    opens = input_ids == header[-1]  # (B, T): the header ends here
+    for back, token in enumerate(reversed(header[:-1]), start=1):
+        shifted = torch.full_like(input_ids, -1)
+        shifted[:, back:] = input_ids[:, :-back]
+        opens &= shifted == token
     pos = torch.arange(T, device=input_ids.device).expand(B, T)  # (B, T)
     none = torch.full_like(pos, -1)
-    last_asst = torch.where(input_ids == assistant_id, pos, none).cummax(-1).values  # (B, T)
+    last_asst = torch.where(opens, pos, none).cummax(-1).values  # (B, T)
     last_end = torch.where(input_ids == end_id, pos, none).cummax(-1).values  # (B, T)
     next_end = torch.where(input_ids == end_id, pos, torch.full_like(pos, T)).flip(-1).cummin(-1).values.flip(-1)
     inside = (last_asst > last_end) & (next_end < T)  # (B, T)
-    return inside, inside & (input_ids == assistant_id)
+    return inside, inside & opens
 
 
 # --------------------------------------------------------------------------------------

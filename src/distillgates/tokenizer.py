@@ -23,6 +23,7 @@ import hashlib
 import json
 import os
 from collections.abc import Iterable
+from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -72,6 +73,53 @@ TOY_CHAT_TEMPLATE = (
     "{%- if add_generation_prompt %}<|assistant|>{% endif %}"
 )
 
+CHATML_SPECIAL_TOKENS: tuple[str, ...] = ("<|endoftext|>", "<|im_start|>", "<|im_end|>", "<tool_call>", "</tool_call>",
+                                          "<tool_response>", "</tool_response>")  # fmt: skip
+"""Special tokens of the ChatML template (Qwen2.5's, which also writes its tool tags as single tokens)."""
+
+# ChatML turns with Hermes tool calls, in the style of Qwen2.5's template: tools listed in the system turn,
+# each call as <tool_call>\n{"name": ..., "arguments": {...}}\n</tool_call>, results in a user turn as
+# <tool_response>...</tool_response> (consecutive results share one turn).
+CHATML_CHAT_TEMPLATE = (
+    "{%- if messages[0].role == 'system' %}{{- '<|im_start|>system\\n' + messages[0].content }}"
+    "{%- if tools %}{{- '\\n\\n# Tools\\n<tools>' }}{%- for tool in tools %}{{- '\\n' + (tool | tojson) }}"
+    "{%- endfor %}{{- '\\n</tools>' }}{%- endif %}{{- '<|im_end|>\\n' }}{%- endif %}"
+    "{%- for message in messages %}"
+    "{%- if message.role == 'system' %}"
+    "{%- elif message.role == 'user' or (message.role == 'assistant' and not message.tool_calls) %}"
+    "{{- '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>\\n' }}"
+    "{%- elif message.role == 'assistant' %}{{- '<|im_start|>assistant' }}"
+    "{%- if message.content %}{{- '\\n' + message.content }}{%- endif %}"
+    "{%- for tool_call in message.tool_calls %}"
+    "{{- '\\n<tool_call>\\n{\"name\": \"' + tool_call.function.name + '\", \"arguments\": ' "
+    "+ (tool_call.function.arguments | tojson) + '}\\n</tool_call>' }}"
+    "{%- endfor %}{{- '<|im_end|>\\n' }}"
+    "{%- elif message.role == 'tool' %}"
+    "{%- if loop.first or messages[loop.index0 - 1].role != 'tool' %}{{- '<|im_start|>user' }}{%- endif %}"
+    "{{- '\\n<tool_response>\\n' + message.content + '\\n</tool_response>' }}"
+    "{%- if loop.last or messages[loop.index0 + 1].role != 'tool' %}{{- '<|im_end|>\\n' }}{%- endif %}"
+    "{%- endif %}{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+)
+
+
+@dataclass(frozen=True)
+class ChatTemplate:
+    """A chat template a trained tokenizer can carry, with the special tokens it writes."""
+
+    template: str
+    special_tokens: tuple[str, ...]  # ids 0..n-1 in this order
+    bos: str | None
+    eos: str
+    pad: str
+
+
+CHAT_TEMPLATES = {
+    "toy": ChatTemplate(TOY_CHAT_TEMPLATE, SPECIAL_TOKENS, BOS, EOS, PAD),
+    "chatml": ChatTemplate(CHATML_CHAT_TEMPLATE, CHATML_SPECIAL_TOKENS, None, "<|im_end|>", "<|endoftext|>"),
+}
+"""Templates of trained tokenizers (``tokenizer.chat_template``); a tokenizer directory brings its own."""
+
 # GPT-2's split pattern, changed so tool arguments are copied token for token:
 # - words and numbers do NOT absorb their leading space (GPT-2 has " ?\p{L}+"): "Paris" in
 #   "weather in Paris?" is the same token as in {"city":"Paris"}, so the model learns an identity copy
@@ -98,18 +146,21 @@ def gpt2_byte_decoder() -> dict[str, int]:
     return {chr(c): b for b, c in zip(printable, codes)}
 
 
-def train_tokenizer(texts: Iterable[str], vocab_size: int = 768, min_frequency: int = 2) -> PreTrainedTokenizerFast:
+def train_tokenizer(texts: Iterable[str], vocab_size: int = 768, min_frequency: int = 2,
+                    chat_template: str = "toy") -> PreTrainedTokenizerFast:  # fmt: skip
     """Train a byte-level BPE on ``texts`` and wrap it as a ``PreTrainedTokenizerFast``.
 
     Args:
         texts: training corpus (e.g. the rendered train conversations); consumed in order.
         vocab_size: total vocabulary including the 256 byte symbols and the special tokens.
         min_frequency: a pair must occur this often to be merged.
+        chat_template: the template it carries (:data:`CHAT_TEMPLATES`), whose specials it registers.
 
     Raises:
         ValueError: if ``vocab_size`` cannot hold the bytes and special tokens.
     """
-    floor = 256 + len(SPECIAL_TOKENS)
+    specials = CHAT_TEMPLATES[chat_template].special_tokens
+    floor = 256 + len(specials)
     if vocab_size < floor:
         raise ValueError(f"vocab_size must be >= {floor} (256 bytes + the chat specials), got {vocab_size}")
     # Rayon parallelism in word counting is the source of run-to-run differences; pin it off.
@@ -126,28 +177,36 @@ def train_tokenizer(texts: Iterable[str], vocab_size: int = 768, min_frequency: 
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size,
         min_frequency=min_frequency,
-        special_tokens=list(SPECIAL_TOKENS),
+        special_tokens=list(specials),
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
     backend.train_from_iterator(list(texts), trainer=trainer)
-    return wrap_tokenizer(backend)
+    return wrap_tokenizer(backend, chat_template)
 
 
-def wrap_tokenizer(backend: Tokenizer) -> PreTrainedTokenizerFast:
-    """Wrap a ``tokenizers.Tokenizer`` with bos/eos/pad and the chat specials set."""
+def wrap_tokenizer(backend: Tokenizer, chat_template: str = "toy") -> PreTrainedTokenizerFast:
+    """Wrap a ``tokenizers.Tokenizer`` with bos/eos/pad, the chat specials and the chat template set."""
     from transformers import PreTrainedTokenizerFast
 
+    spec = CHAT_TEMPLATES[chat_template]
     return PreTrainedTokenizerFast(
         tokenizer_object=backend,
-        bos_token=BOS,
-        eos_token=EOS,
-        pad_token=PAD,
-        extra_special_tokens=[t for t in SPECIAL_TOKENS if t not in (BOS, EOS, PAD)],
+        bos_token=spec.bos,
+        eos_token=spec.eos,
+        pad_token=spec.pad,
+        extra_special_tokens=[t for t in spec.special_tokens if t not in (spec.bos, spec.eos, spec.pad)],
         clean_up_tokenization_spaces=False,
         model_max_length=1 << 30,
-        chat_template=TOY_CHAT_TEMPLATE,
+        chat_template=spec.template,
     )
+
+
+def template_tokenizer(chat_template: str = "toy") -> PreTrainedTokenizerFast:
+    """A tokenizer of just the template's specials: renders and parses text before a vocabulary is trained."""
+    backend = Tokenizer(models.BPE())
+    backend.add_special_tokens(list(CHAT_TEMPLATES[chat_template].special_tokens))
+    return wrap_tokenizer(backend, chat_template)
 
 
 def save_tokenizer(tok: PreTrainedTokenizerFast, path: str | Path) -> Path:

@@ -3,6 +3,7 @@ Hermes and a Llama-3 style template render and parse through the same :class:`Ch
 
 from __future__ import annotations
 
+import itertools
 import json
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -22,6 +23,7 @@ from distillgates.data.chat import (
     reference_messages,
     render_conversation,
     render_prompt,
+    template_chat_format,
     toy_chat_format,
 )
 from distillgates.data.generator import generate_items
@@ -29,32 +31,17 @@ from distillgates.data.openai_format import read_items
 from distillgates.data.targets import encode_item, reference_spans
 from distillgates.data.tools import canonical_call
 from distillgates.eval.runners import reference_output
-from distillgates.tokenizer import load_tokenizer, save_tokenizer, tokenizer_fingerprint, train_tokenizer
+from distillgates.tokenizer import (
+    CHATML_CHAT_TEMPLATE,
+    load_tokenizer,
+    save_tokenizer,
+    tokenizer_fingerprint,
+    train_tokenizer,
+)
 
 OWN_DATA = Path(__file__).resolve().parents[2] / "examples" / "own-data"
 
-# Written for these tests in the style of Qwen2.5's template (Hermes tool calls, ChatML turns).
-HERMES_TEMPLATE = (
-    "{%- if messages[0].role == 'system' %}{{- '<|im_start|>system\\n' + messages[0].content }}"
-    "{%- if tools %}{{- '\\n\\n# Tools\\n<tools>' }}{%- for tool in tools %}{{- '\\n' + (tool | tojson) }}"
-    "{%- endfor %}{{- '\\n</tools>' }}{%- endif %}{{- '<|im_end|>\\n' }}{%- endif %}"
-    "{%- for message in messages %}"
-    "{%- if message.role == 'system' %}"
-    "{%- elif message.role == 'user' or (message.role == 'assistant' and not message.tool_calls) %}"
-    "{{- '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>\\n' }}"
-    "{%- elif message.role == 'assistant' %}{{- '<|im_start|>assistant' }}"
-    "{%- if message.content %}{{- '\\n' + message.content }}{%- endif %}"
-    "{%- for tool_call in message.tool_calls %}"
-    "{{- '\\n<tool_call>\\n{\"name\": \"' + tool_call.function.name + '\", \"arguments\": ' "
-    "+ (tool_call.function.arguments | tojson) + '}\\n</tool_call>' }}"
-    "{%- endfor %}{{- '<|im_end|>\\n' }}"
-    "{%- elif message.role == 'tool' %}"
-    "{%- if loop.first or messages[loop.index0 - 1].role != 'tool' %}{{- '<|im_start|>user' }}{%- endif %}"
-    "{{- '\\n<tool_response>\\n' + message.content + '\\n</tool_response>' }}"
-    "{%- if loop.last or messages[loop.index0 + 1].role != 'tool' %}{{- '<|im_end|>\\n' }}{%- endif %}"
-    "{%- endif %}{%- endfor %}"
-    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
-)
+HERMES_TEMPLATE = CHATML_CHAT_TEMPLATE  # the library's ChatML template (Hermes tool calls, Qwen2.5 style)
 # Llama 3.1 style: header turns, custom tool calls as JSON with "parameters", results in the ipython role.
 LLAMA3_TEMPLATE = (
     "{{- bos_token }}"
@@ -145,7 +132,7 @@ def test_toy_generated_spans_are_the_reference_without_the_injected_results():
         text, prompt = fmt.conversation(item), fmt.prompt(item)
         spans = fmt.generated_spans(item)
         assert spans[0][0] == len(prompt) and spans[-1][1] == len(text), item["id"]
-        gaps = "".join(text[end:start] for (_, end), (start, _) in zip(spans, spans[1:]))
+        gaps = "".join(text[end:start] for (_, end), (start, _) in itertools.pairwise(spans))
         results = "".join(f"<|tool_result|>{m['content']}<|end|><|assistant|>"
                           for m in reference_messages(item["reference"]) if m["role"] == "tool")  # fmt: skip
         assert gaps == results, item["id"]
@@ -242,9 +229,27 @@ def test_a_tokenizer_without_a_chat_template_is_a_clear_error(tmp_path):
         load_tokenizer(tmp_path / "tok")
 
 
-def test_training_outside_the_toy_format_fails_loudly(hermes):
-    from distillgates.train.recipe import Recipe
+@pytest.mark.parametrize("family", ["toy", "hermes", "chatml", "llama3"])
+def test_training_turn_masks_are_the_templates_generated_turns(family, request, own_items):
+    """The token-level turn masks of training (header ids .. end-of-turn id) select exactly the tokens the
+    template's generated spans cover (less a final eos that is not the end-of-turn token)."""
+    import torch
 
-    with pytest.raises(ValueError, match="'hermes' chat format is not supported yet"):
-        Recipe._require_toy_turn_tokens(hermes.tokenizer)
-    Recipe._require_toy_turn_tokens(toy_chat_format().tokenizer)
+    from distillgates.losses import turn_masks
+
+    if family in ("toy", "chatml"):
+        texts = [template_chat_format(family).conversation(item) for item in own_items]
+        fmt = chat_format(train_tokenizer(texts, vocab_size=600, chat_template=family))
+    else:
+        fmt = request.getfixturevalue(family)
+    eos = fmt.tokenizer.eos_token_id
+    for item in own_items:
+        if len(item["messages"]) > 2:
+            continue  # history turns in the prompt are turns too, but not generated spans
+        encoded = encode_item(fmt.tokenizer, item)
+        mask, start = turn_masks(torch.tensor([encoded.input_ids]), fmt.assistant_header_ids, fmt.end_of_turn_id)
+        targets = {int(p) + 1 for p in mask[0].nonzero().flatten()}
+        generated = {j for j, m in enumerate(encoded.masks["generated"])
+                     if m and (encoded.input_ids[j] != eos or eos == fmt.end_of_turn_id)}  # fmt: skip
+        assert targets == generated, item["id"]
+        assert int(start.sum()) == len(item["expected_calls"]) + 1

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from distillgates.config import Config
-from distillgates.data.chat import chat_format, render_conversation
+from distillgates.data.chat import chat_format, template_chat_format
 from distillgates.data.dataset import DatasetError, write_dataset
 from distillgates.data.shapes import bucket_of
 from distillgates.tokenizer import encode, load_tokenizer, save_tokenizer, tokenizer_fingerprint, train_tokenizer
@@ -67,15 +67,18 @@ def input_files(cfg: Config) -> tuple[Path, ...]:
 
 def student_tokenizer(cfg: Config, train_items: list[dict[str, Any]]) -> PreTrainedTokenizerFast:
     """``tokenizer.path`` (a Hugging Face tokenizer directory with a chat template, local files only), or
-    the toy tokenizer trained on the rendered train conversations. ``tokenizer.tool_call_format`` is
-    stored with it (``tokenizer_config.json``), so every stage parses calls the same way."""
-    if cfg.tokenizer.path is not None:
-        tok = load_tokenizer(cfg.tokenizer.path)
+    a byte-level BPE trained on the train conversations rendered in ``tokenizer.chat_template``.
+    ``tokenizer.tool_call_format`` is stored with it (``tokenizer_config.json``), so every stage parses
+    calls the same way."""
+    tcfg = cfg.tokenizer
+    if tcfg.path is not None:
+        tok = load_tokenizer(tcfg.path)
     else:
-        texts = (render_conversation(item) for item in train_items)
-        tok = train_tokenizer(texts, cfg.tokenizer.vocab_size, cfg.tokenizer.min_frequency)
-    if cfg.tokenizer.tool_call_format is not None:
-        tok.init_kwargs["tool_call_format"] = cfg.tokenizer.tool_call_format
+        fmt = template_chat_format(tcfg.chat_template)
+        texts = (fmt.conversation(item) for item in train_items)
+        tok = train_tokenizer(texts, tcfg.vocab_size, tcfg.min_frequency, tcfg.chat_template)
+    if tcfg.tool_call_format is not None:
+        tok.init_kwargs["tool_call_format"] = tcfg.tool_call_format
     return tok
 
 

@@ -311,6 +311,12 @@ class ChatFormat:
             raise ValueError(f"the chat template closes an assistant turn with {tail[:20]!r}, not a stop token "
                              f"({self.stop_tokens})")  # fmt: skip
         self.answer_suffix = tail[len(self.end_of_turn) :]  # toy: <|eos|>; ChatML: "\n"
+        self.end_of_turn_id: int = vocab[self.end_of_turn]
+        self.assistant_header_ids: list[int] = self.encode(self.assistant_header)
+        """Token ids that open an assistant turn (toy: ``<|assistant|>``); the last one predicts its first token."""
+        marker = self.call_text({"name": "n", "arguments": {}}).split("{", 1)[0].strip()
+        self.call_marker_id: int | None = vocab.get(marker) if marker else None
+        """The single token a call opens with (toy ``<|tool_call|>``, ChatML ``<tool_call>``), else None."""
 
     def render(self, messages: Sequence[Mapping[str, Any]], tools: Sequence[Mapping[str, Any]] | None = None,
                add_generation_prompt: bool = False) -> str:  # fmt: skip
@@ -419,16 +425,17 @@ def chat_format(tokenizer: Any) -> ChatFormat:
 
 
 @cache
+def template_chat_format(chat_template: str = "toy") -> ChatFormat:
+    """The format of a built-in template (:data:`distillgates.tokenizer.CHAT_TEMPLATES`) over a vocabulary of
+    just its specials: rendering and parsing need no trained vocabulary."""
+    from distillgates.tokenizer import template_tokenizer
+
+    return chat_format(template_tokenizer(chat_template))
+
+
 def toy_chat_format() -> ChatFormat:
-    """The toy format over a vocabulary of just its specials: rendering and parsing need no trained vocabulary."""
-    from tokenizers import Tokenizer, models
-
-    from distillgates.tokenizer import SPECIAL_TOKENS as specials
-    from distillgates.tokenizer import wrap_tokenizer
-
-    backend = Tokenizer(models.BPE())
-    backend.add_special_tokens(list(specials))
-    return chat_format(wrap_tokenizer(backend))
+    """The toy format (:func:`template_chat_format`)."""
+    return template_chat_format("toy")
 
 
 def render_messages(messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True) -> str:

@@ -42,12 +42,12 @@ from torch import Tensor
 
 from distillgates import losses
 from distillgates.config import Config, ModelConfig, ShapesConfig, SpeedConfig, TrainConfig, load_config, to_dict
+from distillgates.data.chat import chat_format
 from distillgates.data.shapes import ShapeSampler
 from distillgates.hf import save_hf
 from distillgates.io import atomic_write_json, atomic_write_text, load_checksummed, save_checksummed
 from distillgates.model import Transformer, save_model
 from distillgates.rundir import RunDir
-from distillgates.tokenizer import ASSISTANT, END
 from distillgates.train.data import Batch, Row, build_row, collate, read_kd_set
 from distillgates.train.qat import QAT, probe
 from distillgates.train.schedule import warmup_cosine
@@ -194,9 +194,9 @@ class Recipe:
         seed_everything(cfg.seed, cfg.deterministic, self.device)
         tok = self.tokenizer
         self.pad_id = tok.pad_token_id if tok.pad_token_id is not None else 0
-        self._require_toy_turn_tokens(tok)
-        self.assistant_id = tok.convert_tokens_to_ids(ASSISTANT)
-        self.end_id = tok.convert_tokens_to_ids(END)
+        fmt = chat_format(tok)
+        self.assistant_id = fmt.assistant_header_ids  # the tokens that open an assistant turn (toy: one)
+        self.end_id = fmt.end_of_turn_id
         early_n = cfg.early_tool.first_n_tokens if cfg.early_tool.weight > 0 else 0
         kd = self.kd_records if cfg.teacher_mode == "offline" else None
         self.rows = [
@@ -351,23 +351,8 @@ class Recipe:
         with torch.autocast(dev, dtype=dtype):
             return self.forward_module(input_ids)
 
-    @staticmethod
-    def _require_toy_turn_tokens(tok: Any) -> None:
-        """The turn masks of the length, early-tool and excess objectives (:mod:`distillgates.train.data`)
-        still find turns by the toy's ``<|assistant|>``/``<|end|>``/``<|tool_call|>`` ids: training in another
-        chat format is not wired yet, so it fails here instead of training on empty masks."""
-        from distillgates.data.chat import chat_format
-
-        fmt = chat_format(tok)
-        if fmt.tool_call_format != "toy" or fmt.end_of_turn != END:
-            raise ValueError(f"training a student in the {fmt.tool_call_format!r} chat format is not supported yet: "
-                             "the length/early-tool/excess turn masks use the toy template's tokens; "
-                             "use the toy tokenizer (no tokenizer.path)")  # fmt: skip
-
     def _needs_length_penalty(self, logits: Tensor, batch: Batch) -> Tensor:
         """Per row: the student's teacher-forced prediction misses required args/evidence."""
-        from distillgates.data.chat import chat_format
-
         fmt = chat_format(self.tokenizer)
         pred = logits.argmax(-1).cpu()  # (R, L)
         out = torch.zeros(pred.shape[0], dtype=torch.bool)
@@ -570,7 +555,6 @@ class Recipe:
 
     def speed_proxy(self) -> dict[str, Any]:
         """TTFT/TPS of the PyTorch engine on a copy of the model (``export=False``, hardware key)."""
-        from distillgates.data.chat import chat_format
         from distillgates.hardware import detect_hardware, profile_key
         from distillgates.runtime.torch_engine import TorchEngine
         from distillgates.speed import measure_speed
