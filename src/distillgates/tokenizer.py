@@ -77,13 +77,14 @@ CHATML_SPECIAL_TOKENS: tuple[str, ...] = ("<|endoftext|>", "<|im_start|>", "<|im
                                           "<tool_response>", "</tool_response>")  # fmt: skip
 """Special tokens of the ChatML template (Qwen2.5's, which also writes its tool tags as single tokens)."""
 
-# ChatML turns with Hermes tool calls, in the style of Qwen2.5's template: tools listed in the system turn,
-# each call as <tool_call>\n{"name": ..., "arguments": {...}}\n</tool_call>, results in a user turn as
-# <tool_response>...</tool_response> (consecutive results share one turn).
+# ChatML turns with Hermes tool calls, in the style of Qwen2.5's template: each call as
+# <tool_call>\n{"name": ..., "arguments": {...}}\n</tool_call>, results in a user turn as
+# <tool_response>...</tool_response> (consecutive results share one turn). Unlike Qwen's it does not list
+# ``tools`` itself: the system message lists them compactly, as in the toy format (Qwen's full JSON schemas
+# would quadruple the own-data example's prompts: 412 instead of 76 tokens, median).
 CHATML_CHAT_TEMPLATE = (
-    "{%- if messages[0].role == 'system' %}{{- '<|im_start|>system\\n' + messages[0].content }}"
-    "{%- if tools %}{{- '\\n\\n# Tools\\n<tools>' }}{%- for tool in tools %}{{- '\\n' + (tool | tojson) }}"
-    "{%- endfor %}{{- '\\n</tools>' }}{%- endif %}{{- '<|im_end|>\\n' }}{%- endif %}"
+    "{%- if messages[0].role == 'system' %}{{- '<|im_start|>system\\n' + messages[0].content + '<|im_end|>\\n' }}"
+    "{%- endif %}"
     "{%- for message in messages %}"
     "{%- if message.role == 'system' %}"
     "{%- elif message.role == 'user' or (message.role == 'assistant' and not message.tool_calls) %}"

@@ -32,7 +32,6 @@ from distillgates.data.targets import encode_item, reference_spans
 from distillgates.data.tools import canonical_call
 from distillgates.eval.runners import reference_output
 from distillgates.tokenizer import (
-    CHATML_CHAT_TEMPLATE,
     load_tokenizer,
     save_tokenizer,
     tokenizer_fingerprint,
@@ -41,7 +40,29 @@ from distillgates.tokenizer import (
 
 OWN_DATA = Path(__file__).resolve().parents[2] / "examples" / "own-data"
 
-HERMES_TEMPLATE = CHATML_CHAT_TEMPLATE  # the library's ChatML template (Hermes tool calls, Qwen2.5 style)
+# Written for these tests in the style of Qwen2.5's template: Hermes tool calls, ChatML turns, and the
+# tools listed by the template (the library's CHATML_CHAT_TEMPLATE leaves that to the system message).
+HERMES_TEMPLATE = (
+    "{%- if messages[0].role == 'system' %}{{- '<|im_start|>system\\n' + messages[0].content }}"
+    "{%- if tools %}{{- '\\n\\n# Tools\\n<tools>' }}{%- for tool in tools %}{{- '\\n' + (tool | tojson) }}"
+    "{%- endfor %}{{- '\\n</tools>' }}{%- endif %}{{- '<|im_end|>\\n' }}{%- endif %}"
+    "{%- for message in messages %}"
+    "{%- if message.role == 'system' %}"
+    "{%- elif message.role == 'user' or (message.role == 'assistant' and not message.tool_calls) %}"
+    "{{- '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>\\n' }}"
+    "{%- elif message.role == 'assistant' %}{{- '<|im_start|>assistant' }}"
+    "{%- if message.content %}{{- '\\n' + message.content }}{%- endif %}"
+    "{%- for tool_call in message.tool_calls %}"
+    "{{- '\\n<tool_call>\\n{\"name\": \"' + tool_call.function.name + '\", \"arguments\": ' "
+    "+ (tool_call.function.arguments | tojson) + '}\\n</tool_call>' }}"
+    "{%- endfor %}{{- '<|im_end|>\\n' }}"
+    "{%- elif message.role == 'tool' %}"
+    "{%- if loop.first or messages[loop.index0 - 1].role != 'tool' %}{{- '<|im_start|>user' }}{%- endif %}"
+    "{{- '\\n<tool_response>\\n' + message.content + '\\n</tool_response>' }}"
+    "{%- if loop.last or messages[loop.index0 + 1].role != 'tool' %}{{- '<|im_end|>\\n' }}{%- endif %}"
+    "{%- endif %}{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+)
 # Llama 3.1 style: header turns, custom tool calls as JSON with "parameters", results in the ipython role.
 LLAMA3_TEMPLATE = (
     "{{- bos_token }}"
@@ -105,6 +126,13 @@ def hermes(tmp_path_factory, own_items) -> ChatFormat:
     corpus = [json.dumps(item["messages"]) + item["reference"] for item in own_items]
     tok = _hf_tokenizer(tmp_path_factory.mktemp("hermes"), HERMES_SPECIALS, None, "<|im_end|>", HERMES_TEMPLATE, corpus)
     return chat_format(tok)
+
+
+@pytest.fixture(scope="module")
+def chatml(own_items) -> ChatFormat:
+    """A tokenizer trained with the library's ChatML template (what ``tokenizer.chat_template: chatml`` builds)."""
+    texts = [template_chat_format("chatml").conversation(item) for item in own_items]
+    return chat_format(train_tokenizer(texts, vocab_size=600, chat_template="chatml"))
 
 
 @pytest.fixture(scope="module")
@@ -183,12 +211,13 @@ def test_tool_call_parsers(parse, text, calls, answer):
     assert parsed.calls == calls and parsed.answer == answer and len(parsed.raw) == len(calls)
 
 
-@pytest.mark.parametrize("family", ["hermes", "llama3"])
+@pytest.mark.parametrize("family", ["hermes", "chatml", "llama3"])
 def test_template_family_renders_parses_and_masks_own_data(family, request, own_items):
     fmt: ChatFormat = request.getfixturevalue(family)
-    assert fmt.tool_call_format == family
+    assert fmt.tool_call_format == {"chatml": "hermes"}.get(family, family)
     vocab = fmt.tokenizer.get_vocab()
-    ends = {"hermes": ["<|im_end|>", "<|endoftext|>"], "llama3": ["<|eot_id|>", "<|eom_id|>"]}[family]
+    ends = {"hermes": ["<|im_end|>", "<|endoftext|>"], "chatml": ["<|im_end|>", "<|endoftext|>"],
+            "llama3": ["<|eot_id|>", "<|eom_id|>"]}[family]  # fmt: skip
     assert fmt.stop_ids == [vocab[t] for t in ends]
     item = next(i for i in own_items if i.get("parallel_calls"))
     prompt, text = fmt.prompt(item), fmt.conversation(item)
@@ -237,7 +266,7 @@ def test_training_turn_masks_are_the_templates_generated_turns(family, request, 
 
     from distillgates.losses import turn_masks
 
-    if family in ("toy", "chatml"):
+    if family == "toy":
         texts = [template_chat_format(family).conversation(item) for item in own_items]
         fmt = chat_format(train_tokenizer(texts, vocab_size=600, chat_template=family))
     else:
