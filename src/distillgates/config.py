@@ -113,11 +113,13 @@ class ModelConfig:
 
 @dataclass
 class TokenizerConfig:
-    """The student's tokenizer and chat template: a Hugging Face tokenizer directory (``path``), or a
-    byte-level BPE trained on the rendered train conversations with the toy chat template."""
+    """The student's tokenizer and chat template: a tokenizer directory (``path``) or a trained byte-level BPE.
 
-    vocab_size: int = 1024  # trained tokenizer only
-    min_frequency: int = 2  # trained tokenizer only
+    Without ``path`` the data step trains the BPE on the train conversations rendered in ``chat_template``.
+    """
+
+    vocab_size: int = 1024
+    min_frequency: int = 2
     chat_template: str = "toy"  # trained tokenizer only: toy | chatml (distillgates.tokenizer.CHAT_TEMPLATES)
     path: str | None = None  # a save_pretrained directory with a chat template (AutoTokenizer, local files only)
     tool_call_format: str | None = None  # toy | hermes | llama3; None: detected from the chat template

@@ -228,12 +228,14 @@ def load_tokenizer(path: str | Path) -> PreTrainedTokenizerFast:
         FileNotFoundError: if ``path`` holds no ``tokenizer.json`` (a fast tokenizer: masks need its offsets).
         ValueError: if the tokenizer has no chat template, or a toy special is missing or split.
     """
-    from transformers import AutoTokenizer
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
     path = Path(path)
     if not (path / "tokenizer.json").exists():
         raise FileNotFoundError(f"{path}: no tokenizer.json (expected a save_pretrained directory)")
     tok = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+    if not isinstance(tok, PreTrainedTokenizerFast):  # offsets (masks) need the fast tokenizer
+        raise ValueError(f"{path}: {type(tok).__name__} is not a fast tokenizer (tokenizer.json)")
     vocab = tok.get_vocab()
     if tok.chat_template is None and all(t in vocab for t in SPECIAL_TOKENS):
         tok.chat_template = TOY_CHAT_TEMPLATE

@@ -398,7 +398,8 @@ class ChatFormat:
         """What the runtime appends after a turn that made ``len(results)`` calls and ended on its
         end-of-turn token: the template's rendering of the ``tool`` messages and the next generation prompt."""
         calls = [{"name": "call", "arguments": {}} for _ in results]  # the families here do not echo the call
-        before = [{"role": "user", "content": "Q"}, {"role": "assistant", "content": "", "tool_calls": calls}]
+        before: list[dict[str, Any]] = [{"role": "user", "content": "Q"},
+                                        {"role": "assistant", "content": "", "tool_calls": calls}]  # fmt: skip
         head = self.render(before)
         cut = head.rindex(self.end_of_turn) + len(self.end_of_turn)
         full = self.render([*before, *({"role": "tool", "content": _compact_json(r)} for r in results)],
