@@ -1,0 +1,111 @@
+"""Conversations as the OpenAI chat-completions API takes them, and back.
+
+The project keeps a conversation in the renderer's form (:func:`distillgates.data.chat.render_messages`):
+``content`` always a string, an assistant call as ``tool_calls: [{"name", "arguments": {...}}]`` (one
+call per message where the data reader interleaved parallel calls with their results), ``tool``
+messages without ids. An OpenAI-compatible API wants real chat messages::
+
+    {"role": "assistant", "content": null | str,
+     "tool_calls": [{"id": "call_1", "type": "function",
+                     "function": {"name": "get_weather", "arguments": "{\\"city\\":\\"Paris\\"}"}}, ...]}
+    {"role": "tool", "tool_call_id": "call_1", "content": "{...}"}
+
+:func:`openai_messages` converts one way (the HTTP teacher's request), :func:`chat_messages` the other
+(the loopback server's prompt). A call keeps the ``id`` the API gave it (the KD builder stores it on
+the call and as ``tool_call_id`` on its result); a call from the item's history, or one a local
+model wrote as ``<|tool_call|>{json}`` text, gets ``call_<message index>``.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from distillgates.data.tools import canonical_call, parse_tool_call
+from distillgates.tokenizer import END, TOOL_CALL
+
+
+def call_text(name: str, arguments: str) -> str:
+    """An API's structured call as the chat format's call JSON (what follows ``<|tool_call|>``).
+
+    Arguments that parse as a JSON object give the canonical call; anything else (an API can return
+    arguments that are not JSON) keeps the raw string, which the eval loop then reports as an
+    unparsable call.
+    """
+    try:
+        parsed = json.loads(arguments) if arguments.strip() else {}
+    except json.JSONDecodeError:
+        parsed = None
+    if isinstance(parsed, dict):
+        return canonical_call({"name": name, "arguments": parsed})
+    return json.dumps({"name": name, "arguments": arguments}, separators=(",", ":"), ensure_ascii=False)
+
+
+def _arguments(value: Any) -> str:
+    return value if isinstance(value, str) else json.dumps(value, separators=(",", ":"), ensure_ascii=False)
+
+
+def openai_messages(messages: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
+    """The renderer's messages as OpenAI chat messages (module docstring).
+
+    A ``tool`` message without ``tool_call_id`` answers the oldest call of the assistant message
+    before it that is not answered yet (the data reader's and the eval loop's order).
+
+    Raises:
+        ValueError: a tool result that answers no call (naming the message index).
+    """
+    out: list[dict[str, Any]] = []
+    pending: list[str] = []  # ids of the last assistant message's calls not answered yet
+    for i, message in enumerate(messages):
+        role, content = message["role"], message.get("content") or ""
+        calls = list(message.get("tool_calls") or [])
+        if role == "assistant" and not calls and TOOL_CALL in content:  # a local model's call, written as text
+            before, body = content.split(TOOL_CALL, 1)
+            call = parse_tool_call(body.split(END, 1)[0])
+            if call is not None:
+                content, calls = before, [call]
+        if role == "assistant" and calls:
+            wire = [
+                {"id": str(c.get("id") or f"call_{i}" + (f"_{j}" if j else "")), "type": "function",
+                 "function": {"name": c["name"], "arguments": _arguments(c["arguments"])}}
+                for j, c in enumerate(calls)
+            ]  # fmt: skip
+            pending = [c["id"] for c in wire]
+            out.append({"role": "assistant", "content": content or None, "tool_calls": wire})
+        elif role == "tool":
+            call_id = message.get("tool_call_id") or (pending[0] if pending else None)
+            if call_id is None or call_id not in pending:
+                raise ValueError(
+                    f"messages[{i}]: a tool result that answers no tool call of the assistant message before it "
+                    "(a call that did not parse has no id an OpenAI-compatible API could match)"
+                )
+            pending.remove(call_id)
+            out.append({"role": "tool", "tool_call_id": call_id, "content": content})
+        else:
+            pending = []
+            out.append({"role": role, "content": content})
+    return out
+
+
+def chat_messages(messages: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
+    """OpenAI chat messages (validated: every tool message answers a call by id) in the renderer's
+    form, parallel calls interleaved with their results as the data reader writes them."""
+    out: list[dict[str, Any]] = []
+    calls: dict[str, Mapping[str, Any]] = {}
+    content = ""
+    for message in messages:
+        role = message["role"]
+        if role == "assistant" and message.get("tool_calls"):
+            calls = {c["id"]: c["function"] for c in message["tool_calls"]}
+            content = message.get("content") or ""
+        elif role == "tool":
+            function = calls[message["tool_call_id"]]
+            parsed = parse_tool_call(call_text(function["name"], function["arguments"]))
+            call = {"name": function["name"], "arguments": parsed["arguments"] if parsed else function["arguments"]}
+            out.append({"role": "assistant", "content": content, "tool_calls": [call]})
+            out.append({"role": "tool", "content": message.get("content") or ""})
+            content = ""  # the preamble belongs to the first call only
+        else:
+            out.append({"role": role, "content": message.get("content") or ""})
+    return out
