@@ -9,9 +9,10 @@ request id in an ``x-request-id`` header. ``GET /v1/models`` lists the one model
 The OpenAI message protocol is checked as strictly as real servers do (HTTP 400 naming the message):
 an assistant ``tool_calls`` entry needs an ``id``, ``type: function`` and a JSON-string
 ``arguments``; every ``tool`` message answers, by ``tool_call_id``, a call of the assistant message
-before it, and every call is answered before the conversation goes on. A generated turn with a
-``<|tool_call|>`` that parses comes back as ``message.tool_calls`` (id ``call_<request>_0``,
-``finish_reason: tool_calls``; what a server's tool parser does), any other turn as ``content``.
+before it, and every call is answered before the conversation goes on. A generated turn whose
+``<|tool_call|>{json}`` segments all parse comes back as ``message.tool_calls`` (ids
+``call_<request>_<j>``, several for parallel calls, ``finish_reason: tool_calls``; what a server's
+tool parser does), any other turn as ``content``.
 The bodies of accepted requests are kept in ``server.requests`` for tests.
 
 Faults are queued per request (``server.faults.append(Fault("429", retry_after=1))``): each
@@ -33,7 +34,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any, cast
 
-from distillgates.data.chat import parse_assistant_turn, render_messages
+from distillgates.data.chat import render_messages
+from distillgates.data.tools import parse_tool_call
 from distillgates.teacher.local import LocalTeacher
 from distillgates.teacher.messages import chat_messages
 from distillgates.teacher.tokens import TokenBytes
@@ -148,14 +150,14 @@ class TeacherServer:
         number = next(self._ids)
         request_id = f"chatcmpl-{number:06d}"
         message: dict[str, Any] = {"role": "assistant", "content": gen.text}
-        call = parse_assistant_turn(gen.text) if gen.finish_reason == "stop" and TOOL_CALL in gen.text else None
-        if isinstance(call, dict):
-            function = {
-                "name": call["name"],
-                "arguments": json.dumps(call["arguments"], separators=(",", ":"), ensure_ascii=False),
-            }
-            calls = [{"id": f"call_{number}_0", "type": "function", "function": function}]
-            message = {"role": "assistant", "content": gen.text.split(TOOL_CALL, 1)[0] or None, "tool_calls": calls}
+        preamble, *bodies = gen.text.split(TOOL_CALL)
+        calls = [parse_tool_call(body) for body in bodies] if gen.finish_reason == "stop" else []
+        if calls and all(calls):  # every call parses: tool_calls (several: parallel calls), like a tool parser
+            message = {"role": "assistant", "content": preamble or None, "tool_calls": [
+                {"id": f"call_{number}_{j}", "type": "function",
+                 "function": {"name": c["name"], "arguments": json.dumps(c["arguments"], ensure_ascii=False)}}
+                for j, c in enumerate(calls) if c is not None
+            ]}  # fmt: skip
         choice: dict[str, Any] = {
             "index": 0,
             "message": message,
