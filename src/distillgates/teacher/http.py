@@ -19,8 +19,10 @@ Design choices:
   ``teacher.api.logprobs`` is false. The response's ``tool_calls`` (several: parallel calls) come
   back in ``TurnResult.tool_calls`` with their ids; the first is also rendered into ``text`` in the
   chat format (``content<|tool_call|>{call}``), the rest the KD builder plays as further turns.
-- Log-probs: API tokens map to local ids through their ``bytes`` (:mod:`.tokens`). If there are
-  none (``logprobs`` off, or a server that ignores it), the chosen tokens do not map, or their bytes
+- Log-probs: a server that answers text without the log-probs it was asked for is an error (it
+  would leave a KD set with no teacher distribution that claims to have one): such a server needs
+  ``teacher.api.logprobs: false``. API tokens map to local ids through their ``bytes``
+  (:mod:`.tokens`). If there are none (``logprobs`` off), the chosen tokens do not map, or their bytes
   do not spell the turn's text (a real API's tool-call markup is not ours), the turn is returned
   with ``token_ids=None`` and no top-k (text-only KD for that turn); top-k alternatives that do not
   map are dropped (log-probs kept as reported, not renormalized).
@@ -275,6 +277,11 @@ class HTTPTeacher:
             tool_calls=calls,
         )
         content = ((choice.get("logprobs") or {}).get("content")) or []
+        if self.cfg.logprobs and message.get("content") and not content:  # e.g. transformers serve ignores the field
+            raise TeacherHTTPError(
+                f"{self.model_id} answered without the log-probs it was asked for (logprobs/top_logprobs); "
+                "for a server without them set teacher.api.logprobs: false (sequence-level KD on its text)"
+            )
         if content and len(calls) <= 1:
             self._map_logprobs(result, content)
         return result
