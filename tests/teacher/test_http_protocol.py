@@ -13,6 +13,7 @@ import pytest
 
 from distillgates.config import APIConfig
 from distillgates.data.tools import item_tools
+from distillgates.eval.runners import TeacherRunner, run_item
 from distillgates.teacher.http import HTTPTeacher
 from distillgates.teacher.kd import build_kd_set, read_kd_set
 from distillgates.teacher.local import Generation, LocalTeacher
@@ -179,3 +180,16 @@ def test_openai_messages_round_trip_the_renderers_form():
     with pytest.raises(ValueError, match=r"messages\[2\]: a tool result that answers no tool call"):
         openai_messages([{"role": "user", "content": "U"}, {"role": "assistant", "content": "x<|tool_call|>{"},
                          {"role": "tool", "content": "{}"}])  # fmt: skip
+
+
+def test_evaluating_an_api_teacher_plays_its_parallel_calls(tiny_teacher_dir, toy_items, client_for):
+    """The eval loop's teacher session: the item's tools sent, both parallel calls dispatched, the
+    next request answering both ids (the server would answer 400 otherwise)."""
+    multi = next(it for it in toy_items if it["kind"] == "multi")
+    first, second, answer = reference_turns(multi)
+    teacher = ScriptedTeacher(tiny_teacher_dir, {multi["messages"][1]["content"]: [first + second, answer]})
+    with TeacherServer(teacher) as server:
+        output = run_item(multi, TeacherRunner(client_for(server), max_new_tokens=64).session())
+        assert [b["tools"] for b in server.requests] == [_wire_tools(multi)] * 2
+    assert [c["call"] for c in output["calls"]] == multi["expected_calls"]
+    assert all(c["fixture_hit"] for c in output["calls"]) and output["answer"] == answer

@@ -52,8 +52,8 @@ from distillgates.eval.runners import Conversation, Turn
 from distillgates.io import atomic_write_json, sha256_bytes
 from distillgates.teacher.base import Teacher, TurnResult
 from distillgates.teacher.cache import ResponseCache, cache_key
-from distillgates.teacher.messages import call_text
-from distillgates.tokenizer import END, EOS, TOOL_CALL, tokenizer_fingerprint
+from distillgates.teacher.messages import call_turns, turn_messages
+from distillgates.tokenizer import END, EOS, tokenizer_fingerprint
 
 log = logging.getLogger(__name__)
 
@@ -135,7 +135,7 @@ class KDConversation:
         answered before the next, as the data reader interleaves them; only the first carries the
         teacher's tokens (the API's tokens spell its own call markup, not ours)."""
         self.request_ids.append(turn.request_id)
-        texts = [turn.text] + [TOOL_CALL + call_text(c["name"], c["arguments"]) for c in turn.tool_calls[1:]]
+        texts = call_turns(turn)
         results: list[dict[str, Any]] = []
         for j, text in enumerate(texts):
             if j == 0 and turn.token_ids is not None:
@@ -164,16 +164,7 @@ class KDConversation:
                 return
             self._inject(tool_result_text(result))
             results.append(result)
-        contents = [json.dumps(r, separators=(",", ":"), ensure_ascii=False) for r in results]
-        if turn.tool_calls:  # the API's own message, its calls' results answering them by id
-            preamble = turn.text.split(TOOL_CALL, 1)[0]
-            calls = [dict(c) for c in turn.tool_calls]
-            self.messages.append({"role": "assistant", "content": preamble, "tool_calls": calls})
-            self.messages += [{"role": "tool", "tool_call_id": c["id"], "content": content}
-                              for c, content in zip(turn.tool_calls, contents)]  # fmt: skip
-        else:
-            self.messages.append({"role": "assistant", "content": turn.text})
-            self.messages.append({"role": "tool", "content": contents[0]})
+        self.messages += turn_messages(turn, results)
 
     def record(self) -> dict[str, Any]:
         decoded = self.tokenizer.decode(self.ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)

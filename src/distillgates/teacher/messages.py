@@ -10,10 +10,12 @@ messages without ids. An OpenAI-compatible API wants real chat messages::
                      "function": {"name": "get_weather", "arguments": "{\\"city\\":\\"Paris\\"}"}}, ...]}
     {"role": "tool", "tool_call_id": "call_1", "content": "{...}"}
 
-:func:`openai_messages` converts one way (the HTTP teacher's request), :func:`chat_messages` the other
-(the loopback server's prompt). A call keeps the ``id`` the API gave it (the KD builder stores it on
-the call and as ``tool_call_id`` on its result); a call from the item's history, or one a local
-model wrote as ``<|tool_call|>{json}`` text, gets ``call_<message index>``.
+:func:`openai_messages` converts one way (the HTTP teacher's request), :func:`chat_messages` the
+other (the loopback server's prompt). :func:`call_turns` and :func:`turn_messages` are how the KD
+builder and the eval loop's teacher session play one response (parallel calls included). A call
+keeps the ``id`` the API gave it (stored on the call and as ``tool_call_id`` on its result); a call
+from the item's history, or one a local model wrote as ``<|tool_call|>{json}`` text, gets
+``call_<message index>``.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from distillgates.data.tools import canonical_call, parse_tool_call
+from distillgates.teacher.base import TurnResult
 from distillgates.tokenizer import END, TOOL_CALL
 
 
@@ -109,3 +112,22 @@ def chat_messages(messages: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]
         else:
             out.append({"role": role, "content": message.get("content") or ""})
     return out
+
+
+def call_turns(turn: TurnResult) -> list[str]:
+    """The assistant turns (chat format, no ``<|end|>``) one response stands for: its text, then one
+    ``<|tool_call|>{json}`` turn per further parallel call; the eval loop answers each in order."""
+    return [turn.text] + [TOOL_CALL + call_text(c["name"], c["arguments"]) for c in turn.tool_calls[1:]]
+
+
+def turn_messages(turn: TurnResult, results: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
+    """The messages a response and the tool results of its calls add to the conversation: the
+    API's assistant message with its calls (ids kept) and one ``tool`` message per result, answering
+    its call by id; a local teacher's turn stays chat-format text (its call is in ``content``)."""
+    contents = [json.dumps(r, separators=(",", ":"), ensure_ascii=False) for r in results]
+    if not turn.tool_calls:
+        return [{"role": "assistant", "content": turn.text}, *({"role": "tool", "content": c} for c in contents)]
+    preamble = turn.text.split(TOOL_CALL, 1)[0]
+    calls = [dict(c) for c in turn.tool_calls]
+    answers = [{"role": "tool", "tool_call_id": c["id"], "content": content} for c, content in zip(calls, contents)]
+    return [{"role": "assistant", "content": preamble, "tool_calls": calls}, *answers]
