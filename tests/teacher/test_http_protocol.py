@@ -177,9 +177,12 @@ def test_openai_messages_round_trip_the_renderers_form():
                  {"role": "assistant", "content": 'P<|tool_call|>{"name":"a","arguments":{}}'},
                  {"role": "tool", "content": "{}"}]  # fmt: skip
     assert openai_messages(text_call)[1]["tool_calls"][0]["id"] == openai_messages(text_call)[2]["tool_call_id"]
-    with pytest.raises(ValueError, match=r"messages\[2\]: a tool result that answers no tool call"):
-        openai_messages([{"role": "user", "content": "U"}, {"role": "assistant", "content": "x<|tool_call|>{"},
-                         {"role": "tool", "content": "{}"}])  # fmt: skip
+    broken = [{"role": "user", "content": "U"}, {"role": "assistant", "content": "x<|tool_call|>{"},
+              {"role": "tool", "content": '{"error":"invalid tool call JSON"}'}]  # fmt: skip
+    assert openai_messages(broken)[1]["tool_calls"][0]["function"] == {"name": "", "arguments": "{"}
+    assert chat_messages(openai_messages(broken)) == broken  # the server renders what the model wrote
+    with pytest.raises(ValueError, match=r"messages\[1\]: a tool result that answers no tool call"):
+        openai_messages([{"role": "user", "content": "U"}, {"role": "tool", "content": "{}"}])
 
 
 def test_evaluating_an_api_teacher_plays_its_parallel_calls(tiny_teacher_dir, toy_items, client_for):

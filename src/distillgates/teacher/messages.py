@@ -53,7 +53,9 @@ def openai_messages(messages: Sequence[Mapping[str, Any]]) -> list[dict[str, Any
     """The renderer's messages as OpenAI chat messages (module docstring).
 
     A ``tool`` message without ``tool_call_id`` answers the oldest call of the assistant message
-    before it that is not answered yet (the data reader's and the eval loop's order).
+    before it that is not answered yet (the data reader's and the eval loop's order). A call written
+    as ``<|tool_call|>`` text that does not parse (a project-format model) becomes a call with an
+    empty name and the raw text as its arguments, so its error result still answers an id.
 
     Raises:
         ValueError: a tool result that answers no call (naming the message index).
@@ -64,17 +66,15 @@ def openai_messages(messages: Sequence[Mapping[str, Any]]) -> list[dict[str, Any
         role, content = message["role"], message.get("content") or ""
         calls = list(message.get("tool_calls") or [])
         if role == "assistant" and not calls and TOOL_CALL in content:  # a local model's call, written as text
-            before, body = content.split(TOOL_CALL, 1)
-            call = parse_tool_call(body.split(END, 1)[0])
-            if call is not None:
-                content, calls = before, [call]
+            content, body = content.split(TOOL_CALL, 1)
+            body = body.split(END, 1)[0]
+            calls = [parse_tool_call(body) or {"name": "", "arguments": body}]  # unparsable: no name, raw text
         if role == "assistant" and calls:
-            wire = [
-                {"id": str(c.get("id") or f"call_{i}" + (f"_{j}" if j else "")), "type": "function",
-                 "function": {"name": c["name"], "arguments": _arguments(c["arguments"])}}
-                for j, c in enumerate(calls)
-            ]  # fmt: skip
-            pending = [c["id"] for c in wire]
+            ids = [str(c.get("id") or f"call_{i}" + (f"_{j}" if j else "")) for j, c in enumerate(calls)]
+            wire = [{"id": call_id, "type": "function",
+                     "function": {"name": c["name"], "arguments": _arguments(c["arguments"])}}
+                    for call_id, c in zip(ids, calls)]  # fmt: skip
+            pending = ids
             out.append({"role": "assistant", "content": content or None, "tool_calls": wire})
         elif role == "tool":
             call_id = message.get("tool_call_id") or (pending[0] if pending else None)
@@ -105,8 +105,11 @@ def chat_messages(messages: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]
         elif role == "tool":
             function = calls[message["tool_call_id"]]
             parsed = parse_tool_call(call_text(function["name"], function["arguments"]))
-            call = {"name": function["name"], "arguments": parsed["arguments"] if parsed else function["arguments"]}
-            out.append({"role": "assistant", "content": content, "tool_calls": [call]})
+            if not function["name"]:  # an unparsable call (openai_messages): the text the model wrote
+                out.append({"role": "assistant", "content": content + TOOL_CALL + function["arguments"]})
+            else:
+                call = {"name": function["name"], "arguments": parsed["arguments"] if parsed else function["arguments"]}
+                out.append({"role": "assistant", "content": content, "tool_calls": [call]})
             out.append({"role": "tool", "content": message.get("content") or ""})
             content = ""  # the preamble belongs to the first call only
         else:
