@@ -6,7 +6,10 @@ Per item the teacher plays the whole assistant side through the eval loop
 turn up to ``<|end|>``; a tool call gets its result injected
 (``<|tool_result|>..<|end|><|assistant|>``, exactly as the runtime broker does) and the teacher
 goes on, until it answers (then ``<|eos|>``), runs out of tokens, or has made ``teacher.max_turns``
-calls. The conversations of a chunk advance together: one batched teacher request per turn.
+calls. The conversations of a chunk advance together: one batched teacher request per turn. An API
+teacher gets the item's tools with every request and its structured ``tool_calls`` back; parallel
+calls of one response are played one per turn (call, result, call, result: the data reader's
+layout) and the next request answers them by ``tool_call_id`` (:mod:`.messages`).
 
 Record (one JSON line per item, after a header line)::
 
@@ -21,7 +24,9 @@ Record (one JSON line per item, after a header line)::
   ``completion_ids[i]``; it is ``[]`` where the teacher gave none: injected tool results,
   ``<|eos|>``, the ``<|end|>`` of an API teacher (stop sequences are not reported), and every
   token of an API turn whose tokens do not map onto our vocabulary (text-only KD; see
-  :mod:`distillgates.teacher.http`). Log-probs are rounded to 5 decimals.
+  :mod:`distillgates.teacher.http`). Log-probs are rounded to 5 decimals. A set built with
+  ``teacher.api.logprobs: false`` has ``"logprobs": false`` in its header and no top-k at all:
+  training then uses sequence-level KD on ``completion_text`` (:mod:`distillgates.train.data`).
 - ``calls`` (parsed, ``None`` where unparsable), ``answer``, ``fixture_hits`` (per call; ``None``
   for an unparsable one) come from the eval loop; ``finish`` is ``stop`` (answered), ``length``
   (a turn hit ``max_new_tokens``) or ``max_turns``.
