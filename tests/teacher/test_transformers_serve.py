@@ -128,8 +128,8 @@ def _free_port() -> int:
 
 @pytest.fixture(scope="module")
 def served(tmp_path_factory, toy_items):
-    """``(base_url, model_dir, multi item)`` of a ``transformers serve`` process on loopback."""
-    pytest.importorskip("fastapi", reason="transformers serve needs `pip install transformers[serving]` (dev extra)")
+    """``(base_url, model_dir, multi item)`` of a ``transformers serve`` process on loopback (it needs
+    the dev extra ``transformers[serving]``; without it the process exits and the log says so)."""
     tmp_path = tmp_path_factory.mktemp("serve")
     multi = next(it for it in toy_items if it["kind"] == "multi")
     corpus = [json.dumps(t) for it in toy_items for t in item_tools(it)]
