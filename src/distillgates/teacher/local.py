@@ -167,9 +167,16 @@ class LocalTeacher:
         ]
 
     def complete(
-        self, messages: list[dict[str, Any]], *, max_new_tokens: int, top_k: int, temperature: float = 0.0
+        self,
+        messages: list[dict[str, Any]],
+        *,
+        max_new_tokens: int,
+        top_k: int,
+        temperature: float = 0.0,
+        tools: list[dict[str, Any]] | None = None,
     ) -> TurnResult:
-        """One assistant turn for chat messages, stopping at ``<|end|>``."""
+        """One assistant turn for chat messages, stopping at ``<|end|>`` (``tools`` is not used: the
+        system prompt lists them, in the chat format the model was trained on)."""
         return self.complete_batch([messages], max_new_tokens=max_new_tokens, top_k=top_k, temperature=temperature)[0]
 
     def complete_batch(
