@@ -283,3 +283,24 @@ def test_own_data_runs_the_whole_pipeline(tmp_path: Path, chat_template: str) ->
     outputs = [json.loads(line) for line in (run_dir / "eval" / "outputs.jsonl").read_text().splitlines()]
     assert {o["id"] for o in outputs} == {item["id"] for item in items}
     assert report["quality"]["student"]["n"] == len(items)
+
+
+def test_student_and_drafter_fingerprints_cover_the_init_checkpoint_files(tmp_path: Path) -> None:
+    """A checkpoint replaced in place (``train.init_from: hf:<dir>``) re-trains student and drafter."""
+    checkpoint = tmp_path / "ckpt"
+    checkpoint.mkdir()
+    (checkpoint / "config.json").write_text("{}")
+    (checkpoint / "model.safetensors").write_bytes(b"weights v1")
+    cfg = yaml.safe_load(tiny_config(tmp_path).read_text())
+    for section in ("train", "drafter_train"):  # the drafter trains with drafter_train when the config has one
+        if section == "train" or cfg.get(section):
+            cfg.setdefault(section, {})["init_from"] = f"hf:{checkpoint}"
+    (tmp_path / "hf.yaml").write_text(yaml.safe_dump(cfg))
+    config = load_config(tmp_path / "hf.yaml")
+    steps = [s for s in STEPS if s.name in ("student", "drafter")]
+    before = [Pipeline(config, tmp_path / "run").fingerprint(s) for s in steps]
+    assert all(str(checkpoint / "model.safetensors") in Pipeline(config, tmp_path / "run").inputs(s)["files"]
+               for s in steps)
+    (checkpoint / "model.safetensors").write_bytes(b"weights v2")
+    assert all(a != b for a, b in zip(before, [Pipeline(config, tmp_path / "run").fingerprint(s) for s in steps],
+                                      strict=True))

@@ -223,6 +223,9 @@ class APIConfig:
     determinism: bool = False  # temperature 0, top_p 1, no retries; any retry is an error
     backoff_base_s: float = 0.5  # full-jitter exponential backoff base and cap
     backoff_max_s: float = 30.0
+    # ask for top-k log-probs (``logprobs``/``top_logprobs``); false for servers without them: the KD
+    # set then holds the teacher's text only and training uses sequence-level KD on it
+    logprobs: bool = True
 
 
 @dataclass

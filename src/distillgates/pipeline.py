@@ -31,7 +31,7 @@ from typing import Any
 from rich.console import Console
 
 from distillgates.codeversion import step_code
-from distillgates.config import Config, load_config, sha256_json, to_dict
+from distillgates.config import Config, TrainConfig, load_config, sha256_json, to_dict
 from distillgates.io import atomic_write_json, sha256_file
 from distillgates.rundir import RunDir
 
@@ -425,6 +425,12 @@ def _data_files(cfg: Config) -> tuple[Path, ...]:
     return input_files(cfg)
 
 
+def _checkpoint_files(train: TrainConfig | None) -> tuple[Path, ...]:
+    """The files of an ``init_from: hf:<dir>`` checkpoint: a checkpoint replaced in place re-trains."""
+    folder = train.hf_init_dir if train is not None else None
+    return tuple(sorted(p for p in folder.rglob("*") if p.is_file())) if folder is not None and folder.is_dir() else ()
+
+
 def _teacher_outputs(cfg: Config, run: RunDir) -> tuple[Path, ...]:
     if cfg.teacher is not None and cfg.teacher.kind == "openai":
         return ()
@@ -443,10 +449,11 @@ STEPS: list[Step] = [
          resumable=True),
     Step("student", "distill the student (KD + latency-aware losses, enumerated shapes, late QAT)",
          ("student", "train", "shapes", "speed.n_prompts"), ("data", "teacher", "kd"), step_student,
-         lambda cfg, run: (run.model_dir("student"),), resumable=True),
+         lambda cfg, run: (run.model_dir("student"),), resumable=True, files=lambda cfg: _checkpoint_files(cfg.train)),
     Step("drafter", "distill the drafter for speculative decoding",
          ("drafter", "drafter_train", "train", "shapes", "speed.n_prompts"), ("data", "teacher", "kd"), step_drafter,
-         lambda cfg, run: (run.model_dir("drafter"),), resumable=True),
+         lambda cfg, run: (run.model_dir("drafter"),), resumable=True,
+         files=lambda cfg: _checkpoint_files(cfg.drafter_train or cfg.train)),
     Step("export", "export the student to Core ML (prefill + stateful decode), lint, parity",
          ("export", "shapes", "gates"), ("data", "student"), step_export, lambda cfg, run: (run.export_dir,)),
     Step("speed", "measure TTFT/TPS/TTFA, prompt cache and speculative decoding", ("speed",),

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import pytest
@@ -94,8 +95,8 @@ def test_bless_refuses_a_value_that_is_not_a_finite_number(tmp_path, value):
 
 def test_bless_refuses_speed_samples_that_are_not_finite(tmp_path):
     gate, _ = make_gate(tmp_path, bless=True)
-    with pytest.raises(GateFailure, match=r"refusing to bless: quality/ttft: ttft has non-finite samples \[inf\]"):
-        speed_gate(gate, SpeedRounds(Steady([1.0] * 7 + [INF]), samples=8, looks=1))  # a finite median, one inf
+    with pytest.raises(GateFailure, match=r"refusing to bless: quality/ttft: ttft has non-finite samples \[inf, inf\]"):
+        speed_gate(gate, SpeedRounds(processes([1.0] * 7 + [INF]), samples=8, workers=2, looks=1))  # one inf each
     assert gate.context.store.staged == {}
 
 
@@ -122,15 +123,34 @@ def test_hardware_mismatch_refuses_hardware_dependent_baselines(tmp_path):
 
 
 class Steady:
-    """A synthetic arm: TTFT samples cycling through ``values`` times ``factor`` (TPS the inverse)."""
+    """A synthetic worker process: TTFT samples cycling through ``values`` times ``factor`` (TPS the inverse)."""
 
-    def __init__(self, values: list[float], factor: float = 1.0) -> None:
-        self.values, self.factor, self.calls = values, factor, 0
+    def __init__(self, values: list[float], factor: float = 1.0, log: list[str] | None = None, name: str = "") -> None:
+        self.values, self.factor, self.calls, self.log, self.name = values, factor, 0, log, name
+        self.closed = False
 
     def measure(self, n: int) -> dict[str, list[float]]:
+        assert not self.closed
+        if self.log is not None:
+            self.log.append(self.name)
         ttft = [self.factor * self.values[(self.calls + i) % len(self.values)] for i in range(n)]
         self.calls += n
         return {"ttft_ms": ttft, "tps": [1000.0 / t for t in ttft]}
+
+    def close(self) -> None:
+        self.closed = True
+
+
+def processes(values: list[float], factors: list[float] = [1.0]) -> Any:  # noqa: B006 (read only)
+    """A factory of synthetic worker processes, the i-th with ``factors[i % len(factors)]`` (its lasting offset)."""
+    started: list[Steady] = []
+
+    def start() -> Steady:
+        started.append(Steady(values, factors[len(started) % len(factors)]))
+        return started[-1]
+
+    start.started = started  # type: ignore[attr-defined]
+    return start
 
 
 STEADY = [10.0, 10.1, 9.9, 10.2, 9.8, 10.0, 10.1, 9.9, 10.05, 9.95]
@@ -143,63 +163,96 @@ def speed_gate(gate: Gate, rounds: SpeedRounds) -> Any:
 
 
 def test_speed_gate_blesses_the_reference_and_compares_interleaved(tmp_path):
-    settings = SpeedSettings(samples=16, max_extra_rounds=1)
+    settings = SpeedSettings(samples=16, workers=3, max_extra_rounds=1)
     gate, _ = make_gate(tmp_path, bless=True, speed=settings)
-    speed_gate(gate, SpeedRounds(Steady(STEADY), samples=16, looks=2, record=lambda: RECORD))
+    speed_gate(gate, SpeedRounds(processes(STEADY), samples=16, workers=3, looks=2, record=lambda: RECORD))
     gate.context.store.commit()
     entry = gate.context.store.load("quality", "ttft", hardware_dependent=True, run_fingerprints=RUN)
-    assert entry.provenance["speed_reference"] == RECORD and len(entry.samples) == 32  # every look's round
+    assert entry.provenance["speed_reference"] == RECORD
+    assert [len(group) for group in entry.samples] == [16] * 6  # per worker process, every look's round
 
     gate, _ = make_gate(tmp_path, speed=settings)
     started = []
 
     def reference(record, rebless):
         started.append(record)
-        return Steady(STEADY)
+        return processes(STEADY)
 
-    same = SpeedRounds(Steady(STEADY), samples=16, looks=2, reference=reference)
+    same = SpeedRounds(processes(STEADY), samples=16, workers=3, looks=2, reference=reference)
     assert speed_gate(gate, same).verdict == "pass" and started == [RECORD]
     with pytest.raises(GateFailure, match="significant regression"):
-        speed_gate(gate, SpeedRounds(Steady(STEADY, 1.3), samples=16, looks=2, reference=reference))
-    # every other candidate block twice as slow, the others twice as fast: median +25%, not significant
+        speed_gate(gate, SpeedRounds(processes(STEADY, [1.3]), samples=16, workers=3, looks=2, reference=reference))
+    # candidate processes alternately 10% faster and 50% slower: +16% overall, too spread to be significant
     with pytest.raises(GateInconclusive, match=r"INCONCLUSIVE.*look 2 of at most 2"):
-        speed_gate(gate, SpeedRounds(Steady([5.0] * 8 + [20.0] * 8), samples=16, looks=2,
-                                     reference=lambda record, rebless: Steady([10.0])))
+        speed_gate(gate, SpeedRounds(processes(STEADY, [0.9, 1.5]), samples=16, workers=2, looks=2,
+                                     reference=reference))
 
 
 def test_speed_gate_without_a_recorded_reference_fails_with_the_rebless_command(tmp_path):
-    gate, _ = make_gate(tmp_path, bless=True, speed=SpeedSettings(samples=8, max_extra_rounds=0),
+    gate, _ = make_gate(tmp_path, bless=True, speed=SpeedSettings(samples=8, workers=2, max_extra_rounds=0),
                         bless_command=lambda nodeid: "pytest gates/test_speed.py --bless -m speed")
-    speed_gate(gate, SpeedRounds(Steady(STEADY), samples=8, looks=1))  # no record: blessed in stored mode
+    speed_gate(gate, SpeedRounds(processes(STEADY), samples=8, workers=2, looks=1))  # no record: stored mode
     gate.context.store.commit()
     gate, _ = make_gate(tmp_path, bless_command=lambda nodeid: "pytest gates/test_speed.py --bless -m speed")
-    rounds = SpeedRounds(Steady(STEADY), samples=8, looks=1, reference=lambda record, rebless: Steady(STEADY))
+    rounds = SpeedRounds(processes(STEADY), samples=8, workers=2, looks=1,
+                         reference=lambda record, rebless: processes(STEADY))
     with pytest.raises(GateFailure, match=r"no re-runnable reference.*re-bless: pytest gates/test_speed.py --bless"):
         speed_gate(gate, rounds)
-    assert speed_gate(gate, SpeedRounds(Steady(STEADY), samples=8, looks=1)).verdict == "pass"  # stored mode
+    assert speed_gate(gate, SpeedRounds(processes(STEADY), samples=8, workers=2, looks=1)).verdict == "pass"
 
 
-def test_speed_rounds_alternate_abba_and_share_rounds_between_gates():
+def test_stored_mode_refuses_samples_blessed_without_processes(tmp_path):
+    gate, _ = make_gate(tmp_path, bless=True, bless_command=lambda nodeid: "pytest --bless")
+    speed_gate(gate, SpeedRounds(processes(STEADY), samples=8, workers=2, looks=1))
+    gate.context.store.commit()
+    (path,) = tmp_path.glob("p/quality.json")
+    data = json.loads(path.read_text())
+    data["entries"]["ttft"]["samples"] = [10.0] * 16  # flat, as blessed before samples were kept per process
+    path.write_text(json.dumps(data))
+    gate, _ = make_gate(tmp_path, bless_command=lambda nodeid: "pytest --bless")
+    with pytest.raises(GateFailure, match=r"no raw samples per worker process.*re-bless it: pytest --bless"):
+        speed_gate(gate, SpeedRounds(processes(STEADY), samples=8, workers=2, looks=1))
+
+
+def test_speed_rounds_measure_fresh_process_pairs_abba_and_share_rounds_between_gates():
     order: list[str] = []
+    made: list[Steady] = []
 
-    class Named(Steady):
-        def __init__(self, name: str) -> None:
-            super().__init__(STEADY)
-            self.name = name
+    def named(name: str) -> Any:
+        def start() -> Steady:
+            made.append(Steady(STEADY, log=order, name=name))
+            return made[-1]
+        return start
 
-        def measure(self, n: int) -> dict[str, list[float]]:
-            order.append(self.name)
-            return super().measure(n)
-
-    rounds = SpeedRounds(Named("C"), samples=24, looks=3, reference=lambda record, rebless: Named("R"))
+    rounds = SpeedRounds(named("C"), samples=24, workers=2, looks=3, reference=lambda record, rebless: named("R"))
     rounds.use_reference(RECORD, "rebless")
     reference, candidate = rounds.after(1, "ttft_ms")
-    assert "".join(order) == "CR" + "RCCRRC"  # a warm-up block each, then ABBA blocks of 8
-    assert [len(b) for b in reference] == [len(b) for b in candidate] == [8, 8, 8]
+    # per pair: a warm-up block each, then blocks of 8 in ABBA BAAB order; two pairs, each fresh processes
+    assert "".join(order) == ("RC" + "RCCRCR") * 2
+    assert len(made) == 4 and all(p.closed for p in made)
+    assert [len(g) for g in reference] == [len(g) for g in candidate] == [24, 24]
     rounds.after(2, "ttft_ms")
-    assert rounds.after(1, "ttft_ms")[1] == candidate and len(rounds.after(2, "tps")[1]) == 6  # exactly k rounds
+    assert len(made) == 8
+    assert rounds.after(1, "ttft_ms")[1] == candidate and len(rounds.after(2, "tps")[1]) == 4  # exactly k rounds
     with pytest.raises(StaleReference, match="another reference"):
         rounds.use_reference({**RECORD, "code": {"commit": "d" * 40}}, "rebless")
+
+
+def test_speed_rounds_close_every_process_when_a_worker_fails():
+    made: list[Steady] = []
+
+    class Broken(Steady):
+        def measure(self, n: int) -> dict[str, list[float]]:
+            raise RuntimeError("worker died")
+
+    def start() -> Steady:
+        made.append(Broken(STEADY) if len(made) == 1 else Steady(STEADY))
+        return made[-1]
+
+    rounds = SpeedRounds(start, samples=8, workers=3, looks=1)
+    with pytest.raises(RuntimeError, match="worker died"):
+        rounds.after(1, "ttft_ms")
+    assert len(made) == 3 and all(p.closed for p in made)
 
 
 def test_paired_no_regression_blesses_items_and_compares_item_by_item(tmp_path):

@@ -170,17 +170,19 @@ def project_file(root: Path, setting: str, relpath: str, text: str) -> Path:
 SPEED_OVERRIDE = '''
 import pytest
 
-# --- test override: synthetic speed arms (the gate statistics are what is under test) ---
+# --- test override: synthetic speed worker processes (the gate statistics are what is under test) ---
 import random as _random
 
 SLOWDOWN = {slowdown!r}
 NOISE = {noise!r}
 TAIL = {tail!r}
+PROCESSES = {processes!r}
 
 
 class _SyntheticArm:
-    """TTFT ~10 ms and TPS ~100 tokens/s times ``factor`` (TPS divided); every 10th request ``tail`` times slower
-    in TTFT (a regression of the slow tail only). ``noise``: a log-normal sigma, or a fixed list of factors."""
+    """One synthetic worker process: TTFT ~10 ms and TPS ~100 tokens/s times ``factor`` (TPS divided); every 10th
+    request ``tail`` times slower in TTFT (a regression of the slow tail only). ``noise``: a log-normal sigma, or a
+    fixed list of factors."""
 
     def __init__(self, factor, tail, seed, noise):
         self.factor, self.tail, self.rng, self.noise, self.calls = factor, tail, _random.Random(seed), noise, 0
@@ -197,15 +199,29 @@ class _SyntheticArm:
             self.calls += 1
         return {{"ttft_ms": ttft, "tps": tps}}
 
+    def close(self):
+        pass
+
+
+def _processes(factor, tail, seed, noise, offsets=(1.0,)):
+    """Starts synthetic processes; the i-th has the lasting offset ``offsets[i % len(offsets)]``."""
+    started = [0]
+
+    def start():
+        started[0] += 1
+        return _SyntheticArm(factor * offsets[started[0] % len(offsets)], tail, 1000 * seed + started[0], noise)
+
+    return start
+
 
 @pytest.fixture(scope="session")
 def speed_candidate():
-    return _SyntheticArm(SLOWDOWN, TAIL, SLOWDOWN, NOISE)
+    return _processes(SLOWDOWN, TAIL, 1, NOISE, PROCESSES)
 
 
 @pytest.fixture(scope="session")
 def speed_reference():
-    return lambda record, rebless: _SyntheticArm(1.0, 1.0, 7, 0.02)
+    return lambda record, rebless: _processes(1.0, 1.0, 7, 0.02)
 
 
 @pytest.fixture(scope="session")
@@ -223,17 +239,20 @@ def own_profile() -> str:
 def gates_project(pytester: pytest.Pytester) -> Callable[..., Path]:
     """Copy the shipped checklist into ``gates/`` of the pytester dir, so tests name its files by short paths
     (``gates/test_privacy.py``); its fixtures come from the plugin as in any project. ``slowdown`` adds a
-    ``gates/conftest.py`` that swaps in synthetic speed arms (``noise``, ``tail``). (The shipped checklist
+    ``gates/conftest.py`` that swaps in synthetic speed worker processes (``noise``, ``tail``, per-process
+    ``processes`` offsets). (The shipped checklist
     collected in place: tests/plugin/test_checklist.py.)
     """
 
-    def make(slowdown: float | None = None, noise: float | list[float] = 0.02, tail: float = 1.0) -> Path:
+    def make(slowdown: float | None = None, noise: float | list[float] = 0.02, tail: float = 1.0,
+             processes: tuple[float, ...] = (1.0,)) -> Path:
         target = pytester.path / "gates"
         target.mkdir(exist_ok=True)
         for path in CHECKLIST_DIR.glob("test_*.py"):
             shutil.copy(path, target / path.name)
         if slowdown is not None:
-            (target / "conftest.py").write_text(SPEED_OVERRIDE.format(slowdown=slowdown, noise=noise, tail=tail))
+            (target / "conftest.py").write_text(SPEED_OVERRIDE.format(slowdown=slowdown, noise=noise, tail=tail,
+                                                                      processes=processes))
         # hypothesis/benchmark/xdist cost ~4 s per in-process run and are not needed by the gates
         pytester.makeini("[pytest]\naddopts = -p no:cacheprovider -p no:hypothesispytest -p no:benchmark -p no:xdist "
                          "--import-mode=importlib\n")

@@ -45,7 +45,7 @@ def blessed(pytester, gates_project, live_run, own_profile, monkeypatch):
     gates_project()
     project_file(pytester.path, "thresholds", "configs/gates.yaml", "gates:\n  speed_regression_max: 0.5\n")
     args = ["gates/test_speed.py", "-m", "speed", f"--run-dir={live_run}", f"--hw-profile={own_profile}",
-            "--speed-samples=16", "--speed-max-rounds=1", "--gate-report=r.json"]
+            "--speed-samples=16", "--speed-workers=3", "--speed-max-rounds=1", "--gate-report=r.json"]
     pytester.runpytest(*args, "--bless").assert_outcomes(passed=4)
     return args
 

@@ -1,4 +1,4 @@
-"""Speed gates and their options: -m speed, --speed-mode, --speed-samples, --speed-max-rounds,
+"""Speed gates and their options: -m speed, --speed-mode, --speed-samples, --speed-workers, --speed-max-rounds,
 --speed-inconclusive. The arms are synthetic (log-normal noise, seeded; tests/plugin/conftest.py) so the gate
 statistics and the plugin wiring are what is tested; the real workers are exercised by test_speed_live.py,
 and the gates' power on the real path by benchmarks/bench_speed_gate_power.py."""
@@ -32,7 +32,7 @@ def test_a_a_passes_and_a_slower_engine_fails_in_the_default_ab_mode(pytester, g
     assert sorted(data["entries"]) == GATE_KEYS
     entry = data["entries"]["ttft_ms.p50"]
     assert entry["provenance"]["speed_reference"] == {"code": {"commit": "synthetic"}, "artifacts": {}}
-    assert len(entry["samples"]) == 64 * 4  # --speed-samples default, every look's round
+    assert [len(group) for group in entry["samples"]] == [24] * 6 * 4  # defaults: 6 processes x 24, every look
     args = [SPEED, "-m", "speed", f"--run-dir={run}", f"--hw-profile={own_profile}", "--gate-report=report.json"]
     gates_project(slowdown=1.0)
     pytester.runpytest(*args).assert_outcomes(passed=4)
@@ -54,18 +54,19 @@ def test_a_regression_only_in_the_tail_fails_the_p95_gate(pytester, gates_projec
     result.stdout.fnmatch_lines(["*gate speed/ttft_ms.p95 FAILED*q0.95 slowdown*"])
 
 
-def test_speed_samples(pytester, gates_project, make_run, own_profile):
-    data = bless(pytester, gates_project, make_run(), own_profile, "--speed-samples=16", "--speed-max-rounds=1")
-    assert all(len(entry["samples"]) == 32 for entry in data["entries"].values())
+def test_speed_samples_and_workers(pytester, gates_project, make_run, own_profile):
+    data = bless(pytester, gates_project, make_run(), own_profile, "--speed-samples=16", "--speed-workers=3",
+                 "--speed-max-rounds=1")
+    assert all([len(g) for g in entry["samples"]] == [16] * 6 for entry in data["entries"].values())
 
 
 def test_inconclusive_skips_locally_and_fails_under_ci(pytester, gates_project, make_run, own_profile, monkeypatch):
     run = make_run()
     bless(pytester, gates_project, run, own_profile, "--speed-samples=16")
-    # every other block of 8 requests twice as slow, the others twice as fast: median +25%, never significant
-    gates_project(slowdown=1.0, noise=[0.5] * 8 + [2.0] * 8)
+    # candidate processes alternately 10% faster and 50% slower: +16%, too spread over 4 pairs to be significant
+    gates_project(slowdown=1.0, processes=(0.9, 1.5))
     args = [SPEED, "-m", "speed", f"--run-dir={run}", f"--hw-profile={own_profile}", "--speed-samples=16",
-            "--speed-max-rounds=1", "-rs", "-k", "ttft_ms-p50"]
+            "--speed-workers=2", "--speed-max-rounds=1", "-rs", "-k", "ttft_ms-p50"]
     monkeypatch.delenv("CI", raising=False)
     result = pytester.runpytest(*args)
     result.assert_outcomes(skipped=1, deselected=3)
@@ -85,7 +86,7 @@ def test_stored_mode_compares_with_the_blessed_samples(pytester, gates_project, 
     pytester.runpytest(*args).assert_outcomes(failed=4)
     gates = json.loads((pytester.path / "report.json").read_text())["gates"]
     assert {g["details"]["mode"] for g in gates} == {"stored"}
-    assert all(len(g["details"]["reference_samples"]) == 64 * 4 for g in gates)  # the blessed samples
+    assert all(len(g["details"]["reference_samples"]) == 24 * 6 * 4 for g in gates)  # the blessed samples
     gates_project(slowdown=1.0)
     pytester.runpytest(*args).assert_outcomes(passed=4)
 
@@ -115,12 +116,12 @@ profiles:
 
 def test_the_profile_gating_policy_sets_threshold_and_min_samples(pytester, gates_project, make_run, own_profile):
     """The project's hardware profiles: the selected profile's gating.max_regression is the threshold and
-    gating.min_samples the least samples per round (a 20% slowdown fails at 5%, passes at 30%)."""
+    gating.min_samples the least samples per worker process (a 20% slowdown fails at 5%, passes at 30%)."""
     run, key = make_run(), "test-box"  # the project's profiles file: this machine is a "test-box"
     profiles = project_file(pytester.path, "hardware_profiles", "configs/hardware_profiles.yaml",
                             _profile_yaml(key, 0.30, 30))
     data = bless(pytester, gates_project, run, key, "--speed-samples=16", "--speed-max-rounds=0")
-    assert len(data["entries"]["ttft_ms.p50"]["samples"]) == 30  # raised to the profile's min_samples
+    assert [len(g) for g in data["entries"]["ttft_ms.p50"]["samples"]] == [30] * 6  # the profile's min_samples
     args = [SPEED, "-m", "speed", f"--run-dir={run}", f"--hw-profile={key}"]
     gates_project(slowdown=1.2)
     pytester.runpytest(*args).assert_outcomes(passed=4)

@@ -93,7 +93,13 @@ class ReplayTeacher:
         self.calls = 0
 
     def complete(
-        self, messages: list[dict[str, Any]], *, max_new_tokens: int, top_k: int, temperature: float = 0.0
+        self,
+        messages: list[dict[str, Any]],
+        *,
+        max_new_tokens: int,
+        top_k: int,
+        temperature: float = 0.0,
+        tools: list[dict[str, Any]] | None = None,
     ) -> TurnResult:
         self.calls += 1
         text = self.turns[messages[1]["content"]][sum(m["role"] == "tool" for m in messages)]

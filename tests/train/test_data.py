@@ -71,3 +71,35 @@ def test_kd_record_loses_the_same_preamble(artifacts: dict[str, Any]) -> None:
     assert row.kd_ids[0] == record["topk_ids"][cut] and len(row.kd_ids) > 1
     plain = build_row(item, tok, WIDE, kd=record)
     assert plain.kd_ids[0] == record["topk_ids"][0] and plain.teacher_len == row.teacher_len
+
+
+def test_a_kd_set_without_logprobs_trains_on_the_teachers_text(artifacts: dict[str, Any], tmp_path) -> None:
+    """Sequence-level KD: header ``logprobs: false`` -> the row is the prompt + the teacher's text
+    (student tokens), CE over its assistant turns; an unfinished conversation keeps the reference."""
+    import json
+
+    from distillgates.data.chat import render_prompt
+    from distillgates.train.data import read_kd_set
+
+    tok = artifacts["tokenizer"]
+    lines = artifacts["kd_path"].read_text(encoding="utf-8").splitlines()
+    header = json.loads(lines[0])  # a set with top-k (no "logprobs" field: written before the switch)
+    assert not any(r["sequence_level"] for r in read_kd_set(artifacts["kd_path"]).values())
+    text_only = tmp_path / "kd.jsonl"
+    text_only.write_text("\n".join([json.dumps({**header, "logprobs": False}), *lines[1:]]) + "\n", encoding="utf-8")
+    records = read_kd_set(text_only)
+    item = next(i for i in artifacts["train"] if i["kind"] == "single")
+    record = records[item["id"]] | {"finish": "stop"}
+    answer = item["reference"].rsplit("<|assistant|>", 1)[1]
+    teacher_text = item["reference"].removesuffix(answer) + "Teacher wording here.<|end|><|eos|>"
+    record["completion_text"] = teacher_text
+    row = build_row(item, tok, WIDE, kd=record)
+    assert record["sequence_level"] and row.kd_ids == [] and row.process == []
+    assert tok.decode(row.ids[: row.prompt_len]) == render_prompt(item)
+    assert tok.decode(row.ids[row.prompt_len :]) == teacher_text
+    batch = collate([row], *_ids(tok))
+    trained = tok.decode([row.ids[q + 1] for q in batch.ce_mask[0].nonzero().flatten().tolist()])
+    assert "Teacher wording here.<|end|>" in trained and batch.kd_ids is None
+    assert "<|tool_result|>" not in trained  # injected tool results are not the model's to predict
+    unfinished = build_row(item, tok, WIDE, kd=record | {"finish": "length"})
+    assert tok.decode(unfinished.ids[unfinished.prompt_len :]) == item["reference"]

@@ -71,6 +71,30 @@ def test_items_without_a_kd_record_train_on_their_references(artifacts: dict[str
     assert len(steps) == 4 and all(r["ce"] > 0 for r in steps)
 
 
+def test_a_text_only_kd_set_trains_on_the_teachers_text(artifacts: dict[str, Any], tmp_path: Path) -> None:
+    """A KD set without log-probs (header ``logprobs: false``): rows are the teacher's completions
+    (sequence-level KD), no top-k term, and training runs on them."""
+    torch.set_num_threads(1)
+    lines = artifacts["kd_path"].read_text(encoding="utf-8").splitlines()
+    text_only = tmp_path / "kd.jsonl"
+    text_only.write_text("\n".join([json.dumps({**json.loads(lines[0]), "logprobs": False}), *lines[1:]]) + "\n")
+    records = read_kd_set(text_only)
+    cfg = artifacts["make_config"](len(artifacts["tokenizer"]), steps=3, lr=1e-2)
+    recipe = Recipe(
+        cfg.train, cfg.student, cfg.shapes, artifacts["tokenizer"], artifacts["train"], artifacts["eval"],
+        tmp_path / "out", kd_records=records, device="cpu", progress=False, speed_prompts=0,
+    )  # fmt: skip
+    recipe.setup()
+    finished = [row for row in recipe.rows if records[row.item["id"]]["finish"] == "stop"]
+    assert finished and all(not row.kd_ids for row in recipe.rows)
+    for row in finished:
+        completion = artifacts["tokenizer"].decode(row.ids[row.prompt_len :])
+        assert records[row.item["id"]]["completion_text"].startswith(completion)  # the teacher's text (maybe cut)
+    recipe.train()
+    steps = [r for r in _log(tmp_path / "out" / "train_log.jsonl") if "total" in r]
+    assert len(steps) == 3 and all(r["ce"] > 0 and r.get("kd", 0.0) == 0.0 for r in steps)
+
+
 def test_early_tool_loss_makes_tool_call_first(artifacts: dict[str, Any], tmp_path: Path) -> None:
     """With the early-tool loss, ``<|tool_call|>`` right after ``<|assistant|>`` gets likelier on
     verbose tool items (whose references start with a preamble) than with the same run without it."""

@@ -31,7 +31,6 @@ closing ``<|end|>`` excluded); ``None`` when no valid call was made.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -43,6 +42,7 @@ from distillgates.data.chat import ChatFormat, chat_format, item_system_prompt, 
 from distillgates.data.tools import item_tools, validate_call
 from distillgates.eval.broker import FixturePolicy, ToolBroker
 from distillgates.eval.fingerprints import directory_fingerprint, runner_fingerprint
+from distillgates.teacher.messages import call_turns, turn_messages
 
 
 @dataclass
@@ -332,7 +332,9 @@ class HFRunner:
 
 
 class TeacherSession:
-    """A conversation through ``teacher.complete(messages)`` in the project chat format."""
+    """A conversation through ``teacher.complete(messages, tools=...)``: the item's tools go with every
+    request; a response with several (parallel) tool calls is played one call per turn and the next
+    request answers them all (:mod:`distillgates.teacher.messages`)."""
 
     def __init__(self, teacher: Any, max_new_tokens: int, temperature: float) -> None:
         self.teacher = teacher
@@ -341,22 +343,29 @@ class TeacherSession:
         self.max_new_tokens = max_new_tokens
         self.temperature = temperature
         self.messages: list[dict[str, Any]] = []
+        self.tools: list[dict[str, Any]] | None = None
+        self.response: Any = None  # the last TurnResult
+        self.queued: list[str] = []  # its further parallel calls, not played yet
+        self.results: list[dict[str, Any]] = []  # the tool results of its calls so far
 
     def _complete(self) -> Turn:
         result = self.teacher.complete(
-            self.messages, max_new_tokens=self.max_new_tokens, top_k=1, temperature=self.temperature
+            self.messages, max_new_tokens=self.max_new_tokens, top_k=1, temperature=self.temperature, tools=self.tools
         )
-        self.messages.append({"role": "assistant", "content": result.text})
-        return Turn(text=result.text, tokens=int(result.completion_tokens), stopped=result.finish_reason == "stop")
+        self.response, self.results = result, []
+        first, *self.queued = call_turns(result)
+        return Turn(text=first, tokens=int(result.completion_tokens), stopped=result.finish_reason == "stop")
 
     def first_turn(self, item: Mapping[str, Any], prompt_text: str) -> Turn:
         self.messages = [dict(m) for m in item["messages"]]
+        self.tools = item_tools(item)
         return self._complete()
 
     def next_turn(self, results: list[dict[str, Any]]) -> Turn:
-        for result in results:
-            self.messages.append({"role": "tool", "content": json.dumps(result, separators=(",", ":"),
-                                                                        ensure_ascii=False)})  # fmt: skip
+        self.results += results
+        if self.queued:  # the next parallel call of the same response
+            return Turn(text=self.queued.pop(0), tokens=0, stopped=True)
+        self.messages += turn_messages(self.response, self.results)
         return self._complete()
 
 

@@ -117,7 +117,7 @@ class SpeedRounds:
         left, block = self.samples, 0
         while left > 0:
             n = min(BLOCK, left)
-            order = range(len(arms)) if block % 4 in (0, 3) else reversed(range(len(arms)))  # ABBA ABBA ...
+            order = range(len(arms)) if block % 4 in (0, 3) else reversed(range(len(arms)))  # ABBA BAAB ...
             for i in order:
                 for metric, values in arms[i][0].measure(n).items():
                     got[i][metric].extend(values)

@@ -5,8 +5,11 @@ Design choices:
   assistant turn from OpenAI-style messages. The KD builder drives multi-turn conversations
   through that one call, so the local HF teacher and an HTTP API teacher are interchangeable.
 - ``TurnResult.text`` never contains the stop token (OpenAI semantics: the stop sequence is not
-  part of the content). ``stop_topk_*`` carries the teacher's distribution at the stop position
-  when the teacher can give it (local teacher), so the student still learns when to stop.
+  part of the content). It is the turn in the project chat format: an API's structured
+  ``tool_calls`` are rendered there (``content<|tool_call|>{first call}``) and also kept as they
+  came in ``TurnResult.tool_calls`` (ids included), so the next request can answer them by id.
+- ``stop_topk_*`` carries the teacher's distribution at the stop position when the teacher can
+  give it (local teacher), so the student still learns when to stop.
 - Messages render through the one chat renderer, :func:`distillgates.data.chat.render_messages`.
 """
 
@@ -35,6 +38,9 @@ class TurnResult:
     completion_tokens: int
     stop_topk_ids: list[int] = field(default_factory=list)  # distribution at the stop position, if known
     stop_topk_logprobs: list[float] = field(default_factory=list)
+    # an API's structured calls, in order: [{"id", "name", "arguments" (the JSON string as returned)}];
+    # several are parallel calls of one assistant message. [] for a local teacher (calls are text).
+    tool_calls: list[dict[str, str]] = field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -51,5 +57,15 @@ class Teacher(Protocol):
     tokenizer: Any  # the student's tokenizer (PreTrainedTokenizerFast)
 
     def complete(
-        self, messages: list[dict[str, Any]], *, max_new_tokens: int, top_k: int, temperature: float = 0.0
-    ) -> TurnResult: ...
+        self,
+        messages: list[dict[str, Any]],
+        *,
+        max_new_tokens: int,
+        top_k: int,
+        temperature: float = 0.0,
+        tools: list[dict[str, Any]] | None = None,
+    ) -> TurnResult:
+        """One assistant turn. ``tools``: the item's tools (flat OpenAI function format,
+        :func:`distillgates.data.tools.item_tools`); an API teacher sends them, a local teacher reads
+        them from the system prompt."""
+        ...

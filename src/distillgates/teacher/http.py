@@ -12,9 +12,19 @@ Design choices:
 - The API key is read from the env var named by ``teacher.api.api_key_env`` into a
   :class:`Secret` whose ``repr``/``str`` are masked; every error message goes through
   :meth:`HTTPTeacher.redact`. It is sent only in the ``Authorization`` header.
-- Log-probs: API tokens map to local ids through their ``bytes`` (:mod:`.tokens`). If the
-  chosen tokens do not map, or their bytes do not spell the content, the turn is returned with
-  ``token_ids=None`` and no top-k (text-only KD for that turn); top-k alternatives that do not
+- The request is a real chat-completions request: the conversation as OpenAI chat messages
+  (:func:`.messages.openai_messages`: assistant ``tool_calls`` with ids and JSON-string arguments,
+  ``tool`` messages with the ``tool_call_id`` they answer), the item's ``tools`` in the
+  ``{"type": "function", "function": {...}}`` wrapper, and ``logprobs``/``top_logprobs`` unless
+  ``teacher.api.logprobs`` is false. The response's ``tool_calls`` (several: parallel calls) come
+  back in ``TurnResult.tool_calls`` with their ids; the first is also rendered into ``text`` in the
+  chat format (``content<|tool_call|>{call}``), the rest the KD builder plays as further turns.
+- Log-probs: a server that answers text without the log-probs it was asked for is an error (it
+  would leave a KD set with no teacher distribution that claims to have one): such a server needs
+  ``teacher.api.logprobs: false``. API tokens map to local ids through their ``bytes``
+  (:mod:`.tokens`). If there are none (``logprobs`` off), the chosen tokens do not map, or their bytes
+  do not spell the turn's text (a real API's tool-call markup is not ours), the turn is returned
+  with ``token_ids=None`` and no top-k (text-only KD for that turn); top-k alternatives that do not
   map are dropped (log-probs kept as reported, not renormalized).
 """
 
@@ -33,8 +43,8 @@ from typing import Any
 import httpx
 
 from distillgates.config import APIConfig
-from distillgates.data.tools import canonical_call
 from distillgates.teacher.base import TurnResult
+from distillgates.teacher.messages import call_text, openai_messages
 from distillgates.teacher.tokens import TokenBytes
 from distillgates.tokenizer import END, TOOL_CALL
 
@@ -158,26 +168,40 @@ class HTTPTeacher:
         return text.replace(key, "***") if key else text
 
     def payload(
-        self, messages: list[dict[str, Any]], *, max_new_tokens: int, top_k: int, temperature: float = 0.0
+        self,
+        messages: list[dict[str, Any]],
+        *,
+        max_new_tokens: int,
+        top_k: int,
+        temperature: float = 0.0,
+        tools: list[dict[str, Any]] | None = None,
     ) -> dict[str, Any]:
         """The request body (also the response-cache key material, with the model id)."""
         body: dict[str, Any] = {
             "model": self.model_name,
-            "messages": messages,
+            "messages": openai_messages(messages),
             "max_tokens": max_new_tokens,
             "temperature": temperature,
-            "logprobs": True,
-            "top_logprobs": top_k,
             "stop": [END],
         }
+        if tools:
+            body["tools"] = [{"type": "function", "function": dict(tool)} for tool in tools]
+        if self.cfg.logprobs:
+            body |= {"logprobs": True, "top_logprobs": top_k}
         if self.cfg.determinism:
             body |= {"temperature": 0.0, "top_p": 1.0, "seed": 0}
         return body
 
     def complete(
-        self, messages: list[dict[str, Any]], *, max_new_tokens: int, top_k: int, temperature: float = 0.0
+        self,
+        messages: list[dict[str, Any]],
+        *,
+        max_new_tokens: int,
+        top_k: int,
+        temperature: float = 0.0,
+        tools: list[dict[str, Any]] | None = None,
     ) -> TurnResult:
-        body = self.payload(messages, max_new_tokens=max_new_tokens, top_k=top_k, temperature=temperature)
+        body = self.payload(messages, max_new_tokens=max_new_tokens, top_k=top_k, temperature=temperature, tools=tools)
         attempts = 1 if self.cfg.determinism else self.cfg.max_retries + 1
         for attempt in range(attempts):
             self.limiter.acquire()
@@ -230,13 +254,16 @@ class HTTPTeacher:
         choice = data["choices"][0]
         message = choice["message"]
         text = message.get("content") or ""
-        calls = message.get("tool_calls") or []
-        if calls:  # structured tool call (real APIs): render it in our chat format, text-only KD
-            fn = calls[0]["function"]
-            call = {"name": fn["name"], "arguments": json.loads(fn["arguments"] or "{}")}
-            text = f"{text}{TOOL_CALL}{canonical_call(call)}"
         if not isinstance(text, str):
             raise TypeError("choices[0].message.content is not a string")
+        calls = []
+        for raw in message.get("tool_calls") or []:
+            fn = raw["function"]
+            arguments = fn.get("arguments") or ""
+            calls.append({"id": str(raw["id"]), "name": str(fn["name"]),
+                          "arguments": arguments if isinstance(arguments, str) else json.dumps(arguments)})  # fmt: skip
+        if calls:  # the first call in the chat format; the KD builder plays the others as further turns
+            text = f"{text}{TOOL_CALL}{call_text(calls[0]['name'], calls[0]['arguments'])}"
         usage = data.get("usage") or {}
         result = TurnResult(
             text=text,
@@ -247,9 +274,15 @@ class HTTPTeacher:
             request_id="",
             prompt_tokens=int(usage.get("prompt_tokens", 0)),
             completion_tokens=int(usage.get("completion_tokens", 0)),
+            tool_calls=calls,
         )
         content = ((choice.get("logprobs") or {}).get("content")) or []
-        if content and not calls:
+        if self.cfg.logprobs and message.get("content") and not content:  # e.g. transformers serve ignores the field
+            raise TeacherHTTPError(
+                f"{self.model_id} answered without the log-probs it was asked for (logprobs/top_logprobs); "
+                "for a server without them set teacher.api.logprobs: false (sequence-level KD on its text)"
+            )
+        if content and len(calls) <= 1:
             self._map_logprobs(result, content)
         return result
 

@@ -6,7 +6,10 @@ Per item the teacher plays the whole assistant side through the eval loop
 turn up to ``<|end|>``; a tool call gets its result injected
 (``<|tool_result|>..<|end|><|assistant|>``, exactly as the runtime broker does) and the teacher
 goes on, until it answers (then ``<|eos|>``), runs out of tokens, or has made ``teacher.max_turns``
-calls. The conversations of a chunk advance together: one batched teacher request per turn.
+calls. The conversations of a chunk advance together: one batched teacher request per turn. An API
+teacher gets the item's tools with every request and its structured ``tool_calls`` back; parallel
+calls of one response are played one per turn (call, result, call, result: the data reader's
+layout) and the next request answers them by ``tool_call_id`` (:mod:`.messages`).
 
 Record (one JSON line per item, after a header line)::
 
@@ -21,7 +24,9 @@ Record (one JSON line per item, after a header line)::
   ``completion_ids[i]``; it is ``[]`` where the teacher gave none: injected tool results,
   ``<|eos|>``, the ``<|end|>`` of an API teacher (stop sequences are not reported), and every
   token of an API turn whose tokens do not map onto our vocabulary (text-only KD; see
-  :mod:`distillgates.teacher.http`). Log-probs are rounded to 5 decimals.
+  :mod:`distillgates.teacher.http`). Log-probs are rounded to 5 decimals. A set built with
+  ``teacher.api.logprobs: false`` has ``"logprobs": false`` in its header and no top-k at all:
+  training then uses sequence-level KD on ``completion_text`` (:mod:`distillgates.train.data`).
 - ``calls`` (parsed, ``None`` where unparsable), ``answer``, ``fixture_hits`` (per call; ``None``
   for an unparsable one) come from the eval loop; ``finish`` is ``stop`` (answered), ``length``
   (a turn hit ``max_new_tokens``) or ``max_turns``.
@@ -47,10 +52,12 @@ from typing import Any, TypedDict
 from distillgates.config import Config, KDConfig, TeacherConfig, sha256_json
 from distillgates.data.chat import chat_format, prompt_wrapper_sha256
 from distillgates.data.registry import tool_registry_sha256
+from distillgates.data.tools import item_tools
 from distillgates.eval.runners import Conversation, Turn
 from distillgates.io import atomic_write_json, sha256_bytes
 from distillgates.teacher.base import Teacher, TurnResult
 from distillgates.teacher.cache import ResponseCache, cache_key
+from distillgates.teacher.messages import call_turns, turn_messages
 from distillgates.tokenizer import tokenizer_fingerprint
 
 log = logging.getLogger(__name__)
@@ -114,6 +121,7 @@ class KDConversation:
         self.fmt = chat_format(tokenizer)
         self.loop = Conversation(item, max_calls=max_turns, fmt=self.fmt)
         self.messages = [dict(m) for m in item["messages"]]
+        self.tools = item_tools(item)  # sent to an API teacher with every request
         self.text = ""
         self.ids: list[int] = []
         self.topk_ids: list[list[int]] = []
@@ -129,34 +137,40 @@ class KDConversation:
         self.topk_lp += [[] for _ in ids]
 
     def add_turn(self, turn: TurnResult) -> None:
+        """One teacher response. Parallel ``tool_calls`` (an API's) are played one call per turn, each
+        answered before the next, as the data reader interleaves them; only the first carries the
+        teacher's tokens (the API's tokens spell its own call markup, not ours)."""
         self.request_ids.append(turn.request_id)
-        if turn.token_ids is None:  # API tokens not mappable: text-only for this turn
-            self._inject(turn.text)
-        else:
-            self.text += turn.text
-            self.ids += turn.token_ids
-            self.topk_ids += turn.topk_ids
-            self.topk_lp += [[round(v, 5) for v in row] for row in turn.topk_logprobs]
-        stopped = turn.finish_reason == "stop"
-        if stopped:  # the stop token the teacher generated: the template's end of turn
-            self.text += self.fmt.end_of_turn
-            self.ids.append(self.tokenizer.convert_tokens_to_ids(self.fmt.end_of_turn))
-            self.topk_ids.append(list(turn.stop_topk_ids))
-            self.topk_lp.append([round(v, 5) for v in turn.stop_topk_logprobs])
-        results = self.loop.add_turn(Turn(text=turn.text, tokens=turn.completion_tokens, stopped=stopped))
-        if results is not None:
-            self._inject(self.fmt.tool_results_text(results))
-            self.messages.append({"role": "assistant", "content": turn.text})
-            for result in results:
-                self.messages.append({"role": "tool", "content": json.dumps(result, separators=(",", ":"),
-                                                                            ensure_ascii=False)})  # fmt: skip
-        elif not stopped:
-            self.finish = "length"
-        elif self.loop.answer is not None:
-            self._inject(self.fmt.answer_suffix)  # what the template renders after the answer (toy: <|eos|>)
-            self.finish = "stop"
-        else:
-            self.finish = "max_turns"
+        texts = call_turns(turn)
+        results: list[dict[str, Any]] = []
+        for j, text in enumerate(texts):
+            if j == 0 and turn.token_ids is not None:
+                self.text += text
+                self.ids += turn.token_ids
+                self.topk_ids += turn.topk_ids
+                self.topk_lp += [[round(v, 5) for v in row] for row in turn.topk_logprobs]
+            else:  # API tokens not mappable (or none): text-only for this turn
+                self._inject(text)
+            stopped = turn.finish_reason == "stop" or j < len(texts) - 1
+            if stopped:  # the stop token the teacher generated: the template's end of turn
+                self.text += self.fmt.end_of_turn
+                self.ids.append(self.fmt.end_of_turn_id)
+                self.topk_ids.append(list(turn.stop_topk_ids) if j == 0 else [])
+                self.topk_lp.append([round(v, 5) for v in turn.stop_topk_logprobs] if j == 0 else [])
+            tokens = turn.completion_tokens if j == 0 else 0  # the response's tokens, counted once
+            turn_results = self.loop.add_turn(Turn(text=text, tokens=tokens, stopped=stopped))
+            if turn_results is None:
+                if not stopped:
+                    self.finish = "length"
+                elif self.loop.answer is not None:
+                    self._inject(self.fmt.answer_suffix)  # what the template renders after the answer (toy: <|eos|>)
+                    self.finish = "stop"
+                else:
+                    self.finish = "max_turns"
+                return
+            self._inject(self.fmt.tool_results_text(turn_results))
+            results += turn_results
+        self.messages += turn_messages(turn, results)
 
     def record(self) -> dict[str, Any]:
         decoded = self.tokenizer.decode(self.ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
@@ -200,6 +214,8 @@ def kd_header(cfg: Config, teacher: Teacher, items: list[dict[str, Any]], chunk:
         "max_turns": kd.max_turns,
         "chunk": chunk,
         "determinism": tcfg.kind == "openai" and tcfg.api.determinism,
+        # false: no teacher top-k anywhere (teacher.api.logprobs off); training then uses sequence-level KD
+        "logprobs": tcfg.kind == "local" or tcfg.api.logprobs,
         "total": len(items),
     }
 
@@ -265,24 +281,28 @@ class _TurnArgs(TypedDict):
 
 
 def _complete_all(
-    teacher: Teacher, cfg: KDConfig, cache: ResponseCache | None, conversations: list[list[dict[str, Any]]]
+    teacher: Teacher, cfg: KDConfig, cache: ResponseCache | None, conversations: list[KDConversation]
 ) -> tuple[list[TurnResult], list[bool]]:
-    """Turns for every conversation: cache hits first, the misses in one batch (or one by one)."""
+    """Turns for every conversation: cache hits first, the misses in one batch (or one by one, with
+    the item's tools)."""
     kwargs: _TurnArgs = {"max_new_tokens": cfg.max_new_tokens, "top_k": cfg.top_k, "temperature": cfg.temperature}
     payload_of = getattr(teacher, "payload", None)
     keys = [
-        cache_key(teacher.model_id, payload_of(m, **kwargs) if payload_of else {"messages": m, **kwargs})
-        for m in conversations
-    ]
+        cache_key(teacher.model_id, payload_of(c.messages, **kwargs, tools=c.tools) if payload_of
+                  else {"messages": c.messages, **kwargs})
+        for c in conversations
+    ]  # fmt: skip
     results: list[TurnResult | None] = [cache.get(k) if cache else None for k in keys]
     cached = [r is not None for r in results]
     missing = [i for i, r in enumerate(results) if r is None]
     if missing:
         batch = getattr(teacher, "complete_batch", None)
-        if batch is not None:
-            fresh = batch([conversations[i] for i in missing], **kwargs)
+        if batch is not None:  # a local teacher
+            fresh = batch([conversations[i].messages for i in missing], **kwargs,
+                          tools=[conversations[i].tools for i in missing])  # fmt: skip
         else:
-            fresh = [teacher.complete(conversations[i], **kwargs) for i in missing]
+            fresh = [teacher.complete(conversations[i].messages, **kwargs, tools=conversations[i].tools)
+                     for i in missing]  # fmt: skip
         for i, turn in zip(missing, fresh):
             results[i] = turn
             if cache is not None:
@@ -297,7 +317,7 @@ def play_chunk(
     convs = [KDConversation(item, teacher.tokenizer, cfg.max_turns) for item in items]
     tokens, usd = 0, 0.0
     while active := [c for c in convs if not c.finish]:
-        turns, cached = _complete_all(teacher, cfg, cache, [c.messages for c in active])
+        turns, cached = _complete_all(teacher, cfg, cache, active)
         for conv, turn, hit in zip(active, turns, cached):
             conv.add_turn(turn)
             if not hit:

@@ -168,17 +168,28 @@ class LocalTeacher:
         ]
 
     def complete(
-        self, messages: list[dict[str, Any]], *, max_new_tokens: int, top_k: int, temperature: float = 0.0
+        self,
+        messages: list[dict[str, Any]],
+        *,
+        max_new_tokens: int,
+        top_k: int,
+        temperature: float = 0.0,
+        tools: list[dict[str, Any]] | None = None,
     ) -> TurnResult:
-        """One assistant turn for chat messages (rendered by the tokenizer's chat template), stopping at its
-        end-of-turn token (toy: ``<|end|>``)."""
-        return self.complete_batch([messages], max_new_tokens=max_new_tokens, top_k=top_k, temperature=temperature)[0]
+        """One assistant turn for chat messages and the item's ``tools``, rendered by the tokenizer's chat
+        template (the built-in ones list the tools in the system message, so they ignore ``tools``), stopping
+        at its end-of-turn token (toy: ``<|end|>``)."""
+        return self.complete_batch([messages], max_new_tokens=max_new_tokens, top_k=top_k, temperature=temperature,
+                                   tools=[tools])[0]  # fmt: skip
 
     def complete_batch(
-        self, conversations: list[list[dict[str, Any]]], *, max_new_tokens: int, top_k: int, temperature: float = 0.0
-    ) -> list[TurnResult]:
-        """:meth:`complete` for several conversations in one batched generation."""
-        prompts = [self.encode(self.chat_format.render(m, add_generation_prompt=True)) for m in conversations]
+        self, conversations: list[list[dict[str, Any]]], *, max_new_tokens: int, top_k: int, temperature: float = 0.0,
+        tools: list[list[dict[str, Any]] | None] | None = None,
+    ) -> list[TurnResult]:  # fmt: skip
+        """:meth:`complete` for several conversations (``tools``: each one's) in one batched generation."""
+        tools = tools or [None] * len(conversations)
+        prompts = [self.encode(self.chat_format.render(m, t, add_generation_prompt=True))
+                   for m, t in zip(conversations, tools, strict=True)]  # fmt: skip
         gens = self.generate_batch(prompts, max_new_tokens, [self.end_id], temperature=temperature, top_k=top_k)
         results = []
         for prompt_ids, gen in zip(prompts, gens):

@@ -1,10 +1,19 @@
 """A loopback OpenAI chat-completions server backed by a local teacher, with injectable faults.
 
 Speaks the subset the HTTP teacher uses: ``POST /v1/chat/completions`` with ``messages``,
-``max_tokens``, ``temperature``, ``logprobs``/``top_logprobs`` and ``stop``; answers in the
+``tools``, ``max_tokens``, ``temperature``, ``logprobs``/``top_logprobs`` and ``stop``; answers in the
 OpenAI shape (``id``, ``choices[0].message.content``, ``choices[0].logprobs.content[*]`` with
 ``token``/``logprob``/``bytes``/``top_logprobs``, ``finish_reason``, ``usage``) and echoes the
 request id in an ``x-request-id`` header. ``GET /v1/models`` lists the one model.
+
+The OpenAI message protocol is checked as strictly as real servers do (HTTP 400 naming the message):
+an assistant ``tool_calls`` entry needs an ``id``, ``type: function`` and a JSON-string
+``arguments``; every ``tool`` message answers, by ``tool_call_id``, a call of the assistant message
+before it, and every call is answered before the conversation goes on. A generated turn whose
+``<|tool_call|>{json}`` segments all parse comes back as ``message.tool_calls`` (ids
+``call_<request>_<j>``, several for parallel calls, ``finish_reason: tool_calls``; what a server's
+tool parser does), any other turn as ``content``.
+The bodies of accepted requests are kept in ``server.requests`` for tests.
 
 Faults are queued per request (``server.faults.append(Fault("429", retry_after=1))``): each
 request pops the next one, so a test scripts exactly which requests fail and how. Used by the
@@ -26,9 +35,11 @@ from pathlib import Path
 from typing import Any, cast
 
 from distillgates.data.chat import render_messages
+from distillgates.data.tools import parse_tool_call
 from distillgates.teacher.local import LocalTeacher
+from distillgates.teacher.messages import chat_messages
 from distillgates.teacher.tokens import TokenBytes
-from distillgates.tokenizer import END
+from distillgates.tokenizer import END, TOOL_CALL
 
 FAULT_KINDS = ("429", "500", "503", "malformed", "slow", "drop")
 
@@ -74,6 +85,7 @@ class TeacherServer:
         self.log_path = Path(log_path) if log_path else None
         self.faults: collections.deque[Fault] = collections.deque()
         self.requests_seen = 0
+        self.requests: list[dict[str, Any]] = []  # accepted request bodies, in order
         self._ids = itertools.count(1)
         self._lock = threading.Lock()
         self._httpd = _HTTPServer((host, port), _make_handler(self))
@@ -125,7 +137,7 @@ class TeacherServer:
         stop = body.get("stop") or [END]
         stops = [stop] if isinstance(stop, str) else stop
         stop_ids = [cast(int, self.teacher.tokenizer.convert_tokens_to_ids(s)) for s in stops]  # one token each
-        prompt_ids = self.teacher.encode(render_messages(messages))
+        prompt_ids = self.teacher.encode(render_messages(chat_messages(messages)))
         with self._lock:  # one generation at a time
             gen = self.teacher.generate(
                 prompt_ids,
@@ -135,11 +147,21 @@ class TeacherServer:
                 top_k=max(k, 1),
                 seed=int(body.get("seed") or 0),
             )
-        request_id = f"chatcmpl-{next(self._ids):06d}"
+        number = next(self._ids)
+        request_id = f"chatcmpl-{number:06d}"
+        message: dict[str, Any] = {"role": "assistant", "content": gen.text}
+        preamble, *bodies = gen.text.split(TOOL_CALL)
+        calls = [parse_tool_call(body) for body in bodies] if gen.finish_reason == "stop" else []
+        if calls and all(calls):  # every call parses: tool_calls (several: parallel calls), like a tool parser
+            message = {"role": "assistant", "content": preamble or None, "tool_calls": [
+                {"id": f"call_{number}_{j}", "type": "function",
+                 "function": {"name": c["name"], "arguments": json.dumps(c["arguments"], ensure_ascii=False)}}
+                for j, c in enumerate(calls) if c is not None
+            ]}  # fmt: skip
         choice: dict[str, Any] = {
             "index": 0,
-            "message": {"role": "assistant", "content": gen.text},
-            "finish_reason": gen.finish_reason,
+            "message": message,
+            "finish_reason": "tool_calls" if "tool_calls" in message else gen.finish_reason,
             "logprobs": None,
         }
         if k:
@@ -169,17 +191,49 @@ class TeacherServer:
 
 
 def _validate(body: Any) -> str | None:
-    """Why a request body is not a chat-completions request (None when it is)."""
+    """Why a request body is not a valid chat-completions request (None when it is): module docstring."""
     if not isinstance(body, dict):
         return "body must be a JSON object"
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         return "messages must be a non-empty list"
+    for i, tool in enumerate(body.get("tools") or []):
+        function = tool.get("function") if isinstance(tool, dict) and tool.get("type") == "function" else None
+        if not isinstance(function, dict) or not isinstance(function.get("name"), str):
+            return f"tools[{i}] must be {{'type': 'function', 'function': {{'name': ..., 'parameters': ...}}}}"
+    pending: list[str] = []  # calls of the last assistant message not answered yet
     for i, m in enumerate(messages):
         if not isinstance(m, dict) or m.get("role") not in ("system", "user", "assistant", "tool"):
             return f"messages[{i}].role is invalid"
-        if not isinstance(m.get("content"), str):
+        calls = m.get("tool_calls") if m["role"] == "assistant" else None
+        if m["role"] == "tool":
+            if m.get("tool_call_id") not in pending:
+                return (f"messages[{i}]: a message with role 'tool' must answer a tool call of the preceding "
+                        f"assistant message; tool_call_id {m.get('tool_call_id')!r} does not")  # fmt: skip
+            pending.remove(m["tool_call_id"])
+        elif pending:
+            return (
+                f"messages[{i}]: the assistant message with tool_calls must be followed by tool messages "
+                f"answering each tool_call_id; not answered: {pending}"
+            )
+        if calls:
+            if not isinstance(calls, list):
+                return f"messages[{i}].tool_calls must be a list"
+            for j, call in enumerate(calls):
+                function = call.get("function") if isinstance(call, dict) else None
+                if not isinstance(call, dict) or not isinstance(call.get("id"), str) or not call["id"]:
+                    return f"messages[{i}].tool_calls[{j}].id must be a non-empty string"
+                if call.get("type") != "function" or not isinstance(function, dict):
+                    return f"messages[{i}].tool_calls[{j}] must be {{'type': 'function', 'function': {{...}}}}"
+                if not isinstance(function.get("name"), str) or not isinstance(function.get("arguments"), str):
+                    return f"messages[{i}].tool_calls[{j}].function needs a string name and JSON-string arguments"
+            pending = [call["id"] for call in calls]
+            if m.get("content") is not None and not isinstance(m["content"], str):
+                return f"messages[{i}].content must be a string or null"
+        elif not isinstance(m.get("content"), str):
             return f"messages[{i}].content must be a string"
+    if pending:
+        return f"the last assistant message has tool_calls without tool messages: {pending}"
     return None
 
 
@@ -249,6 +303,7 @@ def _make_handler(server: TeacherServer) -> type[BaseHTTPRequestHandler]:
             if problem:
                 self._error(400, problem)
                 return
+            server.requests.append(body)
             response = server.completion(body)
             if fault is not None and fault.kind == "malformed":
                 self._send(200, json.dumps(response).encode()[: len(json.dumps(response)) // 2])  # truncated JSON

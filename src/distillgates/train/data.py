@@ -12,6 +12,12 @@ of that completion is conditioned on ``prompt + completion[:i]``, which equals o
 prefix exactly while the completion agrees with the reference; KD is applied there and
 masked after the first disagreement (teacher-forced on a different prefix the teacher's
 distribution would be a different one).
+
+A KD set built without log-probs (``teacher.api.logprobs: false``; its header says
+``"logprobs": false``) has no top-k to match: training uses *sequence-level* KD instead. The row of
+an item the teacher finished (record ``finish: stop``) is ``prompt + the teacher's completion text``,
+tokenized by the student's tokenizer, and the CE over its assistant turns is the KD loss (no
+process spans: they are the reference's); an item the teacher did not finish keeps its reference.
 """
 
 from __future__ import annotations
@@ -31,11 +37,13 @@ from distillgates.tokenizer import TOOL_CALL
 
 def read_kd_set(path: str | Path) -> dict[str, dict[str, Any]]:
     """KD records by item id, read and validated by :func:`distillgates.teacher.kd.read_kd_set`
-    (which raises ``KDSetError`` naming file, line and field)."""
+    (which raises ``KDSetError`` naming file, line and field). Each record gets ``sequence_level``:
+    true when the set holds no teacher log-probs (module docstring)."""
     from distillgates.teacher.kd import read_kd_set as read_records
 
-    _, records = read_records(path)
-    return {rec["id"]: rec for rec in records}
+    header, records = read_records(path)
+    sequence_level = header.get("logprobs") is False  # sets built before the switch have top-k
+    return {rec["id"]: {**rec, "sequence_level": sequence_level} for rec in records}
 
 
 @dataclass
@@ -137,6 +145,8 @@ def build_row(
     """
     from distillgates.data.targets import encode_item
 
+    if kd is not None and kd.get("sequence_level") and kd["finish"] == "stop":
+        return teacher_row(item, tokenizer, lengths, kd, early_first_n, mask_excess)
     strip = mask_excess and bool(item.get("tool_should_be_used"))
     if strip:
         item = without_preamble(item)
@@ -179,6 +189,32 @@ def build_row(
     if mask_excess:
         row.excess = excess_positions(ids, p, row.evidence_end, call_id, end,
                                       bool(item.get("tool_should_be_used")))
+    return row
+
+
+def teacher_row(
+    item: dict[str, Any],
+    tokenizer: Any,
+    lengths: Sequence[int],
+    kd: Mapping[str, Any],
+    early_first_n: int = 0,
+    mask_excess: bool = False,
+) -> Row:
+    """Sequence-level KD: the row is the prompt and the teacher's completion text (module docstring)."""
+    fmt = chat_format(tokenizer)
+    prompt_ids = fmt.encode(fmt.prompt(item))
+    full = prompt_ids + list(tokenizer.encode(kd["completion_text"], add_special_tokens=False))
+    ids, p = full[: lengths[-1]], len(prompt_ids)
+    asst, end, call_id = fmt.assistant_header_ids, fmt.end_of_turn_id, fmt.call_marker_id
+    row = Row(item=item, ids=ids, prompt_len=p, shape=shape_for(len(full), lengths), process=[], length=len(full))
+    row.teacher_len = float(turn_masks(torch.tensor([full[p - len(asst) :]]), asst, end)[0].sum())
+    if early_first_n > 0:
+        encode: Callable[[str], list[int]] = lambda text: tokenizer.encode(text, add_special_tokens=False)  # noqa: E731
+        target = early_tool_target(item, kd["completion_text"], encode, early_first_n, fmt)
+        if target is not None:
+            row.early = target.ids
+    if mask_excess:
+        row.excess = excess_positions(ids, p, -1, call_id, end, bool(item.get("tool_should_be_used")))
     return row
 
 
