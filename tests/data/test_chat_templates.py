@@ -282,3 +282,21 @@ def test_training_turn_masks_are_the_templates_generated_turns(family, request, 
                      if m and (encoded.input_ids[j] != eos or eos == fmt.end_of_turn_id)}  # fmt: skip
         assert targets == generated, item["id"]
         assert int(start.sum()) == len(item["expected_calls"]) + 1
+
+
+def test_a_hermes_turn_with_parallel_calls_is_answered_call_by_call(hermes, own_items):
+    """Both calls of one Hermes turn are validated and answered; their results go in together, as the
+    template renders consecutive tool messages (one user turn)."""
+    from distillgates.eval.runners import Conversation, Turn
+
+    item = next(i for i in own_items if i.get("parallel_calls"))
+    first, second = item["expected_calls"][:2]
+    text = "".join(f'<tool_call>\n{json.dumps(c)}\n</tool_call>' for c in (first, second))
+    conversation = Conversation(item, fmt=hermes)
+    results = conversation.add_turn(Turn(text=text, tokens=10, stopped=True))
+    assert results is not None and len(results) == 2
+    assert [c["call"] for c in conversation.calls] == [first, second]
+    assert all(c["fixture_hit"] and not c["errors"] for c in conversation.calls)
+    injected = hermes.tool_results_text(results)
+    assert injected.count("<tool_response>") == 2 and injected.count("<|im_start|>user") == 1
+    assert conversation.add_turn(Turn(text="Done.", tokens=2, stopped=True)) is None and conversation.answer == "Done."
