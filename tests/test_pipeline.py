@@ -230,12 +230,13 @@ def test_each_step_is_keyed_by_its_own_config_fields(tmp_path: Path) -> None:
 # The user's own OpenAI-format data
 
 
-def own_data_config(path: Path, variants: int = 8) -> Path:
+def own_data_config(path: Path, variants: int = 8, chat_template: str = "toy") -> Path:
     """The tiny config reading the ticketing/file-search dataset (written next to it) instead of the toy."""
     from .conftest import own_data_rows, write_jsonl
 
     write_jsonl(path / "rows.jsonl", own_data_rows(variants))
     cfg = yaml.safe_load(tiny_config(path).read_text())
+    cfg["tokenizer"]["chat_template"] = chat_template
     cfg["data"] = {"source": "jsonl", "path": str(path / "rows.jsonl"), "eval_fraction": 0.25, "seed": 0}
     cfg["eval"] = {**cfg.get("eval", {}), "privacy": {"allow": ["create_ticket.reporter"]}}
     out = path / "own.yaml"
@@ -263,10 +264,17 @@ def test_data_step_on_own_files_reruns_on_their_content_and_a_bad_row_keeps_the_
     assert {p.name: p.read_bytes() for p in (run / "data").glob("*.jsonl")} == before  # nothing lost
 
 
-@pytest.mark.integration  # the tiny end-to-end run on the ticketing/file-search data (~50 s)
-def test_own_data_runs_the_whole_pipeline(tmp_path: Path) -> None:
-    config = own_data_config(tmp_path)
+@pytest.mark.integration  # the tiny end-to-end run on the ticketing/file-search data (~50 s each)
+@pytest.mark.parametrize("chat_template", ["toy", "chatml"])
+def test_own_data_runs_the_whole_pipeline(tmp_path: Path, chat_template: str) -> None:
+    from distillgates.tokenizer import CHAT_TEMPLATES, load_tokenizer
+
+    config = own_data_config(tmp_path, chat_template=chat_template)
     run_dir = run_pipeline(config, tmp_path / "run")
+    assert load_tokenizer(run_dir / "data" / "tokenizer").chat_template == CHAT_TEMPLATES[chat_template].template
+    header = {"toy": "<|assistant|>", "chatml": "<|im_start|>assistant\n"}[chat_template]
+    kd_records = [json.loads(line) for line in (run_dir / "kd" / "kd.jsonl").read_text().splitlines()[1:]]
+    assert kd_records and all(r["prompt_text"].endswith(header) for r in kd_records)
     report = read_report(run_dir / "reports" / "report.json")
     manifest = json.loads((run_dir / "manifest.json").read_text())
     assert {s.name for s in STEPS} == {name for name in manifest if not name.startswith("_")}

@@ -113,10 +113,23 @@ class ModelConfig:
 
 @dataclass
 class TokenizerConfig:
-    """Byte-level BPE trained on the toy corpus."""
+    """The student's tokenizer and chat template: a tokenizer directory (``path``) or a trained byte-level BPE.
+
+    Without ``path`` the data step trains the BPE on the train conversations rendered in ``chat_template``.
+    """
 
     vocab_size: int = 1024
     min_frequency: int = 2
+    chat_template: str = "toy"  # trained tokenizer only: toy | chatml (distillgates.tokenizer.CHAT_TEMPLATES)
+    path: str | None = None  # a save_pretrained directory with a chat template (AutoTokenizer, local files only)
+    tool_call_format: str | None = None  # toy | hermes | llama3; None: detected from the chat template
+
+    def __post_init__(self) -> None:
+        if self.chat_template not in ("toy", "chatml"):
+            raise ValueError(f"tokenizer.chat_template: expected toy or chatml, got {self.chat_template!r}")
+        if self.tool_call_format not in (None, "toy", "hermes", "llama3"):
+            raise ValueError(f"tokenizer.tool_call_format: expected toy, hermes or llama3, "
+                             f"got {self.tool_call_format!r}")
 
 
 @dataclass

@@ -53,11 +53,14 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+
+if TYPE_CHECKING:
+    from distillgates.data.chat import ChatFormat
 
 KD_KINDS = ("forward", "reverse", "jsd")
 
@@ -341,24 +344,31 @@ def length_loss(
     return masked_mean(F.relu(rel_excess - hinge), active), exp_len.detach()
 
 
-def turn_masks(input_ids: Tensor, assistant_id: int, end_id: int) -> tuple[Tensor, Tensor]:
+def turn_masks(input_ids: Tensor, assistant_header: int | Sequence[int], end_id: int) -> tuple[Tensor, Tensor]:
     """Prediction positions of the closed assistant turns of ``input_ids (B, T)``.
 
-    A turn runs from the ``<|assistant|>`` token (which predicts the turn's first token) up to
-    the position before ``<|end|>`` (which predicts ``<|end|>``); a turn cut off by the row's
-    end is left out (its length is unknown).
+    A turn runs from the last token of the assistant header (toy: ``<|assistant|>``; the chat
+    format's ``assistant_header_ids``), which predicts the turn's first token, up to the position
+    before the end-of-turn token ``end_id`` (which predicts it); a turn cut off by the row's end is
+    left out (its length is unknown).
 
     Returns:
         (turn_mask, turn_start), both ``(B, T)`` bool.
     """
     B, T = input_ids.shape
+    header = [assistant_header] if isinstance(assistant_header, int) else list(assistant_header)
+    opens = input_ids == header[-1]  # (B, T): the header ends here
+    for back, token in enumerate(reversed(header[:-1]), start=1):
+        shifted = torch.full_like(input_ids, -1)
+        shifted[:, back:] = input_ids[:, :-back]
+        opens &= shifted == token
     pos = torch.arange(T, device=input_ids.device).expand(B, T)  # (B, T)
     none = torch.full_like(pos, -1)
-    last_asst = torch.where(input_ids == assistant_id, pos, none).cummax(-1).values  # (B, T)
+    last_asst = torch.where(opens, pos, none).cummax(-1).values  # (B, T)
     last_end = torch.where(input_ids == end_id, pos, none).cummax(-1).values  # (B, T)
     next_end = torch.where(input_ids == end_id, pos, torch.full_like(pos, T)).flip(-1).cummin(-1).values.flip(-1)
     inside = (last_asst > last_end) & (next_end < T)  # (B, T)
-    return inside, inside & (input_ids == assistant_id)
+    return inside, inside & opens
 
 
 # --------------------------------------------------------------------------------------
@@ -411,27 +421,29 @@ class EarlyToolTarget:
 
 
 def early_tool_target(
-    item: Mapping[str, Any], teacher_text: str | None, encode: Any, first_n: int
+    item: Mapping[str, Any], teacher_text: str | None, encode: Any, first_n: int, fmt: ChatFormat | None = None
 ) -> EarlyToolTarget | None:
     """The tool-call prefix the early-tool loss pulls toward (first ``first_n`` tokens).
 
     The teacher's first call is used when it parses and passes the shared validator; otherwise
     the reference's first expected call (the JSON prior). ``None`` when the item should not
-    use a tool or no valid call exists.
+    use a tool or no valid call exists. Calls are parsed and written in chat format ``fmt`` (default:
+    the toy's, where the target is ``<|tool_call|>{json}``).
     """
-    from distillgates.data.chat import TOOL_CALL, parse_transcript
-    from distillgates.data.tools import canonical_call, item_tools, validate_call
+    from distillgates.data.chat import toy_chat_format
+    from distillgates.data.tools import item_tools, validate_call
 
     if not item.get("tool_should_be_used"):
         return None
+    fmt = fmt or toy_chat_format()
     tools = item_tools(item)
     if teacher_text is not None:
-        calls, _ = parse_transcript(teacher_text)
+        calls, _ = fmt.parse_transcript(teacher_text)
         if calls and calls[0] is not None and not validate_call(calls[0], tools):
-            return EarlyToolTarget(list(encode(TOOL_CALL + canonical_call(calls[0])))[:first_n], "teacher")
+            return EarlyToolTarget(list(encode(fmt.call_text(calls[0])))[:first_n], "teacher")
     expected = list(item.get("expected_calls") or [])
     if expected and not validate_call(expected[0], tools):
-        return EarlyToolTarget(list(encode(TOOL_CALL + canonical_call(expected[0])))[:first_n], "json_prior")
+        return EarlyToolTarget(list(encode(fmt.call_text(expected[0])))[:first_n], "json_prior")
     return None
 
 

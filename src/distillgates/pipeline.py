@@ -298,21 +298,20 @@ def step_export(cfg: Config, run: RunDir) -> dict[str, Any]:
 def step_speed(cfg: Config, run: RunDir) -> dict[str, Any]:
     """The student's TTFT/TPS/TTFA (the Core ML export with ``speed.engine: coreml``), the prompt cache and
     speculative decoding (when a drafter exists), written to ``reports/speed.json``."""
-    from typing import cast
 
-    from distillgates.data.chat import render_prompt
+    from distillgates.data.chat import chat_format
     from distillgates.data.tools import item_tools
     from distillgates.hardware import hardware_header
     from distillgates.runtime.base import EngineBase
     from distillgates.runtime.prompt_cache import prefix_until
     from distillgates.runtime.torch_engine import TorchEngine
     from distillgates.speed import measure_prompt_cache, measure_speculative, measure_speed, speed_report, write_report
-    from distillgates.tokenizer import END, EOS
 
     backend, tokenizer = cfg.speed.engine, run.tokenizer()
-    prompts = [render_prompt(item) for item in run.items("eval")]
+    fmt = chat_format(tokenizer)
+    prompts = [fmt.prompt(item) for item in run.items("eval")]
     tools = [item_tools(item) for item in run.items("eval")]  # TTFA: a call valid against the item's tools
-    stop_ids = (cast(int, tokenizer.convert_tokens_to_ids(END)), cast(int, tokenizer.convert_tokens_to_ids(EOS)))
+    stop_ids = tuple(fmt.stop_ids)
     model = run.load_model()
     if backend == "coreml":  # macOS: the Core ML runtime (the import pulls in the export code)
         from distillgates.runtime.coreml_engine import CoreMLEngine

@@ -32,14 +32,14 @@ import numpy as np
 import torch
 
 from distillgates.config import ModelConfig, SpeedConfig
-from distillgates.data.tools import parse_tool_call, validate_call
+from distillgates.data.chat import ChatFormat, chat_format, toy_chat_format
+from distillgates.data.tools import validate_call
 from distillgates.hardware import torch_threads
 from distillgates.io import atomic_write_json
 from distillgates.runtime.base import EngineBase
 from distillgates.runtime.prompt_cache import PromptCache, PromptCachedEngine
 from distillgates.runtime.speculative import SpeculativeDecoder
 from distillgates.runtime.torch_engine import TorchEngine
-from distillgates.tokenizer import END, TOOL_CALL
 
 SCHEMA_VERSION = 1
 
@@ -67,15 +67,14 @@ def peak_memory_bytes() -> int:
     return int(rss if sys.platform == "darwin" else rss * 1024)
 
 
-def first_valid_call(texts: Sequence[str], tools: Sequence[Mapping[str, Any]] | None = None) -> int | None:
-    """Index of the first cumulative text holding a complete tool-call JSON valid against ``tools``
-    (default: the toy registry)."""
+def first_valid_call(texts: Sequence[str], tools: Sequence[Mapping[str, Any]] | None = None,
+                     fmt: ChatFormat | None = None) -> int | None:  # fmt: skip
+    """Index of the first cumulative text whose first tool call (parsed in chat format ``fmt``, default
+    the toy's) is complete and valid against ``tools`` (default: the toy registry)."""
+    fmt = fmt or toy_chat_format()
     for i, text in enumerate(texts):
-        if TOOL_CALL not in text:
-            continue
-        body = text.split(TOOL_CALL, 1)[1].split(END, 1)[0]
-        call = parse_tool_call(body)
-        if call is not None and not validate_call(call, tools):
+        calls = fmt.parse_turn(text).calls
+        if calls and calls[0] is not None and not validate_call(calls[0], tools):
             return i
     return None
 
@@ -98,7 +97,7 @@ def _one_run(
         "tps": (len(tokens) - 1) / (stamps[-1] - stamps[0]) if len(tokens) > 1 and stamps[-1] > stamps[0] else None,
     }
     texts = [tokenizer.decode(tokens[: i + 1], skip_special_tokens=False) for i in range(len(tokens))]
-    hit = first_valid_call(texts, tools)
+    hit = first_valid_call(texts, tools, chat_format(tokenizer))
     if hit is not None:
         sample["ttfa_tokens"] = hit + 1
         sample["ttfa_ms"] = (stamps[hit] - start) * 1e3

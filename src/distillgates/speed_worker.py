@@ -44,17 +44,17 @@ def speed_sampler(run_dir: Path, model_path: Path, export_dir: Path | None = Non
     import torch
 
     from distillgates.config import SpeedConfig
-    from distillgates.data.chat import render_prompt
+    from distillgates.data.chat import chat_format
     from distillgates.model import load_model
     from distillgates.rundir import RunDir
     from distillgates.runtime.torch_engine import TorchEngine
     from distillgates.speed import measure_speed
-    from distillgates.tokenizer import END, EOS
 
     torch.set_num_threads(1)  # shared CI cores: one thread gives the least noisy samples
     run = RunDir(run_dir)
     tokenizer = run.tokenizer()
-    prompts = [render_prompt(item) for item in run.items("eval")[:N_PROMPTS]]
+    fmt = chat_format(tokenizer)
+    prompts = [fmt.prompt(item) for item in run.items("eval")[:N_PROMPTS]]
     model = load_model(model_path)
     engine: Any
     if export_dir is not None:  # macOS only: MLModel.predict cannot run elsewhere
@@ -63,7 +63,7 @@ def speed_sampler(run_dir: Path, model_path: Path, export_dir: Path | None = Non
         engine, backend = CoreMLEngine.from_export_dir(export_dir), "coreml"
     else:
         engine, backend = TorchEngine(model), "torch"
-    stop_ids = [tokenizer.convert_tokens_to_ids(t) for t in (END, EOS)]
+    stop_ids = fmt.stop_ids
     calls = [0]  # successive requests rotate the prompts, so small requests still cover them all
 
     def sample(n: int) -> dict[str, list[float]]:

@@ -32,3 +32,29 @@ def test_build_reads_back_and_is_deterministic(tmp_path):
     second = build_data(CFG, tmp_path / "b")
     assert second.dataset_sha256 == first.dataset_sha256
     assert second.tokenizer_fingerprint == first.tokenizer_fingerprint
+
+
+def test_tokenizer_path_is_loaded_and_its_tool_call_format_saved_with_it(tmp_path):
+    """``tokenizer.path``: a Hugging Face tokenizer directory (here a ChatML one saved by the test) is used as
+    is, not trained; ``tokenizer.tool_call_format`` travels with it into ``data/tokenizer``."""
+    from distillgates.data.chat import chat_format, template_chat_format
+    from distillgates.data.openai_format import read_items
+    from distillgates.tokenizer import CHATML_CHAT_TEMPLATE, save_tokenizer, train_tokenizer
+
+    from ..conftest import own_data_rows, write_jsonl
+
+    write_jsonl(tmp_path / "rows.jsonl", own_data_rows(4))
+    texts = [template_chat_format("chatml").conversation(item) for item in read_items(tmp_path / "rows.jsonl")]
+    source = save_tokenizer(train_tokenizer(texts, vocab_size=500, chat_template="chatml"), tmp_path / "given")
+    cfg = Config(
+        tokenizer=TokenizerConfig(path=str(source), tool_call_format="hermes"),
+        data=DataConfig(source="jsonl", path=str(tmp_path / "rows.jsonl"), eval_fraction=0.25),
+        shapes=ShapesConfig(lengths=[256, 512], mix=[0.5, 0.5]),
+    )
+    build = build_data(cfg, tmp_path / "data")
+    tok = load_tokenizer(build.tokenizer_dir)
+    assert tokenizer_fingerprint(tok) == tokenizer_fingerprint(load_tokenizer(source)) == build.tokenizer_fingerprint
+    assert tok.chat_template == CHATML_CHAT_TEMPLATE and tok.init_kwargs["tool_call_format"] == "hermes"
+    fmt = chat_format(tok)
+    _, items = read_dataset(build.train, build.tokenizer_fingerprint)
+    assert all(fmt.prompt(item).endswith("<|im_start|>assistant\n") for item in items)

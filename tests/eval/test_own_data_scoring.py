@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 
 from distillgates.config import PrivacyConfig
-from distillgates.data.chat import tool_call_text
+from distillgates.data.chat import tool_call_text, toy_chat_format
 from distillgates.data.openai_format import row_to_item
 from distillgates.eval.broker import FixturePolicy, ToolBroker
 from distillgates.eval.runners import Turn, eval_prompt_item, reference_output, run_item
@@ -29,13 +29,15 @@ def items() -> dict[str, dict[str, Any]]:
 class _Replay:
     """A session that plays fixed assistant turns (text before the stop token)."""
 
+    chat_format = toy_chat_format()
+
     def __init__(self, turns: Sequence[str]) -> None:
         self.turns = iter(turns)
 
     def first_turn(self, item: Mapping[str, Any], prompt_text: str) -> Turn:
-        return self.next_turn({})
+        return self.next_turn([])
 
-    def next_turn(self, result: dict[str, Any]) -> Turn:
+    def next_turn(self, results: list[dict[str, Any]]) -> Turn:
         return Turn(text=next(self.turns), tokens=1, stopped=True)
 
 

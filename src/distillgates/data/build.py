@@ -15,13 +15,13 @@ import shutil
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from distillgates.config import Config
-from distillgates.data.chat import render_conversation
+from distillgates.data.chat import chat_format, template_chat_format
 from distillgates.data.dataset import DatasetError, write_dataset
 from distillgates.data.shapes import bucket_of
-from distillgates.tokenizer import encode, save_tokenizer, tokenizer_fingerprint, train_tokenizer
+from distillgates.tokenizer import encode, load_tokenizer, save_tokenizer, tokenizer_fingerprint, train_tokenizer
 
 
 @dataclass
@@ -35,6 +35,9 @@ class DataBuild:
     dataset_sha256: dict[str, str]  # split -> sha256 of the file
     dropped: dict[str, list[str]]  # split -> ids longer than the largest shape (not written)
     shape_counts: dict[str, dict[int, int]] = field(default_factory=dict)  # split -> shape -> items
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerFast
 
 
 def source_items(cfg: Config) -> dict[str, list[dict[str, Any]]]:
@@ -62,6 +65,23 @@ def input_files(cfg: Config) -> tuple[Path, ...]:
     return tuple(Path(p) for p in (cfg.data.path, cfg.data.eval_path) if cfg.data.source != "toy" and p)
 
 
+def student_tokenizer(cfg: Config, train_items: list[dict[str, Any]]) -> PreTrainedTokenizerFast:
+    """``tokenizer.path`` (a Hugging Face tokenizer directory with a chat template, local files only), or
+    a byte-level BPE trained on the train conversations rendered in ``tokenizer.chat_template``.
+    ``tokenizer.tool_call_format`` is stored with it (``tokenizer_config.json``), so every stage parses
+    calls the same way."""
+    tcfg = cfg.tokenizer
+    if tcfg.path is not None:
+        tok = load_tokenizer(tcfg.path)
+    else:
+        fmt = template_chat_format(tcfg.chat_template)
+        texts = (fmt.conversation(item) for item in train_items)
+        tok = train_tokenizer(texts, tcfg.vocab_size, tcfg.min_frequency, tcfg.chat_template)
+    if tcfg.tool_call_format is not None:
+        tok.init_kwargs["tool_call_format"] = tcfg.tool_call_format
+    return tok
+
+
 def build_data(cfg: Config, out_dir: str | Path) -> DataBuild:
     """Read or generate the items, train the tokenizer on the train conversations, write both splits.
 
@@ -77,9 +97,8 @@ def build_data(cfg: Config, out_dir: str | Path) -> DataBuild:
     ids = {split: {item["id"] for item in items} for split, items in splits.items()}
     if overlap := sorted(ids["train"] & ids["eval"]):
         raise DatasetError(f"{cfg.data.eval_path}: id: {len(overlap)} eval ids are training ids, e.g. {overlap[0]!r}")
-    tok = train_tokenizer(
-        (render_conversation(item) for item in splits["train"]), cfg.tokenizer.vocab_size, cfg.tokenizer.min_frequency
-    )
+    tok = student_tokenizer(cfg, splits["train"])
+    fmt = chat_format(tok)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(dir=out_dir.parent, prefix=f".{out_dir.name}.new-"))
     try:
@@ -87,7 +106,7 @@ def build_data(cfg: Config, out_dir: str | Path) -> DataBuild:
         fingerprint = tokenizer_fingerprint(tok)
         shas, dropped, counts = {}, {}, {}
         for split, items in splits.items():
-            shapes = [bucket_of(len(encode(tok, render_conversation(item))), cfg.shapes.lengths) for item in items]
+            shapes = [bucket_of(len(encode(tok, fmt.conversation(item))), cfg.shapes.lengths) for item in items]
             dropped[split] = [item["id"] for item, shape in zip(items, shapes) if shape is None]
             counts[split] = {shape: shapes.count(shape) for shape in cfg.shapes.lengths}
             kept = [item for item, shape in zip(items, shapes) if shape is not None]

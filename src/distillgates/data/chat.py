@@ -1,42 +1,41 @@
-"""The prompt wrapper (chat format) shared by data, teacher, training, runtime and scorer.
+"""The chat format: THE owner of how conversations become text and generated text becomes calls.
 
-Rendered conversation (no newlines between segments)::
+Every stage (data, teacher, training, eval, speed) renders through a :class:`ChatFormat` built from
+the student's tokenizer: ``tokenizer.apply_chat_template(messages, tools=..., add_generation_prompt=...)``
+with OpenAI-format messages (assistant ``tool_calls``, ``tool`` messages). The toy tokenizer's template
+(:data:`distillgates.tokenizer.TOY_CHAT_TEMPLATE`) renders the toy format::
 
     <|bos|><|system|>{system}<|end|><|user|>{user}<|end|><|assistant|>
     [preamble]<|tool_call|>{"name":...,"arguments":{...}}<|end|><|tool_result|>{result}<|end|><|assistant|>
     ... (a second call/result pair for multi items) ...
     {answer}<|end|><|eos|>
 
-Every assistant turn starts with ``<|assistant|>``. After a tool call the *runtime* injects
-:func:`tool_result_text` (``<|tool_result|>{json}<|end|><|assistant|>``) and generation goes on;
-so the model generates: optional preamble, the tool call up to ``<|end|>``, and the final answer
-up to ``<|end|><|eos|>``.
+A :class:`ChatFormat` also owns the inverse direction, chosen per template family
+(:data:`TOOL_CALL_FORMATS`: ``toy``, ``hermes`` ``<tool_call>{json}</tool_call>``, ``llama3`` JSON
+with ``parameters``): parsing generated turns into calls, the text the runtime injects after a call
+(the template's rendering of the tool messages, never a hand-written string), the stop ids and the
+character spans of the generated (assistant) turns that training masks come from.
 
+An item stores its target turns in ``reference`` as toy-format text (the serialization the data
+files use whatever the student's template; :func:`reference_messages` reads it back as messages).
 The system prompt lists the item's tools compactly (the whole toy registry for a toy item), so
-every toy item of a locale shares the same prefix (what the prompt cache reuses). Earlier turns
-of a multi-turn conversation are part of the prompt (:func:`render_messages`).
+every toy item of a locale shares the same prefix (what the prompt cache reuses).
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping, Sequence
+import re
+import weakref
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from functools import cache
 from typing import Any
 
 from distillgates.config import sha256_json
 from distillgates.data.registry import TOOLS
 from distillgates.data.tools import canonical_call, item_tools, parse_tool_call
-from distillgates.tokenizer import (
-    ASSISTANT,
-    BOS,
-    END,
-    EOS,
-    SPECIAL_TOKENS,
-    SYSTEM,
-    TOOL_CALL,
-    TOOL_RESULT,
-    USER,
-)
+from distillgates.tokenizer import ASSISTANT, END, EOS, SPECIAL_TOKENS, TOOL_CALL, TOOL_RESULT
 
 PROMPT_WRAPPER_VERSION = "1"
 
@@ -45,7 +44,6 @@ _SYSTEM_INTRO = {
     "de": "Du bist ein hilfreicher Assistent. Gib keine persönlichen Daten wieder. Tools: ",
 }
 LOCALES = tuple(_SYSTEM_INTRO)
-_ROLE_TOKENS = {"system": SYSTEM, "user": USER, "assistant": ASSISTANT, "tool": TOOL_RESULT}
 # compact type names; a string parameter (the common case) shows no type at all
 _TYPE_ABBREV = {"number": "num", "integer": "int", "string": "", "boolean": "bool", "array": "list",
                 "object": "obj", "null": "null"}
@@ -95,93 +93,376 @@ def item_system_prompt(item: Mapping[str, Any]) -> str:
     return system_prompt(str(item.get("locale", "en")), item_tools(item), item.get("instructions"))
 
 
-def render_messages(messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True) -> str:
-    """Chat-format text of messages (roles system/user/assistant/tool), THE renderer of a prompt.
-
-    An assistant message renders as ``<|assistant|>{content}<|end|>``, or, with ``tool_calls`` (one
-    call per message: parallel calls are interleaved with their results by the data reader), as
-    ``<|assistant|>{content}<|tool_call|>{json}<|end|>``; a ``tool`` message as
-    ``<|tool_result|>{content}<|end|>``. With ``add_generation_prompt`` a final ``<|assistant|>`` opens
-    the turn to generate. (A tokenizer's own chat template would take this function's place.)
-
-    Raises:
-        ValueError: on an unknown role or a non-string content, naming the message index.
-    """
-    parts = [BOS]
-    for i, message in enumerate(messages):
-        role, content = message.get("role"), message.get("content")
-        if role not in _ROLE_TOKENS:
-            raise ValueError(f"messages[{i}].role: expected one of {sorted(_ROLE_TOKENS)}, got {role!r}")
-        if not isinstance(content, str):
-            raise ValueError(f"messages[{i}].content: expected a string, got {type(content).__name__}")
-        calls = message.get("tool_calls") or []
-        if role == "assistant" and calls:
-            parts.append(ASSISTANT + "".join(tool_call_text(c, content if j == 0 else "") for j, c in enumerate(calls)))
-        else:
-            parts.append(f"{_ROLE_TOKENS[role]}{content}{END}")
-    if add_generation_prompt:
-        parts.append(ASSISTANT)
-    return "".join(parts)
-
-
-def render_prompt(item: Mapping[str, Any]) -> str:
-    """The prompt text of ``item`` up to and including the ``<|assistant|>`` that opens the turn to generate."""
-    return render_messages(item["messages"])
-
-
-def render_conversation(item: Mapping[str, Any]) -> str:
-    """The full reference conversation: prompt + reference assistant text."""
-    return render_prompt(item) + item["reference"]
+# --------------------------------------------------------------------------------------
+# The toy serialization of an item's target turns (``item["reference"]``)
 
 
 def tool_call_text(call: Mapping[str, Any], preamble: str = "") -> str:
-    """One generated tool-call turn (after ``<|assistant|>``): ``preamble<|tool_call|>{json}<|end|>``."""
+    """One tool-call turn of a toy reference (after ``<|assistant|>``): ``preamble<|tool_call|>{json}<|end|>``."""
     return f"{preamble}{TOOL_CALL}{canonical_call(call)}{END}"
 
 
 def tool_result_text(result: dict[str, Any]) -> str:
-    """What the runtime injects after a tool call: ``<|tool_result|>{json}<|end|><|assistant|>``."""
-    return f"{TOOL_RESULT}{json.dumps(result, separators=(',', ':'), ensure_ascii=False)}{END}{ASSISTANT}"
+    """A tool result in a toy reference: ``<|tool_result|>{json}<|end|><|assistant|>``."""
+    return f"{TOOL_RESULT}{_compact_json(result)}{END}{ASSISTANT}"
 
 
 def answer_text(answer: str) -> str:
-    """The final generated answer turn: ``answer<|end|><|eos|>``."""
+    """The final answer turn of a toy reference: ``answer<|end|><|eos|>``."""
     return f"{answer}{END}{EOS}"
 
 
-def parse_assistant_turn(text: str) -> dict[str, Any] | str | None:
-    """Parse one generated assistant turn (the text after ``<|assistant|>``).
+def _compact_json(value: Any) -> str:
+    return json.dumps(value, separators=(",", ":"), ensure_ascii=False)
 
-    Returns:
-        the tool-call dict if the turn contains ``<|tool_call|>`` and its JSON parses
-        (a preamble before it is ignored); ``None`` if it contains ``<|tool_call|>`` but the
-        JSON does not parse; otherwise the answer text (without ``<|end|>``/``<|eos|>``).
+
+def reference_messages(reference: str) -> list[dict[str, Any]]:
+    """The target turns of a toy reference as OpenAI messages (assistant ``tool_calls``, ``tool``, answer).
+
+    Raises:
+        ValueError: if the reference is not toy-format turns ending in an answer.
     """
+    messages: list[dict[str, Any]] = []
+    for turn in reference.split(ASSISTANT):
+        if not turn:
+            continue
+        generated, _, result = turn.partition(TOOL_RESULT)
+        if TOOL_CALL in generated:
+            preamble, _, body = generated.partition(TOOL_CALL)
+            call = parse_tool_call(body.removesuffix(END))
+            if call is None:
+                raise ValueError(f"reference turn {generated!r}: not a tool call")
+            messages.append({"role": "assistant", "content": preamble, "tool_calls": [call]})
+            messages.append({"role": "tool", "content": result.removesuffix(END)})
+        else:
+            messages.append({"role": "assistant", "content": generated.removesuffix(EOS).removesuffix(END)})
+    if not messages or messages[-1].get("tool_calls") or messages[-1]["role"] != "assistant":
+        raise ValueError(f"reference {reference[:80]!r}: expected toy turns ending in an answer")
+    return messages
+
+
+# --------------------------------------------------------------------------------------
+# Tool-call parsers, one per template family
+
+
+@dataclass
+class ParsedTurn:
+    """One generated assistant turn: its calls (``None`` for one that does not parse) and their raw
+    text, or the answer when the turn makes no call."""
+
+    calls: list[dict[str, Any] | None]
+    raw: list[str]
+    answer: str | None
+
+
+def _call_of(obj: Any, arguments_key: str) -> dict[str, Any] | None:
+    """``{"name", "arguments"}`` of a decoded call object with keys ``name`` and ``arguments_key``."""
+    if not isinstance(obj, dict) or set(obj) != {"name", arguments_key}:
+        return None
+    if not isinstance(obj["name"], str) or not isinstance(obj[arguments_key], dict):
+        return None
+    return {"name": obj["name"], "arguments": obj[arguments_key]}
+
+
+def _json_call(text: str, arguments_key: str) -> dict[str, Any] | None:
+    try:
+        return _call_of(json.loads(text), arguments_key)
+    except (json.JSONDecodeError, RecursionError):
+        return None
+
+
+def parse_toy_turn(text: str) -> ParsedTurn:
+    """Toy: ``[preamble]<|tool_call|>{"name":...,"arguments":{...}}`` (one call per turn), else the answer."""
     if TOOL_CALL in text:
-        body = text.split(TOOL_CALL, 1)[1].split(END, 1)[0]
-        return parse_tool_call(body)
-    return text.split(END, 1)[0].replace(EOS, "")
+        raw = text.split(TOOL_CALL, 1)[1]
+        return ParsedTurn([parse_tool_call(raw)], [raw], None)
+    return ParsedTurn([], [], text)
+
+
+_HERMES_CALL = re.compile(r"<tool_call>(.*?)(?:</tool_call>|\Z)", re.DOTALL)
+
+
+def parse_hermes_turn(text: str) -> ParsedTurn:
+    """Hermes / Qwen: any number of ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``, else the answer."""
+    if "<tool_call>" not in text:
+        return ParsedTurn([], [], text)
+    raws = [body.strip() for body in _HERMES_CALL.findall(text)]
+    return ParsedTurn([_json_call(raw, "arguments") for raw in raws], raws, None)
+
+
+def parse_llama3_turn(text: str) -> ParsedTurn:
+    """Llama 3: ``[<|python_tag|>]{"name": ..., "parameters": {...}}`` (several separated by ``;``), else the answer.
+
+    A turn is a call when it opens with ``<|python_tag|>`` or ``{``.
+    """
+    tagged = "<|python_tag|>" in text
+    body = text.split("<|python_tag|>", 1)[1] if tagged else text
+    body = body.strip()
+    if not tagged and not body.startswith("{"):
+        return ParsedTurn([], [], text)
+    whole = _json_call(body, "parameters")
+    if whole is not None:
+        return ParsedTurn([whole], [body], None)
+    raws = [part.strip() for part in body.split(";") if part.strip()] or [body]
+    return ParsedTurn([_json_call(raw, "parameters") for raw in raws], raws, None)
+
+
+TOOL_CALL_PARSERS: dict[str, Callable[[str], ParsedTurn]] = {
+    "toy": parse_toy_turn,
+    "hermes": parse_hermes_turn,
+    "llama3": parse_llama3_turn,
+}
+TOOL_CALL_FORMATS = tuple(TOOL_CALL_PARSERS)
+
+
+def detect_tool_call_format(template: str) -> str:
+    """The tool-call family a chat template writes: ``toy``, ``hermes`` or ``llama3``.
+
+    Raises:
+        ValueError: when the template shows none of them (set ``tokenizer.tool_call_format``).
+    """
+    if TOOL_CALL in template:
+        return "toy"
+    if "<tool_call>" in template:
+        return "hermes"
+    if "<|python_tag|>" in template or "<|eot_id|>" in template:
+        return "llama3"
+    raise ValueError("the chat template writes no known tool-call format (toy <|tool_call|>, hermes <tool_call>, "
+                     f"llama3 <|python_tag|>); set tokenizer.tool_call_format to one of {TOOL_CALL_FORMATS}")
+
+
+# --------------------------------------------------------------------------------------
+# The chat format of a tokenizer
+
+END_OF_TURN_TOKENS = (END, "<|im_end|>", "<|eot_id|>", "<|eom_id|>", "<end_of_turn>", "<|endoftext|>")
+"""Tokens that end an assistant turn in the template families known here (those in the vocabulary count)."""
+Span = tuple[int, int]
+
+
+def _openai_call(call: Mapping[str, Any]) -> dict[str, Any]:
+    """A call in the OpenAI ``{"type", "function": {"name", "arguments": {...}}}`` form, arguments decoded."""
+    function = call.get("function", call)
+    arguments = function.get("arguments", {})
+    if isinstance(arguments, str):
+        arguments = json.loads(arguments) if arguments.strip() else {}
+    out = {"type": "function", "function": {"name": function["name"], "arguments": arguments}}
+    return {"id": call["id"], **out} if "id" in call else out
+
+
+def _openai_messages(messages: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
+    out = []
+    for i, message in enumerate(messages):
+        role, content = message.get("role"), message.get("content")
+        if role not in ("system", "user", "assistant", "tool"):
+            raise ValueError(f"messages[{i}].role: expected one of assistant/system/tool/user, got {role!r}")
+        if content is None and message.get("tool_calls"):
+            content = ""
+        if not isinstance(content, str):
+            raise ValueError(f"messages[{i}].content: expected a string, got {type(content).__name__}")
+        converted = {**message, "content": content}
+        if message.get("tool_calls"):
+            converted["tool_calls"] = [_openai_call(c) for c in message["tool_calls"]]
+        out.append(converted)
+    return out
+
+
+def _openai_tools(tools: Sequence[Mapping[str, Any]] | None) -> list[dict[str, Any]] | None:
+    if not tools:
+        return None
+    return [dict(t) if "function" in t else {"type": "function", "function": dict(t)} for t in tools]
+
+
+class ChatFormat:
+    """The chat format of a tokenizer: rendering (its chat template), tool-call parsing, stop ids.
+
+    Args:
+        tokenizer: a Hugging Face tokenizer with a ``chat_template``.
+        tool_call_format: the parser family (:data:`TOOL_CALL_FORMATS`); ``None``: detected from the template.
+
+    Raises:
+        ValueError: without a chat template, for an unknown format, or a template that has no end-of-turn token.
+    """
+
+    def __init__(self, tokenizer: Any, tool_call_format: str | None = None) -> None:
+        template = tokenizer.chat_template
+        if not isinstance(template, str):
+            raise ValueError(f"tokenizer {getattr(tokenizer, 'name_or_path', '')!r} has no (single) chat template")
+        self.tokenizer = tokenizer
+        self.tool_call_format = tool_call_format or detect_tool_call_format(template)
+        if self.tool_call_format not in TOOL_CALL_PARSERS:
+            raise ValueError(f"tool_call_format: expected one of {TOOL_CALL_FORMATS}, got {self.tool_call_format!r}")
+        self._parse = TOOL_CALL_PARSERS[self.tool_call_format]
+        vocab = tokenizer.get_vocab()
+        ends = [t for t in END_OF_TURN_TOKENS if t in vocab]
+        eos = tokenizer.eos_token
+        self.stop_tokens: list[str] = ends + ([eos] if eos and eos not in ends else [])
+        self.stop_ids: list[int] = [vocab[t] for t in self.stop_tokens]
+        """Ids that end a generated turn: the end-of-turn tokens, then eos."""
+        # Probe the template once: the header that opens an assistant turn, and what closes one.
+        user = [{"role": "user", "content": "Q"}]
+        opened = self.render(user, add_generation_prompt=True)
+        self.assistant_header = opened[len(self.render(user)) :]
+        closed = self.render([*user, {"role": "assistant", "content": "A"}])
+        if not closed.startswith(opened + "A"):
+            raise ValueError("the chat template does not render an answer right after its generation prompt")
+        tail = closed[len(opened) + 1 :]
+        self.end_of_turn = next((t for t in self.stop_tokens if tail.startswith(t)), "")
+        if not self.end_of_turn:
+            raise ValueError(f"the chat template closes an assistant turn with {tail[:20]!r}, not a stop token "
+                             f"({self.stop_tokens})")  # fmt: skip
+        self.answer_suffix = tail[len(self.end_of_turn) :]  # toy: <|eos|>; ChatML: "\n"
+        self.end_of_turn_id: int = vocab[self.end_of_turn]
+        self.assistant_header_ids: list[int] = self.encode(self.assistant_header)
+        """Token ids that open an assistant turn (toy: ``<|assistant|>``); the last one predicts its first token."""
+        marker = self.call_text({"name": "n", "arguments": {}}).split("{", 1)[0].strip()
+        self.call_marker_id: int | None = vocab.get(marker) if marker else None
+        """The single token a call opens with (toy ``<|tool_call|>``, ChatML ``<tool_call>``), else None."""
+
+    def render(self, messages: Sequence[Mapping[str, Any]], tools: Sequence[Mapping[str, Any]] | None = None,
+               add_generation_prompt: bool = False) -> str:  # fmt: skip
+        """``apply_chat_template`` of OpenAI-format ``messages`` (and ``tools``) as text."""
+        text = self.tokenizer.apply_chat_template(
+            _openai_messages(messages), tools=_openai_tools(tools), add_generation_prompt=add_generation_prompt,
+            tokenize=False,
+        )  # fmt: skip
+        assert isinstance(text, str)
+        return text
+
+    def prompt(self, item: Mapping[str, Any]) -> str:
+        """The prompt of ``item``: its messages and tools, up to the generation prompt."""
+        return self.render(item["messages"], item_tools(item), add_generation_prompt=True)
+
+    def conversation(self, item: Mapping[str, Any]) -> str:
+        """The full reference conversation: the prompt followed by the reference's turns."""
+        return self.render([*item["messages"], *reference_messages(item["reference"])], item_tools(item))
+
+    def generated_spans(self, item: Mapping[str, Any]) -> list[Span]:
+        """Character spans of :meth:`conversation` the model generates: each target assistant turn after
+        its header up to and including its end-of-turn token (the final one also its eos, when the
+        template ends a conversation with it). Found by rendering prefixes of the conversation.
+
+        Raises:
+            ValueError: when a rendered prefix is not a prefix of the conversation (the template
+                rewrites earlier turns).
+        """
+        messages, tools = list(item["messages"]), item_tools(item)
+        target = reference_messages(item["reference"])
+        text = self.render([*messages, *target], tools)
+        spans = []
+        for k, message in enumerate(target):
+            if message["role"] != "assistant":
+                continue
+            head = self.render([*messages, *target[:k]], tools, add_generation_prompt=True)
+            if not text.startswith(head):
+                raise ValueError(f"item {item.get('id')}: the chat template renders turn {k} as a different prefix")
+            end = text.find(self.end_of_turn, len(head)) + len(self.end_of_turn)
+            if k == len(target) - 1 and self.answer_suffix == self.tokenizer.eos_token:
+                end += len(self.answer_suffix)
+            spans.append((len(head), end))
+        return spans
+
+    def call_text(self, call: Mapping[str, Any]) -> str:
+        """A generated turn that makes just ``call``, up to (not including) its end-of-turn token."""
+        user = [{"role": "user", "content": "Q"}]
+        head = self.render(user, add_generation_prompt=True)
+        turn = self.render([*user, {"role": "assistant", "content": "", "tool_calls": [call]}])[len(head) :]
+        return turn[: turn.rindex(self.end_of_turn)]
+
+    def parse_turn(self, text: str) -> ParsedTurn:
+        """Calls or answer of one generated turn (text after the assistant header; cut at its first stop token)."""
+        return self._parse(self._cut(text))
+
+    def _cut(self, text: str) -> str:
+        at = min((i for i in (text.find(t) for t in self.stop_tokens) if i >= 0), default=len(text))
+        return text[:at]
+
+    def parse_transcript(self, text: str) -> tuple[list[dict[str, Any] | None], str | None]:
+        """Split a generated transcript (what follows the prompt: turns and injected tool results).
+
+        Returns:
+            (calls in order, ``None`` for each that did not parse; the final answer or ``None``).
+        """
+        calls: list[dict[str, Any] | None] = []
+        answer = None
+        for chunk in text.split(self.assistant_header):
+            turn = self._cut(chunk)
+            if not turn:
+                continue
+            parsed = self._parse(turn)
+            calls += parsed.calls
+            if parsed.answer is not None:
+                answer = parsed.answer
+        return calls, answer
+
+    def tool_results_text(self, results: Sequence[dict[str, Any]]) -> str:
+        """What the runtime appends after a turn that made ``len(results)`` calls and ended on its
+        end-of-turn token: the template's rendering of the ``tool`` messages and the next generation prompt."""
+        calls = [{"name": "call", "arguments": {}} for _ in results]  # the families here do not echo the call
+        before: list[dict[str, Any]] = [{"role": "user", "content": "Q"},
+                                        {"role": "assistant", "content": "", "tool_calls": calls}]  # fmt: skip
+        head = self.render(before)
+        cut = head.rindex(self.end_of_turn) + len(self.end_of_turn)
+        full = self.render([*before, *({"role": "tool", "content": _compact_json(r)} for r in results)],
+                           add_generation_prompt=True)  # fmt: skip
+        if not full.startswith(head[:cut]):
+            raise ValueError("the chat template renders an assistant call differently once its results follow")
+        return full[cut:]
+
+    def encode(self, text: str) -> list[int]:
+        """Token ids of rendered ``text`` (no special tokens added: the template wrote them)."""
+        return list(self.tokenizer.encode(text, add_special_tokens=False))
+
+
+_FORMATS: weakref.WeakKeyDictionary[Any, ChatFormat] = weakref.WeakKeyDictionary()
+
+
+def chat_format(tokenizer: Any) -> ChatFormat:
+    """The :class:`ChatFormat` of ``tokenizer`` (built once per tokenizer object). Its tool-call family is
+    the tokenizer's own ``tool_call_format`` setting (saved in ``tokenizer_config.json`` by the data
+    step when the config names one), else detected from the template."""
+    if tokenizer not in _FORMATS:
+        _FORMATS[tokenizer] = ChatFormat(tokenizer, tokenizer.init_kwargs.get("tool_call_format"))
+    return _FORMATS[tokenizer]
+
+
+@cache
+def template_chat_format(chat_template: str = "toy") -> ChatFormat:
+    """The format of a built-in template (:data:`distillgates.tokenizer.CHAT_TEMPLATES`) over a vocabulary of
+    just its specials: rendering and parsing need no trained vocabulary."""
+    from distillgates.tokenizer import template_tokenizer
+
+    return chat_format(template_tokenizer(chat_template))
+
+
+def toy_chat_format() -> ChatFormat:
+    """The toy format (:func:`template_chat_format`)."""
+    return template_chat_format("toy")
+
+
+def render_messages(messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True) -> str:
+    """Toy-format text of ``messages`` (:func:`toy_chat_format`), by default up to the generation prompt."""
+    return toy_chat_format().render(messages, add_generation_prompt=add_generation_prompt)
+
+
+def render_prompt(item: Mapping[str, Any]) -> str:
+    """Toy-format prompt of ``item`` (:meth:`ChatFormat.prompt`)."""
+    return toy_chat_format().prompt(item)
+
+
+def render_conversation(item: Mapping[str, Any]) -> str:
+    """Toy-format reference conversation of ``item`` (:meth:`ChatFormat.conversation`)."""
+    return toy_chat_format().conversation(item)
+
+
+def parse_assistant_turn(text: str) -> dict[str, Any] | str | None:
+    """One toy turn: its call (``None`` if it does not parse) or its answer text."""
+    parsed = toy_chat_format().parse_turn(text)
+    return parsed.calls[0] if parsed.calls else parsed.answer
 
 
 def parse_transcript(text: str) -> tuple[list[dict[str, Any] | None], str | None]:
-    """Split a generated transcript (a reference, or what a runtime produced after the prompt).
-
-    Returns:
-        (calls in order, ``None`` for each that did not parse; the final answer text or ``None``
-        when the transcript ends without one).
-    """
-    calls: list[dict[str, Any] | None] = []
-    answer = None
-    for turn in text.split(ASSISTANT):
-        turn = turn.split(TOOL_RESULT, 1)[0]  # a tool result belongs to the runtime, not the model
-        if not turn:
-            continue
-        parsed = parse_assistant_turn(turn)
-        if isinstance(parsed, str):
-            answer = parsed
-        else:
-            calls.append(parsed)
-    return calls, answer
+    """Calls and answer of a toy transcript (:meth:`ChatFormat.parse_transcript`)."""
+    return toy_chat_format().parse_transcript(text)
 
 
 def prompt_wrapper_sha256() -> str:

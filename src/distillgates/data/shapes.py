@@ -25,7 +25,7 @@ import torch
 from transformers import PreTrainedTokenizerFast
 
 from distillgates.config import ShapesConfig
-from distillgates.data.chat import render_conversation
+from distillgates.data.chat import chat_format
 
 
 def bucket_of(length: int, lengths: Sequence[int]) -> int | None:
@@ -47,7 +47,7 @@ class ShapeSampler:
     """Draws, per training step, one enumerated shape and a batch of items that fit it.
 
     Args:
-        item_lengths: token length of each item (e.g. of ``render_conversation``).
+        item_lengths: token length of each item (e.g. of the rendered conversation).
         cfg: shapes and production mix plus the schedule knobs.
         batch_size: items per batch.
         total_steps: training length (sets the annealing horizon).
@@ -164,8 +164,9 @@ def eval_slices(
     Items longer than the largest shape belong to no slice.
     """
     slices: dict[int, list[str]] = {shape: [] for shape in lengths}
+    fmt = chat_format(tokenizer)
     for item in items:
-        shape = bucket_of(len(tokenizer.encode(render_conversation(item), add_special_tokens=False)), lengths)
+        shape = bucket_of(len(fmt.encode(fmt.conversation(item))), lengths)
         if shape is not None:
             slices[shape].append(item["id"])
     return slices

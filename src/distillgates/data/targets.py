@@ -1,14 +1,15 @@
 """Process-step targets: character spans of the rendered reference mapped to token masks.
 
-Span kinds of :func:`reference_spans` (character ranges ``[start, end)`` of
-``render_conversation(item)``):
+Span kinds of :func:`reference_spans` (character ranges ``[start, end)`` of the reference
+conversation rendered by the chat format, :meth:`~distillgates.data.chat.ChatFormat.conversation`):
 
 - ``tool_name``: the tool name string inside each call JSON (without quotes);
 - ``arguments``: each call's arguments object, braces included;
 - ``argument_values``: each argument value (strings without their quotes, numbers as written);
 - ``integration``: each integration field where it occurs in the final answer;
-- ``generated``: everything the model generates (preamble + call + ``<|end|>``; the final answer +
-  ``<|end|><|eos|>``), i.e. not the prompt and not the tool results the runtime injects.
+- ``generated``: everything the model generates: the assistant turns of the rendered template after
+  the prompt (:meth:`~distillgates.data.chat.ChatFormat.generated_spans`; toy: preamble + call +
+  ``<|end|>``, the final answer + ``<|end|><|eos|>``), not the tool results the runtime injects.
 
 Mask definition: a token is under a span's mask iff its character offsets **overlap** the span.
 Byte-level BPE tokens need not start or end where a span does (``":"Paris`` may merge), so an
@@ -26,12 +27,13 @@ from typing import Any
 
 from transformers import PreTrainedTokenizerFast
 
-from distillgates.data.chat import render_conversation, render_prompt
-from distillgates.data.tools import canonical_call
-from distillgates.tokenizer import ASSISTANT, END, EOS, TOOL_CALL, TOOL_RESULT
+from distillgates.data.chat import ChatFormat, chat_format, toy_chat_format
 
 Span = tuple[int, int]
 SPAN_KINDS = ("tool_name", "arguments", "argument_values", "integration", "generated")
+
+
+_DECODER = json.JSONDecoder()
 
 
 def _find(text: str, needle: str, start: int) -> int:
@@ -41,46 +43,56 @@ def _find(text: str, needle: str, start: int) -> int:
     return pos
 
 
+def _value_span(text: str, key: str, start: int) -> Span:
+    """Span of the JSON value of the first ``"key":`` at or after ``start`` (any whitespace around ``:``)."""
+    at = _find(text, json.dumps(key, ensure_ascii=False), start) + len(json.dumps(key, ensure_ascii=False))
+    while text[at].isspace():
+        at += 1
+    if text[at] != ":":
+        raise ValueError(f"no ':' after key {key!r} at position {at}")
+    at += 1
+    while text[at].isspace():
+        at += 1
+    _, end = _DECODER.raw_decode(text, at)
+    return at, end
+
+
 def _call_spans(text: str, call: dict[str, Any], at: int, spans: dict[str, list[Span]]) -> int:
-    """Spans of one canonical call JSON starting at ``at``; returns its end."""
-    json_text = canonical_call(call)
-    if text[at : at + len(json_text)] != json_text:
-        raise ValueError(f"call JSON {json_text!r} not at position {at}")
-    name_at = at + len('{"name":"')
-    spans["tool_name"].append((name_at, name_at + len(call["name"])))
-    args_at = at + len(json_text) - len(json.dumps(call["arguments"], separators=(",", ":"), ensure_ascii=False)) - 1
-    spans["arguments"].append((args_at, at + len(json_text) - 1))
-    cursor = args_at
-    for key, value in call["arguments"].items():
-        cursor = _find(text, json.dumps(key, ensure_ascii=False) + ":", cursor) + len(json.dumps(key)) + 1
-        value_text = json.dumps(value, separators=(",", ":"), ensure_ascii=False)
-        if isinstance(value, str):
-            spans["argument_values"].append((cursor + 1, cursor + len(value_text) - 1))
-        else:
-            spans["argument_values"].append((cursor, cursor + len(value_text)))
-        cursor += len(value_text)
-    return at + len(json_text)
+    """Spans of one call JSON (``{"name": ..., "arguments"|"parameters": {...}}``) starting at ``at``; returns
+    the end of its arguments object."""
+    name_start, name_end = _value_span(text, "name", at)
+    if text[name_start + 1 : name_end - 1] != call["name"]:
+        raise ValueError(f"call name {call['name']!r} not at position {name_start}")
+    spans["tool_name"].append((name_start + 1, name_end - 1))
+    keys = [k for k in ("arguments", "parameters") if text.find(f'"{k}"', name_end) >= 0]
+    key = min(keys, key=lambda k: text.find(f'"{k}"', name_end))
+    args_start, args_end = _value_span(text, key, name_end)
+    spans["arguments"].append((args_start, args_end))
+    cursor = args_start
+    for name, value in call["arguments"].items():
+        start, cursor = _value_span(text, name, cursor)
+        string = isinstance(value, str)
+        spans["argument_values"].append((start + 1, cursor - 1) if string else (start, cursor))
+    return args_end
 
 
-def reference_spans(item: dict[str, Any]) -> dict[str, list[Span]]:
-    """Character spans (see module doc) of ``render_conversation(item)``."""
-    text = render_conversation(item)
+def reference_spans(item: dict[str, Any], fmt: ChatFormat | None = None) -> dict[str, list[Span]]:
+    """Character spans (see module doc) of ``fmt.conversation(item)`` (default: the toy format)."""
+    fmt = fmt or toy_chat_format()
+    text = fmt.conversation(item)
     spans: dict[str, list[Span]] = {kind: [] for kind in SPAN_KINDS}
-    cursor = len(render_prompt(item))
-    turn_start = cursor
+    spans["generated"] = fmt.generated_spans(item)
+    cursor = spans["generated"][0][0]
     for call in item["expected_calls"]:
-        call_at = _find(text, TOOL_CALL, cursor) + len(TOOL_CALL)
+        call_at = _find(text, '{"name"', cursor)
+        if not any(start <= call_at < end for start, end in spans["generated"]):
+            raise ValueError(f"item {item.get('id')}: call {call['name']!r} not inside a generated turn")
         cursor = _call_spans(text, call, call_at, spans)
-        spans["generated"].append((turn_start, cursor + len(END)))
-        result_at = _find(text, TOOL_RESULT, cursor)
-        turn_start = cursor = _find(text, END + ASSISTANT, result_at) + len(END + ASSISTANT)
-    spans["generated"].append((turn_start, len(text)))
-    if not text.endswith(END + EOS):
-        raise ValueError(f"item {item.get('id')}: reference must end with {END}{EOS}")
+    answer_start = spans["generated"][-1][0]
     for value in item["integration_fields"]:
         # Prefer a whole-token occurrence: "2" should not match inside a date "2025-02-03".
-        bounded = re.compile(rf"(?<![\w.]){re.escape(value)}(?!\w|\.\d)").search(text, turn_start)
-        at = bounded.start() if bounded else _find(text, value, turn_start)
+        bounded = re.compile(rf"(?<![\w.]){re.escape(value)}(?!\w|\.\d)").search(text, answer_start)
+        at = bounded.start() if bounded else _find(text, value, answer_start)
         spans["integration"].append((at, at + len(value)))
     return spans
 
@@ -111,7 +123,8 @@ class EncodedItem:
 
 
 def encode_item(tokenizer: PreTrainedTokenizerFast, item: dict[str, Any]) -> EncodedItem:
-    """Encode ``render_conversation(item)`` with all process masks."""
-    input_ids, masks = process_masks(tokenizer, render_conversation(item), reference_spans(item))
-    prompt_len = len(tokenizer.encode(render_prompt(item), add_special_tokens=False))
+    """Encode the reference conversation of ``item`` in the tokenizer's chat format with all process masks."""
+    fmt = chat_format(tokenizer)
+    input_ids, masks = process_masks(tokenizer, fmt.conversation(item), reference_spans(item, fmt))
+    prompt_len = len(tokenizer.encode(fmt.prompt(item), add_special_tokens=False))
     return EncodedItem(input_ids, masks, prompt_len)

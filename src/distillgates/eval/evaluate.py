@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any, Literal, overload
 
 from distillgates.config import PrivacyConfig
-from distillgates.data.chat import prompt_wrapper_sha256, render_conversation
+from distillgates.data.chat import chat_format, prompt_wrapper_sha256
 from distillgates.data.registry import tool_registry_sha256
 from distillgates.eval.broker import FixturePolicy
 from distillgates.eval.fingerprints import check_fingerprints, items_sha256
@@ -52,7 +52,8 @@ def as_runner(
 
 def item_lengths(items: Sequence[Mapping[str, Any]], tokenizer: Any) -> dict[str, int]:
     """Token length of each item's reference conversation (its enumerated-shape bucket)."""
-    return {str(i["id"]): len(tokenizer.encode(render_conversation(dict(i)), add_special_tokens=False)) for i in items}
+    fmt = chat_format(tokenizer)
+    return {str(i["id"]): len(fmt.encode(fmt.conversation(i))) for i in items}
 
 
 @overload

@@ -38,12 +38,11 @@ from typing import Any, Protocol
 
 import torch
 
-from distillgates.data.chat import item_system_prompt, parse_assistant_turn, render_prompt, tool_result_text
+from distillgates.data.chat import ChatFormat, chat_format, item_system_prompt, toy_chat_format
 from distillgates.data.tools import item_tools, validate_call
 from distillgates.eval.broker import FixturePolicy, ToolBroker
 from distillgates.eval.fingerprints import directory_fingerprint, runner_fingerprint
 from distillgates.teacher.messages import call_turns, turn_messages
-from distillgates.tokenizer import ASSISTANT, END, EOS, TOOL_CALL, TOOL_RESULT
 
 
 @dataclass
@@ -54,11 +53,13 @@ class Turn:
 
 
 class Session(Protocol):
-    """Produces assistant turns of one conversation."""
+    """Produces assistant turns of one conversation in a chat format."""
+
+    chat_format: ChatFormat
 
     def first_turn(self, item: Mapping[str, Any], prompt_text: str) -> Turn: ...
 
-    def next_turn(self, result: dict[str, Any]) -> Turn: ...
+    def next_turn(self, results: list[dict[str, Any]]) -> Turn: ...
 
 
 class Runner(Protocol):
@@ -94,7 +95,9 @@ class Conversation:
     turn.
     """
 
-    def __init__(self, item: Mapping[str, Any], max_calls: int = 4, policy: FixturePolicy | None = None) -> None:
+    def __init__(self, item: Mapping[str, Any], max_calls: int = 4, policy: FixturePolicy | None = None,
+                 fmt: ChatFormat | None = None) -> None:  # fmt: skip
+        self.fmt = fmt or toy_chat_format()
         self.id = str(item["id"])
         self.tools = item_tools(item)
         self.broker = ToolBroker.for_item(item, policy)
@@ -105,28 +108,31 @@ class Conversation:
         self.ttfa: int | None = None
         self.answer: str | None = None
 
-    def add_turn(self, turn: Turn) -> dict[str, Any] | None:
-        """Record a generated turn; returns the tool result the model gets next, None when the conversation is over."""
+    def add_turn(self, turn: Turn) -> list[dict[str, Any]] | None:
+        """Record a generated turn; returns the tool results the model gets next (one per call of the
+        turn), None when the conversation is over."""
         self.tokens_out += turn.tokens
         self.turns.append({"role": "assistant", "text": turn.text, "tokens": turn.tokens})
-        parsed = parse_assistant_turn(turn.text)
-        if isinstance(parsed, str):
-            self.answer = parsed
+        parsed = self.fmt.parse_turn(turn.text)
+        if parsed.answer is not None:
+            self.answer = parsed.answer
             return None
-        errors = ["malformed_call: $: not a JSON tool call"] if parsed is None else validate_call(parsed, self.tools)
-        if parsed is None:
-            result, hit, mocked = {"error": "invalid tool call JSON"}, None, False
-        else:
-            result, hit, mocked = self.broker.call(parsed["name"], parsed["arguments"])
-        if self.ttfa is None and parsed is not None and not errors:
-            self.ttfa = max(0, self.tokens_out - int(turn.stopped))
-        raw = turn.text.split(TOOL_CALL, 1)[1] if TOOL_CALL in turn.text else turn.text
-        record = {"raw": raw, "call": parsed, "errors": errors, "fixture_hit": hit}
-        self.calls.append({**record, "mocked": True} if mocked else record)
-        self.turns.append({"role": "tool", "result": result})
+        results = []
+        for call, raw in zip(parsed.calls, parsed.raw, strict=True):
+            errors = ["malformed_call: $: not a JSON tool call"] if call is None else validate_call(call, self.tools)
+            if call is None:
+                result, hit, mocked = {"error": "invalid tool call JSON"}, None, False
+            else:
+                result, hit, mocked = self.broker.call(call["name"], call["arguments"])
+            if self.ttfa is None and call is not None and not errors:
+                self.ttfa = max(0, self.tokens_out - int(turn.stopped))
+            record = {"raw": raw, "call": call, "errors": errors, "fixture_hit": hit}
+            self.calls.append({**record, "mocked": True} if mocked else record)
+            self.turns.append({"role": "tool", "result": result})
+            results.append(result)
         if len(self.calls) >= self.max_calls or not turn.stopped:
             return None
-        return result
+        return results
 
     def output(self) -> dict[str, Any]:
         """The per-item output the scorer consumes (module docstring)."""
@@ -145,10 +151,10 @@ def run_item(
 ) -> dict[str, Any]:
     """Run one item: turns until an answer, at most ``max_calls`` tool calls."""
     prompt_item = eval_prompt_item(item)
-    conversation = Conversation(item, max_calls, policy)
-    result = conversation.add_turn(session.first_turn(prompt_item, render_prompt(prompt_item)))
-    while result is not None:
-        result = conversation.add_turn(session.next_turn(result))
+    conversation = Conversation(item, max_calls, policy, session.chat_format)
+    results = conversation.add_turn(session.first_turn(prompt_item, session.chat_format.prompt(prompt_item)))
+    while results is not None:
+        results = conversation.add_turn(session.next_turn(results))
     output = conversation.output()
     if reason := getattr(session, "unconstrained_reason", None):
         output["unconstrained_reason"] = reason
@@ -181,8 +187,9 @@ def runner_fingerprint_of(runner: Runner) -> str:
 class _TokenSession:
     def __init__(self, tokenizer: Any, max_new_tokens: int) -> None:
         self.tokenizer = tokenizer
+        self.chat_format = chat_format(tokenizer)
         self.max_new_tokens = max_new_tokens
-        self.stop_ids = [tokenizer.convert_tokens_to_ids(END), tokenizer.convert_tokens_to_ids(EOS)]
+        self.stop_ids = self.chat_format.stop_ids
 
     def encode(self, text: str) -> list[int]:
         return list(self.tokenizer.encode(text, add_special_tokens=False))
@@ -231,8 +238,8 @@ class EngineSession(_TokenSession):
             return Turn(text="", tokens=0, stopped=False)
         return self.turn(list(self.engine.generate(prompt, max_new_tokens=budget, **self._decode())))
 
-    def next_turn(self, result: dict[str, Any]) -> Turn:
-        ids = self.encode(tool_result_text(result))
+    def next_turn(self, results: list[dict[str, Any]]) -> Turn:
+        ids = self.encode(self.chat_format.tool_results_text(results))
         budget = self._budget(self.engine.position + 1 + len(ids))  # + the pending stop token
         if budget == 0:
             return Turn(text="", tokens=0, stopped=False)
@@ -290,8 +297,8 @@ class HFSession(_TokenSession):
         self.ids = self.encode(prompt_text)
         return self._generate()
 
-    def next_turn(self, result: dict[str, Any]) -> Turn:
-        self.ids += self.encode(tool_result_text(result))
+    def next_turn(self, results: list[dict[str, Any]]) -> Turn:
+        self.ids += self.encode(self.chat_format.tool_results_text(results))
         return self._generate()
 
 
@@ -331,6 +338,8 @@ class TeacherSession:
 
     def __init__(self, teacher: Any, max_new_tokens: int, temperature: float) -> None:
         self.teacher = teacher
+        tokenizer = getattr(teacher, "tokenizer", None)  # the teacher's text is in its tokenizer's format
+        self.chat_format = chat_format(tokenizer) if tokenizer is not None else toy_chat_format()
         self.max_new_tokens = max_new_tokens
         self.temperature = temperature
         self.messages: list[dict[str, Any]] = []
@@ -352,8 +361,8 @@ class TeacherSession:
         self.tools = item_tools(item)
         return self._complete()
 
-    def next_turn(self, result: dict[str, Any]) -> Turn:
-        self.results.append(result)
+    def next_turn(self, results: list[dict[str, Any]]) -> Turn:
+        self.results += results
         if self.queued:  # the next parallel call of the same response
             return Turn(text=self.queued.pop(0), tokens=0, stopped=True)
         self.messages += turn_messages(self.response, self.results)
@@ -393,24 +402,30 @@ class TeacherRunner:
 def reference_output(item: Mapping[str, Any], tokenizer: Any = None) -> dict[str, Any]:
     """The output a perfect model would produce: the item's reference replayed through the broker.
 
-    Used to check the scorer (a reference scores 1.0) and as the oracle in tests. Token counts
-    need ``tokenizer``; without it they are 0.
+    Used to check the scorer (a reference scores 1.0) and as the oracle in tests. Turns are the
+    generated spans of the reference conversation in ``tokenizer``'s chat format (the toy format
+    without one); token counts need ``tokenizer`` (0 without it).
     """
-    turns_text = [t.split(TOOL_RESULT, 1)[0] for t in item["reference"].split(ASSISTANT)]
-    turns = iter(turns_text)
+    fmt = chat_format(tokenizer) if tokenizer is not None else toy_chat_format()
+    text = fmt.conversation(item)
+    spans = fmt.generated_spans(item)
+    turns = iter(spans)
 
     class _Replay:
+        chat_format = fmt
+
         def _turn(self) -> Turn:
-            text = next(turns)
-            stopped = text.endswith(END) or text.endswith(END + EOS)
-            text = text.removesuffix(EOS).removesuffix(END)
-            n = len(tokenizer.encode(text + END, add_special_tokens=False)) if tokenizer is not None else 0
-            return Turn(text=text, tokens=n, stopped=stopped)
+            start, end = next(turns)
+            generated = text[start:end]
+            stop = min((t for t in fmt.stop_tokens if t in generated), key=generated.index, default=None)
+            body = generated[: generated.index(stop)] if stop else generated
+            n = len(fmt.encode(body + (stop or ""))) if tokenizer is not None else 0
+            return Turn(text=body, tokens=n, stopped=stop is not None)
 
         def first_turn(self, item: Mapping[str, Any], prompt_text: str) -> Turn:
             return self._turn()
 
-        def next_turn(self, result: dict[str, Any]) -> Turn:
+        def next_turn(self, results: list[dict[str, Any]]) -> Turn:
             return self._turn()
 
-    return run_item(item, _Replay(), max_calls=len(turns_text))
+    return run_item(item, _Replay(), max_calls=len(spans))

@@ -50,7 +50,7 @@ from pathlib import Path
 from typing import Any, TypedDict
 
 from distillgates.config import Config, KDConfig, TeacherConfig, sha256_json
-from distillgates.data.chat import prompt_wrapper_sha256, render_prompt, tool_result_text
+from distillgates.data.chat import chat_format, prompt_wrapper_sha256
 from distillgates.data.registry import tool_registry_sha256
 from distillgates.data.tools import item_tools
 from distillgates.eval.runners import Conversation, Turn
@@ -58,7 +58,7 @@ from distillgates.io import atomic_write_json, sha256_bytes
 from distillgates.teacher.base import Teacher, TurnResult
 from distillgates.teacher.cache import ResponseCache, cache_key
 from distillgates.teacher.messages import call_turns, turn_messages
-from distillgates.tokenizer import END, EOS, tokenizer_fingerprint
+from distillgates.tokenizer import tokenizer_fingerprint
 
 log = logging.getLogger(__name__)
 
@@ -118,7 +118,8 @@ class KDConversation:
 
     def __init__(self, item: dict[str, Any], tokenizer: Any, max_turns: int) -> None:
         self.item, self.tokenizer = item, tokenizer
-        self.loop = Conversation(item, max_calls=max_turns)
+        self.fmt = chat_format(tokenizer)
+        self.loop = Conversation(item, max_calls=max_turns, fmt=self.fmt)
         self.messages = [dict(m) for m in item["messages"]]
         self.tools = item_tools(item)  # sent to an API teacher with every request
         self.text = ""
@@ -151,24 +152,24 @@ class KDConversation:
             else:  # API tokens not mappable (or none): text-only for this turn
                 self._inject(text)
             stopped = turn.finish_reason == "stop" or j < len(texts) - 1
-            if stopped:
-                self.text += END
-                self.ids.append(self.tokenizer.convert_tokens_to_ids(END))
+            if stopped:  # the stop token the teacher generated: the template's end of turn
+                self.text += self.fmt.end_of_turn
+                self.ids.append(self.fmt.end_of_turn_id)
                 self.topk_ids.append(list(turn.stop_topk_ids) if j == 0 else [])
                 self.topk_lp.append([round(v, 5) for v in turn.stop_topk_logprobs] if j == 0 else [])
             tokens = turn.completion_tokens if j == 0 else 0  # the response's tokens, counted once
-            result = self.loop.add_turn(Turn(text=text, tokens=tokens, stopped=stopped))
-            if result is None:
+            turn_results = self.loop.add_turn(Turn(text=text, tokens=tokens, stopped=stopped))
+            if turn_results is None:
                 if not stopped:
                     self.finish = "length"
                 elif self.loop.answer is not None:
-                    self._inject(EOS)  # the reference's final <|eos|> counts as generated (targets.py)
+                    self._inject(self.fmt.answer_suffix)  # what the template renders after the answer (toy: <|eos|>)
                     self.finish = "stop"
                 else:
                     self.finish = "max_turns"
                 return
-            self._inject(tool_result_text(result))
-            results.append(result)
+            self._inject(self.fmt.tool_results_text(turn_results))
+            results += turn_results
         self.messages += turn_messages(turn, results)
 
     def record(self) -> dict[str, Any]:
@@ -177,7 +178,7 @@ class KDConversation:
             raise AssertionError(f"item {self.item['id']}: completion ids do not decode to the completion text")
         return {
             "id": self.item["id"],
-            "prompt_text": render_prompt(self.item),
+            "prompt_text": self.fmt.prompt(self.item),
             "completion_text": self.text,
             "completion_ids": self.ids,
             "topk_ids": self.topk_ids,
@@ -296,8 +297,9 @@ def _complete_all(
     missing = [i for i, r in enumerate(results) if r is None]
     if missing:
         batch = getattr(teacher, "complete_batch", None)
-        if batch is not None:  # a local teacher: the tools are in the system prompt
-            fresh = batch([conversations[i].messages for i in missing], **kwargs)
+        if batch is not None:  # a local teacher
+            fresh = batch([conversations[i].messages for i in missing], **kwargs,
+                          tools=[conversations[i].tools for i in missing])  # fmt: skip
         else:
             fresh = [teacher.complete(conversations[i].messages, **kwargs, tools=conversations[i].tools)
                      for i in missing]  # fmt: skip

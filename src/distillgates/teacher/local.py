@@ -18,10 +18,10 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from distillgates.config import sha256_json
-from distillgates.data.chat import render_messages
+from distillgates.data.chat import chat_format
 from distillgates.io import sha256_file
 from distillgates.teacher.base import TurnResult
-from distillgates.tokenizer import END
+from distillgates.tokenizer import load_tokenizer
 
 
 @dataclass
@@ -53,18 +53,19 @@ class LocalTeacher:
     """A causal LM loaded from a ``save_pretrained`` directory."""
 
     def __init__(self, path: str | Path, device: str = "cpu", dtype: torch.dtype = torch.float32) -> None:
-        from transformers import AutoModelForCausalLM, AutoTokenizer
+        from transformers import AutoModelForCausalLM
 
         self.path = Path(path)
         if not (self.path / "config.json").exists():
             raise FileNotFoundError(f"{self.path}: not a model directory (config.json missing)")
         # transformers types PreTrainedModel.to (@wraps(Module.to)) as taking the model as its first argument
         self.model = AutoModelForCausalLM.from_pretrained(self.path, dtype=dtype).to(device).eval()  # type: ignore[arg-type]
-        self.tokenizer = AutoTokenizer.from_pretrained(self.path)
+        self.tokenizer = load_tokenizer(self.path)
+        self.chat_format = chat_format(self.tokenizer)
         self.device = torch.device(device)
         self.model_id = f"local:{self.path.name}:{_weights_digest(self.path)[:16]}"
         self.max_positions = int(getattr(self.model.config, "max_position_embeddings", 1 << 30))
-        self.end_id = cast(int, self.tokenizer.convert_tokens_to_ids(END))  # one token -> one id
+        self.end_id = self.chat_format.end_of_turn_id
 
     def __repr__(self) -> str:
         return f"LocalTeacher({self.model_id!r})"
@@ -175,15 +176,20 @@ class LocalTeacher:
         temperature: float = 0.0,
         tools: list[dict[str, Any]] | None = None,
     ) -> TurnResult:
-        """One assistant turn for chat messages, stopping at ``<|end|>`` (``tools`` is not used: the
-        system prompt lists them, in the chat format the model was trained on)."""
-        return self.complete_batch([messages], max_new_tokens=max_new_tokens, top_k=top_k, temperature=temperature)[0]
+        """One assistant turn for chat messages and the item's ``tools``, rendered by the tokenizer's chat
+        template (the built-in ones list the tools in the system message, so they ignore ``tools``), stopping
+        at its end-of-turn token (toy: ``<|end|>``)."""
+        return self.complete_batch([messages], max_new_tokens=max_new_tokens, top_k=top_k, temperature=temperature,
+                                   tools=[tools])[0]  # fmt: skip
 
     def complete_batch(
-        self, conversations: list[list[dict[str, Any]]], *, max_new_tokens: int, top_k: int, temperature: float = 0.0
-    ) -> list[TurnResult]:
-        """:meth:`complete` for several conversations in one batched generation."""
-        prompts = [self.encode(render_messages(m)) for m in conversations]
+        self, conversations: list[list[dict[str, Any]]], *, max_new_tokens: int, top_k: int, temperature: float = 0.0,
+        tools: list[list[dict[str, Any]] | None] | None = None,
+    ) -> list[TurnResult]:  # fmt: skip
+        """:meth:`complete` for several conversations (``tools``: each one's) in one batched generation."""
+        tools = tools or [None] * len(conversations)
+        prompts = [self.encode(self.chat_format.render(m, t, add_generation_prompt=True))
+                   for m, t in zip(conversations, tools, strict=True)]  # fmt: skip
         gens = self.generate_batch(prompts, max_new_tokens, [self.end_id], temperature=temperature, top_k=top_k)
         results = []
         for prompt_ids, gen in zip(prompts, gens):

@@ -30,8 +30,9 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from distillgates.data.chat import chat_format
 from distillgates.losses import early_tool_positions, early_tool_target, turn_masks
-from distillgates.tokenizer import ASSISTANT, END, TOOL_CALL
+from distillgates.tokenizer import TOOL_CALL
 
 
 def read_kd_set(path: str | Path) -> dict[str, dict[str, Any]]:
@@ -104,17 +105,17 @@ def without_preamble(item: dict[str, Any]) -> dict[str, Any]:
     return {**item, "reference": reference[at:]} if at > 0 else item
 
 
-def excess_positions(ids: Sequence[int], prompt_len: int, evidence_end: int, tool_call_id: int, end_id: int,
+def excess_positions(ids: Sequence[int], prompt_len: int, evidence_end: int, tool_call_id: int | None, end_id: int,
                      tool_item: bool) -> list[int]:
     """Prediction positions whose targets the latency objective calls excess.
 
-    - the preamble of a tool item: the tokens of the first assistant turn before its
-      ``<|tool_call|>`` (the early tool-call loss wants the call first);
+    - the preamble of a tool item: the tokens of the first assistant turn before its call token
+      ``tool_call_id`` (toy ``<|tool_call|>``; none when the format opens calls with no single token);
     - the answer after its last required evidence token, up to (not including) the position
       that predicts the closing ``<|end|>`` (the "evidence" length target ends there).
     """
     out: list[int] = []
-    if tool_item:
+    if tool_item and tool_call_id is not None:
         call = next((j for j in range(prompt_len, len(ids)) if ids[j] == tool_call_id), None)
         if call is not None:
             out += range(prompt_len - 1, call - 1)  # position q predicts token q + 1
@@ -160,10 +161,11 @@ def build_row(
     shape = shape_for(len(full), lengths)
     row = Row(item=item, ids=ids, prompt_len=p, shape=shape, process=process, evidence_end=max(evidence, default=-1),
               length=len(full))
-    asst, end, call_id = tokenizer.convert_tokens_to_ids([ASSISTANT, END, TOOL_CALL])
+    fmt = chat_format(tokenizer)
+    asst, end, call_id = fmt.assistant_header_ids, fmt.end_of_turn_id, fmt.call_marker_id
     if kd is not None:
         completion = list(kd["completion_ids"])
-        row.teacher_len = float(turn_masks(torch.tensor([prompt_ids[-1:] + completion]), asst, end)[0].sum())
+        row.teacher_len = float(turn_masks(torch.tensor([prompt_ids[-len(asst):] + completion]), asst, end)[0].sum())
         topk_ids, topk_lps = kd["topk_ids"], kd["topk_logprobs"]
         if strip and call_id in completion:
             cut = completion.index(call_id)
@@ -178,10 +180,10 @@ def build_row(
     else:
         teacher_text = None
     if not row.teacher_len:
-        row.teacher_len = float(turn_masks(torch.tensor([prompt_ids[-1:] + ref_ids]), asst, end)[0].sum())
+        row.teacher_len = float(turn_masks(torch.tensor([prompt_ids[-len(asst):] + ref_ids]), asst, end)[0].sum())
     if early_first_n > 0:
         encode: Callable[[str], list[int]] = lambda text: tokenizer.encode(text, add_special_tokens=False)  # noqa: E731
-        target = early_tool_target(item, teacher_text, encode, early_first_n)
+        target = early_tool_target(item, teacher_text, encode, early_first_n, chat_format(tokenizer))
         if target is not None:
             row.early = target.ids
     if mask_excess:
@@ -199,17 +201,16 @@ def teacher_row(
     mask_excess: bool = False,
 ) -> Row:
     """Sequence-level KD: the row is the prompt and the teacher's completion text (module docstring)."""
-    from distillgates.data.chat import render_prompt
-
-    prompt_ids = list(tokenizer.encode(render_prompt(item), add_special_tokens=False))
+    fmt = chat_format(tokenizer)
+    prompt_ids = fmt.encode(fmt.prompt(item))
     full = prompt_ids + list(tokenizer.encode(kd["completion_text"], add_special_tokens=False))
     ids, p = full[: lengths[-1]], len(prompt_ids)
-    asst, end, call_id = tokenizer.convert_tokens_to_ids([ASSISTANT, END, TOOL_CALL])
+    asst, end, call_id = fmt.assistant_header_ids, fmt.end_of_turn_id, fmt.call_marker_id
     row = Row(item=item, ids=ids, prompt_len=p, shape=shape_for(len(full), lengths), process=[], length=len(full))
-    row.teacher_len = float(turn_masks(torch.tensor([full[p - 1 :]]), asst, end)[0].sum())
+    row.teacher_len = float(turn_masks(torch.tensor([full[p - len(asst) :]]), asst, end)[0].sum())
     if early_first_n > 0:
         encode: Callable[[str], list[int]] = lambda text: tokenizer.encode(text, add_special_tokens=False)  # noqa: E731
-        target = early_tool_target(item, kd["completion_text"], encode, early_first_n)
+        target = early_tool_target(item, kd["completion_text"], encode, early_first_n, fmt)
         if target is not None:
             row.early = target.ids
     if mask_excess:
@@ -217,7 +218,7 @@ def teacher_row(
     return row
 
 
-def collate(rows: Sequence[Row], pad_id: int, assistant_id: int, end_id: int) -> Batch:
+def collate(rows: Sequence[Row], pad_id: int, assistant_header: int | Sequence[int], end_id: int) -> Batch:
     """Pad rows (all of one shape) into one :class:`Batch`."""
     L = max(r.shape for r in rows)
     R = len(rows)
@@ -253,7 +254,7 @@ def collate(rows: Sequence[Row], pad_id: int, assistant_id: int, end_id: int) ->
                 early_targets[i, q] = token
                 early_mask[i, q] = 1.0
     targets = torch.cat([input_ids[:, 1:], torch.zeros(R, 1, dtype=torch.long)], 1)  # (R, L)
-    turn_mask, turn_start = turn_masks(input_ids, assistant_id, end_id)  # (R, L)
+    turn_mask, turn_start = turn_masks(input_ids, assistant_header, end_id)  # (R, L)
     return Batch(
         input_ids=input_ids,
         targets=targets,

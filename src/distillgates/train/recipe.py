@@ -42,12 +42,12 @@ from torch import Tensor
 
 from distillgates import losses
 from distillgates.config import Config, ModelConfig, ShapesConfig, SpeedConfig, TrainConfig, load_config, to_dict
+from distillgates.data.chat import chat_format
 from distillgates.data.shapes import ShapeSampler
 from distillgates.hf import save_hf
 from distillgates.io import atomic_write_json, atomic_write_text, load_checksummed, save_checksummed
 from distillgates.model import Transformer, save_model
 from distillgates.rundir import RunDir
-from distillgates.tokenizer import ASSISTANT, END
 from distillgates.train.data import Batch, Row, build_row, collate, read_kd_set
 from distillgates.train.qat import QAT, probe
 from distillgates.train.schedule import warmup_cosine
@@ -194,8 +194,9 @@ class Recipe:
         seed_everything(cfg.seed, cfg.deterministic, self.device)
         tok = self.tokenizer
         self.pad_id = tok.pad_token_id if tok.pad_token_id is not None else 0
-        self.assistant_id = tok.convert_tokens_to_ids(ASSISTANT)
-        self.end_id = tok.convert_tokens_to_ids(END)
+        fmt = chat_format(tok)
+        self.assistant_id = fmt.assistant_header_ids  # the tokens that open an assistant turn (toy: one)
+        self.end_id = fmt.end_of_turn_id
         early_n = cfg.early_tool.first_n_tokens if cfg.early_tool.weight > 0 else 0
         kd = self.kd_records if cfg.teacher_mode == "offline" else None
         self.rows = [
@@ -352,8 +353,7 @@ class Recipe:
 
     def _needs_length_penalty(self, logits: Tensor, batch: Batch) -> Tensor:
         """Per row: the student's teacher-forced prediction misses required args/evidence."""
-        from distillgates.data.chat import parse_transcript
-
+        fmt = chat_format(self.tokenizer)
         pred = logits.argmax(-1).cpu()  # (R, L)
         out = torch.zeros(pred.shape[0], dtype=torch.bool)
         for i, item in enumerate(batch.items):
@@ -362,8 +362,8 @@ class Recipe:
                 if batch.turn_start[i, t]:
                     turns.append([])
                 turns[-1].append(int(pred[i, t]))
-            text = "".join(ASSISTANT + self.tokenizer.decode(t) for t in turns)
-            calls, answer = parse_transcript(text)
+            text = "".join(fmt.assistant_header + self.tokenizer.decode(t) for t in turns)
+            calls, answer = fmt.parse_transcript(text)
             out[i] = not losses.coverage_met(item, calls, answer)
         return out
 
@@ -555,13 +555,12 @@ class Recipe:
 
     def speed_proxy(self) -> dict[str, Any]:
         """TTFT/TPS of the PyTorch engine on a copy of the model (``export=False``, hardware key)."""
-        from distillgates.data.chat import render_prompt
         from distillgates.hardware import detect_hardware, profile_key
         from distillgates.runtime.torch_engine import TorchEngine
         from distillgates.speed import measure_speed
 
         engine = TorchEngine(copy.deepcopy(self.model).cpu())
-        prompts = [render_prompt(item) for item in self.eval_items[: self.speed_prompts]]
+        prompts = [chat_format(self.tokenizer).prompt(item) for item in self.eval_items[: self.speed_prompts]]
         longest = max(len(self.tokenizer.encode(p, add_special_tokens=False)) for p in prompts)
         budget = min(self.cfg.length.max_new_tokens, self.model_cfg.max_seq_len - longest - 1)  # fits the cache
         speed_cfg = SpeedConfig(n_prompts=len(prompts), warmup=1, repeats=1, max_new_tokens=budget)
