@@ -120,8 +120,8 @@ def test_api_teacher_with_another_tokenizer(other_tokenizer, tiny_tokenizer, tin
         for map_bytes in (True, False):
             client = HTTPTeacher(APIConfig(base_url=server.base_url), tiny_tokenizer, api_key="", map_bytes=map_bytes)
             out = tmp_path / f"kd_{map_bytes}.jsonl"
-            results[map_bytes] = build_kd_set(kd_config("openai", {"base_url": server.base_url}, max_new_tokens=24), client, en, out,
-                                            progress=False)
+            cfg = kd_config("openai", {"base_url": server.base_url}, max_new_tokens=24)
+            results[map_bytes] = build_kd_set(cfg, client, en, out, progress=False)
             client.close()
             read_kd_set(out)  # a valid KD set either way
     mapped, old = results[True], results[False]
