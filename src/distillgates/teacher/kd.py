@@ -31,15 +31,15 @@ Record (one JSON line per item, after a header line)::
   A set built with ``teacher.api.logprobs: false`` has ``"logprobs": false`` in its header and no
   top-k at all: training then uses sequence-level KD on ``completion_text``
   (:mod:`distillgates.train.data`).
+- ``calls`` (parsed, ``None`` where unparsable), ``answer``, ``fixture_hits`` (per call; ``None``
+  for an unparsable one) come from the eval loop; ``finish`` is ``stop`` (answered), ``length``
+  (a turn hit ``max_new_tokens``) or ``max_turns``.
 
 Coverage: the share of the student positions of teacher-written turns (injected text excluded)
 that carry a teacher distribution, ``KDBuildResult.coverage`` (also in the pipeline's
 ``kd/build.json`` and the report's ``gate_inputs.teacher``). 1.0 for a teacher with our
 tokenizer; a teacher with another one got ~0 before the byte mapping (one foreign token made the
 turn text-only).
-- ``calls`` (parsed, ``None`` where unparsable), ``answer``, ``fixture_hits`` (per call; ``None``
-  for an unparsable one) come from the eval loop; ``finish`` is ``stop`` (answered), ``length``
-  (a turn hit ``max_new_tokens``) or ``max_turns``.
 
 Robustness: a SHA-256 keyed response cache (:mod:`.cache`), records appended to
 ``<out>.partial`` and a checkpoint ``<out>.ckpt`` (atomic JSON with an embedded sha256 of its
