@@ -154,7 +154,7 @@ def main() -> None:
         arms = {"seq_kd": 0.0, "seq_kd_plus_topk": cfg.train.kd.weight}
         for seed in args.seeds:
             for name, weight in arms.items():
-                run_cfg = dataclasses.replace(cfg, seed=seed)
+                run_cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, seed=seed))  # the recipe's seed
                 figures = train_and_eval(run_cfg, tok, seq_items, eval_items, kd_path, tmp / f"{name}_{seed}", weight)
                 report.setdefault(name, {})[f"seed_{seed}"] = figures
                 print(name, seed, figures, flush=True)
