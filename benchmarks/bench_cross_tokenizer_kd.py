@@ -22,7 +22,7 @@ the teacher), so the figures compare the two arms, not the toy's quality.
 Usage (from the repository root)::
 
     taskset -c 0 .venv/bin/python benchmarks/bench_cross_tokenizer_kd.py /tmp/toyrun \\
-        --items 400 --eval-items 100 --steps 400 --seeds 0 1 2 --out benchmarks/results/cross_tokenizer_kd.json
+        --items 400 --eval-items 100 --steps 400 --seeds 1 --out benchmarks/results/cross_tokenizer_kd_seed1.json
 """
 
 from __future__ import annotations
