@@ -327,3 +327,26 @@ def test_chunked_stats_keep_no_full_vocabulary_tensor_for_backward() -> None:
     assert logits.grad is not None and logits.grad.shape == logits.shape
     with pytest.raises(ValueError, match="chunk must be > 0"):
         losses.position_stats(logits, torch.zeros(2, 6, dtype=torch.long), 0)
+
+
+@pytest.mark.parametrize("kind", losses.KD_KINDS)
+@pytest.mark.parametrize("temperature", [1.0, 2.0])
+def test_padded_topk_slots_are_left_out(kind: str, temperature: float) -> None:
+    """A top-k row padded with -inf log-probs (collate, for rows shorter than k) gives the loss and the
+    gradient of the unpadded row, unchunked and chunked; the padded ids (here 0) take no student mass."""
+    lps, ids = _logits(seed=8).log_softmax(-1).topk(3, dim=-1)
+    padded_ids = torch.cat([ids, torch.zeros(2, 5, 2, dtype=torch.long)], -1)
+    padded_lps = torch.cat([lps, torch.full((2, 5, 2), -math.inf)], -1)
+    mask, targets = torch.ones(2, 5), torch.zeros(2, 5, dtype=torch.long)
+    out = []
+    for top_ids, top_lps in ((ids, lps), (padded_ids, padded_lps)):
+        logits = _logits(seed=9).requires_grad_(True)
+        loss = losses.kd_loss_topk(logits, top_ids, top_lps, mask, kind, temperature)
+        stats = losses.position_stats(logits, targets, 4, topk_ids=top_ids, topk_logprobs=top_lps, kind=kind,
+                                      temperature=temperature)  # fmt: skip
+        chunked = losses.masked_mean(stats["kd"], mask)
+        (loss + chunked).backward()
+        assert logits.grad is not None and torch.isfinite(logits.grad).all()
+        out.append((loss.detach(), chunked.detach(), logits.grad))
+    for a, b in zip(out[0], out[1]):
+        torch.testing.assert_close(b, a)

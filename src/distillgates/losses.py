@@ -20,7 +20,9 @@ Design choices:
   teacher rated low is still penalised, and when ``k = V`` the rest buckets are empty and the
   loss equals dense KD exactly. Temperature is applied to the bucket log-probs
   (``log q / T`` renormalised); for the rest bucket this treats its mass as one pseudo-token,
-  an approximation that is exact at ``T = 1`` and whenever the rest mass is 0.
+  an approximation that is exact at ``T = 1`` and whenever the rest mass is 0. Rows shorter than
+  ``k`` (a teacher with another tokenizer mapped through bytes, :mod:`distillgates.teacher.tokens`)
+  are padded with ``-inf`` log-probs; those slots are left out of both sides (:func:`topk_pair`).
 - **Length-aware KD** uses the student's per-position stop probability ``h_t`` (probability
   of ``<|end|>`` at each position of an assistant turn, teacher forced). Under this hazard
   model the expected number of emitted tokens is ``E[len] = sum_t S_t + S_end * tail`` with
@@ -129,6 +131,18 @@ def topk_buckets(logp_topk: Tensor) -> Tensor:
     return torch.cat([logp_topk, rest], dim=-1)
 
 
+_PAD_LOGP = -80.0  # log-prob of a padded top-k slot on both sides: mass ~1e-35, no gradient
+
+
+def topk_pair(student_logp: Tensor, topk_ids: Tensor, topk_logprobs: Tensor) -> tuple[Tensor, Tensor]:
+    """Teacher and student ``(..., k + 1)`` bucket log-probs from the student's full log-probs ``(..., V)``
+    and the teacher's top-k; slots whose teacher log-prob is ``-inf`` (padding) hold neither side's mass."""
+    pad = torch.isneginf(topk_logprobs)  # (..., k)
+    s = student_logp.gather(-1, topk_ids).masked_fill(pad, _PAD_LOGP)
+    t = topk_logprobs.float().masked_fill(pad, _PAD_LOGP)
+    return topk_buckets(t), topk_buckets(s)
+
+
 def kd_loss_topk(
     student_logits: Tensor,
     topk_ids: Tensor,
@@ -142,12 +156,11 @@ def kd_loss_topk(
     Args:
         student_logits: ``(B, T, V)``.
         topk_ids: ``(B, T, k)`` teacher top-k token ids (padding positions: any valid id).
-        topk_logprobs: ``(B, T, k)`` teacher log-probs (at temperature 1) of those ids.
+        topk_logprobs: ``(B, T, k)`` teacher log-probs (at temperature 1) of those ids; ``-inf`` = padding.
         mask: ``(B, T)`` positions that receive KD.
     """
     s_full = F.log_softmax(student_logits.float() / temperature, dim=-1)  # (B, T, V)
-    s = topk_buckets(s_full.gather(-1, topk_ids))  # (B, T, k+1)
-    t = topk_buckets(topk_logprobs.float())  # (B, T, k+1)
+    t, s = topk_pair(s_full, topk_ids, topk_logprobs)  # (B, T, k+1) each
     if temperature != 1.0:
         t = F.log_softmax(t / temperature, dim=-1)  # tempered buckets
     return masked_mean(divergence(t, s, kind), mask) * temperature**2
@@ -205,7 +218,7 @@ def position_stats(
                 t = F.log_softmax(teacher.float() / temperature, dim=-1)  # (n, V)
             else:
                 assert ids is not None and lps is not None
-                s, t = topk_buckets(s.gather(-1, ids)), topk_buckets(lps.float())  # (n, k+1)
+                t, s = topk_pair(s, ids, lps)  # (n, k+1) each
                 if temperature != 1.0:
                     t = F.log_softmax(t / temperature, dim=-1)
             out.append(divergence(t, s, kind) * temperature**2)

@@ -259,6 +259,7 @@ def step_kd(cfg: Config, run: RunDir) -> dict[str, Any]:
     atomic_write_json(run.kd_build, {
         "kind": cfg.teacher.kind, "determinism": cfg.teacher.api.determinism, "retries": result.retries,
         "cache_hits": result.cache_hits, "records": result.n_done, "tokens": result.spent_tokens,
+        "kd_positions": result.positions, "kd_coverage": round(result.coverage, 6),
     })
     return {"records": result.n_done, "tokens": result.spent_tokens, "status": result.status}
 

@@ -114,3 +114,30 @@ class ReplayTeacher:
             prompt_tokens=10,
             completion_tokens=len(ids) + 1,
         )
+
+
+def byte_bpe(texts: list[str], vocab_size: int, full_alphabet: bool = True) -> Any:
+    """A second real tokenizer, unlike :func:`~distillgates.tokenizer.train_tokenizer`'s: a byte-level BPE
+    with GPT-2's own split (words absorb their leading space: `` Paris`` is one token, never one of
+    ours). ``full_alphabet=False`` keeps only the bytes the corpus has (an ASCII corpus: no byte >= 0x80)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    from distillgates.tokenizer import SPECIAL_TOKENS, wrap_tokenizer
+
+    backend = Tokenizer(models.BPE())
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    backend.decoder = decoders.ByteLevel()
+    alphabet = pre_tokenizers.ByteLevel.alphabet() if full_alphabet else []
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, min_frequency=2, special_tokens=list(SPECIAL_TOKENS),
+                                  initial_alphabet=alphabet, show_progress=False)  # fmt: skip
+    backend.train_from_iterator(texts, trainer=trainer)
+    return wrap_tokenizer(backend)
+
+
+@pytest.fixture(scope="session")
+def other_tokenizer() -> Any:
+    """A teacher's tokenizer that is not the student's (:func:`byte_bpe`, another vocabulary size),
+    trained on English conversations only, without the full byte alphabet: all its tokens are whole
+    ASCII, so whatever a random teacher generates with it is valid text."""
+    corpus = [render_conversation(it) for it in generate_items(seed=1, n=60, locales=["en"], split="train")]
+    return byte_bpe(corpus, vocab_size=600, full_alphabet=False)

@@ -103,3 +103,20 @@ def test_a_kd_set_without_logprobs_trains_on_the_teachers_text(artifacts: dict[s
     assert "<|tool_result|>" not in trained  # injected tool results are not the model's to predict
     unfinished = build_row(item, tok, WIDE, kd=record | {"finish": "length"})
     assert tok.decode(unfinished.ids[unfinished.prompt_len :]) == item["reference"]
+
+
+def test_short_topk_rows_are_padded_not_dropped(artifacts: dict[str, Any]) -> None:
+    """Top-k rows shorter than the batch's k (a teacher with another tokenizer, mapped through bytes) keep
+    their KD position; the padded slots carry -inf log-probs (left out by the loss), [] rows stay unmasked."""
+    import math
+
+    tok = artifacts["tokenizer"]
+    item = artifacts["train"][0]
+    row = build_row(item, tok, WIDE)
+    row.kd_ids, row.kd_logprobs = [[5, 6, 7], [8], []], [[-0.5, -1.5, -2.5], [-0.1], []]
+    batch = collate([row], *_ids(tok))
+    s = row.prompt_len - 1  # the position that predicts the first completion token
+    assert batch.kd_ids is not None and batch.kd_logprobs is not None
+    assert batch.kd_ids[0, s + 1, 0] == 8 and batch.kd_logprobs[0, s + 1, 0] == -0.1
+    assert batch.kd_logprobs[0, s + 1, 1:].tolist() == [-math.inf, -math.inf]
+    assert batch.kd_mask[0, s : s + 3].tolist() == [1.0, 1.0, 0.0]

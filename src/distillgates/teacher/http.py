@@ -22,10 +22,13 @@ Design choices:
 - Log-probs: a server that answers text without the log-probs it was asked for is an error (it
   would leave a KD set with no teacher distribution that claims to have one): such a server needs
   ``teacher.api.logprobs: false``. API tokens map to local ids through their ``bytes``
-  (:mod:`.tokens`). If there are none (``logprobs`` off), the chosen tokens do not map, or their bytes
-  do not spell the turn's text (a real API's tool-call markup is not ours), the turn is returned
-  with ``token_ids=None`` and no top-k (text-only KD for that turn); top-k alternatives that do not
-  map are dropped (log-probs kept as reported, not renormalized).
+  (:mod:`.tokens`); top-k alternatives that do not map are dropped (log-probs kept as reported, not
+  renormalized). If a chosen token is not one of ours (a teacher with another tokenizer), the
+  content is re-tokenized with ours and the teacher's top-k is moved onto our tokens through bytes
+  (:func:`~distillgates.teacher.tokens.map_by_bytes`; ``map_bytes=False`` keeps the old rule: that
+  turn is text-only). If there are no log-probs (``logprobs`` off) or the teacher's token bytes do
+  not spell the turn's text (a real API's tool-call markup is not ours), the turn is returned with
+  ``token_ids=None`` and no top-k (text-only KD for that turn).
 """
 
 from __future__ import annotations
@@ -45,7 +48,7 @@ import httpx
 from distillgates.config import APIConfig
 from distillgates.teacher.base import TurnResult
 from distillgates.teacher.messages import call_text, openai_messages
-from distillgates.teacher.tokens import TokenBytes
+from distillgates.teacher.tokens import TeacherToken, TokenBytes, api_token_bytes, map_by_bytes
 from distillgates.tokenizer import END, TOOL_CALL
 
 log = logging.getLogger(__name__)
@@ -139,6 +142,7 @@ class HTTPTeacher:
         api_key: str | None = None,
         sleep: Callable[[float], None] = time.sleep,
         transport: httpx.BaseTransport | None = None,
+        map_bytes: bool = True,
     ) -> None:
         if not cfg.base_url:
             raise ValueError("teacher.api.base_url is required for the HTTP teacher")
@@ -147,6 +151,7 @@ class HTTPTeacher:
         self.cfg = cfg
         self.tokenizer = tokenizer
         self.token_bytes = TokenBytes(tokenizer)
+        self.map_bytes = map_bytes  # another tokenizer's top-k through bytes (False: text-only KD)
         self.model_name = cfg.model_name or "default"
         self.model_id = f"openai:{cfg.base_url.rstrip('/')}:{self.model_name}"
         self.sleep = sleep
@@ -293,8 +298,10 @@ class HTTPTeacher:
         topk_lp: list[list[float]] = []
         for entry in content:
             token_id = self.token_bytes.lookup(entry["token"], entry.get("bytes"))
-            if token_id is None:
-                return  # another vocabulary: text-only KD for this turn
+            if token_id is None:  # another vocabulary
+                if self.map_bytes:
+                    self._map_other_vocabulary(result, content)
+                return
             ids.append(token_id)
             pairs = [
                 (self.token_bytes.lookup(t["token"], t.get("bytes")), float(t["logprob"]))
@@ -307,3 +314,16 @@ class HTTPTeacher:
         if spelled != result.text:
             return  # tokens do not spell the content (e.g. stripped specials): text-only
         result.token_ids, result.topk_ids, result.topk_logprobs = ids, topk_ids, topk_lp
+
+    def _map_other_vocabulary(self, result: TurnResult, content: list[dict[str, Any]]) -> None:
+        """Our tokens of the content, with the teacher's top-k moved onto them through bytes."""
+        teacher = [
+            TeacherToken(api_token_bytes(e["token"], e.get("bytes")), float(e["logprob"]),
+                         [(api_token_bytes(t["token"], t.get("bytes")), float(t["logprob"]))
+                          for t in e.get("top_logprobs") or []])
+            for e in content
+        ]  # fmt: skip
+        ids = self.tokenizer.encode(result.text, add_special_tokens=False)
+        mapped = map_by_bytes(result.text, teacher, ids, self.token_bytes)
+        if mapped is not None:  # else the bytes do not spell the content: text-only
+            result.token_ids, result.topk_ids, result.topk_logprobs = mapped.ids, mapped.topk_ids, mapped.topk_logprobs

@@ -23,13 +23,23 @@ Record (one JSON line per item, after a header line)::
 - ``topk_ids[i]``/``topk_logprobs[i]`` is the teacher's next-token top-k that *predicted*
   ``completion_ids[i]``; it is ``[]`` where the teacher gave none: injected tool results,
   ``<|eos|>``, the ``<|end|>`` of an API teacher (stop sequences are not reported), and every
-  token of an API turn whose tokens do not map onto our vocabulary (text-only KD; see
-  :mod:`distillgates.teacher.http`). Log-probs are rounded to 5 decimals. A set built with
-  ``teacher.api.logprobs: false`` has ``"logprobs": false`` in its header and no top-k at all:
-  training then uses sequence-level KD on ``completion_text`` (:mod:`distillgates.train.data`).
+  token of an API turn whose token bytes do not spell its text (text-only KD; see
+  :mod:`distillgates.teacher.http`). Log-probs are rounded to 5 decimals. A teacher with another
+  tokenizer (API) gives our tokens of its text and its top-k moved onto them through bytes
+  (:func:`distillgates.teacher.tokens.map_by_bytes`): rows of distinct ids, at most ``top_k + 1``
+  long, whose mass may sum to less than the teacher's (unmatched mass: the loss's rest bucket).
+  A set built with ``teacher.api.logprobs: false`` has ``"logprobs": false`` in its header and no
+  top-k at all: training then uses sequence-level KD on ``completion_text``
+  (:mod:`distillgates.train.data`).
 - ``calls`` (parsed, ``None`` where unparsable), ``answer``, ``fixture_hits`` (per call; ``None``
   for an unparsable one) come from the eval loop; ``finish`` is ``stop`` (answered), ``length``
   (a turn hit ``max_new_tokens``) or ``max_turns``.
+
+Coverage: the share of the student positions of teacher-written turns (injected text excluded)
+that carry a teacher distribution, ``KDBuildResult.coverage`` (also in the pipeline's
+``kd/build.json`` and the report's ``gate_inputs.teacher``). 1.0 for a teacher with our
+tokenizer; a teacher with another one got ~0 before the byte mapping (one foreign token made the
+turn text-only).
 
 Robustness: a SHA-256 keyed response cache (:mod:`.cache`), records appended to
 ``<out>.partial`` and a checkpoint ``<out>.ckpt`` (atomic JSON with an embedded sha256 of its
@@ -63,7 +73,7 @@ from distillgates.tokenizer import tokenizer_fingerprint
 log = logging.getLogger(__name__)
 
 KD_VERSION = 1
-CKPT_VERSION = 1
+CKPT_VERSION = 2  # 2: coverage counts in the state
 RECORD_FIELDS: dict[str, type | tuple[type, ...]] = {
     "id": str,
     "prompt_text": str,
@@ -101,10 +111,17 @@ class KDBuildResult:
     cache_hits: int = 0
     retries: int = 0
     message: str = ""
+    positions: int = 0  # student positions of teacher-written turn text
+    covered: int = 0  # of those, the ones carrying a teacher distribution
 
     @property
     def complete(self) -> bool:
         return self.status == "complete"
+
+    @property
+    def coverage(self) -> float:
+        """Share of the student positions of teacher-written text that carry a teacher distribution."""
+        return self.covered / self.positions if self.positions else 0.0
 
 
 # --------------------------------------------------------------------------------------
@@ -128,6 +145,8 @@ class KDConversation:
         self.topk_lp: list[list[float]] = []
         self.request_ids: list[str] = []
         self.finish = ""  # set when the conversation is over
+        self.positions = 0  # tokens of teacher-written turn text
+        self.covered = 0  # of those, the ones with a teacher distribution
 
     def _inject(self, text: str) -> None:
         ids = self.tokenizer.encode(text, add_special_tokens=False)
@@ -145,12 +164,16 @@ class KDConversation:
         results: list[dict[str, Any]] = []
         for j, text in enumerate(texts):
             if j == 0 and turn.token_ids is not None:
+                self.positions += len(turn.token_ids)
+                self.covered += sum(1 for row in turn.topk_ids if row)
                 self.text += text
                 self.ids += turn.token_ids
                 self.topk_ids += turn.topk_ids
                 self.topk_lp += [[round(v, 5) for v in row] for row in turn.topk_logprobs]
             else:  # API tokens not mappable (or none): text-only for this turn
+                n = len(self.ids)
                 self._inject(text)
+                self.positions += len(self.ids) - n
             stopped = turn.finish_reason == "stop" or j < len(texts) - 1
             if stopped:  # the stop token the teacher generated: the template's end of turn
                 self.text += self.fmt.end_of_turn
@@ -233,6 +256,8 @@ class _KDState(TypedDict):
     prefix_sha256: str  # sha256 of those bytes
     tokens: int  # teacher tokens spent
     usd: float  # teacher spend
+    positions: int  # student positions of teacher-written turn text
+    covered: int  # of those, the ones carrying a teacher distribution
 
 
 def _save_ckpt(path: Path, state: _KDState) -> None:
@@ -249,7 +274,10 @@ def _load_ckpt(path: Path) -> _KDState:
             f"{path}: corrupted checkpoint (not a checkpoint JSON: {err}); delete it to rebuild"
         ) from err
     if data.get("version") != CKPT_VERSION:
-        raise KDCheckpointError(f"{path}: checkpoint version {data.get('version')!r}, expected {CKPT_VERSION}")
+        raise KDCheckpointError(
+            f"{path}: checkpoint version {data.get('version')!r}, expected {CKPT_VERSION} (written by another "
+            "distillgates); delete it and the .partial file to rebuild"
+        )
     if sha256_json(state) != digest:
         raise KDCheckpointError(
             f"{path}: corrupted checkpoint (checksum mismatch); delete it and the .partial to rebuild"
@@ -365,6 +393,8 @@ def build_kd_set(
         "prefix_sha256": "",
         "tokens": 0,
         "usd": 0.0,
+        "positions": 0,
+        "covered": 0,
     }
     if resume and ckpt.exists():
         state = _resume_state(ckpt, partial, header_key)
@@ -399,6 +429,8 @@ def build_kd_set(
                 state["n_done"] += len(records)
                 state["tokens"] += tokens
                 state["usd"] += usd
+                state["positions"] += sum(c.positions for c in convs)
+                state["covered"] += sum(c.covered for c in convs)
                 bar.update(state["n_done"], f"{state['tokens']} tok ${state['usd']:.4f}")
                 stopped = _budget_message(kd, state, total, ckpt)
                 if stopped or state["n_done"] % ckpt_every == 0 or state["n_done"] == total:
@@ -421,13 +453,16 @@ def build_kd_set(
         cache_hits=cache.hits if cache else 0,
         retries=getattr(teacher, "retries_done", 0) - retries0,
         message=stopped,
+        positions=state["positions"],
+        covered=state["covered"],
     )
     if stopped:
         log.warning(stopped)
         return result
     os.replace(partial, out)
     ckpt.unlink(missing_ok=True)
-    result.message = f"KD set complete: {total} items -> {out} ({state['tokens']} tokens, ${state['usd']:.4f})"
+    result.message = (f"KD set complete: {total} items -> {out} ({state['tokens']} tokens, ${state['usd']:.4f}; "
+                      f"teacher distribution at {result.coverage:.1%} of {result.positions} student positions)")
     return result
 
 

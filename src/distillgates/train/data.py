@@ -22,6 +22,7 @@ process spans: they are the reference's); an item the teacher did not finish kee
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -243,10 +244,13 @@ def collate(rows: Sequence[Row], pad_id: int, assistant_header: int | Sequence[i
         if r.kd_ids and kd_ids is not None and kd_lp is not None:
             s = r.prompt_len - 1
             for j, (top, lps) in enumerate(zip(r.kd_ids, r.kd_logprobs, strict=True)):
-                if s + j >= L or len(top) != k:  # [] = no teacher distribution (injected tool result, <|eos|>)
+                if s + j >= L or not top:  # [] = no teacher distribution (injected tool result, <|eos|>)
                     continue
-                kd_ids[i, s + j] = torch.tensor(top)
-                kd_lp[i, s + j] = torch.tensor(lps)
+                # a shorter row (mapped from another vocabulary, or alternatives an API teacher could not
+                # map) is padded with -inf log-probs: the KD loss leaves those slots out (losses.topk_buckets)
+                kd_ids[i, s + j, : len(top)] = torch.tensor(top)
+                kd_lp[i, s + j, : len(top)] = torch.tensor(lps)
+                kd_lp[i, s + j, len(top) :] = -math.inf
                 kd_mask[i, s + j] = 1.0
         if r.early:
             tool[i] = True
