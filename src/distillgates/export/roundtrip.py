@@ -97,18 +97,21 @@ def map_to_parameters(
     and order with the unnamed consts (the converter folds e.g. the ANE norm's
     ``weight[None, :, None, None]`` into a new const); this needs exactly as many consts as
     parameters of each shape. A parameter equal to 1 everywhere is allowed to be absent: the
-    converter removes a multiply by ones, so nothing ships and the fp32 value is exact.
+    converter removes a multiply by ones, so nothing ships and the fp32 value is exact. A parameter
+    the program never reads (the standard layout's untied ``lm_head`` once split into chunks) is
+    left out: it ships nothing and computes nothing.
 
     Raises:
         RoundTripError: a compressed or parameter-named const maps to no parameter (or has
             another shape), a parameter is found twice, or parameters are left without a const;
             the message names the package and the const/parameter.
     """
+    read = {node.name for node in ep.graph.nodes if node.op == "placeholder" and node.users}
     fqn_by_placeholder = {
         spec.arg.name: spec.target
         for spec in ep.graph_signature.input_specs
-        if spec.kind == InputKind.PARAMETER and spec.target is not None
-    }
+        if spec.kind == InputKind.PARAMETER and spec.target is not None and spec.arg.name in read
+    }  # a parameter the program never reads (an untied head that was split) ships no const
     params = {fqn: ep.state_dict[fqn] for fqn in fqn_by_placeholder.values()}
     aliases: dict[int, list[str]] = {}  # tied parameters: one tensor, several names
     for fqn, tensor in params.items():
