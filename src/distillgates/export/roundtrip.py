@@ -106,12 +106,13 @@ def map_to_parameters(
             another shape), a parameter is found twice, or parameters are left without a const;
             the message names the package and the const/parameter.
     """
-    read = {node.name for node in ep.graph.nodes if node.op == "placeholder" and node.users}
     fqn_by_placeholder = {
         spec.arg.name: spec.target
         for spec in ep.graph_signature.input_specs
-        if spec.kind == InputKind.PARAMETER and spec.target is not None and spec.arg.name in read
-    }  # a parameter the program never reads (an untied head that was split) ships no const
+        if spec.kind == InputKind.PARAMETER and spec.target is not None
+    }
+    read = {node.name for node in ep.graph.nodes if node.op == "placeholder" and node.users}
+    unread = {fqn for name, fqn in fqn_by_placeholder.items() if name not in read}  # e.g. an untied head, split
     params = {fqn: ep.state_dict[fqn] for fqn in fqn_by_placeholder.values()}
     aliases: dict[int, list[str]] = {}  # tied parameters: one tensor, several names
     for fqn, tensor in params.items():
@@ -138,7 +139,7 @@ def map_to_parameters(
             )
         for alias in aliases[id(params[fqn])]:
             mapped[alias], source[alias] = torch.from_numpy(value.astype(np.float32)), const_name
-    left = [fqn for fqn in params if fqn not in mapped and not bool((params[fqn] == 1).all())]
+    left = [fqn for fqn in params if fqn not in mapped and fqn not in unread and not bool((params[fqn] == 1).all())]
     for shape in dict.fromkeys(_squeezed(tuple(params[fqn].shape)) for fqn in left):
         wanted = [fqn for fqn in left if _squeezed(tuple(params[fqn].shape)) == shape]
         found = [name for name, value in unnamed.items() if _squeezed(value.shape) == shape]
