@@ -159,10 +159,9 @@ def _linear_to_conv_hook(state_dict: dict[str, Any], prefix: str, *args: Any) ->
         if key.startswith(prefix) and is_proj and value.dim() == 2:
             state_dict[key] = value[:, :, None, None]
     head = state_dict.get(f"{prefix}lm_head.weight")
-    widths = head_widths(head.shape[0]) if head is not None else []
-    if len(widths) > 1:
+    if head is not None and len(head_widths(head.shape[0])) > 1:
         del state_dict[f"{prefix}lm_head.weight"]
-        for i, rows in enumerate(head.split(widths)):
+        for i, rows in enumerate(head.split(head_widths(head.shape[0]))):
             state_dict[f"{prefix}lm_head.{i}.weight"] = rows
 
 
@@ -187,9 +186,8 @@ class ANETransformer(nn.Module):
         self.embed = nn.Embedding(cfg.vocab_size, cfg.d_model)
         self.layers = cast("ModuleListOf[_ANEBlock]", nn.ModuleList(_ANEBlock(cfg) for _ in range(cfg.n_layers)))
         self.norm = ANERMSNorm(cfg.d_model, cfg.norm_eps)
-        widths = head_widths(cfg.vocab_size)
-        chunks = nn.ModuleList(_conv(cfg.d_model, w) for w in widths)
-        self.lm_head: nn.Conv2d | nn.ModuleList = chunks[0] if len(widths) == 1 else chunks
+        chunks = [_conv(cfg.d_model, w) for w in head_widths(cfg.vocab_size)]
+        self.lm_head: nn.Conv2d | nn.ModuleList = chunks[0] if len(chunks) == 1 else nn.ModuleList(chunks)
         cos, sin = rope_tables(cfg)
         self.register_buffer("rope_cos", cos, persistent=False)  # (S_max, hd)
         self.register_buffer("rope_sin", sin, persistent=False)  # (S_max, hd)
