@@ -21,7 +21,7 @@ from distillgates.config import ExportConfig, load_config
 from distillgates.export.api import export_model, export_transformer
 from distillgates.export.contract import kv_layout, verify_contract
 from distillgates.export.convert import ExportError, convert_program, export_program, int8_grid_scale
-from distillgates.export.layout import ANETransformer, build_layout
+from distillgates.export.layout import ANETransformer, build_layout, head_widths, logits_names
 from distillgates.export.lint import ANE_MAX_DIM, ane_op_lint, lint_int64_attention, lint_mil_ops, lint_shapes
 from distillgates.export.wrappers import PrefillModule
 from distillgates.model import Transformer, load_model, model_fingerprint, save_model
@@ -252,16 +252,57 @@ def test_ane_lint_of_the_export(standard_export) -> None:
     assert on_disk["op_eligible_share"] == pytest.approx(lint["op_eligible_share"])
 
 
-@pytest.mark.integration  # a Core ML conversion (~6 s)
-def test_ane_lint_flags_an_lm_head_above_the_dimension_limit(tmp_path) -> None:
+@pytest.mark.integration  # a Core ML conversion per layout (~15-25 s each)
+@pytest.mark.parametrize(("layout", "quantize"), [("standard", "none"), ("ane", "int8")])
+def test_a_vocabulary_above_the_ane_limit_exports_split_heads(layout: str, quantize: str, tmp_path: Path) -> None:
+    """The LM head is split into chunks within ANE_MAX_DIM, one output each: the ANE lint finds nothing
+    over the limit, the contract lists the chunks, and the concatenated chunks have parity with eager."""
     torch.manual_seed(0)
-    model = Transformer(tiny_model_config(vocab_size=ANE_MAX_DIM + 16, max_seq_len=48)).eval()
-    result = export_transformer(model, ExportConfig(quantize="none"), [16, 32], tmp_path, "tok")
-    assert result.errors == []  # a lint finding for the export gates, not an export error: the model runs
-    over = result.gate_inputs["ane_lint"]["over_limits"]
-    assert over and all(f"dimension > {ANE_MAX_DIM}" in m for m in over), over
-    assert any(m.startswith("prefill: linear") and m.endswith(f", {ANE_MAX_DIM + 16}]") for m in over), over  # LM head
-    assert result.gate_inputs["ane_lint"]["ineligible_ops"] == []
+    vocab = ANE_MAX_DIM + 16
+    model = Transformer(tiny_model_config(vocab_size=vocab, max_seq_len=48)).eval()
+    result = export_transformer(model, ExportConfig(quantize=quantize, layout=layout), [16, 32], tmp_path, "tok")
+    assert result.errors == [] and result.contract["ok"] is True
+    lint = result.gate_inputs["ane_lint"]
+    assert lint["over_limits"] == [] and lint["ineligible_ops"] == []
+    head_op = "linear" if layout == "standard" else "conv"
+    for kind in ("prefill", "decode"):
+        spec = ct.models.MLModel(str(result.packages[kind]), skip_model_load=True).get_spec()  # read back from disk
+        outputs = [(o.name, list(o.type.multiArrayType.shape)) for o in spec.description.output]
+        assert outputs == [("logits_0", [1, vocab // 2]), ("logits_1", [1, vocab // 2])]
+        heads = [op for f in _program_from_disk(result.packages[kind]).functions.values() for op in f.operations
+                 if op.op_type == head_op and vocab // 2 in op.outputs[0].shape]  # fmt: skip
+        assert len(heads) == 2  # two head chunks, no op as wide as the vocabulary
+        assert result.contract["packages"][kind]["logits"].endswith("concatenate them in this order")
+    gate = result.gate_inputs["export"]
+    assert min(gate["cosine_by_shape"].values()) >= 0.999 and min(gate["decode_cosine"]) >= 0.999
+    tampered = json.loads(result.contract_path.read_text())
+    tampered["packages"]["decode"]["outputs"][1]["shape"] = [1, vocab // 2 - 1]
+    assert any("decode: logits last dims [8200, 8199], expected [8200, 8200]" in e
+               for e in verify_contract(tampered, model.config, [16, 32]))  # fmt: skip
+
+
+def test_head_widths_stay_within_the_ane_limit() -> None:
+    assert head_widths(96) == [96] and logits_names(96) == ["logits"]
+    assert head_widths(ANE_MAX_DIM) == [ANE_MAX_DIM]
+    assert head_widths(ANE_MAX_DIM + 1) == [8193, 8192] and logits_names(ANE_MAX_DIM + 1) == ["logits_0", "logits_1"]
+    assert head_widths(49152) == [16384] * 3  # SmolLM
+    qwen = head_widths(151936)  # Qwen2.5
+    assert len(qwen) == 10 and sum(qwen) == 151936 and max(qwen) - min(qwen) <= 1 and max(qwen) <= ANE_MAX_DIM
+
+
+@pytest.mark.parametrize("tie", [True, False])
+def test_split_heads_equal_the_unsplit_head_in_fp32(tie: bool) -> None:
+    torch.manual_seed(0)
+    model = Transformer(tiny_model_config(vocab_size=ANE_MAX_DIM + 5, tie_embeddings=tie)).eval()
+    x = torch.randn(1, 1, 32)  # (1, 1, d)
+    with torch.no_grad():
+        chunks = build_layout(model, "standard").head(x)
+        assert isinstance(chunks, tuple) and [c.shape[1] for c in chunks] == head_widths(ANE_MAX_DIM + 5)
+        torch.testing.assert_close(torch.cat(chunks, 1), model.lm_head(model.norm(x)).reshape(1, -1))
+        ane = ANETransformer.from_standard(model).eval()
+        assert isinstance(ane.lm_head, nn.ModuleList) and len(ane.lm_head) == 2
+        ids = torch.randint(0, ANE_MAX_DIM + 5, (1, 6))
+        torch.testing.assert_close(ane(ids), model(ids), rtol=1e-5, atol=1e-5)
 
 
 def _linear_prog(dtype: Any, out_features: int = 64) -> Any:

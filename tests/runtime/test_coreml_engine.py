@@ -6,7 +6,8 @@ import numpy as np
 import pytest
 import torch
 
-from distillgates.runtime.coreml_engine import CoreMLEngine, ExportedProgramStandIn, stand_in_engine
+from distillgates.export.lint import ANE_MAX_DIM
+from distillgates.runtime.coreml_engine import CoreMLEngine, ExportedProgramStandIn, join_logits, stand_in_engine
 from distillgates.runtime.prompt_cache import PromptCache, PromptCachedEngine, prefix_until
 from distillgates.runtime.torch_engine import TorchEngine
 
@@ -76,17 +77,42 @@ def test_prompt_longer_than_enumerated_shapes_is_refused(pair):
 
 def test_contract_fields_are_required():
     with pytest.raises(ValueError, match="enumerated_lengths"):
-        CoreMLEngine(None, None, {"kv": {}, "model_config": {}})  # type: ignore[arg-type]
+        CoreMLEngine(None, None, {"kv": {}, "model_config": {}, "packages": {}})  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="packages"):
+        CoreMLEngine(None, None, {"enumerated_lengths": [8], "kv": {}, "model_config": {}})  # type: ignore[arg-type]
+
+
+def test_join_logits_concatenates_chunks_in_contract_order():
+    outputs = {"logits_1": np.array([[3.0, 4.0]], dtype=np.float16), "logits_0": np.array([[1.0, 2.0, 2.5]])}
+    joined = join_logits(outputs, ["logits_0", "logits_1"])
+    assert joined.dtype == torch.float32 and joined.tolist() == [1.0, 2.0, 2.5, 3.0, 4.0]
+    assert join_logits({"logits": np.array([[5.0, 6.0]])}, ["logits"]).tolist() == [5.0, 6.0]
+    with pytest.raises(ValueError, match=r"no outputs \['logits_1'\].*contract.json lists"):
+        join_logits({"logits_0": np.zeros((1, 2))}, ["logits_0", "logits_1"])
+
+
+@pytest.mark.integration  # torch.export of both wrappers with a 16400-row head (~10 s)
+def test_split_lm_head_engine_matches_torch_engine(make_model):
+    """A vocabulary above the ANE limit: the programs return head chunks, the engine joins them."""
+    model = make_model(0, vocab_size=ANE_MAX_DIM + 16, max_seq_len=32)
+    engine = stand_in_engine(model, LENGTHS)
+    assert engine.logits_names == {"prefill": ["logits_0", "logits_1"], "decode": ["logits_0", "logits_1"]}
+    torch_engine = TorchEngine(model)
+    prompt = [5, 9000, 16390, 3, 12000]
+    assert list(engine.generate(prompt, max_new_tokens=6)) == list(torch_engine.generate(prompt, max_new_tokens=6))
+    torch.testing.assert_close(engine.prefill(prompt), torch_engine.prefill(prompt), atol=5e-3, rtol=5e-3)
 
 
 @pytest.mark.integration
 @pytest.mark.requires_macos
-def test_coreml_greedy_identical_to_torch_engine(make_model, tmp_path):
-    """Real Core ML: export a tiny model, load both packages, compare greedy tokens."""
+@pytest.mark.parametrize("vocab_size", [48, ANE_MAX_DIM + 16], ids=["one-head", "split-head"])
+def test_coreml_greedy_identical_to_torch_engine(make_model, tmp_path, vocab_size):
+    """Real Core ML: export a tiny model, load both packages, compare greedy tokens (a vocabulary above
+    the ANE limit: the packages output head chunks that the engine concatenates)."""
     from distillgates.config import ExportConfig
     from distillgates.export.api import export_transformer
 
-    model = make_model(0, max_seq_len=32)
+    model = make_model(0, vocab_size=vocab_size, max_seq_len=32)
     result = export_transformer(model, ExportConfig(quantize="none"), LENGTHS, tmp_path, tokenizer_fingerprint="t")
     engine = CoreMLEngine.from_export_dir(result.out_dir)
     for prompt in ([1, 2, 3], list(range(3, 15))):

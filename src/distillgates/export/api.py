@@ -29,13 +29,13 @@ import torch
 from distillgates.config import Config, ExportConfig, to_dict
 from distillgates.export.contract import (
     CONTRACT_VERSION,
-    LOGITS_SEMANTICS,
     describe_package,
     kv_layout,
+    logits_semantics,
     verify_contract,
 )
 from distillgates.export.convert import ExportError, attach_qat_grids, compress, convert_program, export_program
-from distillgates.export.layout import build_layout
+from distillgates.export.layout import build_layout, logits_names
 from distillgates.export.lint import ane_op_lint, run_lints
 from distillgates.export.parity import program_parity
 from distillgates.export.roundtrip import SOURCE, roundtrip_module
@@ -123,7 +123,7 @@ def export_transformer(
     packages: dict[str, Path] = {}
     programs: dict[str, Any] = {}
     for kind in KINDS:
-        mlmodel = convert_program(eps[kind], kind, lengths, export_cfg)
+        mlmodel = convert_program(eps[kind], kind, lengths, export_cfg, logits_names(cfg.vocab_size))
         mlmodel = compress(mlmodel, export_cfg.quantize, export_cfg.palettize_mode)
         mlmodel.short_description = f"distillgates {kind} ({export_cfg.layout} layout, {export_cfg.quantize})"
         programs[kind] = mlmodel._mil_program
@@ -136,7 +136,7 @@ def export_transformer(
     contract: dict[str, Any] = {
         "contract_version": CONTRACT_VERSION,
         "packages": {
-            kind: {"path": path.name, **described[kind], "logits": LOGITS_SEMANTICS[kind]}
+            kind: {"path": path.name, **described[kind], "logits": logits_semantics(kind, cfg.vocab_size)}
             for kind, path in packages.items()
         },
         "enumerated_lengths": lengths,

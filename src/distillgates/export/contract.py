@@ -13,18 +13,32 @@ import coremltools as ct
 from coremltools.proto import FeatureTypes_pb2
 
 from distillgates.config import ModelConfig
+from distillgates.export.layout import head_widths, logits_names
 from distillgates.export.lint import enumerated_lengths
 from distillgates.export.wrappers import state_names
 
 CONTRACT_VERSION = 1
-EXPECTED_IO = {
-    "prefill": {"inputs": ["input_ids", "length"], "outputs": ["logits"]},
-    "decode": {"inputs": ["input_ids", "position"], "outputs": ["logits"]},
-}
+INPUTS = {"prefill": ["input_ids", "length"], "decode": ["input_ids", "position"]}
 LOGITS_SEMANTICS = {
     "prefill": "logits (1, V) of the last real token (index length-1); input_ids right-padded to an enumerated length",
     "decode": "logits (1, V) of the token at `position`; writes KV slot `position`",
 }
+
+
+def expected_io(kind: str, vocab_size: int) -> dict[str, list[str]]:
+    """Input and output names of the ``kind`` package: outputs ``logits``, or ``logits_0 ..`` for a split head."""
+    return {"inputs": INPUTS[kind], "outputs": logits_names(vocab_size)}
+
+
+def logits_semantics(kind: str, vocab_size: int) -> str:
+    """What the ``kind`` package's logits are (``packages.<kind>.logits`` of the contract)."""
+    names = logits_names(vocab_size)
+    if len(names) == 1:
+        return LOGITS_SEMANTICS[kind]
+    return (
+        f"{LOGITS_SEMANTICS[kind]}; split along V into {len(names)} outputs {', '.join(names)} of widths "
+        f"{head_widths(vocab_size)} (each within the ANE dimension limit): concatenate them in this order"
+    )
 
 
 def _array(arr: Any) -> dict[str, Any]:
@@ -65,7 +79,8 @@ def verify_contract(contract: dict[str, Any], cfg: ModelConfig, lengths: list[in
     """Mismatches between a contract and what the model config and shapes require (empty: ok)."""
     errors = []
     kv = kv_layout(cfg)
-    for kind, expected in EXPECTED_IO.items():
+    for kind in INPUTS:
+        expected = expected_io(kind, cfg.vocab_size)
         pkg = contract["packages"].get(kind)
         if pkg is None:
             errors.append(f"{kind}: package missing from the contract")
@@ -81,9 +96,10 @@ def verify_contract(contract: dict[str, Any], cfg: ModelConfig, lengths: list[in
             errors.append(f"{kind}: states {sorted(states)} != {sorted(kv['state_names'])}")
         errors += [f"{kind}: state {n} has shape {s['shape']}, expected {kv['state_shape']}"
                    for n, s in states.items() if s["shape"] != kv["state_shape"]]  # fmt: skip
-        vocab = [f["shape"][-1] for f in pkg["outputs"]]
-        if vocab != [cfg.vocab_size]:
-            errors.append(f"{kind}: logits last dim {vocab}, expected [{cfg.vocab_size}]")
+        widths = [f["shape"][-1] for f in pkg["outputs"]]
+        if widths != head_widths(cfg.vocab_size) or sum(widths) != cfg.vocab_size:
+            errors.append(f"{kind}: logits last dims {widths}, expected {head_widths(cfg.vocab_size)} "
+                          f"(summing to the vocabulary, {cfg.vocab_size})")  # fmt: skip
     prefill = contract["packages"].get("prefill")
     if prefill is not None and prefill["enumerated_lengths"] != sorted(lengths):
         errors.append(f"prefill: enumerated lengths {prefill['enumerated_lengths']} != {sorted(lengths)}")

@@ -17,6 +17,7 @@ Design choices:
 from __future__ import annotations
 
 import sys
+from collections.abc import Sequence
 from typing import Any
 
 import coremltools as ct
@@ -74,15 +75,21 @@ def input_types(kind: str, lengths: list[int]) -> list[ct.TensorType]:
     ]
 
 
-def convert_program(ep: ExportedProgram, kind: str, lengths: list[int], cfg: ExportConfig) -> ct.models.MLModel:
-    """Convert to an mlprogram; the KV buffers become fp16 ``ct.StateType`` states."""
+def convert_program(
+    ep: ExportedProgram, kind: str, lengths: list[int], cfg: ExportConfig, output_names: Sequence[str] = ("logits",)
+) -> ct.models.MLModel:
+    """Convert to an mlprogram; the KV buffers become fp16 ``ct.StateType`` states.
+
+    ``output_names`` names the program's outputs in order: ``logits``, or the head chunks
+    ``logits_0 ..`` of a split LM head (:func:`distillgates.export.layout.logits_names`).
+    """
     precision = ct.precision.FLOAT16 if cfg.compute_precision == "fp16" else ct.precision.FLOAT32
     try:
         return ct.convert(
             ep,
             convert_to="mlprogram",
             inputs=input_types(kind, lengths),
-            outputs=[ct.TensorType(name="logits")],
+            outputs=[ct.TensorType(name=name) for name in output_names],
             minimum_deployment_target=_target(cfg.minimum_deployment_target),
             compute_precision=precision,
             compute_units=getattr(ct.ComputeUnit, cfg.compute_units),

@@ -9,6 +9,13 @@ Design choices:
   pre-hook reshapes Linear weights ``(out, in) -> (out, in, 1, 1)``.
 - RMSNorm keeps the fp32 accumulation of :class:`distillgates.model.RMSNorm` so both layouts
   are numerically equal in fp32.
+- A vocabulary above the ANE's dimension limit (``ANE_MAX_DIM`` = 16384) gets an LM head split
+  into ``ceil(V / 16384)`` near-equal chunks (:func:`head_widths`), each its own linear / 1x1 conv
+  with its own weight, returned as separate tensors: no tensor on the path exceeds the limit (one
+  concatenated output would). The runtime concatenates them in order (ANEMLL ships its LM heads
+  the same way, as outputs ``logits1..logits16``). A vocabulary within the limit keeps the one
+  head and the one ``logits`` output. The chunks are copies of the head's rows, so a tied
+  embedding is stored twice when the head is split (the gather table and the chunks).
 
 References: apple/ml-ane-transformers ``ane_transformers/reference``; "Deploying Transformers on
 the Apple Neural Engine" (Apple ML research, 2022).
@@ -23,19 +30,44 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from distillgates.config import ModelConfig
+from distillgates.export.lint import ANE_MAX_DIM
 from distillgates.model import Transformer, apply_rope, rope_tables
 
 if TYPE_CHECKING:
     from distillgates.model import ModuleListOf
 
 
+Logits = Tensor | tuple[Tensor, ...]  # (1, V), or its chunks (1, V_i) in vocabulary order
+
+
+def head_widths(vocab_size: int) -> list[int]:
+    """Output channels of each LM-head chunk: ``[V]`` within ``ANE_MAX_DIM``, else ``ceil(V / ANE_MAX_DIM)``
+    near-equal chunks (the first ``V mod n`` one wider), each within the limit."""
+    n = -(-vocab_size // ANE_MAX_DIM)
+    return [vocab_size // n + (i < vocab_size % n) for i in range(n)]
+
+
+def logits_names(vocab_size: int) -> list[str]:
+    """Output names of the exported programs: ``logits``, or ``logits_0 .. logits_{n-1}`` for a split head."""
+    n = len(head_widths(vocab_size))
+    return ["logits"] if n == 1 else [f"logits_{i}" for i in range(n)]
+
+
 class StandardLayout(nn.Module):
-    """Adapter over :class:`Transformer`: activations ``(1, T, d)``."""
+    """Adapter over :class:`Transformer`: activations ``(1, T, d)``.
+
+    A split head (see :func:`head_widths`) is ``lm_head_chunks``: linears holding copies of the
+    head's rows, so each chunk is a weight of its own in the package (quantized and read back
+    like any linear weight).
+    """
 
     def __init__(self, model: Transformer) -> None:
         super().__init__()
         self.model = model
         self.config: ModelConfig = model.config
+        widths = head_widths(model.config.vocab_size)
+        chunks = model.lm_head.weight.detach().split(widths)  # (V_i, d) each
+        self.lm_head_chunks = nn.ModuleList(_linear(rows) for rows in chunks) if len(widths) > 1 else None
 
     @property
     def rope(self) -> tuple[Tensor, Tensor]:
@@ -56,9 +88,19 @@ class StandardLayout(nn.Module):
     def select(self, x: Tensor, index: Tensor) -> Tensor:
         return x.index_select(1, index)  # (1, 1, d)
 
-    def head(self, x: Tensor) -> Tensor:
-        """Logits ``(1, V)`` of a one-position activation."""
-        return self.model.lm_head(self.model.norm(x)).reshape(1, -1)
+    def head(self, x: Tensor) -> Logits:
+        """Logits ``(1, V)`` of a one-position activation (chunks ``(1, V_i)`` for a split head)."""
+        h = self.model.norm(x)  # (1, 1, d)
+        if self.lm_head_chunks is None:
+            return self.model.lm_head(h).reshape(1, -1)
+        return tuple(chunk(h).reshape(1, -1) for chunk in self.lm_head_chunks)  # (1, V_i) each
+
+
+def _linear(rows: Tensor) -> nn.Linear:
+    """A bias-free linear holding a copy of ``rows`` ``(out, in)``."""
+    linear = nn.Linear(rows.shape[1], rows.shape[0], bias=False, dtype=rows.dtype)
+    linear.weight.data.copy_(rows)
+    return linear
 
 
 class ANERMSNorm(nn.Module):
@@ -110,11 +152,17 @@ class _ANEBlock(nn.Module):
 
 
 def _linear_to_conv_hook(state_dict: dict[str, Any], prefix: str, *args: Any) -> None:
-    """Reshape standard Linear weights ``(out, in)`` to 1x1 conv weights ``(out, in, 1, 1)``."""
+    """Reshape standard Linear weights ``(out, in)`` to 1x1 conv weights ``(out, in, 1, 1)``; split
+    an LM head wider than the ANE limit into ``lm_head.{i}.weight`` chunks (:func:`head_widths`)."""
     for key, value in list(state_dict.items()):
         is_proj = key.endswith("_proj.weight") or key == f"{prefix}lm_head.weight"
         if key.startswith(prefix) and is_proj and value.dim() == 2:
             state_dict[key] = value[:, :, None, None]
+    head = state_dict.get(f"{prefix}lm_head.weight")
+    if head is not None and len(head_widths(head.shape[0])) > 1:
+        del state_dict[f"{prefix}lm_head.weight"]
+        for i, rows in enumerate(head.split(head_widths(head.shape[0]))):
+            state_dict[f"{prefix}lm_head.{i}.weight"] = rows
 
 
 class ANETransformer(nn.Module):
@@ -122,7 +170,8 @@ class ANETransformer(nn.Module):
 
     Module names match the standard model, so ``load_state_dict(standard.state_dict())`` works
     through the pre-hook. Embedding and LM head are separate tensors here (a conv weight has a
-    different shape), so tying is not kept: the export stores both.
+    different shape), so tying is not kept: the export stores both. A split head is
+    ``lm_head.0 .. lm_head.{n-1}``, 1x1 convs of :func:`head_widths` output channels.
     """
 
     rope_cos: Tensor  # buffers, see __init__
@@ -137,7 +186,8 @@ class ANETransformer(nn.Module):
         self.embed = nn.Embedding(cfg.vocab_size, cfg.d_model)
         self.layers = cast("ModuleListOf[_ANEBlock]", nn.ModuleList(_ANEBlock(cfg) for _ in range(cfg.n_layers)))
         self.norm = ANERMSNorm(cfg.d_model, cfg.norm_eps)
-        self.lm_head = _conv(cfg.d_model, cfg.vocab_size)
+        chunks = [_conv(cfg.d_model, w) for w in head_widths(cfg.vocab_size)]
+        self.lm_head: nn.Conv2d | nn.ModuleList = chunks[0] if len(chunks) == 1 else nn.ModuleList(chunks)
         cos, sin = rope_tables(cfg)
         self.register_buffer("rope_cos", cos, persistent=False)  # (S_max, hd)
         self.register_buffer("rope_sin", sin, persistent=False)  # (S_max, hd)
@@ -173,8 +223,14 @@ class ANETransformer(nn.Module):
     def select(self, x: Tensor, index: Tensor) -> Tensor:
         return x.index_select(3, index)  # (1, d, 1, 1)
 
-    def head(self, x: Tensor) -> Tensor:
-        return self.lm_head(self.norm(x)).reshape(1, -1)  # (1, V)
+    def head_chunks(self, x: Tensor) -> list[Tensor]:
+        """Logits ``(1, V_i, 1, S)`` per head chunk of ``(1, d, 1, S)`` (one chunk: the whole head)."""
+        h = self.norm(x)
+        return [self.lm_head(h)] if isinstance(self.lm_head, nn.Conv2d) else [conv(h) for conv in self.lm_head]
+
+    def head(self, x: Tensor) -> Logits:
+        chunks = [c.reshape(1, -1) for c in self.head_chunks(x)]  # (1, V_i) each
+        return chunks[0] if len(chunks) == 1 else tuple(chunks)  # (1, V)
 
     def forward(self, idx: Tensor) -> Tensor:
         """Cache-free logits ``(1, T, V)`` (batch 1), for parity with ``Transformer.forward``."""
@@ -187,7 +243,7 @@ class ANETransformer(nn.Module):
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
             k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)  # (1, H, T, hd)
             x = self.finish_block(i, x, F.scaled_dot_product_attention(q, k, v, is_causal=True))
-        return self.lm_head(self.norm(x)).squeeze(2).transpose(1, 2)  # (1, T, V)
+        return torch.cat(self.head_chunks(x), 1).squeeze(2).transpose(1, 2)  # (1, T, V)
 
 
 def build_layout(model: Transformer, layout: str) -> StandardLayout | ANETransformer:

@@ -25,6 +25,11 @@ def cosine(a: Tensor | np.ndarray, b: Tensor | np.ndarray) -> float:
     return float(F.cosine_similarity(a_t.flatten(), b_t.flatten(), dim=0))
 
 
+def _joined(logits: Tensor | tuple[Tensor, ...]) -> Tensor:
+    """A program's logits ``(1, V)``: a split head's chunks ``(1, V_i)`` concatenated in order."""
+    return torch.cat(logits, -1) if isinstance(logits, tuple) else logits
+
+
 def parity_cases(length: int) -> list[int]:
     """Real-token counts tried per enumerated length: full, and padded to about half."""
     return sorted({length, max(1, length // 2 + 1)})
@@ -60,7 +65,7 @@ def program_parity(
         ids = _tokens(cfg.vocab_size, length, seed + length)
         scores = []
         for n in parity_cases(length):
-            got = prefill(_pad(ids[:, :n], length), torch.tensor([n], dtype=torch.int32))  # (1, V)
+            got = _joined(prefill(_pad(ids[:, :n], length), torch.tensor([n], dtype=torch.int32)))  # (1, V)
             scores.append(cosine(got, model(ids[:, :n])[:, -1]))
         by_shape[str(length)] = min(scores)
     # decode: prefill a padded prompt, hand the state over, then step token by token
@@ -71,7 +76,7 @@ def program_parity(
     _copy_states(prefill, decode, cfg.n_layers)
     decode_scores = []
     for t in range(n, n + steps):
-        got = decode(ids[:, t : t + 1].int(), torch.tensor([t], dtype=torch.int32))
+        got = _joined(decode(ids[:, t : t + 1].int(), torch.tensor([t], dtype=torch.int32)))  # (1, V)
         decode_scores.append(cosine(got, model(ids[:, : t + 1])[:, -1]))
     return {"cosine_by_shape": by_shape, "decode_cosine": decode_scores}
 
@@ -84,12 +89,16 @@ def coreml_parity(
     """Core ML (``MLModel.predict`` with state) vs eager PyTorch; macOS 15+ only.
 
     The prefill state is handed to the decode model with ``read_state``/``write_state`` (two
-    packages share one state layout).
+    packages share one state layout). A split head's outputs are concatenated as the engine does.
     """
     import coremltools as ct
 
+    from distillgates.export.layout import logits_names
+    from distillgates.runtime.coreml_engine import join_logits
+
     model = model.eval()
     cfg = model.config
+    names = logits_names(cfg.vocab_size)
     prefill, decode = ct.models.MLModel(str(prefill_path)), ct.models.MLModel(str(decode_path))
     by_shape: dict[str, float] = {}
     for length in lengths:
@@ -98,7 +107,7 @@ def coreml_parity(
         for n in parity_cases(length):
             state = prefill.make_state()
             feed = {"input_ids": _pad(ids[:, :n], length).numpy(), "length": np.array([n], dtype=np.int32)}
-            got = prefill.predict(feed, state=state)["logits"]
+            got = join_logits(prefill.predict(feed, state=state), names)
             scores.append(cosine(got, model(ids[:, :n])[:, -1]))
         by_shape[str(length)] = min(scores)
     n = max(1, min(lengths[0] // 2, cfg.max_seq_len - decode_steps))
@@ -112,6 +121,6 @@ def coreml_parity(
     decode_scores = []
     for t in range(n, n + steps):
         feed = {"input_ids": ids[:, t : t + 1].int().numpy(), "position": np.array([t], dtype=np.int32)}
-        got = decode.predict(feed, state=decode_state)["logits"]
+        got = join_logits(decode.predict(feed, state=decode_state), names)
         decode_scores.append(cosine(got, model(ids[:, : t + 1])[:, -1]))
     return {"cosine_by_shape": by_shape, "decode_cosine": decode_scores}

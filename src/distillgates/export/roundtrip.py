@@ -97,7 +97,9 @@ def map_to_parameters(
     and order with the unnamed consts (the converter folds e.g. the ANE norm's
     ``weight[None, :, None, None]`` into a new const); this needs exactly as many consts as
     parameters of each shape. A parameter equal to 1 everywhere is allowed to be absent: the
-    converter removes a multiply by ones, so nothing ships and the fp32 value is exact.
+    converter removes a multiply by ones, so nothing ships and the fp32 value is exact. A parameter
+    the program never reads (the standard layout's untied ``lm_head`` once split into chunks) is
+    left out: it ships nothing and computes nothing.
 
     Raises:
         RoundTripError: a compressed or parameter-named const maps to no parameter (or has
@@ -109,6 +111,8 @@ def map_to_parameters(
         for spec in ep.graph_signature.input_specs
         if spec.kind == InputKind.PARAMETER and spec.target is not None
     }
+    read = {node.name for node in ep.graph.nodes if node.op == "placeholder" and node.users}
+    unread = {fqn for name, fqn in fqn_by_placeholder.items() if name not in read}  # e.g. an untied head, split
     params = {fqn: ep.state_dict[fqn] for fqn in fqn_by_placeholder.values()}
     aliases: dict[int, list[str]] = {}  # tied parameters: one tensor, several names
     for fqn, tensor in params.items():
@@ -135,7 +139,7 @@ def map_to_parameters(
             )
         for alias in aliases[id(params[fqn])]:
             mapped[alias], source[alias] = torch.from_numpy(value.astype(np.float32)), const_name
-    left = [fqn for fqn in params if fqn not in mapped and not bool((params[fqn] == 1).all())]
+    left = [fqn for fqn in params if fqn not in mapped and fqn not in unread and not bool((params[fqn] == 1).all())]
     for shape in dict.fromkeys(_squeezed(tuple(params[fqn].shape)) for fqn in left):
         wanted = [fqn for fqn in left if _squeezed(tuple(params[fqn].shape)) == shape]
         found = [name for name, value in unnamed.items() if _squeezed(value.shape) == shape]

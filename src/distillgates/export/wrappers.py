@@ -17,6 +17,9 @@ Design choices:
   never attended.
 - Every reshape uses ``-1`` instead of a traced length: a traced size would leave ``shape`` ops
   in the Core ML program (see the dynamic-shape lint).
+- The programs return what the layout's ``head`` returns: ``logits (1, V)``, or for a vocabulary
+  above the ANE's dimension limit its chunks ``(1, V_i)`` as separate outputs
+  (:func:`distillgates.export.layout.head_widths`).
 - GQA without ``repeat_interleave``: queries of one KV group are adjacent heads, so
   ``q.reshape(1, n_kv, G*T, hd)`` attends the un-repeated K/V with the mask tiled G times.
 """
@@ -27,7 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from distillgates.export.layout import ANETransformer, StandardLayout
+from distillgates.export.layout import ANETransformer, Logits, StandardLayout
 from distillgates.model import apply_rope
 
 Layout = StandardLayout | ANETransformer
@@ -63,9 +66,9 @@ class _KVModule(nn.Module):
 
 
 class PrefillModule(_KVModule):
-    """``(input_ids (1, L) int32, length (1,) int32) -> logits (1, V)``; writes slots ``0..L-1``."""
+    """``(input_ids (1, L) int32, length (1,) int32) -> logits (1, V)`` (or its chunks); writes slots ``0..L-1``."""
 
-    def forward(self, input_ids: Tensor, length: Tensor) -> Tensor:
+    def forward(self, input_ids: Tensor, length: Tensor) -> Logits:
         ones = input_ids[0] * 0 + 1  # (L,) int32, elementwise: no fill/shape op
         pos = torch.cumsum(ones, 0, dtype=torch.int32) - 1  # (L,)
         cos_table, sin_table = self.core.rope
@@ -87,9 +90,9 @@ class PrefillModule(_KVModule):
 
 
 class DecodeModule(_KVModule):
-    """``(input_ids (1, 1) int32, position (1,) int32) -> logits (1, V)``; writes slot ``position``."""
+    """``(input_ids (1, 1) int32, position (1,) int32) -> logits (1, V)`` (or its chunks); writes slot ``position``."""
 
-    def forward(self, input_ids: Tensor, position: Tensor) -> Tensor:
+    def forward(self, input_ids: Tensor, position: Tensor) -> Logits:
         cos_table, sin_table = self.core.rope
         cos, sin = cos_table[position], sin_table[position]  # (1, hd)
         mask = self.slots[None, :] <= position[:, None]  # (1, S_max)

@@ -5,6 +5,9 @@ Contract (``export/contract.json``, written by :mod:`distillgates.export`):
   -> ``logits (1, V)`` of the last real token; writes KV slots ``0..L-1`` of its state.
 - decode: ``input_ids (1, 1) int32``, ``position (1,) int32`` -> ``logits (1, V)``; writes slot
   ``position`` and attends slots ``<= position``.
+- A vocabulary above the ANE's dimension limit comes as chunks ``logits_0 .. logits_{n-1}``
+  ``(1, V_i)`` instead of ``logits``; the contract lists each package's outputs in vocabulary order
+  (``packages.<kind>.outputs``) and :func:`join_logits` concatenates them.
 - Both packages declare the same states ``k_cache_i``/``v_cache_i`` ``(1, n_kv, S_max, hd)``; the
   decode state continues a prefill by copying them (``MLState.read_state``/``write_state``).
 
@@ -24,7 +27,7 @@ from __future__ import annotations
 
 import json
 import sys
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -33,6 +36,21 @@ import torch
 from torch import Tensor, nn
 
 from distillgates.runtime.base import EngineBase
+
+
+def join_logits(outputs: Mapping[str, np.ndarray], names: Sequence[str]) -> Tensor:
+    """Logits ``(V,)`` fp32 from a prediction's ``outputs``: the ``(1, V_i)`` arrays ``names``, in that order.
+
+    Raises:
+        ValueError: an output in ``names`` is missing from the prediction.
+    """
+    missing = [n for n in names if n not in outputs]
+    if missing:
+        raise ValueError(
+            f"prediction has no outputs {missing} (has {sorted(outputs)}); contract.json lists {list(names)}"
+        )
+    chunks = [np.asarray(outputs[n], dtype=np.float32).reshape(-1) for n in names]
+    return torch.from_numpy(np.concatenate(chunks))  # (V,)
 
 
 class PackageRunner(Protocol):
@@ -119,11 +137,11 @@ class CoreMLEngine(EngineBase):
         prefill: runner of the prefill package.
         decode: runner of the decode package.
         contract: the parsed ``contract.json`` (``enumerated_lengths``, ``kv.state_names``,
-            ``model_config.max_seq_len``).
+            ``model_config.max_seq_len``, ``packages.<kind>.outputs``: the logits' names in order).
     """
 
     def __init__(self, prefill: PackageRunner, decode: PackageRunner, contract: dict[str, Any]) -> None:
-        for key in ("enumerated_lengths", "kv", "model_config"):
+        for key in ("enumerated_lengths", "kv", "model_config", "packages"):
             if key not in contract:
                 raise ValueError(f"contract.json: missing field {key!r}")
         self.prefill_runner, self.decode_runner = prefill, decode
@@ -131,6 +149,8 @@ class CoreMLEngine(EngineBase):
         self.lengths = sorted(int(n) for n in contract["enumerated_lengths"])
         self.state_names = list(contract["kv"]["state_names"])
         self.max_seq_len = int(contract["model_config"]["max_seq_len"])
+        packages = contract["packages"]
+        self.logits_names = {kind: [o["name"] for o in packages[kind]["outputs"]] for kind in ("prefill", "decode")}
         self.state = decode.new_state()
         self._token = np.zeros((1, 1), dtype=np.int32)  # (1, 1) decode input, filled in place
         self._position = np.zeros((1,), dtype=np.int32)  # (1,)
@@ -179,7 +199,7 @@ class CoreMLEngine(EngineBase):
             self.decode_runner.write_state(self.state, name, self.prefill_runner.read_state(prefill_state, name))
         self.tokens = [int(t) for t in prompt_ids]
         self.pending = None
-        return torch.from_numpy(np.asarray(out["logits"], dtype=np.float32))[0]  # (V,)
+        return join_logits(out, self.logits_names["prefill"])  # (V,)
 
     def decode_step(self, token: int) -> Tensor:
         if self.pending is not None and token != self.pending:
@@ -191,7 +211,7 @@ class CoreMLEngine(EngineBase):
         self._position[0] = self.position
         out = self.decode_runner.predict({"input_ids": self._token, "position": self._position}, self.state)
         self.tokens.append(int(token))
-        return torch.from_numpy(np.asarray(out["logits"], dtype=np.float32))[0]  # (V,)
+        return join_logits(out, self.logits_names["decode"])  # (V,)
 
     def extend(self, token_ids: Sequence[int]) -> Tensor:
         ids = ([self.pending] if self.pending is not None else []) + [int(t) for t in token_ids]
@@ -230,7 +250,7 @@ class CoreMLEngine(EngineBase):
 def stand_in_engine(model: Any, lengths: Sequence[int], layout: str = "standard") -> CoreMLEngine:
     """A :class:`CoreMLEngine` whose runners are :class:`ExportedProgramStandIn` over the export
     engineer's prefill/decode wrappers of ``model`` (Linux tests and parity checks)."""
-    from distillgates.export.contract import EXPECTED_IO, kv_layout
+    from distillgates.export.contract import expected_io, kv_layout
     from distillgates.export.convert import export_program
     from distillgates.export.layout import build_layout
     from distillgates.export.wrappers import DecodeModule, PrefillModule
@@ -238,14 +258,16 @@ def stand_in_engine(model: Any, lengths: Sequence[int], layout: str = "standard"
     lengths = sorted(int(n) for n in lengths)
     core = build_layout(model.eval(), layout).eval()
     kv = kv_layout(model.config)
-    runners = {}
+    runners, packages = {}, {}
     for kind, module in (("prefill", PrefillModule(core)), ("decode", DecodeModule(core))):
         program = export_program(module, kind, lengths)
-        io = EXPECTED_IO[kind]
+        io = expected_io(kind, model.config.vocab_size)
         runners[kind] = ExportedProgramStandIn(program, io["inputs"], io["outputs"], kv["state_names"])
+        packages[kind] = {"outputs": [{"name": name} for name in io["outputs"]]}
     contract = {
         "enumerated_lengths": lengths,
         "kv": kv,
         "model_config": {"max_seq_len": model.config.max_seq_len},
+        "packages": packages,
     }
     return CoreMLEngine(runners["prefill"], runners["decode"], contract)

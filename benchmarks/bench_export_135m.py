@@ -1,0 +1,103 @@
+"""Export time and peak memory of a SmolLM-135M-shaped model (random weights) through the real export.
+
+One export per process (a process's peak memory cannot be shared): build the model, then
+:func:`distillgates.export.api.export_transformer` (torch.export, coremltools conversion of the
+prefill and decode programs, compression, save, contract read back from disk, lints, ANE op lint,
+parity of the weights read back from the packages). Records:
+
+- ``export_s``: wall time of ``export_transformer`` (model construction not included), and
+  ``export_cpu_s``, the process's CPU time over it (user + system): on a shared core the wall time
+  includes waiting for other processes, the CPU time does not;
+- ``rss_before_export_mib`` / ``peak_rss_mib``: resident memory after building the model, and the
+  process's peak (``ru_maxrss``) at the end, which is the export's peak;
+- the packages' outputs (a vocabulary of 49152 > 16384 is exported as three LM-head chunks), the
+  ANE lint's over-limit findings, the parity cosines and the packages' sizes on disk.
+
+    taskset -c 0 .venv/bin/python benchmarks/bench_export_135m.py [--layout standard] [--quantize int8] [--layers 30]
+
+Linux or macOS; not part of the test suite.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import resource
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+from bench_loss_memory import SMOLLM_135M
+
+from distillgates.config import ExportConfig, ModelConfig
+from distillgates.export.api import export_transformer
+from distillgates.model import Transformer
+
+LENGTHS = [128, 192, 256]  # the toy's enumerated shapes (src/distillgates/configs/toy.yaml)
+
+
+def _rss_mib() -> float:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    return float("nan")  # no /proc (macOS): only the peak is recorded
+
+
+def _peak_rss_mib() -> float:
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak / 2**20 if sys.platform == "darwin" else peak / 1024  # bytes on macOS, KiB on Linux
+
+
+def _size_mib(path: Path) -> float:
+    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file()) / 2**20
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--layout", default="standard", choices=["standard", "ane"])
+    parser.add_argument("--quantize", default="int8", help="export.quantize (the toy config's is int8)")
+    parser.add_argument("--layers", type=int, default=SMOLLM_135M["n_layers"], help="fewer than 30: a cut-down run")
+    parser.add_argument("--max-seq-len", type=int, default=2048, help="KV cache length (SmolLM-135M: 2048)")
+    parser.add_argument("--out", type=Path, default=None, help="JSON path (default benchmarks/results/...)")
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    cfg = ModelConfig(**{**SMOLLM_135M, "n_layers": args.layers}, max_seq_len=args.max_seq_len)  # type: ignore[arg-type]
+    torch.manual_seed(0)
+    model = Transformer(cfg).eval()
+    rss_before = _rss_mib()
+    with tempfile.TemporaryDirectory() as tmp:
+        start, cpu_start = time.perf_counter(), time.process_time()
+        result = export_transformer(
+            model, ExportConfig(quantize=args.quantize, layout=args.layout), LENGTHS, tmp, "bench", raise_on_error=False
+        )
+        export_s, export_cpu_s = time.perf_counter() - start, time.process_time() - cpu_start
+        sizes = {kind: round(_size_mib(path), 1) for kind, path in result.packages.items()}
+    record = {
+        "model": {**SMOLLM_135M, "n_layers": args.layers, "max_seq_len": args.max_seq_len, "params": cfg.n_params},
+        "export": {"layout": args.layout, "quantize": args.quantize, "lengths": LENGTHS},
+        "export_s": round(export_s, 1),
+        "export_cpu_s": round(export_cpu_s, 1),
+        "rss_before_export_mib": round(rss_before, 1),
+        "peak_rss_mib": round(_peak_rss_mib(), 1),
+        "package_mib": sizes,
+        "outputs": {k: [(o["name"], o["shape"]) for o in p["outputs"]] for k, p in result.contract["packages"].items()},
+        "contract_ok": result.contract["ok"],
+        "ane_lint_over_limits": result.ane["ane_lint"]["over_limits"],
+        "cosine_by_shape": result.parity["cosine_by_shape"],
+        "decode_cosine_min": min(result.parity["decode_cosine"]),
+        "errors": result.errors,
+        "machine": f"{platform.machine()} {platform.processor() or ''} {platform.system()}".strip(),
+        "threads": torch.get_num_threads(),
+        "versions": result.contract["versions"],
+    }
+    name = f"export_135m_{args.layout}_{args.quantize}" + ("" if args.layers == 30 else f"_{args.layers}layers")
+    out = args.out or Path(__file__).resolve().parent / "results" / f"{name}.json"
+    out.write_text(json.dumps(record, indent=2) + "\n")
+    print(json.dumps(record, indent=2))
+
+
+if __name__ == "__main__":
+    main()
