@@ -32,6 +32,7 @@ from distillgates.data.targets import encode_item, reference_spans
 from distillgates.data.tools import canonical_call
 from distillgates.eval.runners import reference_output
 from distillgates.tokenizer import (
+    CHATML_CHAT_TEMPLATE,
     load_tokenizer,
     save_tokenizer,
     tokenizer_fingerprint,
@@ -41,28 +42,12 @@ from distillgates.tokenizer import (
 OWN_DATA = Path(__file__).resolve().parents[2] / "examples" / "own-data"
 
 # Written for these tests in the style of Qwen2.5's template: Hermes tool calls, ChatML turns, and the
-# tools listed by the template (the library's CHATML_CHAT_TEMPLATE leaves that to the system message).
+# tools listed by the template; its turns are the library's CHATML_CHAT_TEMPLATE after the system line.
 HERMES_TEMPLATE = (
     "{%- if messages[0].role == 'system' %}{{- '<|im_start|>system\\n' + messages[0].content }}"
     "{%- if tools %}{{- '\\n\\n# Tools\\n<tools>' }}{%- for tool in tools %}{{- '\\n' + (tool | tojson) }}"
     "{%- endfor %}{{- '\\n</tools>' }}{%- endif %}{{- '<|im_end|>\\n' }}{%- endif %}"
-    "{%- for message in messages %}"
-    "{%- if message.role == 'system' %}"
-    "{%- elif message.role == 'user' or (message.role == 'assistant' and not message.tool_calls) %}"
-    "{{- '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>\\n' }}"
-    "{%- elif message.role == 'assistant' %}{{- '<|im_start|>assistant' }}"
-    "{%- if message.content %}{{- '\\n' + message.content }}{%- endif %}"
-    "{%- for tool_call in message.tool_calls %}"
-    "{{- '\\n<tool_call>\\n{\"name\": \"' + tool_call.function.name + '\", \"arguments\": ' "
-    "+ (tool_call.function.arguments | tojson) + '}\\n</tool_call>' }}"
-    "{%- endfor %}{{- '<|im_end|>\\n' }}"
-    "{%- elif message.role == 'tool' %}"
-    "{%- if loop.first or messages[loop.index0 - 1].role != 'tool' %}{{- '<|im_start|>user' }}{%- endif %}"
-    "{{- '\\n<tool_response>\\n' + message.content + '\\n</tool_response>' }}"
-    "{%- if loop.last or messages[loop.index0 + 1].role != 'tool' %}{{- '<|im_end|>\\n' }}{%- endif %}"
-    "{%- endif %}{%- endfor %}"
-    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
-)
+) + CHATML_CHAT_TEMPLATE.split("{%- endif %}", 1)[1]  # after ChatML's own system line
 # Llama 3.1 style: header turns, custom tool calls as JSON with "parameters", results in the ipython role.
 LLAMA3_TEMPLATE = (
     "{{- bos_token }}"
