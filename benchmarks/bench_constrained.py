@@ -19,11 +19,11 @@ import time
 
 import torch
 
-from distillgates.data.chat import render_conversation
+from distillgates.data.chat import chat_format, render_conversation
 from distillgates.data.generator import generate_items
 from distillgates.data.registry import TOOLS
 from distillgates.data.tools import canonical_call
-from distillgates.runtime.constrained import Bounds, TokenVocab, ToolCallConstraint, ToolCallProcessor
+from distillgates.runtime.constrained import Bounds, TokenVocab, ToolCallConstraint, ToolCallProcessor, TurnConstraint
 from distillgates.tokenizer import encode, train_tokenizer
 
 
@@ -63,7 +63,8 @@ def main() -> None:
     token_calls = [[tool_call, *encode(tok, canonical_call(c)), end] for c in calls]
 
     def fresh() -> ToolCallProcessor:
-        return ToolCallProcessor(ToolCallConstraint(TOOLS, vocab, end, Bounds()), tool_call)
+        constraint = ToolCallConstraint(TOOLS, vocab, end, Bounds())
+        return ToolCallProcessor(TurnConstraint(constraint, chat_format(tok).call_syntax, end))
 
     cold = [run_calls(fresh(), [ids], len(tok))[0] for ids in token_calls]
     warm_proc = fresh()

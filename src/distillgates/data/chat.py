@@ -29,7 +29,7 @@ import re
 import weakref
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from functools import cache
+from functools import cache, cached_property
 from typing import Any
 
 from distillgates.config import sha256_json
@@ -272,6 +272,36 @@ def _openai_tools(tools: Sequence[Mapping[str, Any]] | None) -> list[dict[str, A
     return [dict(t) if "function" in t else {"type": "function", "function": dict(t)} for t in tools]
 
 
+@dataclass(frozen=True)
+class CallSyntax:
+    """How a chat format writes the calls of one generated turn: what constrained decoding enforces.
+
+    A call turn reads ``[text] trigger open_rest JSON closer (separator trigger open_rest JSON closer)*``
+    and then the end-of-turn token; JSON is ``{"name": ..., "<arguments_key>": {...}}`` exactly as
+    ``json.dumps(..., ensure_ascii=False)`` writes it, with ``", "``/``": "`` separators when ``spaced``
+    (the ``tojson`` filter of Hugging Face templates) else ``","``/``":"`` (the toy's). The template's own
+    rendering of a call decides every field (:attr:`ChatFormat.call_syntax`); the family's parser reads
+    that rendering (its JSON parser accepts either spacing).
+
+    toy: ``<|tool_call|>`` + JSON, one call per turn; Hermes/ChatML: ``<tool_call>`` ``\n`` JSON
+    ``\n</tool_call>``, calls separated by ``\n``; Llama 3: ``<|python_tag|>`` + JSON with ``parameters``.
+    """
+
+    trigger: str  # the text that opens a call (one special token or several ordinary ones)
+    open_rest: str  # the text between the trigger and the JSON
+    closer: str  # the text after the JSON
+    separator: str | None  # the text between two calls of one turn; None: one call per turn
+    arguments_key: str  # "arguments" (toy, Hermes) or "parameters" (Llama 3)
+    spaced: bool  # JSON separators ", " and ": " (else "," and ":")
+
+    @property
+    def reserved(self) -> tuple[str, ...]:
+        """Texts a string argument never contains: ``<|`` (it would re-tokenize as a chat special token
+        of these families) and the family's own tags (``</tool_call>`` would end the call for the parser)."""
+        texts = ["<|", *(t for t in (self.trigger, self.closer.strip()) if t)]
+        return tuple(t for t in dict.fromkeys(texts) if not any(o != t and o in t for o in texts))
+
+
 class ChatFormat:
     """The chat format of a tokenizer: rendering (its chat template), tool-call parsing, stop ids.
 
@@ -363,10 +393,47 @@ class ChatFormat:
 
     def call_text(self, call: Mapping[str, Any]) -> str:
         """A generated turn that makes just ``call``, up to (not including) its end-of-turn token."""
+        return self._calls_text([call])
+
+    def _calls_text(self, calls: Sequence[Mapping[str, Any]]) -> str:
         user = [{"role": "user", "content": "Q"}]
         head = self.render(user, add_generation_prompt=True)
-        turn = self.render([*user, {"role": "assistant", "content": "", "tool_calls": [call]}])[len(head) :]
+        turn = self.render([*user, {"role": "assistant", "content": "", "tool_calls": list(calls)}])[len(head) :]
         return turn[: turn.rindex(self.end_of_turn)]
+
+    @cached_property
+    def call_syntax(self) -> CallSyntax:
+        """The family's call syntax, read off the template's rendering of one and of two calls.
+
+        Raises:
+            ValueError: when the template writes a call that is not canonical ``json.dumps`` JSON, or
+                opens it with no marker text (a bare-JSON Llama 3 turn without ``<|python_tag|>``).
+        """
+        call = {"name": "n", "arguments": {"a": 1, "b": [True, "x"]}}
+        one = self._calls_text([call])
+        start = one.find('{"name"')
+        if start < 0:
+            raise ValueError(f"the chat template writes a call as {one!r}: no JSON object that starts with 'name'")
+        obj, end = json.JSONDecoder().raw_decode(one, start)
+        body, prefix, closer = one[start:end], one[:start], one[end:]
+        spaced = body == json.dumps(obj, ensure_ascii=False)
+        if not spaced and body != _compact_json(obj):
+            raise ValueError(f"the chat template writes a call as {body!r}: neither compact nor spaced json.dumps")
+        trigger, key = prefix.strip(), next(k for k in obj if k != "name")
+        if not trigger and self.tool_call_format == "llama3" and "<|python_tag|>" in self.tokenizer.get_vocab():
+            # the template writes a bare JSON turn; parse_llama3_turn also reads <|python_tag|>{json} (one call)
+            return CallSyntax("<|python_tag|>", "", closer, None, key, spaced)
+        if not trigger:
+            raise ValueError(f"the chat template opens a call with no marker ({one!r}): constrained decoding needs "
+                             "one (Llama 3: <|python_tag|> in the vocabulary)")  # fmt: skip
+        two = self._calls_text([call, call])
+        between = two[len(one) : len(two) - len(one)]
+        parallel = (two.startswith(one) and two.endswith(one) and len(two) >= 2 * len(one)
+                    and not any(t in between for t in self.stop_tokens) and len(self.parse_turn(two).calls) == 2)
+        at = prefix.index(trigger)
+        return CallSyntax(trigger=trigger, open_rest=prefix[at + len(trigger) :], closer=closer,
+                          separator=between + prefix[:at] if parallel else None, arguments_key=key,
+                          spaced=spaced)  # fmt: skip
 
     def parse_turn(self, text: str) -> ParsedTurn:
         """Calls or answer of one generated turn (text after the assistant header; cut at its first stop token)."""

@@ -44,7 +44,8 @@ import torch
 from jsonschema import Draft202012Validator
 from torch import Tensor
 
-from distillgates.tokenizer import END, TOOL_CALL, gpt2_byte_decoder
+from distillgates.data.chat import CallSyntax
+from distillgates.tokenizer import gpt2_byte_decoder
 
 State = tuple[tuple[Any, ...], ...]
 """Automaton state: a stack of frames (top last); hashable, used as the mask-cache key."""
@@ -89,18 +90,29 @@ class _Trie:
 
 
 class TokenVocab:
-    """Decoded bytes of every token (``None`` for special tokens) and the tries the masks walk."""
+    """Decoded bytes of every token (``None`` for special tokens) and the tries the masks walk.
 
-    def __init__(self, token_bytes: Sequence[bytes | None]) -> None:
+    ``special_bytes``: the text of each special token (``<tool_call>`` where a tokenizer has it as one):
+    the call syntax around the JSON may use them, the JSON itself never does.
+    """
+
+    def __init__(self, token_bytes: Sequence[bytes | None], special_bytes: Mapping[int, bytes] | None = None) -> None:
         self.token_bytes = list(token_bytes)
         self.size = len(self.token_bytes)
+        self.special_bytes = dict(special_bytes or {})
         self.trie = _Trie()  # all non-special tokens
         self.nonplain_trie = _Trie()  # tokens that cannot sit raw inside a string
+        self.special_trie = _Trie()  # special tokens by their text
+        self.brace_trie = _Trie()  # tokens with a "}" before their last byte: they may close a call and go on
+        for i, data in self.special_bytes.items():
+            self.special_trie.add(data, i)
         plain = torch.full((self.size,), -1, dtype=torch.int32)
         for i, data in enumerate(self.token_bytes):
             if not data:
                 continue
             self.trie.add(data, i)
+            if b"}" in data[:-1]:
+                self.brace_trie.add(data, i)
             plain[i] = _plain_chars(data)
             if plain[i] < 0:
                 self.nonplain_trie.add(data, i)
@@ -127,17 +139,20 @@ class TokenVocab:
         size = backend.get_vocab_size(with_added_tokens=True)
         byte_decoder = gpt2_byte_decoder()
         out: list[bytes | None] = []
+        special_bytes = {}
         for i in range(size):
             piece = backend.id_to_token(i)
             if piece is None or i in special:
                 out.append(None)
+                if piece is not None:
+                    special_bytes[i] = piece.encode("utf-8")
             elif byte_level and all(c in byte_decoder for c in piece):
                 out.append(bytes(byte_decoder[c] for c in piece))
             elif len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">"):
                 out.append(bytes([int(piece[3:5], 16)]))
             else:
                 out.append(piece.replace("▁", " ").encode("utf-8"))
-        return cls(out)
+        return cls(out, special_bytes)
 
 
 # --------------------------------------------------------------------------------------
@@ -246,12 +261,10 @@ class _Node:
 
 
 # Frame modes
-O_START, O_OPEN, O_KEY, O_COLON, O_AFTER, O_COMMA = range(6)
-A_START, A_OPEN, A_AFTER, A_COMMA = range(4)
+O_START, O_OPEN, O_KEY, O_COLON, O_AFTER, O_COMMA, O_COLON_SPACE, O_COMMA_SPACE = range(8)
+A_START, A_OPEN, A_AFTER, A_COMMA, A_COMMA_SPACE = range(5)  # *_SPACE: the " " of spaced JSON after ":" / ","
 S_START, S_BODY, S_ESC, S_UHEX, S_UTF8 = range(5)
 C_LIT1, C_NAME, C_LIT2, C_CLOSE, C_DONE = range(5)
-_CALL_OPEN = b'{"name":"'
-_CALL_ARGS = b'","arguments":'
 
 
 def _json_bytes(value: Any) -> bytes:
@@ -291,6 +304,11 @@ class ToolCallConstraint:
         end_id: id of ``<|end|>``, the only token allowed once the call is complete.
         bounds: length/digit bounds.
         cache_size: masks kept (LRU by state).
+        arguments_key: the key after ``name`` (Llama 3: ``parameters``).
+        spaced: ``json.dumps``' default separators ``", "``/``": "`` (Hugging Face ``tojson``) instead of
+            the compact ``","``/``":"``.
+        reserved: texts a string never contains (:attr:`distillgates.data.chat.CallSyntax.reserved`);
+            each starts with ``<`` (the string fast path leaves every token with a ``<`` to the trie walk).
     """
 
     def __init__(
@@ -300,8 +318,19 @@ class ToolCallConstraint:
         end_id: int,
         bounds: Bounds | None = None,
         cache_size: int = 8192,
+        arguments_key: str = "arguments",
+        spaced: bool = False,
+        reserved: Sequence[str] = ("<|",),
     ) -> None:
         self.vocab, self.end_id, self.bounds = vocab, end_id, bounds or Bounds()
+        self.spaced = spaced
+        item_sep, key_sep = (b", ", b": ") if spaced else (b",", b":")
+        self.call_open = b'{"name"' + key_sep + b'"'
+        self.call_args = b'"' + item_sep + _json_bytes(arguments_key) + key_sep
+        if not reserved or any(not r.startswith("<") or len(r) < 2 for r in reserved):
+            raise ValueError(f"reserved texts must start with '<' and have two characters or more, got {reserved}")
+        self.reserved = tuple(r.encode("utf-8") for r in reserved)
+        self._reserved_prefixes = {r[:i] for r in self.reserved for i in range(1, len(r))}
         self.nodes: list[_Node] = []
         self.tool_names = [_key_bytes(str(t["name"])) for t in tools]
         if len(set(self.tool_names)) != len(self.tool_names) or not tools:
@@ -459,19 +488,19 @@ class ToolCallConstraint:
     def _step_call(self, state: State, top: tuple[Any, ...], b: int) -> State | None:
         _, mode, aux = top
         if mode == C_LIT1:
-            if b != _CALL_OPEN[aux]:
+            if b != self.call_open[aux]:
                 return None
-            return ((-1, C_NAME, b""),) if aux + 1 == len(_CALL_OPEN) else ((-1, C_LIT1, aux + 1),)
+            return ((-1, C_NAME, b""),) if aux + 1 == len(self.call_open) else ((-1, C_LIT1, aux + 1),)
         if mode == C_NAME:
             if b == 0x22 and aux in self.tool_names:
-                return ((-1, C_LIT2, (self.tool_names.index(aux), 1)),)  # the quote is _CALL_ARGS[0]
+                return ((-1, C_LIT2, (self.tool_names.index(aux), 1)),)  # the quote is call_args[0]
             name = aux + bytes([b])
             return ((-1, C_NAME, name),) if name in self._name_prefixes else None
         if mode == C_LIT2:
             tool, pos = aux
-            if b != _CALL_ARGS[pos]:
+            if b != self.call_args[pos]:
                 return None
-            if pos + 1 < len(_CALL_ARGS):
+            if pos + 1 < len(self.call_args):
                 return ((-1, C_LIT2, (tool, pos + 1)),)
             return ((-1, C_CLOSE, tool), self._init_frame(self.tool_nodes[tool]))
         if mode == C_CLOSE:
@@ -499,13 +528,17 @@ class ToolCallConstraint:
             if any(not used >> i & 1 and prefix in p for i, p in enumerate(node.key_prefixes)):
                 return (*rest, (n, O_KEY, used, prefix))
             return None
-        if mode == O_COLON:
-            if b != 0x3A:
+        if mode in (O_COLON, O_COLON_SPACE):
+            if b != (0x20 if mode == O_COLON_SPACE else 0x3A):
                 return None
+            if mode == O_COLON and self.spaced:
+                return (*rest, (n, O_COLON_SPACE, used, aux))
             return (*rest, (n, O_AFTER, used | 1 << aux, None), self._init_frame(node.children[aux]))
+        if mode == O_COMMA_SPACE:
+            return (*rest, (n, O_COMMA, used, None)) if b == 0x20 else None
         # O_AFTER
         if b == 0x2C and used != node.all_keys:
-            return (*rest, (n, O_COMMA, used, None))
+            return (*rest, (n, O_COMMA_SPACE if self.spaced else O_COMMA, used, None))
         if b == 0x7D and node.required & ~used == 0:
             return rest
         return None
@@ -519,7 +552,11 @@ class ToolCallConstraint:
         if b == 0x5D and mode in (A_OPEN, A_AFTER) and count >= node.min_items:
             return rest
         if mode == A_AFTER:
-            return (*rest, (n, A_COMMA, count)) if b == 0x2C and count < node.max_items else None
+            if b != 0x2C or count >= node.max_items:
+                return None
+            return (*rest, (n, A_COMMA_SPACE if self.spaced else A_COMMA, count))
+        if mode == A_COMMA_SPACE:
+            return (*rest, (n, A_COMMA, count)) if b == 0x20 else None
         if count >= node.max_items:  # A_OPEN with max_items == 0
             return None
         return self.step((*rest, (n, A_AFTER, count + 1), self._init_frame(node.item)), b)
@@ -564,12 +601,16 @@ class ToolCallConstraint:
         if mode == S_BODY:
             if b == 0x22:
                 return rest if count >= node.min_len else None
-            if count >= node.max_len or b < 0x20 or (b == 0x7C and aux):
-                return None  # "|" after "<": text like "<|end|>" would re-tokenize as a chat special token
+            if count >= node.max_len or b < 0x20:
+                return None
             if b == 0x5C:
                 return (*rest, (n, S_ESC, count, None, None))
-            if b < 0x80:
-                return (*rest, (n, S_BODY, count + 1, True if b == 0x3C else None, None))
+            if b < 0x80:  # aux: the end of the string that may begin a reserved text ("<" of "<|end|>")
+                text = (aux or b"") + bytes([b])
+                if any(text.endswith(r) for r in self.reserved):
+                    return None  # "<|end|>" would re-tokenize as a chat special token, "</tool_call>" end the call
+                aux = next((text[i:] for i in range(len(text)) if text[i:] in self._reserved_prefixes), None)
+                return (*rest, (n, S_BODY, count + 1, aux, None))
             utf8 = _utf8_lead(b)
             return (*rest, (n, S_UTF8, count + 1, utf8, None)) if utf8 else None
         if mode == S_ESC:
@@ -836,51 +877,195 @@ def _num_viable(node: _Node, neg: bool, ip: str, fp: str | None) -> bool:
 
 
 # --------------------------------------------------------------------------------------
+# The turn: where calls open and what follows them
+
+TurnState = tuple[int, Any]
+"""(phase, position): a position in the trigger (FREE), a literal (OPEN, CLOSE, AFTER) or an automaton
+:data:`State` (CALL); hashable, the mask-cache key."""
+FREE, OPEN, CALL, CLOSE, AFTER = range(5)
+
+
+class TurnConstraint:
+    """A generated turn in a chat family's call syntax (:class:`~distillgates.data.chat.CallSyntax`),
+    with every call's JSON under a :class:`ToolCallConstraint`.
+
+    Free text until the text holds the trigger (``<|tool_call|>``, ``<tool_call>``: one special token or
+    several ordinary ones, found in the decoded bytes); then the opener's rest, the JSON, the closer;
+    then the end-of-turn token, or (families with parallel calls) the separator and the next call.
+    A byte-level automaton over the tokens' text, like the JSON's: a token that finishes the trigger
+    and goes on must go on validly, so free text is masked only where a token would do that.
+    """
+
+    def __init__(self, constraint: ToolCallConstraint, syntax: CallSyntax, end_of_turn_id: int,
+                 cache_size: int = 8192) -> None:  # fmt: skip
+        self.constraint, self.syntax, self.end_of_turn_id = constraint, syntax, end_of_turn_id
+        self.vocab = constraint.vocab
+        self.trigger = syntax.trigger.encode("utf-8")
+        self.literals = {OPEN: syntax.open_rest.encode("utf-8"), CLOSE: syntax.closer.encode("utf-8"),
+                         AFTER: None if syntax.separator is None else (syntax.separator + syntax.trigger
+                                                                       + syntax.open_rest).encode("utf-8")}  # fmt: skip
+        # a token may close the JSON and go on into the closer / separator (none in the toy: only <|end|> follows)
+        self._text_after_call = bool(syntax.closer) or syntax.separator is not None
+        self._trigger_prefixes = {self.trigger[:i] for i in range(len(self.trigger))}
+        self._masks: OrderedDict[TurnState, Tensor | None] = OrderedDict()
+        self._cache_size = cache_size
+
+    def initial_state(self, inside_call: bool = False) -> TurnState:
+        """Free text; ``inside_call``: right after the trigger (the prompt opened the call)."""
+        return self._settle((OPEN, 0)) if inside_call else (FREE, 0)
+
+    def json_state(self, state: TurnState) -> State | None:
+        """The JSON automaton's state of an open call, else None."""
+        return state[1] if state[0] == CALL else None
+
+    def _settle(self, state: TurnState) -> TurnState:
+        """Leave a finished literal or call: OPEN -> CALL -> CLOSE -> AFTER (-> CALL)."""
+        phase, pos = state
+        literal = self.literals.get(phase)
+        if phase in (OPEN, AFTER) and literal is not None and pos == len(literal):
+            return (CALL, self.constraint.initial_state())
+        if phase == CALL and self.constraint.is_done(pos):
+            return self._settle((CLOSE, 0))
+        if phase == CLOSE and pos == len(literal or b""):
+            return (AFTER, 0)
+        return state
+
+    def step(self, state: TurnState, b: int, special: bool = False) -> TurnState | None:
+        """The state after byte ``b`` (of a special token's text when ``special``), None if not allowed."""
+        phase, pos = state
+        if phase == FREE:
+            text = self.trigger[:pos] + bytes([b])
+            if text == self.trigger:
+                return self._settle((OPEN, 0))
+            return (FREE, next(len(text) - i for i in range(len(text) + 1) if text[i:] in self._trigger_prefixes))
+        if phase == CALL:
+            inner = None if special else self.constraint.step(pos, b)  # the JSON is ordinary tokens only
+            return None if inner is None else self._settle((CALL, inner))
+        literal = self.literals[phase]
+        if literal is None or pos >= len(literal) or literal[pos] != b:
+            return None
+        return self._settle((phase, pos + 1))
+
+    def advance(self, state: TurnState, token_id: int) -> TurnState:
+        """State after ``token_id``. Raises :class:`ConstraintViolation` if the mask forbids it."""
+        if token_id == self.end_of_turn_id and state == (AFTER, 0):
+            return (FREE, 0)  # the turn ended after its calls; what follows is free again
+        special = token_id in self.vocab.special_bytes
+        data = self.vocab.special_bytes[token_id] if special else (
+            self.vocab.token_bytes[token_id] if 0 <= token_id < self.vocab.size else None)  # fmt: skip
+        new: TurnState | None = state
+        for b in data or b"":
+            new = self.step(new, b, special)
+            if new is None:
+                break
+        if new is None or (data is None and state[0] != FREE):
+            raise ConstraintViolation(f"token {token_id} ({data!r}) is not allowed here; state {state!r}")
+        return new
+
+    def allowed_mask(self, state: TurnState) -> Tensor | None:
+        """Bool mask (V_tokenizer,) of the tokens allowed in ``state``; None: every token (free text)."""
+        if state[0] == CALL and not self._text_after_call:
+            return self.constraint.allowed_mask(state[1])  # the toy: exactly the JSON's mask (its own cache)
+        if state in self._masks:
+            self._masks.move_to_end(state)
+            return self._masks[state]
+        mask = self._compute_mask(state)
+        if mask is not None and not mask.any():
+            raise ConstraintViolation(f"no token can continue state {state!r}")
+        self._masks[state] = mask
+        if len(self._masks) > self._cache_size:
+            self._masks.popitem(last=False)
+        return mask
+
+    def _compute_mask(self, state: TurnState) -> Tensor | None:
+        phase, pos = state
+        if phase == FREE:
+            forbidden = self._free_forbidden(pos)
+            if not forbidden:
+                return None
+            mask = torch.ones(self.vocab.size, dtype=torch.bool)
+            mask[torch.tensor(forbidden)] = False
+            return mask
+        if phase == CALL:
+            mask = self.constraint.allowed_mask(pos).clone()
+            mask[self._walk(state, self.vocab.brace_trie, False)] = True  # "}}\n" closes the call and goes on
+            return mask
+        mask = torch.zeros(self.vocab.size, dtype=torch.bool)
+        mask[self._walk(state, self.vocab.trie, False) + self._walk(state, self.vocab.special_trie, True)] = True
+        if state == (AFTER, 0):
+            mask[self.end_of_turn_id] = True
+        return mask
+
+    def _free_forbidden(self, pos: int) -> list[int]:
+        """Tokens that would finish the trigger (after ``pos`` of its bytes) and go on with text the call
+        syntax does not allow."""
+        head, out = self.trigger[:pos], []
+        texts = [(i, d, False) for i, d in enumerate(self.vocab.token_bytes) if d and self.trigger in head + d]
+        texts += [(i, d, True) for i, d in self.vocab.special_bytes.items() if self.trigger in head + d]
+        for token_id, data, special in texts:
+            state: TurnState | None = (FREE, pos)
+            for b in data:
+                state = self.step(state, b, special) if state is not None else None
+            if state is None:
+                out.append(token_id)
+        return out
+
+    def _walk(self, state: TurnState, trie: _Trie, special: bool) -> list[int]:
+        """Ids of tokens in ``trie`` whose bytes all step validly from ``state`` (pruned DFS)."""
+        ids: list[int] = []
+        stack = [(trie, state)]
+        while stack:
+            node, st = stack.pop()
+            for b, child in node.children.items():
+                nxt = self.step(st, b, special)
+                if nxt is None:
+                    continue
+                ids.extend(child.ids)
+                if child.children:
+                    stack.append((child, nxt))
+        return ids
+
+
+# --------------------------------------------------------------------------------------
 # The logits processor
 
 
 class ToolCallProcessor:
     """``processor(generated_ids, logits (V,)) -> logits (V,)`` for the runtime's ``generate``.
 
-    Unconstrained until the last ``<|tool_call|>`` in ``generated_ids``; then masks every
-    token that would break the call; after the complete call only ``<|end|>``; after
-    ``<|end|>`` unconstrained again (answer text, the next turn). ``generated_ids`` are the
-    tokens generated by this ``generate`` call, not the prompt: with ``prompt_opens_call`` the
-    prompt itself ended with ``<|tool_call|>`` (a forced call), so generation starts inside it.
+    Tracks the :class:`TurnConstraint` over ``generated_ids`` (the tokens generated by this ``generate``
+    call, not the prompt): untouched logits in free text; inside a call every token that would break
+    it is masked; after the call only what the family allows (toy: ``<|end|>``; Hermes: ``\n</tool_call>``,
+    then ``<|im_end|>`` or another ``<tool_call>``); after the end-of-turn token free again. With
+    ``prompt_opens_call`` the prompt itself ended with the trigger (a forced call), so generation starts
+    inside it.
     """
 
-    def __init__(self, constraint: ToolCallConstraint, tool_call_id: int, prompt_opens_call: bool = False) -> None:
-        self.constraint = constraint
-        self.tool_call_id = tool_call_id
+    def __init__(self, turn: TurnConstraint, prompt_opens_call: bool = False) -> None:
+        self.turn = turn
         self.prompt_opens_call = prompt_opens_call
-        self._last: tuple[tuple[int, ...], State] | None = None  # (call tokens so far, state)
+        self._last: tuple[tuple[int, ...], TurnState] | None = None  # (tokens so far, state)
 
-    def state(self, generated_ids: Sequence[int]) -> State | None:
-        """Automaton state of the open call in ``generated_ids`` (None: no open call)."""
-        ids = list(generated_ids)
-        if self.tool_call_id in ids:
-            start = len(ids) - 1 - ids[::-1].index(self.tool_call_id)
-        elif self.prompt_opens_call:
-            start = -1
-        else:
-            return None
-        body = tuple(ids[start + 1 :])
-        if self.constraint.end_id in body:
-            return None
-        if self._last is not None and body[: len(self._last[0])] == self._last[0]:
+    @property
+    def constraint(self) -> ToolCallConstraint:
+        return self.turn.constraint
+
+    def state(self, generated_ids: Sequence[int]) -> TurnState:
+        """The turn's state after ``generated_ids``."""
+        ids = tuple(generated_ids)
+        if self._last is not None and ids[: len(self._last[0])] == self._last[0]:
             done, state = self._last
         else:
-            done, state = (), self.constraint.initial_state()
-        for token in body[len(done) :]:
-            state = self.constraint.advance(state, token)
-        self._last = (body, state)
+            done, state = (), self.turn.initial_state(self.prompt_opens_call)
+        for token in ids[len(done) :]:
+            state = self.turn.advance(state, token)
+        self._last = (ids, state)
         return state
 
     def __call__(self, generated_ids: Sequence[int], logits: Tensor) -> Tensor:
-        state = self.state(generated_ids)
-        if state is None:
+        mask = self.turn.allowed_mask(self.state(generated_ids))
+        if mask is None:
             return logits
-        mask = self.constraint.allowed_mask(state)  # (V_tok,)
         vocab = logits.shape[-1]
         if vocab < mask.numel():
             raise ValueError(f"logits have {vocab} entries but the tokenizer has {mask.numel()} tokens")
@@ -890,26 +1075,44 @@ class ToolCallProcessor:
 
 
 _VOCABS: dict[int, tuple[Any, TokenVocab]] = {}  # id(backend) -> (backend kept alive, its vocab)
-_CONSTRAINTS: dict[tuple[int, str, Bounds], ToolCallConstraint] = {}
+_TURNS: dict[tuple[int, str, Bounds, CallSyntax], TurnConstraint] = {}
+
+
+def turn_constraint(
+    tokenizer: Any, tools: Sequence[Mapping[str, Any]] | None = None, bounds: Bounds | None = None
+) -> TurnConstraint:
+    """The (cached) turn constraint of ``tokenizer``'s chat format for ``tools`` (default: the registry's TOOLS).
+
+    Raises:
+        ValueError: when the tokenizer's chat template writes calls no constraint can follow
+            (:attr:`~distillgates.data.chat.ChatFormat.call_syntax`).
+    """
+    from distillgates.data.chat import chat_format
+
+    if tools is None:
+        from distillgates.data.registry import TOOLS
+
+        tools = TOOLS
+    fmt = chat_format(tokenizer)
+    syntax = fmt.call_syntax
+    backend = tokenizer.backend_tokenizer
+    if id(backend) not in _VOCABS:
+        _VOCABS[id(backend)] = (backend, TokenVocab.from_tokenizer(backend))
+    vocab = _VOCABS[id(backend)][1]
+    bounds = bounds or Bounds()
+    key = (id(vocab), json.dumps(list(tools), sort_keys=True, default=str), bounds, syntax)
+    if key not in _TURNS:
+        constraint = ToolCallConstraint(tools, vocab, fmt.end_of_turn_id, bounds, arguments_key=syntax.arguments_key,
+                                        spaced=syntax.spaced, reserved=syntax.reserved)  # fmt: skip
+        _TURNS[key] = TurnConstraint(constraint, syntax, fmt.end_of_turn_id)
+    return _TURNS[key]
 
 
 def tool_call_constraint(
     tokenizer: Any, tools: Sequence[Mapping[str, Any]] | None = None, bounds: Bounds | None = None
 ) -> ToolCallConstraint:
-    """The (cached) constraint for ``tokenizer`` and ``tools`` (default: the registry's TOOLS)."""
-    if tools is None:
-        from distillgates.data.registry import TOOLS
-
-        tools = TOOLS
-    backend = getattr(tokenizer, "backend_tokenizer", tokenizer)
-    if id(backend) not in _VOCABS:
-        _VOCABS[id(backend)] = (backend, TokenVocab.from_tokenizer(backend))
-    vocab = _VOCABS[id(backend)][1]
-    bounds = bounds or Bounds()
-    key = (id(vocab), json.dumps(list(tools), sort_keys=True, default=str), bounds)
-    if key not in _CONSTRAINTS:
-        _CONSTRAINTS[key] = ToolCallConstraint(tools, vocab, backend.token_to_id(END), bounds)
-    return _CONSTRAINTS[key]
+    """The (cached) JSON constraint of ``tokenizer``'s chat format for ``tools`` (:func:`turn_constraint`)."""
+    return turn_constraint(tokenizer, tools, bounds).constraint
 
 
 def tool_call_processor(
@@ -918,16 +1121,12 @@ def tool_call_processor(
     bounds: Bounds | None = None,
     prompt_opens_call: bool = False,
 ) -> ToolCallProcessor:
-    """A logits processor constraining tool calls of ``tokenizer``'s model to ``tools``' schemas.
+    """A logits processor constraining tool calls of ``tokenizer``'s model to ``tools``' schemas, in the
+    call syntax of the tokenizer's chat template (toy, Hermes/ChatML, Llama 3 with ``<|python_tag|>``).
 
     Example::
 
         proc = tool_call_processor(tok)
-        ids = list(engine.generate(prompt_ids, stop_ids=[end_id], logits_processor=proc))
+        ids = list(engine.generate(prompt_ids, stop_ids=fmt.stop_ids, logits_processor=proc))
     """
-    backend = getattr(tokenizer, "backend_tokenizer", tokenizer)
-    for token in (TOOL_CALL, END):
-        if backend.token_to_id(token) is None:
-            raise ValueError(f"tokenizer has no {token} token")
-    constraint = tool_call_constraint(tokenizer, tools, bounds)
-    return ToolCallProcessor(constraint, backend.token_to_id(TOOL_CALL), prompt_opens_call)
+    return ToolCallProcessor(turn_constraint(tokenizer, tools, bounds), prompt_opens_call)
