@@ -393,9 +393,10 @@ class ChatFormat:
 
     def call_text(self, call: Mapping[str, Any]) -> str:
         """A generated turn that makes just ``call``, up to (not including) its end-of-turn token."""
-        return self._calls_text([call])
+        return self.calls_text([call])
 
-    def _calls_text(self, calls: Sequence[Mapping[str, Any]]) -> str:
+    def calls_text(self, calls: Sequence[Mapping[str, Any]]) -> str:
+        """A generated turn that makes ``calls`` (parallel calls where the family has them), up to its end-of-turn token."""
         user = [{"role": "user", "content": "Q"}]
         head = self.render(user, add_generation_prompt=True)
         turn = self.render([*user, {"role": "assistant", "content": "", "tool_calls": list(calls)}])[len(head) :]
@@ -410,7 +411,7 @@ class ChatFormat:
                 opens it with no marker text (a bare-JSON Llama 3 turn without ``<|python_tag|>``).
         """
         call = {"name": "n", "arguments": {"a": 1, "b": [True, "x"]}}
-        one = self._calls_text([call])
+        one = self.calls_text([call])
         start = one.find('{"name"')
         if start < 0:
             raise ValueError(f"the chat template writes a call as {one!r}: no JSON object that starts with 'name'")
@@ -426,7 +427,7 @@ class ChatFormat:
         if not trigger:
             raise ValueError(f"the chat template opens a call with no marker ({one!r}): constrained decoding needs "
                              "one (Llama 3: <|python_tag|> in the vocabulary)")  # fmt: skip
-        two = self._calls_text([call, call])
+        two = self.calls_text([call, call])
         between = two[len(one) : len(two) - len(one)]
         parallel = (two.startswith(one) and two.endswith(one) and len(two) >= 2 * len(one)
                     and not any(t in between for t in self.stop_tokens) and len(self.parse_turn(two).calls) == 2)
