@@ -238,3 +238,36 @@ def test_engine_generates_parsable_calls_under_the_constraint(chatml, hermes, ow
             free_text = fmt.tokenizer.decode(fmt.encode(trigger) + free, skip_special_tokens=False)
             assert not any(c is not None and not validate_call(c, tools) for c in fmt.parse_turn(free_text).calls)
             assert text.startswith(trigger)
+
+
+def test_eval_runner_decodes_chatml_calls_under_the_constraint(chatml):
+    """The eval runner with ``constrained`` on a ChatML tokenizer (main refused it: "tokenizer has no
+    <|tool_call|> token"): a model steered to always want ``<tool_call>`` writes no valid call freely and
+    only valid calls of each item's own tools under the constraint."""
+    from distillgates.eval.evaluate import evaluate
+    from distillgates.eval.runners import EngineRunner
+    from distillgates.model import Transformer
+
+    from ..conftest import tiny_model_config
+
+    items = [i for i in read_items(OWN_DATA / "eval.jsonl") if i["expected_calls"]][:4]
+    tok = chatml.tokenizer
+    torch.manual_seed(0)
+    model = Transformer(tiny_model_config(vocab_size=len(tok), n_layers=1, n_heads=2, n_kv_heads=1,
+                                          max_seq_len=1024)).eval()  # fmt: skip
+    with torch.no_grad():  # residual channel 0 is 1 for every token; the tied head reads it as <tool_call>
+        for layer in model.layers:
+            layer.attn.o_proj.weight[0] = 0.0
+            layer.mlp.down_proj.weight[0] = 0.0
+        model.embed.weight[:, 0] = 1.0
+        model.embed.weight[tok.convert_tokens_to_ids("<tool_call>"), 0] = 200.0
+    results = {}
+    for constrained in (False, True):
+        runner = EngineRunner(TorchEngine(model), tok, "m" * 64, 400, constrained=constrained)
+        results[constrained] = evaluate(runner, items, tok, max_calls=2, return_outputs=True)
+    assert results[False][0]["json_validity"] == 0.0
+    metrics, outputs = results[True]
+    assert metrics["json_validity"] == 1.0
+    calls = [(item, c["call"]) for item, o in zip(items, outputs, strict=True) for c in o["calls"]]
+    assert calls and all(not validate_call(call, item_tools(item)) for item, call in calls)
+    assert not any("unconstrained_reason" in o for o in outputs)
