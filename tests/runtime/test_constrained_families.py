@@ -84,18 +84,20 @@ def test_call_syntax_is_read_off_each_template(chatml, hermes, llama3):
     for fmt in (chatml, hermes):
         assert fmt.call_syntax == CallSyntax("<tool_call>", "\n", "\n</tool_call>", "\n", "arguments", spaced=True)
         assert fmt.call_syntax.reserved == ("<|", "<tool_call>", "</tool_call>")
-    # the template writes a bare JSON turn, one call: <|python_tag|> opens a constrained call
-    assert llama3.call_syntax == CallSyntax("<|python_tag|>", "", "", None, "parameters", spaced=True)
+    # the template writes a bare JSON turn, one call: that, or <|python_tag|> + the JSON
+    assert llama3.call_syntax == CallSyntax("<|python_tag|>", "", "", None, "parameters", True, opens_turn=True)
     assert len(hermes.encode("<tool_call>")) > 1 and len(chatml.encode("<tool_call>")) == 1
 
 
-def random_turn(fmt: ChatFormat, processor, seed: int, scale: float, preamble: str = "") -> list[int]:
-    """A random "model" writes ``preamble`` and the family's trigger (token by token through the processor,
-    each token allowed), then greedy over masked random logits until the end-of-turn token."""
+def random_turn(fmt: ChatFormat, processor, seed: int, scale: float, preamble: str = "",
+                opener: str | None = None) -> list[int]:  # fmt: skip
+    """A random "model" writes ``preamble`` and ``opener`` (default: the family's trigger) token by token
+    through the processor, each token allowed, then greedy over masked random logits until the end-of-turn
+    token."""
     gen = torch.Generator().manual_seed(seed)
     vocab = len(fmt.tokenizer)
     ids: list[int] = []
-    for token in fmt.encode(preamble + fmt.call_syntax.trigger):
+    for token in fmt.encode(preamble + (fmt.call_syntax.trigger if opener is None else opener)):
         assert torch.isfinite(processor(ids, torch.zeros(vocab))[token]), (fmt.tokenizer.decode(ids), token)
         ids.append(token)
     for _ in range(MAX_TOKENS):
@@ -144,15 +146,20 @@ def test_parallel_calls_and_every_schema_type(chatml, hermes, own_items):
         assert kinds == {"str", "bool", "list", "dict", "int"}, kinds
 
 
-def test_llama3_python_tag_calls(llama3, own_items):
+def test_llama3_bare_json_and_python_tag_calls(llama3, own_items):
+    """A Llama 3 turn that opens with "{" is one constrained call, as is one after <|python_tag|>; a turn that
+    opens with text is free."""
     tools = tools_of(own_items)
-    for seed in range(5):
+    for seed in range(6):
         processor = tool_call_processor(llama3.tokenizer, tools)
-        ids = random_turn(llama3, processor, seed, 3.0)
+        ids = random_turn(llama3, processor, seed, 3.0, opener="<|python_tag|>" if seed % 2 else " {")
         text = llama3.tokenizer.decode(ids[:-1], skip_special_tokens=False)
         [call] = llama3.parse_turn(text).calls
         assert call is not None and validate_call(call, tools) == [], text
-        assert text == "<|python_tag|>" + llama3.call_text(call)
+        assert text.lstrip().removeprefix("<|python_tag|>") == llama3.call_text(call)
+    processor = tool_call_processor(llama3.tokenizer, tools)
+    logits = torch.randn(len(llama3.tokenizer))
+    assert torch.equal(processor(llama3.encode("It is"), logits), logits)  # an answer: free
 
 
 def test_the_templates_own_rendering_is_admitted(chatml, hermes, own_items):
@@ -166,7 +173,7 @@ def test_the_templates_own_rendering_is_admitted(chatml, hermes, own_items):
                 processor = tool_call_processor(fmt.tokenizer, item_tools(item))
                 for i, token in enumerate(ids):
                     allowed = processor(ids[:i], torch.zeros(len(fmt.tokenizer)))
-                    assert torch.isfinite(allowed[token]), (fmt.tokenizer.decode(ids[:i]), fmt.tokenizer.decode([token]))
+                    assert torch.isfinite(allowed[token]), (fmt.tokenizer.decode(ids[: i + 1]), i)
                 assert processor.state(ids) == (FREE, 0)
                 turns += 1
         assert turns > 30
@@ -271,3 +278,24 @@ def test_eval_runner_decodes_chatml_calls_under_the_constraint(chatml):
     calls = [(item, c["call"]) for item, o in zip(items, outputs, strict=True) for c in o["calls"]]
     assert calls and all(not validate_call(call, item_tools(item)) for item, call in calls)
     assert not any("unconstrained_reason" in o for o in outputs)
+
+
+def test_a_turn_that_opens_with_a_brace_is_a_call():
+    """Llama 3: at a turn's start a token that opens with "{" (after blanks) must start a valid call."""
+    single = [bytes([b]) for b in range(256)]
+    extra = [b'{"', b"{}", b" {", b"\n{x", b"Hi"]
+    vocab = TokenVocab([*single, *extra, None], special_bytes={261: b"<|eot_id|>"})
+    ids = {t: 256 + i for i, t in enumerate(extra)}
+    tools = [{"name": "t", "parameters": {"type": "object", "properties": {"a": {"type": "integer"}}}}]
+    syntax = CallSyntax("", "", "", None, "parameters", spaced=True, opens_turn=True)
+    constraint = ToolCallConstraint(tools, vocab, 261, arguments_key="parameters", spaced=True)
+    turn = TurnConstraint(constraint, syntax, end_of_turn_id=261)
+    start = turn.initial_state()
+    mask = turn.allowed_mask(start)
+    assert mask is not None and mask[ids[b'{"']] and mask[ids[b" {"]] and mask[ids[b"Hi"]] and mask[ord("{")]
+    assert not mask[ids[b"{}"]] and not mask[ids[b"\n{x"]] and mask.sum() == vocab.size - 2
+    assert turn.allowed_mask(turn.advance(start, ids[b"Hi"])) is None  # an answer: free, "{" later is text
+    state = turn.advance(start, ids[b" {"])
+    for token in b'"name": "t", "parameters": {"a": 7}}':
+        state = turn.advance(state, token)
+    assert state == (AFTER, 0) and torch.nonzero(turn.allowed_mask(state)).flatten().tolist() == [261]

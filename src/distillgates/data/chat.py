@@ -283,8 +283,9 @@ class CallSyntax:
     rendering of a call decides every field (:attr:`ChatFormat.call_syntax`); the family's parser reads
     that rendering (its JSON parser accepts either spacing).
 
-    toy: ``<|tool_call|>`` + JSON, one call per turn; Hermes/ChatML: ``<tool_call>`` ``\n`` JSON
-    ``\n</tool_call>``, calls separated by ``\n``; Llama 3: ``<|python_tag|>`` + JSON with ``parameters``.
+    toy: ``<|tool_call|>`` + JSON, one call per turn; Hermes/ChatML: ``<tool_call>`` ``\\n`` JSON
+    ``\\n</tool_call>``, calls separated by ``\\n``; Llama 3: a turn that is one bare JSON call with
+    ``parameters`` (``opens_turn``), or ``<|python_tag|>`` + that JSON where the vocabulary has the tag.
     """
 
     trigger: str  # the text that opens a call (one special token or several ordinary ones)
@@ -293,6 +294,7 @@ class CallSyntax:
     separator: str | None  # the text between two calls of one turn; None: one call per turn
     arguments_key: str  # "arguments" (toy, Hermes) or "parameters" (Llama 3)
     spaced: bool  # JSON separators ", " and ": " (else "," and ":")
+    opens_turn: bool = False  # a call may also be the whole turn, bare JSON from its first "{" (Llama 3)
 
     @property
     def reserved(self) -> tuple[str, ...]:
@@ -396,7 +398,7 @@ class ChatFormat:
         return self.calls_text([call])
 
     def calls_text(self, calls: Sequence[Mapping[str, Any]]) -> str:
-        """A generated turn that makes ``calls`` (parallel calls where the family has them), up to its end-of-turn token."""
+        """A generated turn that makes ``calls`` (parallel ones where the family has them), up to its end of turn."""
         user = [{"role": "user", "content": "Q"}]
         head = self.render(user, add_generation_prompt=True)
         turn = self.render([*user, {"role": "assistant", "content": "", "tool_calls": list(calls)}])[len(head) :]
@@ -421,12 +423,14 @@ class ChatFormat:
         if not spaced and body != _compact_json(obj):
             raise ValueError(f"the chat template writes a call as {body!r}: neither compact nor spaced json.dumps")
         trigger, key = prefix.strip(), next(k for k in obj if k != "name")
-        if not trigger and self.tool_call_format == "llama3" and "<|python_tag|>" in self.tokenizer.get_vocab():
-            # the template writes a bare JSON turn; parse_llama3_turn also reads <|python_tag|>{json} (one call)
-            return CallSyntax("<|python_tag|>", "", closer, None, key, spaced)
+        if not trigger and self.tool_call_format == "llama3":
+            # a bare JSON turn (what parse_llama3_turn reads when the turn opens with "{"), or <|python_tag|>{json}
+            tag = "<|python_tag|>" if "<|python_tag|>" in self.tokenizer.get_vocab() else ""
+            return CallSyntax(tag, "", closer, None, key, spaced, opens_turn=True)
         if not trigger:
-            raise ValueError(f"the chat template opens a call with no marker ({one!r}): constrained decoding needs "
-                             "one (Llama 3: <|python_tag|> in the vocabulary)")  # fmt: skip
+            raise ValueError(f"the chat template opens a call with no marker ({one!r}) and its family "
+                             f"({self.tool_call_format}) reads no bare JSON turn: constrained decoding cannot "
+                             "tell where a call starts")  # fmt: skip
         two = self.calls_text([call, call])
         between = two[len(one) : len(two) - len(one)]
         parallel = (two.startswith(one) and two.endswith(one) and len(two) >= 2 * len(one)

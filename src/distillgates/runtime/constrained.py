@@ -104,8 +104,8 @@ class TokenVocab:
         self.nonplain_trie = _Trie()  # tokens that cannot sit raw inside a string
         self.special_trie = _Trie()  # special tokens by their text
         self.brace_trie = _Trie()  # tokens with a "}" before their last byte: they may close a call and go on
-        for i, data in self.special_bytes.items():
-            self.special_trie.add(data, i)
+        for i, text in self.special_bytes.items():
+            self.special_trie.add(text, i)
         plain = torch.full((self.size,), -1, dtype=torch.int32)
         for i, data in enumerate(self.token_bytes):
             if not data:
@@ -881,8 +881,10 @@ def _num_viable(node: _Node, neg: bool, ip: str, fp: str | None) -> bool:
 
 TurnState = tuple[int, Any]
 """(phase, position): a position in the trigger (FREE), a literal (OPEN, CLOSE, AFTER) or an automaton
-:data:`State` (CALL); hashable, the mask-cache key."""
-FREE, OPEN, CALL, CLOSE, AFTER = range(5)
+:data:`State` (CALL); START (position 0) is the opening whitespace of a turn that may be a bare JSON call.
+Hashable, the mask-cache key."""
+FREE, OPEN, CALL, CLOSE, AFTER, START = range(6)
+_WHITESPACE = b" \t\r\n"
 
 
 class TurnConstraint:
@@ -892,6 +894,8 @@ class TurnConstraint:
     Free text until the text holds the trigger (``<|tool_call|>``, ``<tool_call>``: one special token or
     several ordinary ones, found in the decoded bytes); then the opener's rest, the JSON, the closer;
     then the end-of-turn token, or (families with parallel calls) the separator and the next call.
+    Where a call may be the whole turn (Llama 3, ``opens_turn``), a turn whose first non-blank character is
+    ``{`` is that call.
     A byte-level automaton over the tokens' text, like the JSON's: a token that finishes the trigger
     and goes on must go on validly, so free text is masked only where a token would do that.
     """
@@ -911,12 +915,10 @@ class TurnConstraint:
         self._cache_size = cache_size
 
     def initial_state(self, inside_call: bool = False) -> TurnState:
-        """Free text; ``inside_call``: right after the trigger (the prompt opened the call)."""
-        return self._settle((OPEN, 0)) if inside_call else (FREE, 0)
-
-    def json_state(self, state: TurnState) -> State | None:
-        """The JSON automaton's state of an open call, else None."""
-        return state[1] if state[0] == CALL else None
+        """The start of a turn; ``inside_call``: right after the trigger (the prompt opened the call)."""
+        if inside_call:
+            return self._settle((OPEN, 0))
+        return (START, 0) if self.syntax.opens_turn else (FREE, 0)
 
     def _settle(self, state: TurnState) -> TurnState:
         """Leave a finished literal or call: OPEN -> CALL -> CLOSE -> AFTER (-> CALL)."""
@@ -933,7 +935,15 @@ class TurnConstraint:
     def step(self, state: TurnState, b: int, special: bool = False) -> TurnState | None:
         """The state after byte ``b`` (of a special token's text when ``special``), None if not allowed."""
         phase, pos = state
+        if phase == START:
+            if b in _WHITESPACE:
+                return state
+            if b == 0x7B and not special:  # "{": the turn is a call
+                return self.step((CALL, self.constraint.initial_state()), b)
+            return self.step((FREE, 0), b, special)
         if phase == FREE:
+            if not self.trigger:
+                return state
             text = self.trigger[:pos] + bytes([b])
             if text == self.trigger:
                 return self._settle((OPEN, 0))
@@ -949,16 +959,14 @@ class TurnConstraint:
     def advance(self, state: TurnState, token_id: int) -> TurnState:
         """State after ``token_id``. Raises :class:`ConstraintViolation` if the mask forbids it."""
         if token_id == self.end_of_turn_id and state == (AFTER, 0):
-            return (FREE, 0)  # the turn ended after its calls; what follows is free again
+            return self.initial_state()  # the turn ended after its calls; a new one starts
         special = token_id in self.vocab.special_bytes
         data = self.vocab.special_bytes[token_id] if special else (
             self.vocab.token_bytes[token_id] if 0 <= token_id < self.vocab.size else None)  # fmt: skip
         new: TurnState | None = state
         for b in data or b"":
-            new = self.step(new, b, special)
-            if new is None:
-                break
-        if new is None or (data is None and state[0] != FREE):
+            new = self.step(new, b, special) if new is not None else None
+        if new is None or (data is None and state[0] not in (FREE, START)):
             raise ConstraintViolation(f"token {token_id} ({data!r}) is not allowed here; state {state!r}")
         return new
 
@@ -979,8 +987,8 @@ class TurnConstraint:
 
     def _compute_mask(self, state: TurnState) -> Tensor | None:
         phase, pos = state
-        if phase == FREE:
-            forbidden = self._free_forbidden(pos)
+        if phase in (FREE, START):
+            forbidden = self._free_forbidden(state)
             if not forbidden:
                 return None
             mask = torch.ones(self.vocab.size, dtype=torch.bool)
@@ -996,14 +1004,20 @@ class TurnConstraint:
             mask[self.end_of_turn_id] = True
         return mask
 
-    def _free_forbidden(self, pos: int) -> list[int]:
-        """Tokens that would finish the trigger (after ``pos`` of its bytes) and go on with text the call
-        syntax does not allow."""
-        head, out = self.trigger[:pos], []
-        texts = [(i, d, False) for i, d in enumerate(self.vocab.token_bytes) if d and self.trigger in head + d]
-        texts += [(i, d, True) for i, d in self.vocab.special_bytes.items() if self.trigger in head + d]
+    def _free_forbidden(self, start: TurnState) -> list[int]:
+        """Tokens of free text (or a turn's start) that would open a call (finish the trigger, or "{" first)
+        and go on with text the call syntax does not allow."""
+        head, out = self.trigger[: start[1]], []
+
+        def opens(data: bytes, special: bool) -> bool:
+            if start[0] == START and not special and data.lstrip(_WHITESPACE).startswith(b"{"):
+                return True
+            return bool(self.trigger) and self.trigger in head + data
+
+        texts = [(i, d, False) for i, d in enumerate(self.vocab.token_bytes) if d and opens(d, False)]
+        texts += [(i, d, True) for i, d in self.vocab.special_bytes.items() if opens(d, True)]
         for token_id, data, special in texts:
-            state: TurnState | None = (FREE, pos)
+            state: TurnState | None = start
             for b in data:
                 state = self.step(state, b, special) if state is not None else None
             if state is None:
@@ -1035,7 +1049,7 @@ class ToolCallProcessor:
 
     Tracks the :class:`TurnConstraint` over ``generated_ids`` (the tokens generated by this ``generate``
     call, not the prompt): untouched logits in free text; inside a call every token that would break
-    it is masked; after the call only what the family allows (toy: ``<|end|>``; Hermes: ``\n</tool_call>``,
+    it is masked; after the call only what the family allows (toy: ``<|end|>``; Hermes: ``\\n</tool_call>``,
     then ``<|im_end|>`` or another ``<tool_call>``); after the end-of-turn token free again. With
     ``prompt_opens_call`` the prompt itself ended with the trigger (a forced call), so generation starts
     inside it.
