@@ -283,6 +283,14 @@ def test_own_data_runs_the_whole_pipeline(tmp_path: Path, chat_template: str) ->
     outputs = [json.loads(line) for line in (run_dir / "eval" / "outputs.jsonl").read_text().splitlines()]
     assert {o["id"] for o in outputs} == {item["id"] for item in items}
     assert report["quality"]["student"]["n"] == len(items)
+    if chat_template == "chatml":  # the student's calls under constrained decoding, in the Hermes syntax
+        data = yaml.safe_load(config.read_text())
+        data["eval"]["constrained_tool_calls"] = True
+        config.write_text(yaml.safe_dump(data))
+        run_pipeline(config, run_dir)
+        constrained = read_report(run_dir / "reports" / "report.json")["quality"]["student"]
+        outputs = [json.loads(line) for line in (run_dir / "eval" / "outputs.jsonl").read_text().splitlines()]
+        assert constrained["json_validity"] in (None, 1.0) and not any("unconstrained_reason" in o for o in outputs)
 
 
 def test_student_and_drafter_fingerprints_cover_the_init_checkpoint_files(tmp_path: Path) -> None:
