@@ -1,10 +1,15 @@
 """Constrained JSON decoding of tool calls: a token mask derived from the tools' JSON Schemas.
 
-After ``<|tool_call|>`` the model may only emit tokens that keep the text a prefix of a call
-``{"name":"<tool>","arguments":{...}}`` that is canonical compact JSON (the data format,
-``json.dumps(call, separators=(",", ":"), ensure_ascii=False)``) and valid against the tool's
-``parameters`` schema; once the call is complete only ``<|end|>`` is allowed. So every
-constrained call parses and passes :func:`distillgates.data.registry.validate_call`.
+Once a call opens in the student's chat family (:class:`~distillgates.data.chat.CallSyntax`: toy
+``<|tool_call|>``, Hermes ``<tool_call>``, Llama 3 ``<|python_tag|>`` or a bare ``{`` turn) the model may
+only emit tokens that keep the text a prefix of a call ``{"name":"<tool>","arguments":{...}}`` that is
+canonical JSON as the family's template writes it (toy: compact, the data format
+``json.dumps(call, separators=(",", ":"), ensure_ascii=False)``; Hermes and Llama 3: ``json.dumps``'
+spaced separators, Llama 3 with ``parameters``) and valid against the tool's ``parameters`` schema;
+then only the family's closer and what may follow it (toy: ``<|end|>``; Hermes: ``\\n</tool_call>``,
+then the end of the turn or another call). So every constrained call parses with the family's parser
+and passes :func:`distillgates.data.tools.validate_call`. :class:`ToolCallConstraint` is the JSON
+automaton, :class:`TurnConstraint` the turn around it, :class:`ToolCallProcessor` the logits processor.
 
 Design choices:
 - A byte-level pushdown automaton (a stack of small hashable frames, one per open JSON value)
@@ -25,8 +30,12 @@ Design choices:
 - Pattern support is a small regex subset (anchored sequences of literals, ``\\d``/``\\w``,
   classes and ``? * + {n,m}`` quantifiers, ASCII only); anything else raises
   :class:`UnsupportedSchemaError` up front rather than emitting calls that might not validate.
-- Strings never contain ``<|``: decoded text such as ``<|end|>`` would re-tokenize as a chat
-  special token and cut the call when the transcript is parsed.
+- Strings never contain ``<|`` nor the family's tags (``CallSyntax.reserved``): decoded text such as
+  ``<|end|>`` would re-tokenize as a chat special token, ``</tool_call>`` end the call for the parser.
+- The turn is a byte automaton too, over each token's text (a special token's by its content): the
+  trigger may be one special token or several ordinary ones, and a token may run from the trigger into
+  the JSON or from the JSON into the closer; free text is masked only where a token would open a call
+  and go on wrongly (none in practice: no mask at all).
 - Numbers never use exponents and stay within float round-trip precision (<= 15 digits), so the
   emitted text is exactly what ``json.dumps`` writes for the parsed value.
 """
