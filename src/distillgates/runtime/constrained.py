@@ -35,7 +35,7 @@ Design choices:
 - The turn is a byte automaton too, over each token's text (a special token's by its content): the
   trigger may be one special token or several ordinary ones, and a token may run from the trigger into
   the JSON or from the JSON into the closer; free text is masked only where a token would open a call
-  and go on wrongly (none in practice: no mask at all).
+  and go on wrongly (no mask at all where no token does).
 - Numbers never use exponents and stay within float round-trip precision (<= 15 digits), so the
   emitted text is exactly what ``json.dumps`` writes for the parsed value.
 """
