@@ -46,9 +46,11 @@ def openai_messages(messages: Sequence[Mapping[str, Any]], fmt: ChatFormat | Non
 
     A ``tool`` message without ``tool_call_id`` answers the oldest call of the assistant message
     before it that is not answered yet (the data reader's and the eval loop's order). An assistant
-    message whose ``content`` holds calls written as text in ``fmt`` (default: the toy's) keeps that
-    text as its content and gets those calls as ``tool_calls`` too, so its results answer ids; a call
-    that does not parse has an empty name and its raw text as arguments.
+    message that tool results follow and whose ``content`` holds calls written as text in ``fmt``
+    (default: the toy's) keeps that text as its content and gets those calls as ``tool_calls`` too,
+    so its results answer ids; a call that does not parse has an empty name and its raw text as
+    arguments. (Only then: an answer that merely looks like a call, a Llama 3 answer opening with
+    ``{`` say, stays an answer.)
 
     Raises:
         ValueError: a tool result that answers no call (naming the message index).
@@ -59,7 +61,8 @@ def openai_messages(messages: Sequence[Mapping[str, Any]], fmt: ChatFormat | Non
     for i, message in enumerate(messages):
         role, content = message["role"], message.get("content") or ""
         calls = list(message.get("tool_calls") or [])
-        if role == "assistant" and not calls and content:  # a model's calls written as text
+        answered = i + 1 < len(messages) and messages[i + 1]["role"] == "tool"
+        if role == "assistant" and not calls and content and answered:  # a model's calls written as text
             calls = _text_calls(content, fmt)
         if role == "assistant" and calls:
             ids = [str(c.get("id") or f"call_{i}" + (f"_{j}" if j else "")) for j, c in enumerate(calls)]
