@@ -162,3 +162,32 @@ def test_a_chatml_teacher_served_in_its_format_keeps_its_distribution_and_trains
     log = [json.loads(line) for line in (tmp_path / "student" / "train_log.jsonl").read_text().splitlines()]
     steps = [r for r in log if "total" in r]
     assert len(steps) == 3 and all(r["kd"] > 0 and r["ce"] > 0 for r in steps)
+
+
+def test_an_unparsable_chatml_call_is_answered_by_id_and_the_teacher_sees_its_own_text(
+    chatml_teacher_dir, chatml_tokenizer, toy_items, tmp_path
+):
+    """The served model writes a Hermes call that does not parse: the server returns it as content, the
+    student's parser finds the malformed call (error result), the next request sends the text with a
+    nameless call whose id the result answers, and the server renders the model's own text back."""
+    single = next(it for it in toy_items if it["kind"] == "single")
+    broken = '<tool_call>\n{"name": "get_weather", "argum\n</tool_call>'
+    good = hermes_calls(single["expected_calls"])
+    answer = reference_turns(single)[-1]
+    teacher = RecordingTeacher(chatml_teacher_dir, {single["messages"][1]["content"]: [broken, good, answer]})
+    with TeacherServer(teacher) as server:
+        client = _client(server, chatml_tokenizer, logprobs=False)
+        result = build_kd_set(kd_config("openai", {"base_url": server.base_url, "logprobs": False}, max_new_tokens=200),
+                              client, [single], tmp_path / "kd.jsonl", progress=False)  # fmt: skip
+        bodies = list(server.requests)
+        client.close()
+    assert result.complete
+    _, (record,) = read_kd_set(tmp_path / "kd.jsonl")
+    assert record["calls"] == [None, *single["expected_calls"]] and record["fixture_hits"] == [None, True]
+    assert record["completion_text"].startswith(broken + "<|im_end|>\n<|im_start|>user\n<tool_response>")
+    assistant, result_message = bodies[1]["messages"][-2:]
+    assert assistant["content"] == broken and assistant["tool_calls"][0]["function"]["name"] == ""
+    assert result_message["tool_call_id"] == assistant["tool_calls"][0]["id"]
+    assert json.loads(result_message["content"]) == {"error": "invalid tool call JSON"}
+    fmt = chat_format(chatml_tokenizer)
+    assert teacher.prompts[1].startswith(fmt.prompt(single) + broken + "<|im_end|>\n")  # its own text, as written
