@@ -3,16 +3,18 @@
 Per item the teacher plays the whole assistant side through the eval loop
 (:class:`distillgates.eval.runners.Conversation`: the same call parsing, fixture matching by the
 :class:`~distillgates.eval.broker.ToolBroker` and stop conditions as evaluation). It generates a
-turn up to ``<|end|>``; a tool call gets its result injected
-(``<|tool_result|>..<|end|><|assistant|>``, exactly as the runtime broker does) and the teacher
-goes on, until it answers (then ``<|eos|>``), runs out of tokens, or has made ``teacher.max_turns``
-calls. The conversations of a chunk advance together: one batched teacher request per turn. An API
-teacher gets the item's tools with every request and its structured ``tool_calls`` back, rendered
-in the student's chat format by the student's template (:mod:`.http`): the record's text is what
-the student's template makes of the teacher's messages, whatever format the teacher writes.
-Parallel calls of one response are played as that format writes them (toy: one call per turn,
-each answered before the next, the data reader's layout; Hermes / Llama 3: all calls in one turn,
-the results together) and the next request answers them by ``tool_call_id`` (:mod:`.messages`).
+turn up to the student format's end-of-turn token (toy ``<|end|>``, ChatML ``<|im_end|>``); a tool
+call gets its result injected as the student's template renders it (toy
+``<|tool_result|>..<|end|><|assistant|>``, exactly as the runtime does) and the teacher goes on,
+until it answers (then what the template writes after an answer: toy ``<|eos|>``), runs out of
+tokens, or has made ``teacher.max_turns`` calls. The conversations of a chunk advance together: one
+batched teacher request per turn. An API teacher gets the item's tools with every request and its
+structured ``tool_calls`` back, rendered in the student's chat format by the student's template
+(:mod:`.http`): the record's text is what the student's template makes of the teacher's messages,
+whatever format the teacher writes. Parallel calls of one response are played as that format writes
+them (toy: one call per turn, each answered before the next, the data reader's layout; Hermes /
+Llama 3: all calls in one turn, the results together) and the next request answers them by
+``tool_call_id`` (:mod:`.messages`).
 
 Record (one JSON line per item, after a header line)::
 
