@@ -191,3 +191,22 @@ def test_an_unparsable_chatml_call_is_answered_by_id_and_the_teacher_sees_its_ow
     assert json.loads(result_message["content"]) == {"error": "invalid tool call JSON"}
     fmt = chat_format(chatml_tokenizer)
     assert teacher.prompts[1].startswith(fmt.prompt(single) + broken + "<|im_end|>\n")  # its own text, as written
+
+
+def test_evaluating_an_api_teacher_for_a_chatml_student(chatml_teacher_dir, chatml_tokenizer, toy_items):
+    """The eval loop's teacher session in ChatML: both parallel calls of one response dispatched in one
+    turn, the next request answering both ids (the server answers 400 otherwise), then the answer."""
+    from distillgates.eval.runners import TeacherRunner, run_item
+
+    multi = next(it for it in toy_items if it["kind"] == "multi")
+    answer = reference_turns(multi)[-1]
+    teacher = RecordingTeacher(chatml_teacher_dir, {multi["messages"][1]["content"]:
+                                                    [hermes_calls(multi["expected_calls"]), answer]})  # fmt: skip
+    with TeacherServer(teacher) as server:
+        client = _client(server, chatml_tokenizer)
+        output = run_item(multi, TeacherRunner(client, max_new_tokens=200).session())
+        client.close()
+        assert [m["tool_call_id"] for m in server.requests[1]["messages"][-2:]] == ["call_1_0", "call_1_1"]
+    assert [c["call"] for c in output["calls"]] == multi["expected_calls"]
+    assert all(c["fixture_hit"] for c in output["calls"]) and output["answer"] == answer
+    assert output["turns"][0]["text"] == hermes_calls(multi["expected_calls"])  # one turn, both calls
