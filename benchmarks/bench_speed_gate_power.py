@@ -19,6 +19,7 @@ inconclusive, else passes. Results are written after every session.
     .venv/bin/python benchmarks/bench_speed_gate_power.py --run-dir runs/toy --sessions 100 \\
         --out benchmarks/results/speed_gate_power.json
     .venv/bin/python benchmarks/bench_speed_gate_power.py --table benchmarks/results/speed_gate_power.json
+    .venv/bin/python benchmarks/bench_speed_gate_power.py --merge all.json run1.json run2.json  # several runs
 """
 
 from __future__ import annotations
@@ -76,6 +77,8 @@ def summary(trials: list[dict[str, Any]]) -> dict[str, Any]:
             "fail_rate_95ci": [fail.low, fail.high] if fail else None,
             "inconclusive_rate": counts["inconclusive"] / n if n else None,
             "gate_fails": dict(Counter(g for t in trials for g, v in t["gates"].items() if v == "fail")),
+            # not decided: the session had already failed another gate (no further round was measured)
+            "gate_stopped": dict(Counter(g for t in trials for g, v in t["gates"].items() if v == "stopped")),
             "median_slowdown": {g: sorted(t["slowdowns"][g] for t in trials if t["slowdowns"].get(g))[n // 2]
                                 for g in (trials[0]["slowdowns"] if n else {})},
             "median_session_s": sorted(t["wall_s"] for t in trials)[n // 2] if n else None}
@@ -85,11 +88,14 @@ def markdown_table(results: dict[str, Any]) -> str:
     """The docs/gates.md table of a results file (``--table``)."""
     gates = ("ttft_ms.p50", "ttft_ms.p95", "tps.p50", "tps.p5")
     rows = ["| mode | injected | sessions | failed (95% CI) | inconclusive | passed | gate fails (TTFT p50/p95, TPS "
-            "p50/p5) | median measured slowdown (same order) | median session |", "|---" * 9 + "|"]
+            "p50/p5; stopped undecided in brackets) | median measured slowdown (same order) | median session |",
+            "|---" * 9 + "|"]
     for key, row in results["summary"].items():
         mode, slowdown = key.split()
         ci = row["fail_rate_95ci"] or [0, 0]
-        fails = "/".join(str(row["gate_fails"].get(g, 0)) for g in gates)
+        stopped = row.get("gate_stopped", {})
+        fails = "/".join(f"{row['gate_fails'].get(g, 0)}" + (f" ({stopped[g]})" if stopped.get(g) else "")
+                         for g in gates)
         measured = " / ".join(f"{row['median_slowdown'].get(g, float('nan')):.2f}" for g in gates)
         rows.append(f"| {mode} | {'A/A' if slowdown == '+0%' else slowdown} | {row['sessions']} | **{row['fail']}** "
                     f"({ci[0]:.0%}-{ci[1]:.0%}) | {row['inconclusive']} | {row['pass']} | {fails} | {measured} | "
@@ -97,9 +103,24 @@ def markdown_table(results: dict[str, Any]) -> str:
     return "\n".join(rows)
 
 
+def merge(out: Path, parts: list[Path]) -> None:
+    """One results file from several runs (each blessed once): their sessions per cell, and every run's header."""
+    runs, trials = [], {}
+    for part in parts:
+        data = json.loads(part.read_text())
+        runs += data.get("runs") or [{k: data[k] for k in ("command", "machine", "started_at", "finished_at",
+                                                            "bless_s")}]
+        for key, cell in data["trials"].items():
+            trials.setdefault(key, []).extend(cell)
+    atomic_write_json(out, {"runs": runs, "summary": {k: summary(v) for k, v in trials.items()}, "trials": trials})
+
+
 def main() -> None:
     if sys.argv[1:2] == ["--table"]:  # print the markdown table of a results file
         print(markdown_table(json.loads(Path(sys.argv[2]).read_text())))
+        return
+    if sys.argv[1:2] == ["--merge"]:  # --merge OUT RUN.json RUN.json ...
+        merge(Path(sys.argv[2]), [Path(p) for p in sys.argv[3:]])
         return
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--run-dir", type=Path, required=True, help="a built toy run (read only)")

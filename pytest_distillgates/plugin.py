@@ -22,7 +22,7 @@ from typing import Any
 import pytest
 
 from distillgates.config import ConfigError
-from distillgates.gates.core import Gate, GateInconclusive, SpeedSettings
+from distillgates.gates.core import Gate, GateInconclusive, GateStopped, SpeedSettings
 from distillgates.gates.session import GateOptions, GateSession, RunArtifacts
 from pytest_distillgates.checklist import CHECKLIST_DIR
 
@@ -170,6 +170,8 @@ def pytest_runtest_call(item: pytest.Item) -> Iterator[None]:
     except GateInconclusive as err:
         if item.config.stash[SESSION_KEY].options.speed_inconclusive == "fail":
             pytest.fail(str(err), pytrace=False)
+        pytest.skip(str(err))
+    except GateStopped as err:  # the session already failed on another speed gate
         pytest.skip(str(err))
 
 

@@ -285,3 +285,23 @@ def test_a_hermes_turn_with_parallel_calls_is_answered_call_by_call(hermes, own_
     injected = hermes.tool_results_text(results)
     assert injected.count("<tool_response>") == 2 and injected.count("<|im_start|>user") == 1
     assert conversation.add_turn(Turn(text="Done.", tokens=2, stopped=True)) is None and conversation.answer == "Done."
+
+
+@pytest.mark.parametrize("family", ["toy", "hermes", "chatml", "llama3"])
+def test_an_api_message_renders_as_turns_its_family_parses_back(family, request, own_items):
+    """``assistant_text`` of an API's message (content, parallel calls with ids, JSON-string arguments) is
+    what a model in the format generates: the toy one call per turn, the others all calls in one turn;
+    the family's parser reads back the calls and the content (its ``preamble``)."""
+    fmt = template_chat_format("toy") if family == "toy" else request.getfixturevalue(family)
+    item = next(i for i in own_items if i.get("parallel_calls"))
+    calls = item["expected_calls"][: 1 if family == "llama3" else 2]  # Llama 3 templates: one call a message
+    wire = [{"id": f"c{j}", "type": "function",
+             "function": {"name": c["name"], "arguments": json.dumps(c["arguments"])}} for j, c in enumerate(calls)]
+    preamble = "" if family == "llama3" else "Let me do both."  # the Llama 3 template drops a call's content
+    turns = fmt.split_turns(fmt.assistant_text(preamble, wire))
+    assert len(turns) == (len(calls) if family == "toy" else 1)
+    parsed = [fmt.parse_turn(turn) for turn in turns]
+    assert [call for p in parsed for call in p.calls] == calls and parsed[0].preamble == preamble
+    assert fmt.assistant_text("It is 3.") == "It is 3."
+    bad = {"id": "c9", "type": "function", "function": {"name": "create_ticket", "arguments": "{not json"}}
+    assert fmt.parse_turn(fmt.assistant_text(None, [bad])).calls == [None]  # an unparsable call stays one

@@ -8,7 +8,15 @@ from typing import Any
 import pytest
 
 from distillgates.eval.fingerprints import FINGERPRINT_KEYS
-from distillgates.gates import BaselineStore, Gate, GateContext, GateFailure, GateInconclusive, SpeedSettings
+from distillgates.gates import (
+    BaselineStore,
+    Gate,
+    GateContext,
+    GateFailure,
+    GateInconclusive,
+    GateStopped,
+    SpeedSettings,
+)
 from distillgates.gates.references import StaleReference
 from distillgates.gates.speed_ab import SpeedRounds
 
@@ -186,6 +194,35 @@ def test_speed_gate_blesses_the_reference_and_compares_interleaved(tmp_path):
     with pytest.raises(GateInconclusive, match=r"INCONCLUSIVE.*look 2 of at most 2"):
         speed_gate(gate, SpeedRounds(processes(STEADY, [0.9, 1.5]), samples=16, workers=2, looks=2,
                                      reference=reference))
+
+
+def test_a_failed_speed_gate_stops_the_measurement_and_undecided_gates_are_not_passed(tmp_path):
+    def session(fail_first: bool) -> tuple[SpeedRounds, Gate]:
+        settings = SpeedSettings(samples=16, workers=3, max_extra_rounds=2)
+        gate, _ = make_gate(tmp_path, bless=True, speed=settings)
+        speed_gate(gate, SpeedRounds(processes(STEADY), samples=16, workers=3, looks=3, record=lambda: RECORD))
+        gate.context.store.commit()
+        gate, _ = make_gate(tmp_path, speed=settings)
+        rounds = SpeedRounds(processes(STEADY, [1.25, 1.35]), samples=16, workers=3, looks=3,
+                             reference=lambda record, rebless: processes(STEADY))
+        if fail_first:
+            with pytest.raises(GateFailure, match="significant regression"):
+                speed_gate(gate, rounds)
+        return rounds, gate
+
+    def strict(gate: Gate, rounds: SpeedRounds) -> Any:  # alpha split 10^4 ways: one round is not enough
+        return gate.speed_no_regression("ttft", rounds, "ttft_ms", threshold=0.05, higher_is_better=False,
+                                        definition="d", quantile=0.5, alpha=0.05, n_gates=10**4)
+
+    rounds, gate = session(fail_first=False)
+    with pytest.raises(GateFailure, match=r"look [23] of at most 3"):  # alone it needs another look
+        strict(gate, rounds)
+    assert rounds.rounds > 1
+    rounds, gate = session(fail_first=True)
+    with pytest.raises(GateStopped, match=r"NOT DECIDED: ab mode: the session stopped measuring after round 1: "
+                                          r"quality/ttft failed.*look 1 of at most 3.*run it alone"):
+        strict(gate, rounds)
+    assert rounds.rounds == 1 and gate.context.records[-1].verdict == "stopped"
 
 
 def test_speed_gate_without_a_recorded_reference_fails_with_the_rebless_command(tmp_path):

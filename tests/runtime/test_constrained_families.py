@@ -118,7 +118,7 @@ def check_turn(fmt: ChatFormat, ids: list[int], tools: list[dict[str, Any]], pre
     calls: list[dict] = parsed.calls  # type: ignore[assignment]
     for call in calls:
         assert validate_call(call, tools) == [], (call, text)
-    assert text == preamble + fmt.calls_text(calls).lstrip(), text  # canonical: exactly what the template writes
+    assert text == preamble + fmt.assistant_text("", calls).lstrip(), text  # exactly what the template writes
     return calls
 
 
@@ -169,7 +169,7 @@ def test_the_templates_own_rendering_is_admitted(chatml, hermes, own_items):
         turns = 0
         for item in own_items[:60]:
             for turn in fmt_turns(item):
-                ids = [*fmt.encode("Sure. " + fmt.calls_text(turn).lstrip()), fmt.end_of_turn_id]
+                ids = [*fmt.encode("Sure. " + fmt.assistant_text("", turn).lstrip()), fmt.end_of_turn_id]
                 processor = tool_call_processor(fmt.tokenizer, item_tools(item))
                 for i, token in enumerate(ids):
                     allowed = processor(ids[:i], torch.zeros(len(fmt.tokenizer)))

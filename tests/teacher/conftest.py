@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from distillgates.config import APIConfig, Config, KDConfig, TeacherConfig
-from distillgates.data.chat import render_conversation
+from distillgates.data.chat import render_conversation, template_chat_format
 from distillgates.data.generator import generate_items
 from distillgates.hf import hf_config
 from distillgates.teacher.base import TurnResult
@@ -41,6 +41,15 @@ def toy_items() -> list[dict[str, Any]]:
 def tiny_tokenizer() -> Any:
     corpus = [render_conversation(it) for it in generate_items(seed=0, n=60, split="train")]
     return train_tokenizer(corpus, vocab_size=400, min_frequency=2)
+
+
+@pytest.fixture(scope="session")
+def chatml_tokenizer() -> Any:
+    """A student tokenizer with the library's ChatML template (Hermes ``<tool_call>`` blocks), trained on
+    the toy conversations rendered in ChatML (what ``tokenizer.chat_template: chatml`` builds)."""
+    chatml = template_chat_format("chatml")
+    corpus = [chatml.conversation(it) for it in generate_items(seed=0, n=60, split="train")]
+    return train_tokenizer(corpus, vocab_size=500, min_frequency=2, chat_template="chatml")
 
 
 def save_tiny_teacher(path: Path, tokenizer: Any, seed: int = 0) -> Path:

@@ -212,6 +212,52 @@ def test_kd_set_from_transformers_serve(served, toy_items, tiny_tokenizer, tmp_p
     assert tiny_tokenizer.decode(multi_record["completion_ids"]) == multi_record["completion_text"]
 
 
+def test_chatml_student_kd_set_from_transformers_serve(served, toy_items, chatml_tokenizer, tmp_path):
+    """The same server and model, a student with the library's ChatML template: the KD rows are ChatML,
+    the two parallel tool_calls one ``<tool_call>`` turn as the student's template writes them (no toy
+    markup), and sequence-level training runs on the set."""
+    from distillgates.data.chat import chat_format
+    from distillgates.train.data import read_kd_set as read_training_records
+    from distillgates.train.recipe import Recipe
+
+    from ..train.conftest import tiny_config
+
+    torch.set_num_threads(1)
+    base_url, model_dir, multi = served
+    control = next(it for it in toy_items if it["kind"] == "control")
+    items = [multi, control]
+    cfg = kd_config("openai", {"base_url": base_url, "model_name": str(model_dir), "logprobs": False, "timeout_s": 120},
+                    max_new_tokens=80, max_turns=3)  # fmt: skip
+    teacher = HTTPTeacher(cfg.teacher.api, chatml_tokenizer, api_key="")
+    try:
+        result = build_kd_set(cfg, teacher, items, tmp_path / "kd.jsonl", progress=False)
+    finally:
+        teacher.close()
+    assert result.complete, result.message
+    _, (multi_record, control_record) = read_kd_set(tmp_path / "kd.jsonl")
+    fmt = chat_format(chatml_tokenizer)
+    text = multi_record["completion_text"]
+    call_turn = text.split(fmt.end_of_turn)[0]
+    assert "<|tool_call|>" not in text and call_turn.count("<tool_call>") == 2
+    assert fmt.parse_turn(call_turn).calls == multi["expected_calls"]
+    assert text[len(call_turn) :].startswith("<|im_end|>\n<|im_start|>user\n<tool_response>")  # both results
+    assert multi_record["calls"] == multi["expected_calls"] and multi_record["fixture_hits"] == [True, True]
+    assert multi_record["prompt_text"] == fmt.prompt(multi) and control_record["calls"] == []
+    assert chatml_tokenizer.decode(multi_record["completion_ids"]) == text
+    records = read_training_records(tmp_path / "kd.jsonl")
+    train = tiny_config(len(chatml_tokenizer), steps=3, lr=1e-2)
+    recipe = Recipe(train.train, train.student, train.shapes, chatml_tokenizer, items, items[:1], tmp_path / "student",
+                    kd_records=records, device="cpu", progress=False, speed_prompts=0)  # fmt: skip
+    recipe.setup()
+    for row in recipe.rows:  # sequence-level KD: a finished item's row is the prompt and the teacher's text
+        if records[row.item["id"]]["finish"] == "stop":
+            completion = chatml_tokenizer.decode(row.ids[row.prompt_len :])
+            assert records[row.item["id"]]["completion_text"].startswith(completion)
+    recipe.train()
+    log = (tmp_path / "student" / "train_log.jsonl").read_text().splitlines()
+    assert len([line for line in log if '"total"' in line]) == 3
+
+
 def test_transformers_serve_ignores_logprobs_so_the_client_refuses_it(served, toy_items, tiny_tokenizer):
     base_url, model_dir, _ = served
     control = next(it for it in toy_items if it["kind"] == "control")

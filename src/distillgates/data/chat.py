@@ -14,7 +14,9 @@ A :class:`ChatFormat` also owns the inverse direction, chosen per template famil
 (:data:`TOOL_CALL_FORMATS`: ``toy``, ``hermes`` ``<tool_call>{json}</tool_call>``, ``llama3`` JSON
 with ``parameters``): parsing generated turns into calls, the text the runtime injects after a call
 (the template's rendering of the tool messages, never a hand-written string), the stop ids and the
-character spans of the generated (assistant) turns that training masks come from.
+character spans of the generated (assistant) turns that training masks come from, and the text an
+API teacher's structured assistant message (``content`` + ``tool_calls``) stands for in this format
+(:meth:`ChatFormat.assistant_text`).
 
 An item stores its target turns in ``reference`` as toy-format text (the serialization the data
 files use whatever the student's template; :func:`reference_messages` reads it back as messages).
@@ -148,11 +150,14 @@ def reference_messages(reference: str) -> list[dict[str, Any]]:
 @dataclass
 class ParsedTurn:
     """One generated assistant turn: its calls (``None`` for one that does not parse) and their raw
-    text, or the answer when the turn makes no call."""
+    text, or the answer when the turn makes no call. ``preamble``: the text before the first call,
+    less the separator the family's templates write between a message's content and its calls (so
+    it is the ``content`` of the OpenAI message the turn stands for)."""
 
     calls: list[dict[str, Any] | None]
     raw: list[str]
     answer: str | None
+    preamble: str = ""
 
 
 def _call_of(obj: Any, arguments_key: str) -> dict[str, Any] | None:
@@ -172,10 +177,12 @@ def _json_call(text: str, arguments_key: str) -> dict[str, Any] | None:
 
 
 def parse_toy_turn(text: str) -> ParsedTurn:
-    """Toy: ``[preamble]<|tool_call|>{"name":...,"arguments":{...}}`` (one call per turn), else the answer."""
+    """Toy: ``[preamble]<|tool_call|>{"name":...,"arguments":{...}}``, else the answer. The toy template
+    ends a turn after each call, so a turn holds one; a turn with several ``<|tool_call|>`` segments
+    (what a server's parser reads as parallel calls) gives one call per segment."""
     if TOOL_CALL in text:
-        raw = text.split(TOOL_CALL, 1)[1]
-        return ParsedTurn([parse_tool_call(raw)], [raw], None)
+        preamble, *raws = text.split(TOOL_CALL)
+        return ParsedTurn([parse_tool_call(raw) for raw in raws], raws, None, preamble)
     return ParsedTurn([], [], text)
 
 
@@ -187,7 +194,8 @@ def parse_hermes_turn(text: str) -> ParsedTurn:
     if "<tool_call>" not in text:
         return ParsedTurn([], [], text)
     raws = [body.strip() for body in _HERMES_CALL.findall(text)]
-    return ParsedTurn([_json_call(raw, "arguments") for raw in raws], raws, None)
+    preamble = text.split("<tool_call>", 1)[0].rstrip()  # Qwen / ChatML write content + "\n<tool_call>"
+    return ParsedTurn([_json_call(raw, "arguments") for raw in raws], raws, None, preamble)
 
 
 def parse_llama3_turn(text: str) -> ParsedTurn:
@@ -196,15 +204,15 @@ def parse_llama3_turn(text: str) -> ParsedTurn:
     A turn is a call when it opens with ``<|python_tag|>`` or ``{``.
     """
     tagged = "<|python_tag|>" in text
-    body = text.split("<|python_tag|>", 1)[1] if tagged else text
+    preamble, _, body = text.partition("<|python_tag|>") if tagged else ("", "", text)
     body = body.strip()
     if not tagged and not body.startswith("{"):
         return ParsedTurn([], [], text)
     whole = _json_call(body, "parameters")
     if whole is not None:
-        return ParsedTurn([whole], [body], None)
+        return ParsedTurn([whole], [body], None, preamble.strip())
     raws = [part.strip() for part in body.split(";") if part.strip()] or [body]
-    return ParsedTurn([_json_call(raw, "parameters") for raw in raws], raws, None)
+    return ParsedTurn([_json_call(raw, "parameters") for raw in raws], raws, None, preamble.strip())
 
 
 TOOL_CALL_PARSERS: dict[str, Callable[[str], ParsedTurn]] = {
@@ -239,12 +247,23 @@ END_OF_TURN_TOKENS = (END, "<|im_end|>", "<|eot_id|>", "<|eom_id|>", "<end_of_tu
 Span = tuple[int, int]
 
 
+def call_arguments(arguments: Any) -> Any:
+    """A call's arguments as a template renders them: an OpenAI JSON string that decodes to an object is
+    decoded (empty: ``{}``); any other string stays as it is, so a call whose arguments are not a JSON
+    object (an API can return one) renders as written and parses back as a malformed call."""
+    if not isinstance(arguments, str):
+        return arguments
+    try:
+        decoded = json.loads(arguments) if arguments.strip() else {}
+    except (json.JSONDecodeError, RecursionError):
+        return arguments
+    return decoded if isinstance(decoded, dict) else arguments
+
+
 def _openai_call(call: Mapping[str, Any]) -> dict[str, Any]:
     """A call in the OpenAI ``{"type", "function": {"name", "arguments": {...}}}`` form, arguments decoded."""
     function = call.get("function", call)
-    arguments = function.get("arguments", {})
-    if isinstance(arguments, str):
-        arguments = json.loads(arguments) if arguments.strip() else {}
+    arguments = call_arguments(function.get("arguments", {}))
     out = {"type": "function", "function": {"name": function["name"], "arguments": arguments}}
     return {"id": call["id"], **out} if "id" in call else out
 
@@ -393,16 +412,35 @@ class ChatFormat:
             spans.append((len(head), end))
         return spans
 
-    def call_text(self, call: Mapping[str, Any]) -> str:
-        """A generated turn that makes just ``call``, up to (not including) its end-of-turn token."""
-        return self.calls_text([call])
+    def assistant_text(self, content: str | None, calls: Sequence[Mapping[str, Any]] = ()) -> str:
+        """What a model in this format generates for the assistant message ``content`` + ``calls``
+        (OpenAI or flat calls; arguments a JSON string or an object): the template's rendering of the
+        message after the assistant header, up to (not including) its last end-of-turn token. A format
+        that ends a turn after each call (the toy) gives several turns joined by its end-of-turn token
+        (:meth:`split_turns`); Hermes and Llama 3 write all calls in one turn.
 
-    def calls_text(self, calls: Sequence[Mapping[str, Any]]) -> str:
-        """A generated turn that makes ``calls`` (parallel ones where the family has them), up to its end of turn."""
+        Raises:
+            ValueError: when the template does not open the message with its generation prompt.
+        """
         user = [{"role": "user", "content": "Q"}]
         head = self.render(user, add_generation_prompt=True)
-        turn = self.render([*user, {"role": "assistant", "content": "", "tool_calls": list(calls)}])[len(head) :]
+        message: dict[str, Any] = {"role": "assistant", "content": content or ""}
+        if calls:
+            message["tool_calls"] = list(calls)
+        text = self.render([*user, message])
+        if not text.startswith(head) or self.end_of_turn not in text[len(head) :]:
+            raise ValueError("the chat template does not render an assistant message as its generation prompt "
+                             "followed by the turn and its end-of-turn token")  # fmt: skip
+        turn = text[len(head) :]
         return turn[: turn.rindex(self.end_of_turn)]
+
+    def split_turns(self, text: str) -> list[str]:
+        """The generated turns of :meth:`assistant_text`'s text (one, or one per call for the toy)."""
+        return text.split(self.end_of_turn)
+
+    def call_text(self, call: Mapping[str, Any]) -> str:
+        """A generated turn that makes just ``call``, up to (not including) its end-of-turn token."""
+        return self.assistant_text("", [call])
 
     @cached_property
     def call_syntax(self) -> CallSyntax:
@@ -410,10 +448,10 @@ class ChatFormat:
 
         Raises:
             ValueError: when the template writes a call that is not canonical ``json.dumps`` JSON, or
-                opens it with no marker text (a bare-JSON Llama 3 turn without ``<|python_tag|>``).
+                opens it with no marker text outside the ``llama3`` family (whose parser reads a bare JSON turn).
         """
         call = {"name": "n", "arguments": {"a": 1, "b": [True, "x"]}}
-        one = self.calls_text([call])
+        one = self.assistant_text("", [call])
         start = one.find('{"name"')
         if start < 0:
             raise ValueError(f"the chat template writes a call as {one!r}: no JSON object that starts with 'name'")
@@ -431,7 +469,7 @@ class ChatFormat:
             raise ValueError(f"the chat template opens a call with no marker ({one!r}) and its family "
                              f"({self.tool_call_format}) reads no bare JSON turn: constrained decoding cannot "
                              "tell where a call starts")  # fmt: skip
-        two = self.calls_text([call, call])
+        two = self.assistant_text("", [call, call])
         between = two[len(one) : len(two) - len(one)]
         parallel = (two.startswith(one) and two.endswith(one) and len(two) >= 2 * len(one)
                     and not any(t in between for t in self.stop_tokens) and len(self.parse_turn(two).calls) == 2)
@@ -443,6 +481,10 @@ class ChatFormat:
     def parse_turn(self, text: str) -> ParsedTurn:
         """Calls or answer of one generated turn (text after the assistant header; cut at its first stop token)."""
         return self._parse(self._cut(text))
+
+    def parse_output(self, text: str) -> ParsedTurn:
+        """Calls or answer of a whole generation (what a server's tool parser reads: nothing is cut)."""
+        return self._parse(text)
 
     def _cut(self, text: str) -> str:
         at = min((i for i in (text.find(t) for t in self.stop_tokens) if i >= 0), default=len(text))

@@ -333,8 +333,9 @@ class HFRunner:
 
 class TeacherSession:
     """A conversation through ``teacher.complete(messages, tools=...)``: the item's tools go with every
-    request; a response with several (parallel) tool calls is played one call per turn and the next
-    request answers them all (:mod:`distillgates.teacher.messages`)."""
+    request; a response with several (parallel) tool calls is played as the teacher tokenizer's chat
+    format writes them (toy: one call per turn) and the next request answers them all
+    (:mod:`distillgates.teacher.messages`)."""
 
     def __init__(self, teacher: Any, max_new_tokens: int, temperature: float) -> None:
         self.teacher = teacher
@@ -353,7 +354,7 @@ class TeacherSession:
             self.messages, max_new_tokens=self.max_new_tokens, top_k=1, temperature=self.temperature, tools=self.tools
         )
         self.response, self.results = result, []
-        first, *self.queued = call_turns(result)
+        first, *self.queued = call_turns(result, self.chat_format)
         return Turn(text=first, tokens=int(result.completion_tokens), stopped=result.finish_reason == "stop")
 
     def first_turn(self, item: Mapping[str, Any], prompt_text: str) -> Turn:

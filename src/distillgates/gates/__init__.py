@@ -10,7 +10,15 @@ from distillgates.gates.baselines import (
     CrossHardwareBaseline,
     MissingBaseline,
 )
-from distillgates.gates.core import Gate, GateContext, GateFailure, GateInconclusive, GateRecord, SpeedSettings
+from distillgates.gates.core import (
+    Gate,
+    GateContext,
+    GateFailure,
+    GateInconclusive,
+    GateRecord,
+    GateStopped,
+    SpeedSettings,
+)
 from distillgates.gates.stats import SpeedComparison, compare_quantiles, sequential_speed_gate
 
 __all__ = [
@@ -23,6 +31,7 @@ __all__ = [
     "GateFailure",
     "GateInconclusive",
     "GateRecord",
+    "GateStopped",
     "MissingBaseline",
     "SpeedComparison",
     "SpeedSettings",

@@ -36,6 +36,10 @@ class GateInconclusive(Exception):
     """A speed gate could not decide within its measurement bound (reported, not guessed)."""
 
 
+class GateStopped(Exception):
+    """A speed gate was not decided because another gate of the session failed first (a skip, never a pass)."""
+
+
 @dataclass
 class GateRecord:
     """One check of one gate, as it appears in JUnit properties and the gate reports."""
@@ -47,7 +51,7 @@ class GateRecord:
     threshold: Any = None
     comparison: str = ""  # ">=", "<=", "==", "no_regression", "speed_no_regression"
     baseline: Any = None
-    verdict: str = "pass"  # pass | fail | inconclusive | blessed | error
+    verdict: str = "pass"  # pass | fail | inconclusive | stopped | blessed | error
     reason: str = ""
     details: dict[str, Any] = field(default_factory=dict)
     n: int | None = None  # sample size behind ``measured`` (items, calls), when it is an estimate
@@ -128,6 +132,9 @@ class Gate:
             )
         if rec.verdict == "inconclusive":
             raise GateInconclusive(f"gate {self.group}/{rec.name} INCONCLUSIVE: {rec.reason}")
+        if rec.verdict == "stopped":
+            raise GateStopped(f"gate {self.group}/{rec.name} NOT DECIDED: {rec.reason}; run it alone to decide it: "
+                              f"pytest '{self.nodeid}' -m speed")
         return rec
 
     def _check(self, name: str, value: Any, threshold: Any, comparison: str, ok: bool, definition: str,
@@ -312,6 +319,8 @@ class Gate:
         except (StaleReference, WorkerError, ValueError) as err:
             return self._finish(GateRecord(self.nodeid, self.group, name, None, threshold, "speed_no_regression",
                                            base.value, "fail", f"{speed.mode} mode: {err}"))
+        if result.verdict == "fail":
+            speed.stop(f"{self.group}/{name} failed")
         reference_groups, candidate_groups = samples_after(result.rounds)
         reference = [s for group in reference_groups for s in group]
         candidate = [s for group in candidate_groups for s in group]

@@ -14,7 +14,7 @@ from rich.text import Text
 from distillgates.gates.core import GateRecord
 from distillgates.io import atomic_write_json, atomic_write_text
 
-VERDICT_STYLE = {"pass": "green", "blessed": "cyan", "fail": "bold red", "inconclusive": "yellow"}
+VERDICT_STYLE = {"pass": "green", "blessed": "cyan", "fail": "bold red", "inconclusive": "yellow", "stopped": "dim"}
 
 
 _DIGEST = re.compile(r"[0-9a-f]{32,}")

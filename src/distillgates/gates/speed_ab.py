@@ -20,6 +20,9 @@ pair alone on one CPU.
 One :class:`SpeedRounds` serves every speed gate of the session: the samples of a round give
 TTFT and TPS at once, and a gate that needs another look asks for one more round, which the
 gates after it reuse (the statistics allow it: :func:`distillgates.gates.stats.sequential_speed_gate`).
+Once a gate fails, the session has failed: no further round is measured, and a gate that would need
+one ends undecided ("stopped", a skip naming the failed gate), so a regression fails in one round
+instead of running every look for the other gates. Run such a gate alone to decide it.
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from distillgates.gates.references import PACKAGE_DIR, ReferenceStore, StaleReference, checkout_code, code_identity
+from distillgates.gates.stats import MeasurementStopped
 from distillgates.rundir import RunDir
 from distillgates.speed_worker import METRICS, SpeedWorker, WorkerError
 
@@ -78,6 +82,7 @@ class SpeedRounds:
         self.reference_arm: ArmFactory | None = None
         self.reference_record: dict[str, Any] | None = None
         self.rounds = 0
+        self.stopped: str | None = None  # why no further round is measured (a gate of the session failed)
         # samples per process; process k of the two arms was measured as a pair
         self.candidate: dict[str, list[list[float]]] = {m: [] for m in METRICS}
         self.reference: dict[str, list[list[float]]] = {m: [] for m in METRICS}
@@ -109,6 +114,10 @@ class SpeedRounds:
         assert self.reference_factory is not None
         self.reference_arm = self.reference_factory(record, rebless)
         self.reference_record = record
+
+    def stop(self, why: str) -> None:
+        """Measure no further round: the session has failed (``why``); gates that need more looks end undecided."""
+        self.stopped = self.stopped or why
 
     def _measure_pair(self, arms: list[tuple[Arm, dict[str, list[list[float]]]]]) -> None:
         for arm, _ in arms:  # warm-up block, not recorded
@@ -156,6 +165,8 @@ class SpeedRounds:
         if not 1 <= rounds <= self.looks:
             raise ValueError(f"rounds must be in [1, {self.looks}], got {rounds}")
         while self.rounds < rounds:
+            if self.stopped:
+                raise MeasurementStopped(f"the session stopped measuring after round {self.rounds}: {self.stopped}")
             self._round()
         groups = rounds * self.workers
         return self.reference[metric][:groups], self.candidate[metric][:groups]

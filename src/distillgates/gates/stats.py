@@ -52,7 +52,7 @@ MIN_GROUPS = 2  # processes per arm: one gives no spread between processes
 class SpeedComparison:
     """Outcome of comparing one quantile of the candidate's processes with the reference's."""
 
-    verdict: str  # "pass" | "fail" | "inconclusive"
+    verdict: str  # "pass" | "fail" | "inconclusive" | "stopped" (the session ended the measurement before a decision)
     slowdown: float  # geometric mean of the per-process quantile ratios, > 1 is worse
     ci_low: float  # t interval of the slowdown, two-sided level 1 - 2 * test_alpha
     ci_high: float
@@ -169,6 +169,11 @@ def compare_quantiles(
                            n_cand, ref.size, cand.size, paired, 1, why)
 
 
+class MeasurementStopped(Exception):
+    """Raised by a sequential test's ``samples_after`` when no further round will be measured (the session
+    already failed another gate); the test then ends undecided ("stopped") at its last look."""
+
+
 def sequential_speed_gate(
     samples_after: Callable[[int], tuple[Sequence[Sequence[float]], Sequence[Sequence[float]]]],
     *,
@@ -180,7 +185,10 @@ def sequential_speed_gate(
     n_gates: int = 1,
     paired: bool = True,
 ) -> SpeedComparison:
-    """Decide after 1, 2, ... ``looks`` rounds, stopping at the first pass or fail.
+    """Decide after 1, 2, ... ``looks`` rounds, stopping at the first pass or fail, or undecided ("stopped") when
+    ``samples_after`` raises :class:`MeasurementStopped` for a later look.
+
+    Stopping early never changes a session's verdict: it happens only after another gate of the session failed.
 
     Args:
         samples_after: ``k -> (reference, candidate)`` samples per process of exactly the first ``k`` rounds
@@ -189,8 +197,15 @@ def sequential_speed_gate(
     """
     test_alpha = session_test_alpha(alpha, n_gates, looks)
     result: SpeedComparison | None = None
+    stopped: MeasurementStopped | None = None
     for look in range(1, looks + 1):
-        reference, candidate = samples_after(look)
+        try:
+            reference, candidate = samples_after(look)
+        except MeasurementStopped as err:
+            if result is None:
+                raise
+            stopped, look = err, look - 1
+            break
         result = compare_quantiles(reference, candidate, threshold=threshold, higher_is_better=higher_is_better,
                                    quantile=quantile, test_alpha=test_alpha, paired=paired)
         if result.verdict != "inconclusive":
@@ -198,6 +213,8 @@ def sequential_speed_gate(
     assert result is not None
     reason = (f"{result.reason}; look {look} of at most {looks} (rounds of worker processes; alpha {alpha:g} split "
               f"over {n_gates} gate(s) x {looks} look(s))")
+    if stopped is not None:
+        return replace(result, verdict="stopped", rounds=look, reason=f"{stopped}; undecided at {reason}")
     if result.verdict == "inconclusive":
         reason += " — the bound of rounds is reached"
     return replace(result, rounds=look, reason=reason)

@@ -4,13 +4,16 @@ Design choices:
 - A teacher is anything with ``model_id``, ``tokenizer`` and ``complete(messages, ...)``: one
   assistant turn from OpenAI-style messages. The KD builder drives multi-turn conversations
   through that one call, so the local HF teacher and an HTTP API teacher are interchangeable.
-- ``TurnResult.text`` never contains the stop token (OpenAI semantics: the stop sequence is not
-  part of the content). It is the turn in the project chat format: an API's structured
-  ``tool_calls`` are rendered there (``content<|tool_call|>{first call}``) and also kept as they
-  came in ``TurnResult.tool_calls`` (ids included), so the next request can answer them by id.
+- ``TurnResult.text`` never contains the final stop token (OpenAI semantics: the stop sequence is
+  not part of the content). It is the turn in the student's chat format: a local teacher's own
+  text; an API's assistant message (``content`` and structured ``tool_calls``) rendered by the
+  student's template (:meth:`distillgates.data.chat.ChatFormat.assistant_text`: the toy writes one
+  call per turn, so several calls are several turns joined by its end-of-turn token). The API's
+  message is also kept as it came (``content``, ``tool_calls`` with their ids), so the next request
+  can repeat it and answer the calls by id.
 - ``stop_topk_*`` carries the teacher's distribution at the stop position when the teacher can
   give it (local teacher), so the student still learns when to stop.
-- Messages render through the one chat renderer, :func:`distillgates.data.chat.render_messages`.
+- Messages render through the student's chat format (:class:`distillgates.data.chat.ChatFormat`).
 """
 
 from __future__ import annotations
@@ -41,6 +44,7 @@ class TurnResult:
     # an API's structured calls, in order: [{"id", "name", "arguments" (the JSON string as returned)}];
     # several are parallel calls of one assistant message. [] for a local teacher (calls are text).
     tool_calls: list[dict[str, str]] = field(default_factory=list)
+    content: str = ""  # an API's message content as returned (with tool_calls: their preamble)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

@@ -1,10 +1,12 @@
 """SHA-256 keyed response cache for teacher turns.
 
-Key = sha256(canonical JSON of ``{"model": model_id, "request": payload}``), so a different
-model, prompt or sampling setting never hits. One JSON file per entry under ``<dir>/ab/<key>.json``,
-written atomically (:mod:`distillgates.io`); the directory carries a ``VERSION`` file and a cache
-from another layout version is refused rather than silently misread. Entries hold the parsed
-:class:`TurnResult` only: requests carry no credentials, so neither does the cache.
+Key = sha256(canonical JSON of ``{"model": model_id, "request": payload, "student_tokenizer":
+fingerprint}``), so a different model, prompt or sampling setting never hits, nor a student
+tokenizer or chat format the cached turn was not written for (its ids and text are the student's).
+One JSON file per entry under ``<dir>/ab/<key>.json``, written atomically (:mod:`distillgates.io`);
+the directory carries a ``VERSION`` file and a cache from another layout version is refused rather
+than silently misread. Entries hold the parsed :class:`TurnResult` only: requests carry no
+credentials, so neither does the cache.
 """
 
 from __future__ import annotations
@@ -24,8 +26,8 @@ class CacheError(ValueError):
     """The cache directory or one of its entries is unusable."""
 
 
-def cache_key(model_id: str, payload: dict[str, Any]) -> str:
-    return sha256_json({"model": model_id, "request": payload})
+def cache_key(model_id: str, payload: dict[str, Any], student_tokenizer: str) -> str:
+    return sha256_json({"model": model_id, "request": payload, "student_tokenizer": student_tokenizer})
 
 
 class ResponseCache:

@@ -16,9 +16,14 @@ Design choices:
   (:func:`.messages.openai_messages`: assistant ``tool_calls`` with ids and JSON-string arguments,
   ``tool`` messages with the ``tool_call_id`` they answer), the item's ``tools`` in the
   ``{"type": "function", "function": {...}}`` wrapper, and ``logprobs``/``top_logprobs`` unless
-  ``teacher.api.logprobs`` is false. The response's ``tool_calls`` (several: parallel calls) come
-  back in ``TurnResult.tool_calls`` with their ids; the first is also rendered into ``text`` in the
-  chat format (``content<|tool_call|>{call}``), the rest the KD builder plays as further turns.
+  ``teacher.api.logprobs`` is false. No ``stop``: the server ends the turn at its own model's end of
+  turn (the student's end-of-turn token means nothing to a teacher with another chat format).
+- The response's message (``content``, ``tool_calls``: several are parallel calls) is kept as it
+  came in ``TurnResult.content`` / ``tool_calls`` (ids included), and ``text`` is that message in
+  the *student's* chat format: rendered by the student's template
+  (:meth:`~distillgates.data.chat.ChatFormat.assistant_text`; ChatML: ``<tool_call>`` blocks, all
+  calls in one turn; toy: ``content<|tool_call|>{call}``, one call per turn). So the KD text is in
+  the student's format whatever the teacher's.
 - Log-probs: a server that answers text without the log-probs it was asked for is an error (it
   would leave a KD set with no teacher distribution that claims to have one): such a server needs
   ``teacher.api.logprobs: false``. API tokens map to local ids through their ``bytes``
@@ -26,9 +31,11 @@ Design choices:
   renormalized). If a chosen token is not one of ours (a teacher with another tokenizer), the
   content is re-tokenized with ours and the teacher's top-k is moved onto our tokens through bytes
   (:func:`~distillgates.teacher.tokens.map_by_bytes`; ``map_bytes=False`` keeps the old rule: that
-  turn is text-only). If there are no log-probs (``logprobs`` off) or the teacher's token bytes do
-  not spell the turn's text (a real API's tool-call markup is not ours), the turn is returned with
-  ``token_ids=None`` and no top-k (text-only KD for that turn).
+  turn is text-only). If there are no log-probs (``logprobs`` off), the text is several turns, or
+  the teacher's token bytes do not spell the text (the teacher writes calls in another format, or
+  lays them out otherwise than the student's template), the turn is returned with
+  ``token_ids=None`` and no top-k (text-only KD for that turn). A teacher in the student's format
+  (the same template) spells it: answers and calls keep the teacher's distribution.
 """
 
 from __future__ import annotations
@@ -46,10 +53,10 @@ from typing import Any
 import httpx
 
 from distillgates.config import APIConfig
+from distillgates.data.chat import chat_format
 from distillgates.teacher.base import TurnResult
-from distillgates.teacher.messages import call_text, openai_messages
+from distillgates.teacher.messages import openai_messages
 from distillgates.teacher.tokens import TeacherToken, TokenBytes, api_token_bytes, map_by_bytes
-from distillgates.tokenizer import END, TOOL_CALL
 
 log = logging.getLogger(__name__)
 
@@ -149,7 +156,8 @@ class HTTPTeacher:
         key = api_key if api_key is not None else os.environ.get(cfg.api_key_env, "")
         self._key = Secret(key)
         self.cfg = cfg
-        self.tokenizer = tokenizer
+        self.tokenizer = tokenizer  # the student's: the turns come back in its chat format and on its tokens
+        self.chat_format = chat_format(tokenizer)
         self.token_bytes = TokenBytes(tokenizer)
         self.map_bytes = map_bytes  # another tokenizer's top-k through bytes (False: text-only KD)
         self.model_name = cfg.model_name or "default"
@@ -184,10 +192,9 @@ class HTTPTeacher:
         """The request body (also the response-cache key material, with the model id)."""
         body: dict[str, Any] = {
             "model": self.model_name,
-            "messages": openai_messages(messages),
+            "messages": openai_messages(messages, self.chat_format),
             "max_tokens": max_new_tokens,
             "temperature": temperature,
-            "stop": [END],
         }
         if tools:
             body["tools"] = [{"type": "function", "function": dict(tool)} for tool in tools]
@@ -258,8 +265,8 @@ class HTTPTeacher:
     def _parse(self, data: dict[str, Any]) -> TurnResult:
         choice = data["choices"][0]
         message = choice["message"]
-        text = message.get("content") or ""
-        if not isinstance(text, str):
+        content = message.get("content") or ""
+        if not isinstance(content, str):
             raise TypeError("choices[0].message.content is not a string")
         calls = []
         for raw in message.get("tool_calls") or []:
@@ -267,11 +274,9 @@ class HTTPTeacher:
             arguments = fn.get("arguments") or ""
             calls.append({"id": str(raw["id"]), "name": str(fn["name"]),
                           "arguments": arguments if isinstance(arguments, str) else json.dumps(arguments)})  # fmt: skip
-        if calls:  # the first call in the chat format; the KD builder plays the others as further turns
-            text = f"{text}{TOOL_CALL}{call_text(calls[0]['name'], calls[0]['arguments'])}"
         usage = data.get("usage") or {}
         result = TurnResult(
-            text=text,
+            text=self.chat_format.assistant_text(content, calls),  # the student's format
             token_ids=None,
             topk_ids=[],
             topk_logprobs=[],
@@ -280,15 +285,16 @@ class HTTPTeacher:
             prompt_tokens=int(usage.get("prompt_tokens", 0)),
             completion_tokens=int(usage.get("completion_tokens", 0)),
             tool_calls=calls,
+            content=content,
         )
-        content = ((choice.get("logprobs") or {}).get("content")) or []
-        if self.cfg.logprobs and message.get("content") and not content:  # e.g. transformers serve ignores the field
+        logprobs = ((choice.get("logprobs") or {}).get("content")) or []
+        if self.cfg.logprobs and content and not logprobs:  # e.g. transformers serve ignores the field
             raise TeacherHTTPError(
                 f"{self.model_id} answered without the log-probs it was asked for (logprobs/top_logprobs); "
                 "for a server without them set teacher.api.logprobs: false (sequence-level KD on its text)"
             )
-        if content and len(calls) <= 1:
-            self._map_logprobs(result, content)
+        if logprobs and len(self.chat_format.split_turns(result.text)) == 1:  # tokens never span injected results
+            self._map_logprobs(result, logprobs)
         return result
 
     def _map_logprobs(self, result: TurnResult, content: list[dict[str, Any]]) -> None:

@@ -3,13 +3,18 @@
 Per item the teacher plays the whole assistant side through the eval loop
 (:class:`distillgates.eval.runners.Conversation`: the same call parsing, fixture matching by the
 :class:`~distillgates.eval.broker.ToolBroker` and stop conditions as evaluation). It generates a
-turn up to ``<|end|>``; a tool call gets its result injected
-(``<|tool_result|>..<|end|><|assistant|>``, exactly as the runtime broker does) and the teacher
-goes on, until it answers (then ``<|eos|>``), runs out of tokens, or has made ``teacher.max_turns``
-calls. The conversations of a chunk advance together: one batched teacher request per turn. An API
-teacher gets the item's tools with every request and its structured ``tool_calls`` back; parallel
-calls of one response are played one per turn (call, result, call, result: the data reader's
-layout) and the next request answers them by ``tool_call_id`` (:mod:`.messages`).
+turn up to the student format's end-of-turn token (toy ``<|end|>``, ChatML ``<|im_end|>``); a tool
+call gets its result injected as the student's template renders it (toy
+``<|tool_result|>..<|end|><|assistant|>``, exactly as the runtime does) and the teacher goes on,
+until it answers (then what the template writes after an answer: toy ``<|eos|>``), runs out of
+tokens, or has made ``teacher.max_turns`` calls. The conversations of a chunk advance together: one
+batched teacher request per turn. An API teacher gets the item's tools with every request and its
+structured ``tool_calls`` back, rendered in the student's chat format by the student's template
+(:mod:`.http`): the record's text is what the student's template makes of the teacher's messages,
+whatever format the teacher writes. Parallel calls of one response are played as that format writes
+them (toy: one call per turn, each answered before the next, the data reader's layout; Hermes /
+Llama 3: all calls in one turn, the results together) and the next request answers them by
+``tool_call_id`` (:mod:`.messages`).
 
 Record (one JSON line per item, after a header line)::
 
@@ -41,7 +46,8 @@ that carry a teacher distribution, ``KDBuildResult.coverage`` (also in the pipel
 tokenizer; a teacher with another one got ~0 before the byte mapping (one foreign token made the
 turn text-only).
 
-Robustness: a SHA-256 keyed response cache (:mod:`.cache`), records appended to
+Robustness: a SHA-256 keyed response cache (:mod:`.cache`; the key also holds the student's
+tokenizer fingerprint, since a cached turn is on its tokens and in its chat format), records appended to
 ``<out>.partial`` and a checkpoint ``<out>.ckpt`` (atomic JSON with an embedded sha256 of its
 state and of the ``.partial`` prefix it vouches for) every ``ckpt_every`` items. ``resume``
 truncates ``.partial`` to the checkpointed prefix and continues with the next item: no
@@ -156,11 +162,11 @@ class KDConversation:
         self.topk_lp += [[] for _ in ids]
 
     def add_turn(self, turn: TurnResult) -> None:
-        """One teacher response. Parallel ``tool_calls`` (an API's) are played one call per turn, each
-        answered before the next, as the data reader interleaves them; only the first carries the
-        teacher's tokens (the API's tokens spell its own call markup, not ours)."""
+        """One teacher response: the turns it stands for in the student's format (:func:`call_turns`;
+        the toy plays parallel ``tool_calls`` one call per turn, each answered before the next, as the
+        data reader interleaves them). Teacher tokens come with a response of one turn only."""
         self.request_ids.append(turn.request_id)
-        texts = call_turns(turn)
+        texts = call_turns(turn, self.fmt)
         results: list[dict[str, Any]] = []
         for j, text in enumerate(texts):
             if j == 0 and turn.token_ids is not None:
@@ -309,15 +315,16 @@ class _TurnArgs(TypedDict):
 
 
 def _complete_all(
-    teacher: Teacher, cfg: KDConfig, cache: ResponseCache | None, conversations: list[KDConversation]
-) -> tuple[list[TurnResult], list[bool]]:
+    teacher: Teacher, cfg: KDConfig, cache: ResponseCache | None, conversations: list[KDConversation],
+    student_tokenizer: str,
+) -> tuple[list[TurnResult], list[bool]]:  # fmt: skip
     """Turns for every conversation: cache hits first, the misses in one batch (or one by one, with
-    the item's tools)."""
+    the item's tools). ``student_tokenizer``: its fingerprint, part of the cache key."""
     kwargs: _TurnArgs = {"max_new_tokens": cfg.max_new_tokens, "top_k": cfg.top_k, "temperature": cfg.temperature}
     payload_of = getattr(teacher, "payload", None)
     keys = [
         cache_key(teacher.model_id, payload_of(c.messages, **kwargs, tools=c.tools) if payload_of
-                  else {"messages": c.messages, **kwargs})
+                  else {"messages": c.messages, **kwargs}, student_tokenizer)
         for c in conversations
     ]  # fmt: skip
     results: list[TurnResult | None] = [cache.get(k) if cache else None for k in keys]
@@ -339,13 +346,15 @@ def _complete_all(
 
 
 def play_chunk(
-    teacher: Teacher, cfg: KDConfig, cache: ResponseCache | None, items: list[dict[str, Any]]
-) -> tuple[list[KDConversation], int, float]:
-    """The conversations of ``items``, played together, and the tokens / USD spent on uncached requests."""
+    teacher: Teacher, cfg: KDConfig, cache: ResponseCache | None, items: list[dict[str, Any]],
+    student_tokenizer: str,
+) -> tuple[list[KDConversation], int, float]:  # fmt: skip
+    """The conversations of ``items``, played together, and the tokens / USD spent on uncached requests
+    (``student_tokenizer``: the fingerprint of ``teacher.tokenizer``, for the cache keys)."""
     convs = [KDConversation(item, teacher.tokenizer, cfg.max_turns) for item in items]
     tokens, usd = 0, 0.0
     while active := [c for c in convs if not c.finish]:
-        turns, cached = _complete_all(teacher, cfg, cache, active)
+        turns, cached = _complete_all(teacher, cfg, cache, active, student_tokenizer)
         for conv, turn, hit in zip(active, turns, cached):
             conv.add_turn(turn)
             if not hit:
@@ -421,7 +430,8 @@ def build_kd_set(
             prefix = _Hasher(partial, state["offset"])
             while state["n_done"] < total:
                 start = state["n_done"]
-                convs, tokens, usd = play_chunk(teacher, kd, cache, items[start : start + chunk])
+                convs, tokens, usd = play_chunk(teacher, kd, cache, items[start : start + chunk],
+                                                header["tokenizer_fingerprint"])  # fmt: skip
                 records = [c.record() for c in convs]
                 data = b"".join(_dumps(r) for r in records)
                 f.write(data)

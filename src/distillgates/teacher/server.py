@@ -9,10 +9,16 @@ request id in an ``x-request-id`` header. ``GET /v1/models`` lists the one model
 The OpenAI message protocol is checked as strictly as real servers do (HTTP 400 naming the message):
 an assistant ``tool_calls`` entry needs an ``id``, ``type: function`` and a JSON-string
 ``arguments``; every ``tool`` message answers, by ``tool_call_id``, a call of the assistant message
-before it, and every call is answered before the conversation goes on. A generated turn whose
-``<|tool_call|>{json}`` segments all parse comes back as ``message.tool_calls`` (ids
-``call_<request>_<j>``, several for parallel calls, ``finish_reason: tool_calls``; what a server's
-tool parser does), any other turn as ``content``.
+before it, and every call is answered before the conversation goes on.
+
+The served model's own chat format (:class:`~distillgates.data.chat.ChatFormat` of its tokenizer)
+renders the request (messages and ``tools``, through its chat template) and parses the generation,
+as a real server's template and tool parser do: a generated turn whose calls all parse (toy
+``<|tool_call|>{json}``, Hermes ``<tool_call>`` blocks, Llama 3 JSON) comes back as
+``message.tool_calls`` with the text before them as ``content`` (ids ``call_<request>_<j>``,
+several for parallel calls, ``finish_reason: tool_calls``), any other turn as ``content``.
+Generation stops at the model's end-of-turn token, or at the request's ``stop`` strings, each of
+which must be one token of the model's vocabulary (HTTP 400 otherwise).
 The bodies of accepted requests are kept in ``server.requests`` for tests.
 
 Faults are queued per request (``server.faults.append(Fault("429", retry_after=1))``): each
@@ -32,14 +38,11 @@ import time
 from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
-from typing import Any, cast
+from typing import Any
 
-from distillgates.data.chat import render_messages
-from distillgates.data.tools import parse_tool_call
 from distillgates.teacher.local import LocalTeacher
 from distillgates.teacher.messages import chat_messages
 from distillgates.teacher.tokens import TokenBytes
-from distillgates.tokenizer import END, TOOL_CALL
 
 FAULT_KINDS = ("429", "500", "503", "malformed", "slow", "drop")
 
@@ -129,15 +132,20 @@ class TeacherServer:
             return self.faults.popleft() if self.faults else None
 
     def completion(self, body: dict[str, Any]) -> dict[str, Any]:
-        """The chat-completions response for a validated request body."""
+        """The chat-completions response for a validated request body (kept in :attr:`requests`).
+
+        Raises:
+            ValueError: a ``stop`` that is not one token, or messages the model's template cannot render.
+        """
         messages = body["messages"]
         max_tokens = int(body.get("max_tokens") or body.get("max_completion_tokens") or 64)
         temperature = float(body.get("temperature") or 0.0)
         k = int(body.get("top_logprobs") or 0) if body.get("logprobs") else 0
-        stop = body.get("stop") or [END]
-        stops = [stop] if isinstance(stop, str) else stop
-        stop_ids = [cast(int, self.teacher.tokenizer.convert_tokens_to_ids(s)) for s in stops]  # one token each
-        prompt_ids = self.teacher.encode(render_messages(chat_messages(messages)))
+        fmt = self.teacher.chat_format
+        stop_ids = self.stop_ids(body.get("stop"))
+        prompt = fmt.render(chat_messages(messages, fmt), body.get("tools"), add_generation_prompt=True)
+        prompt_ids = self.teacher.encode(prompt)
+        self.requests.append(body)
         with self._lock:  # one generation at a time
             gen = self.teacher.generate(
                 prompt_ids,
@@ -150,10 +158,10 @@ class TeacherServer:
         number = next(self._ids)
         request_id = f"chatcmpl-{number:06d}"
         message: dict[str, Any] = {"role": "assistant", "content": gen.text}
-        preamble, *bodies = gen.text.split(TOOL_CALL)
-        calls = [parse_tool_call(body) for body in bodies] if gen.finish_reason == "stop" else []
+        parsed = fmt.parse_output(gen.text)
+        calls = parsed.calls if gen.finish_reason == "stop" else []
         if calls and all(calls):  # every call parses: tool_calls (several: parallel calls), like a tool parser
-            message = {"role": "assistant", "content": preamble or None, "tool_calls": [
+            message = {"role": "assistant", "content": parsed.preamble or None, "tool_calls": [
                 {"id": f"call_{number}_{j}", "type": "function",
                  "function": {"name": c["name"], "arguments": json.dumps(c["arguments"], ensure_ascii=False)}}
                 for j, c in enumerate(calls) if c is not None
@@ -184,6 +192,23 @@ class TeacherServer:
                 "total_tokens": len(prompt_ids) + n_out,
             },
         }
+
+    def stop_ids(self, stop: Any) -> list[int]:
+        """Ids the generation stops at: the request's ``stop`` strings (each one token of the model's
+        vocabulary), else the model's end-of-turn token (what the local teacher stops at).
+
+        Raises:
+            ValueError: a stop string that is not one token of the vocabulary.
+        """
+        if not stop:
+            return [self.teacher.end_id]
+        vocab = self.teacher.tokenizer.get_vocab()
+        stops = [stop] if isinstance(stop, str) else stop
+        unknown = [s for s in stops if not isinstance(s, str) or s not in vocab]
+        if unknown:
+            raise ValueError(f"stop: {unknown} are not single tokens of {self.model_name}'s vocabulary "
+                             "(this server stops at tokens; leave stop out to end at its end of turn)")  # fmt: skip
+        return [vocab[s] for s in stops]
 
     def _token(self, token_id: int, logprob: float) -> dict[str, Any]:
         raw = self.token_bytes.by_id[token_id]
@@ -303,8 +328,11 @@ def _make_handler(server: TeacherServer) -> type[BaseHTTPRequestHandler]:
             if problem:
                 self._error(400, problem)
                 return
-            server.requests.append(body)
-            response = server.completion(body)
+            try:
+                response = server.completion(body)
+            except ValueError as err:  # a stop the model cannot stop at, messages its template cannot render
+                self._error(400, str(err))
+                return
             if fault is not None and fault.kind == "malformed":
                 self._send(200, json.dumps(response).encode()[: len(json.dumps(response)) // 2])  # truncated JSON
                 return
