@@ -118,10 +118,11 @@ def main() -> None:
     limits: list[float] = []  # per round: that round's bandwidth / weight bytes
     if bandwidths:
         nbytes, bandwidth = weight_bytes(model), statistics.median(bandwidths)
+        low, high = min(bandwidths) / 1e9, max(bandwidths) / 1e9
         limits = [b / nbytes for b in bandwidths]
         print(f"weights read per token {nbytes / 1e6:.1f} MB, read bandwidth {bandwidth / 1e9:.1f} GB/s (median of "
-              f"rounds, {min(bandwidths) / 1e9:.1f}-{max(bandwidths) / 1e9:.1f}), limit {bandwidth / nbytes:.1f} tok/s; "
-              f"'of limit' is the median of the rounds' tok/s / limit")  # fmt: skip
+              f"rounds, {low:.1f}-{high:.1f}), limit {bandwidth / nbytes:.1f} tok/s\n"
+              f"'of limit': median over rounds of tok/s / that round's limit")  # fmt: skip
     print(f"{'engine':<22}{'decode tok/s':>14}{'vs HF':>8}  {'ratio p10-p90':>14}{'of limit':>10}  same tokens as HF")
     for name, samples in tps.items():
         ratios = sorted(s / b for s, b in zip(samples, base, strict=True))
