@@ -177,7 +177,10 @@ class FusedDecoder:
         """Boolean SDPA mask over the filled prefix ``[:kv_len]`` for GQA-grouped query rows (row ``g*T + t``
         is query ``t``, see :func:`~distillgates.model.gqa_attention`); ``last_row``: the last query only.
         None when every query sees the whole prefix (one query at the last slot, no padding)."""
-        T, groups = input_pos.shape[0], self.config.n_heads // self.config.n_kv_heads
+        T, groups = input_pos.shape[-1], self.config.n_heads // self.config.n_kv_heads
+        if input_pos.dim() == 2:  # one position row per batch row: causal in each row's own positions
+            mask = self.model.causal_mask[input_pos][:, None, :, :kv_len]  # (B, 1, T, S)
+            return (mask[..., -1:, :] if last_row else mask).repeat(1, 1, groups, 1)  # (B, 1, G*T | G, S)
         if attention_mask is None and contiguous:
             if T == 1 or last_row:
                 return None
@@ -189,14 +192,19 @@ class FusedDecoder:
         return mask.repeat(1, 1, groups, 1)  # (B|1, 1, G*T, S)
 
     def forward(
-        self, idx: Tensor, input_pos: Tensor, attention_mask: Tensor | None = None, last_only: bool = False
-    ) -> Tensor:
+        self, idx: Tensor, input_pos: Tensor, attention_mask: Tensor | None = None, last_only: bool = False,
+        cache_rows: Tensor | None = None,
+    ) -> Tensor:  # fmt: skip
         """Write ``idx`` into the cache at ``input_pos``; logits as ``Transformer.forward`` returns them.
 
         Args:
             idx: token ids ``(B, T)``.
-            input_pos: cache positions ``(T,)`` (prefill: ``arange(T)``; decode: ``[pos]``).
+            input_pos: cache positions ``(T,)`` (prefill: ``arange(T)``; decode: ``[pos]``), shared by the
+                rows; or ``(B, T)``, each row's own (continuous batching: a row attends its slots up to each
+                query's position, so slots past it may hold anything; no ``attention_mask`` then).
             attention_mask: ``(B, S_max)`` over cache slots, True = real token; None: all real.
+            cache_rows: with per-row positions, the cache row of each batch row ``(B,)`` (default: rows
+                ``0..B-1``); other rows are neither read nor written.
             last_only: logits ``(B, 1, V)`` of the last position only (prefill, extend): the last layer
                 writes K/V for every row but computes attention, MLP and the LM head (the largest
                 matmul) for the last row only; nothing reads the other rows' outputs.
@@ -209,14 +217,23 @@ class FusedDecoder:
         assert cfg.head_dim is not None  # set by ModelConfig.__post_init__
         H, n_kv, hd, d_eps = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.d_model * cfg.norm_eps
         plan = self.plan()
+        per_row = input_pos.dim() == 2
+        if per_row and attention_mask is not None:
+            raise ValueError("per-row positions (B, T) take no attention_mask: a row attends up to its positions")
         positions = input_pos.tolist()  # the one host read per forward
-        start = positions[0]
-        contiguous = positions == list(range(start, start + T))
-        kv_len = start + T if contiguous else max(positions) + 1
-        if contiguous:  # views, no gather
-            cos, sin = model.rope_cos[start : start + T], plan.rope_sin[start : start + T]  # (T, hd)
+        if per_row:
+            contiguous, kv_len = False, max(map(max, positions)) + 1
+            cos, sin = model.rope_cos[input_pos][:, None], plan.rope_sin[input_pos][:, None]  # (B, 1, T, hd)
+            gather = cache_rows is not None and cache_rows.tolist() != list(range(B))
+            rows = (cache_rows if gather else torch.arange(B, device=idx.device))[:, None]  # (B, 1): cache rows
         else:
-            cos, sin = model.rope_cos[input_pos], plan.rope_sin[input_pos]  # (T, hd)
+            start = positions[0]
+            contiguous = positions == list(range(start, start + T))
+            kv_len = start + T if contiguous else max(positions) + 1
+            if contiguous:  # views, no gather
+                cos, sin = model.rope_cos[start : start + T], plan.rope_sin[start : start + T]  # (T, hd)
+            else:
+                cos, sin = model.rope_cos[input_pos], plan.rope_sin[input_pos]  # (T, hd)
         # with ``last_only`` the last layer writes every row's K/V but computes the last row's output only
         last_layer = len(plan.layers) - 1 if last_only and T > 1 else -1
         mask = None if last_layer == 0 else self._mask(input_pos, attention_mask, contiguous, kv_len, False)
@@ -244,11 +261,18 @@ class FusedDecoder:
                 qk_rot = qk.unflatten(-1, (2, hd // 2)).flip(-2).flatten(-2)  # (B, H+n_kv, T, hd)
             qk = torch.addcmul(qk * cos, qk_rot, sin)  # RoPE on q and k: x * cos + rotate_half(x) * sin
             q, k = qk.split_with_sizes([H, n_kv], dim=1)  # (B, H, T, hd), (B, n_kv, T, hd)
-            if k_cache.shape[0] != B:
-                k_cache, v_cache = k_cache[:B], v_cache[:B]  # (B, n_kv, S_max, hd)
-            k_cache.index_copy_(2, input_pos, k.to(k_cache.dtype) if cast else k)
-            v_cache.index_copy_(2, input_pos, v.to(v_cache.dtype) if cast else v)
-            k, v = k_cache.narrow(2, 0, kv_len), v_cache.narrow(2, 0, kv_len)  # (B, n_kv, S, hd)
+            if per_row:  # (B_max, S, n_kv, hd) views of the cache, written at (cache row, its position)
+                k_cache.transpose(1, 2)[rows, input_pos] = (k.to(k_cache.dtype) if cast else k).transpose(1, 2)
+                v_cache.transpose(1, 2)[rows, input_pos] = (v.to(v_cache.dtype) if cast else v).transpose(1, 2)
+            if per_row and gather:  # another subset of the rows than the first B: a copy of theirs
+                k, v = k_cache[rows[:, 0], :, :kv_len], v_cache[rows[:, 0], :, :kv_len]  # (B, n_kv, S, hd)
+            else:
+                if k_cache.shape[0] != B:
+                    k_cache, v_cache = k_cache[:B], v_cache[:B]  # (B, n_kv, S_max, hd)
+                if not per_row:
+                    k_cache.index_copy_(2, input_pos, k.to(k_cache.dtype) if cast else k)
+                    v_cache.index_copy_(2, input_pos, v.to(v_cache.dtype) if cast else v)
+                k, v = k_cache.narrow(2, 0, kv_len), v_cache.narrow(2, 0, kv_len)  # (B, n_kv, S, hd)
             if cast:
                 k, v = k.to(q.dtype), v.to(q.dtype)
             if i == last_layer:  # nothing reads the other rows' outputs: one query row from here on
