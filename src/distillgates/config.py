@@ -461,9 +461,9 @@ class EvalConfig:
     # torch threads of the student's eval and of each of the determinism check's shard workers: the same
     # kernels (reduction order), so the reported outputs are the check's unsharded arm, compared bit for bit
     threads: int = 1
-    # items the student's engine decodes together (eval/runners.py run_items_batched: rounds of turns over
-    # the static cache's rows); 1: one item at a time. Greedy outputs equal batch 1's up to float ties; not
-    # with constrained_tool_calls. Above 1 it is part of the student's runner fingerprint
+    # items the student's engine decodes together (eval/runners.py run_items_batched: continuous batching
+    # over the static cache's rows); 1: one item at a time. Greedy outputs equal batch 1's up to float ties;
+    # not with constrained_tool_calls. Above 1 it is part of the student's runner fingerprint
     batch_size: int = 1
     # a tool call no fixture answers: "error" (an error result for the model) or "mock" (mock_result, counted
     # apart as mocked_calls); a counted miss of the fixture hit-rate either way
