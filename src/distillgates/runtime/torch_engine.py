@@ -245,17 +245,17 @@ class TorchEngine(EngineBase):
             raise ValueError(f"chunks must be non-empty and leave the last of max_seq_len {self.max_seq_len} slots "
                              f"free (starts {list(starts)}, lengths {[len(c) for c in chunks]})")  # fmt: skip
         length = max(len(chunk) for chunk in chunks)
-        idx = torch.zeros(len(rows), length, dtype=torch.long)  # (B, T): pad id 0
-        positions = torch.empty(len(rows), length, dtype=torch.long)  # (B, T)
-        for i, (chunk, start) in enumerate(zip(chunks, starts, strict=True)):
-            pad = length - len(chunk)
-            idx[i, pad:] = torch.tensor(list(chunk), dtype=torch.long)
-            positions[i, :pad] = start + len(chunk)  # the next free slot: overwritten by the row's next write
-            positions[i, pad:] = torch.arange(start, start + len(chunk))
+        pads = [length - len(chunk) for chunk in chunks]
+        # pad id 0; a row's padding goes to the slot after its chunk, overwritten by the row's next write
+        idx = [[0] * pad + [int(t) for t in chunk] for pad, chunk in zip(pads, chunks)]
+        positions = [[s + len(c)] * pad + list(range(s, s + len(c))) for pad, c, s in zip(pads, chunks, starts)]
         self.tokens, self.pending = [], None
-        cache_rows = torch.tensor(list(rows), dtype=torch.long, device=self.device)
-        logits = self.decoder.forward(idx.to(self.device), positions.to(self.device), last_only=True,
-                                      cache_rows=cache_rows)  # fmt: skip
+        logits = self.decoder.forward(
+            torch.tensor(idx, dtype=torch.long, device=self.device),  # (B, T)
+            torch.tensor(positions, dtype=torch.long, device=self.device),  # (B, T)
+            last_only=True,
+            cache_rows=torch.tensor(list(rows), dtype=torch.long, device=self.device),  # (B,)
+        )
         return logits[:, -1]  # (B, V)
 
     def generate_batch(
