@@ -218,9 +218,9 @@ def run_items_batched(
         raise ValueError("eval.batch_size > 1 cannot decode with constrained tool calls (a constraint per "
                          "item and token): set eval.batch_size: 1 or eval.constrained_tool_calls: false")  # fmt: skip
     if getattr(engine, "max_batch_size", 1) < batch_size or not hasattr(engine, "write_rows"):
-        rows = getattr(engine, "max_batch_size", 1)
+        have = getattr(engine, "max_batch_size", 1)
         raise ValueError(f"eval.batch_size {batch_size} needs an engine with write_rows and at least that many "
-                         f"cache rows, got a {type(engine).__name__} with {rows}")  # fmt: skip
+                         f"cache rows, got a {type(engine).__name__} with {have}")  # fmt: skip
     session = _TokenSession(runner.tokenizer, runner.max_new_tokens)  # encoding, stop ids, turns
     fmt, max_seq_len, stops = session.chat_format, int(engine.max_seq_len), frozenset(session.stop_ids)
     outputs: list[dict[str, Any]] = [{} for _ in items]

@@ -224,8 +224,10 @@ class FusedDecoder:
         if per_row:
             contiguous, kv_len = False, max(map(max, positions)) + 1
             cos, sin = model.rope_cos[input_pos][:, None], plan.rope_sin[input_pos][:, None]  # (B, 1, T, hd)
-            gather = cache_rows is not None and cache_rows.tolist() != list(range(B))
-            rows = (cache_rows if gather else torch.arange(B, device=idx.device))[:, None]  # (B, 1): cache rows
+            if cache_rows is None or cache_rows.tolist() == list(range(B)):
+                gather, rows = False, torch.arange(B, device=idx.device)[:, None]  # (B, 1): the first B rows
+            else:
+                gather, rows = True, cache_rows[:, None]  # (B, 1): another subset of the cache rows
         else:
             start = positions[0]
             contiguous = positions == list(range(start, start + T))
