@@ -104,6 +104,31 @@ def test_constrained_tool_calls_rerun_only_eval(tiny_run: tuple[Path, Path], tmp
     assert determinism["coverage"] == 1.0 and determinism["mismatches"] == 0
 
 
+@pytest.mark.integration
+def test_eval_batch_size_reruns_only_eval_with_the_same_outputs(tiny_run: tuple[Path, Path], tmp_path: Path) -> None:
+    """``eval.batch_size``: the student's items decoded together (and its shards likewise); the outputs
+    equal the batch-1 run's, the runner fingerprint differs, nothing upstream re-runs."""
+    from distillgates.eval.sharding import read_outputs
+
+    config, run_dir = tiny_run
+    single = read_outputs(run_dir / "eval" / "outputs.jsonl")
+    run_dir = Path(shutil.copytree(run_dir, tmp_path / "run"))
+    before = json.loads((run_dir / "manifest.json").read_text())
+    data = yaml.safe_load(config.read_text())
+    data["eval"] = {"batch_size": 4}
+    changed = tmp_path / "batched.yaml"
+    changed.write_text(yaml.safe_dump(data))
+    run_pipeline(changed, run_dir)
+    after = json.loads((run_dir / "manifest.json").read_text())
+    assert {name for name in before if name != "_started" and after[name] != before[name]} == {"eval", "report"}
+    assert read_outputs(run_dir / "eval" / "outputs.jsonl") == single
+    old, new = (read_report(d / "reports" / "report.json")["quality"]["student"] for d in (tiny_run[1], run_dir))
+    assert new["fingerprints"]["runner_fingerprint"] != old["fingerprints"]["runner_fingerprint"]
+    report = read_report(run_dir / "reports" / "report.json")
+    determinism = report["gate_inputs"]["determinism"]
+    assert determinism["coverage"] == 1.0 and determinism["mismatches"] == 0
+
+
 NOISE = ("Failed to load _MLModelProxy", "has not been tested with coremltools", "Core ML only supports fp16 states",
          "Running MIL", "LeafSpec")  # fmt: skip
 

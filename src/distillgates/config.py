@@ -461,6 +461,10 @@ class EvalConfig:
     # torch threads of the student's eval and of each of the determinism check's shard workers: the same
     # kernels (reduction order), so the reported outputs are the check's unsharded arm, compared bit for bit
     threads: int = 1
+    # items the student's engine decodes together (eval/runners.py run_items_batched: continuous batching
+    # over the static cache's rows); 1: one item at a time. Greedy outputs equal batch 1's up to float ties;
+    # not with constrained_tool_calls. Above 1 it is part of the student's runner fingerprint
+    batch_size: int = 1
     # a tool call no fixture answers: "error" (an error result for the model) or "mock" (mock_result, counted
     # apart as mocked_calls); a counted miss of the fixture hit-rate either way
     missing_fixture: str = "error"
@@ -472,6 +476,11 @@ class EvalConfig:
             raise ValueError(f"missing_fixture must be error/mock, got {self.missing_fixture!r}")
         if self.threads < 1:
             raise ValueError(f"threads must be >= 1, got {self.threads}")
+        if self.batch_size < 1:
+            raise ValueError(f"batch_size must be >= 1, got {self.batch_size}")
+        if self.batch_size > 1 and self.constrained_tool_calls:
+            raise ValueError("batch_size > 1 cannot decode with constrained_tool_calls (one constraint per item and "
+                             "token): set one of them back (batch_size: 1 or constrained_tool_calls: false)")
         if self.max_new_tokens < 1 or self.max_calls < 1:
             raise ValueError(f"max_new_tokens and max_calls must be >= 1, got {self.max_new_tokens}, {self.max_calls}")
 

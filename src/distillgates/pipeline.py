@@ -371,8 +371,10 @@ def step_eval(cfg: Config, run: RunDir) -> dict[str, Any]:
                               "max_calls": cfg.eval.max_calls, "max_new_tokens": cfg.eval.max_new_tokens,
                               "policy": policy, "privacy": cfg.eval.privacy}
     with torch_threads(cfg.eval.threads):  # the shard workers' thread count: the same kernels, bit for bit
-        student, outputs = evaluate(TorchEngine(run.load_model()), items, tokenizer, return_outputs=True,
-                                    constrained=cfg.eval.constrained_tool_calls, **common)
+        batch = cfg.eval.batch_size  # items decoded together (the engine's cache rows)
+        student, outputs = evaluate(TorchEngine(run.load_model(), max_batch_size=batch), items, tokenizer,
+                                    return_outputs=True, batch_size=batch, constrained=cfg.eval.constrained_tool_calls,
+                                    **common)  # fmt: skip
     student["outputs_sha256"] = outputs_sha256(outputs)  # the determinism gate checks the shards compared these
     quality = {"student": student, "teacher": evaluate(teacher, items, tokenizer, **common)}
     write_outputs(run.eval_outputs, outputs)
@@ -382,6 +384,7 @@ def step_eval(cfg: Config, run: RunDir) -> dict[str, Any]:
     spec = {"dataset": str(run.dataset("eval")), "tokenizer": str(run.tokenizer_dir), "model": str(run.model_path()),
             "runner": "engine", "max_new_tokens": cfg.eval.max_new_tokens, "max_calls": cfg.eval.max_calls,
             "constrained_tool_calls": cfg.eval.constrained_tool_calls, "threads": cfg.eval.threads,
+            "batch_size": cfg.eval.batch_size,
             "missing_fixture": cfg.eval.missing_fixture, "mock_result": cfg.eval.mock_result}
     run.shards_dir.mkdir(parents=True, exist_ok=True)
     determinism = sharded_determinism(spec, world_size=2, work_dir=run.shards_dir, unsharded=outputs)

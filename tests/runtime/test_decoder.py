@@ -33,9 +33,9 @@ def _model(seed: int = 0, cfg: ModelConfig = CFG) -> Transformer:
     return model
 
 
-def _decoder(model: Transformer, batch: int = 1) -> FusedDecoder:
+def _decoder(model: Transformer, batch: int = 1, fold_rotation: bool | None = None) -> FusedDecoder:
     model.setup_caches(batch)
-    return FusedDecoder(model)
+    return FusedDecoder(model, fold_rotation)
 
 
 def _run(forward: Forward, idx: torch.Tensor, start: int) -> torch.Tensor:
@@ -47,17 +47,33 @@ def _run(forward: Forward, idx: torch.Tensor, start: int) -> torch.Tensor:
     return torch.cat(out, dim=1).clone()
 
 
-@settings(max_examples=15, deadline=None)
+@settings(max_examples=20, deadline=None)
 @given(start=st.integers(1, 10), n=st.integers(1, 8), batch=st.integers(1, 2), seed=st.integers(0, 50),
-       n_kv=st.sampled_from([1, 2, 4]))  # fmt: skip
-def test_decoder_matches_module_path(start: int, n: int, batch: int, seed: int, n_kv: int) -> None:
-    cfg = ModelConfig(**{**CFG.__dict__, "n_kv_heads": n_kv})
+       n_kv=st.sampled_from([1, 2, 4]), fold_rotation=st.booleans(),
+       family=st.sampled_from(["llama", "attention_bias", "qk_norm"]))  # fmt: skip
+def test_decoder_matches_module_path(
+    start: int, n: int, batch: int, seed: int, n_kv: int, fold_rotation: bool, family: str
+) -> None:
+    extra = {"attention_bias": {"attention_bias": True}, "qk_norm": {"qk_norm": True}}.get(family, {})
+    cfg = ModelConfig(**{**CFG.__dict__, "n_kv_heads": n_kv, **extra})
     model = _model(seed, cfg)
+    if family == "attention_bias":  # non-zero biases, so that folding them is exercised
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if name.endswith("proj.bias"):
+                    p.uniform_(-0.5, 0.5)
     idx = torch.randint(0, cfg.vocab_size, (batch, start + n), generator=torch.Generator().manual_seed(seed))
     model.setup_caches(batch)
     ref = _run(model, idx, start)
-    got = _run(_decoder(model, batch).forward, idx, start)
+    got = _run(_decoder(model, batch, fold_rotation).forward, idx, start)
     torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-4)
+
+
+def test_rotation_is_folded_for_small_models_only() -> None:
+    model = _model()
+    assert _decoder(model).fold_rotation  # the tiny test model: dispatch-bound
+    big = Transformer(ModelConfig(**{**CFG.__dict__, "vocab_size": 40_000, "d_model": 128})).eval()
+    assert not _decoder(big).fold_rotation  # > FOLD_ROTATION_MAX_BYTES: bound by weight reads
 
 
 def test_in_place_weight_update_is_seen() -> None:

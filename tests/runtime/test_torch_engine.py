@@ -173,3 +173,35 @@ def test_compiled_decode_matches_eager(make_model):
     eager = list(TorchEngine(model).generate([1, 2, 3], max_new_tokens=6))
     compiled = list(TorchEngine(model, compile=True).generate([1, 2, 3], max_new_tokens=6))
     assert compiled == eager
+
+
+def test_write_rows_continues_each_row_as_alone(make_model):
+    """Continuous batching: rows at their own positions, chunks of different lengths, a subset of the rows per
+    write, a row reused for a new conversation (its stale slots past the new positions are never attended)."""
+    batched = TorchEngine(make_model(12, dtype=torch.float64), max_batch_size=3)
+    single = TorchEngine(make_model(12, dtype=torch.float64))
+
+    def alone(tokens: list[int]) -> torch.Tensor:
+        return single.prefill(tokens)
+
+    convs = {0: [5, 6, 7, 8, 9, 10, 11], 2: [1, 2]}
+    logits = batched.write_rows([2, 0], [convs[2], convs[0]], [0, 0])
+    torch.testing.assert_close(logits[0], alone(convs[2]))
+    torch.testing.assert_close(logits[1], alone(convs[0]))
+    convs[1] = list(range(20, 40))  # a long prompt in row 1 alone, rows 0 and 2 untouched
+    torch.testing.assert_close(batched.write_rows([1], [convs[1]], [0])[0], alone(convs[1]))
+    for step in range(4):  # one token per row, each at its own position; then a chunk in row 2 only
+        new = {row: [3 + step + row] for row in convs}
+        rows = sorted(convs)
+        logits = batched.write_rows(rows, [new[r] for r in rows], [len(convs[r]) for r in rows])
+        for i, row in enumerate(rows):
+            convs[row] += new[row]
+            torch.testing.assert_close(logits[i], alone(convs[row]))
+    convs[2] += [7, 8, 9]
+    torch.testing.assert_close(batched.write_rows([2], [[7, 8, 9]], [len(convs[2]) - 3])[0], alone(convs[2]))
+    convs[0] = [4, 4]  # row 0 starts over: its old slots 2.. are stale
+    torch.testing.assert_close(batched.write_rows([0, 2], [[4, 4], [1]], [0, len(convs[2])])[0], alone(convs[0]))
+    with pytest.raises(ValueError, match="leave the last of"):
+        batched.write_rows([0], [[1] * batched.max_seq_len], [0])
+    with pytest.raises(ValueError, match="outside the engine's max_batch_size"):
+        batched.write_rows([3], [[1]], [0])

@@ -32,11 +32,15 @@ from distillgates.tokenizer import tokenizer_fingerprint
 
 def as_runner(
     engine_or_runner: Any, tokenizer: Any, model_fingerprint: str | None = None, max_new_tokens: int = 96,
-    constrained: bool = False,
+    constrained: bool = False, batch_size: int = 1,
 ) -> Runner:
     """A runner as is; a runtime engine wrapped in a greedy :class:`EngineRunner` (``constrained``:
-    tool calls under constrained JSON decoding)."""
+    tool calls under constrained JSON decoding; ``batch_size``: items decoded together, the engine
+    needs that many cache rows)."""
     if hasattr(engine_or_runner, "session"):
+        if batch_size != getattr(engine_or_runner, "batch_size", 1):
+            raise ValueError(f"batch_size {batch_size} needs a runtime engine (or an EngineRunner built with it); "
+                             f"got a {type(engine_or_runner).__name__}")  # fmt: skip
         if constrained and not getattr(engine_or_runner, "constrained", False):
             raise ValueError("constrained tool-call decoding needs a runtime engine (or an EngineRunner built "
                              f"with constrained=True); got a {type(engine_or_runner).__name__}")
@@ -46,7 +50,8 @@ def as_runner(
             from distillgates.model import model_fingerprint as fingerprint_of
 
             model_fingerprint = fingerprint_of(engine_or_runner.model)
-        return EngineRunner(engine_or_runner, tokenizer, model_fingerprint, max_new_tokens, constrained)
+        return EngineRunner(engine_or_runner, tokenizer, model_fingerprint, max_new_tokens, constrained,
+                            batch_size=batch_size)  # fmt: skip
     raise TypeError(f"expected a runner or a runtime engine, got {type(engine_or_runner).__name__}")
 
 
@@ -71,6 +76,7 @@ def evaluate(
     constrained: bool = ...,
     policy: FixturePolicy | None = ...,
     privacy: PrivacyConfig | None = ...,
+    batch_size: int = ...,
 ) -> dict[str, Any]: ...
 
 
@@ -89,6 +95,7 @@ def evaluate(
     constrained: bool = ...,
     policy: FixturePolicy | None = ...,
     privacy: PrivacyConfig | None = ...,
+    batch_size: int = ...,
 ) -> tuple[dict[str, Any], list[dict[str, Any]]]: ...
 
 
@@ -106,6 +113,7 @@ def evaluate(
     constrained: bool = False,
     policy: FixturePolicy | None = None,
     privacy: PrivacyConfig | None = None,
+    batch_size: int = 1,
 ) -> dict[str, Any] | tuple[dict[str, Any], list[dict[str, Any]]]:
     """Run and score ``items``; returns METRICS (with slices and ``fingerprints``).
 
@@ -122,8 +130,11 @@ def evaluate(
         constrained: an engine decodes tool calls under constrained JSON decoding (not for runners).
         policy: how the broker answers a call without a fixture (default: an error result).
         privacy: the scorer's PII patterns and allow-list (default: :class:`PrivacyConfig`).
+        batch_size: an engine decodes this many items together (:func:`~distillgates.eval.runners.run_items_batched`;
+            it needs that many cache rows, ``TorchEngine(model, max_batch_size=...)``).
     """
-    runner = as_runner(engine_or_runner, tokenizer, max_new_tokens=max_new_tokens, constrained=constrained)
+    runner = as_runner(engine_or_runner, tokenizer, max_new_tokens=max_new_tokens, constrained=constrained,
+                       batch_size=batch_size)  # fmt: skip
     outputs = run_items(runner, items, max_calls=max_calls, progress=progress, policy=policy)
     metrics = score(items, outputs, shapes=item_lengths(items, tokenizer) if lengths else None, lengths=lengths,
                     privacy=privacy)
@@ -160,8 +171,9 @@ def build_runner(spec: Mapping[str, Any], tokenizer: Any) -> Runner:
         from distillgates.runtime.torch_engine import TorchEngine
 
         model = load_model(spec["model"])
-        constrained = bool(spec.get("constrained_tool_calls", False))
-        return EngineRunner(TorchEngine(model), tokenizer, model_fingerprint(model), budget, constrained)
+        constrained, batch_size = bool(spec.get("constrained_tool_calls", False)), int(spec.get("batch_size", 1))
+        engine = TorchEngine(model, max_batch_size=batch_size)
+        return EngineRunner(engine, tokenizer, model_fingerprint(model), budget, constrained, batch_size=batch_size)
     if kind == "hf":
         return HFRunner.from_pretrained(spec["model"], tokenizer, budget)
     if kind == "openai":

@@ -5,6 +5,8 @@ builder too; a *session* only knows how to produce the next assistant turn:
 
 - :class:`EngineSession`: the runtime engine (``distillgates.runtime``), token level; the tool
   result is appended to the KV state with ``continue_generate`` (no re-prefill).
+- :func:`run_items_batched` (an :class:`EngineRunner` with ``batch_size`` > 1): many items decoded
+  together on the engine's static-cache rows, in rounds of turns (below).
 - :class:`HFSession`: any ``AutoModelForCausalLM`` directory, greedy ``generate`` over the
   conversation so far.
 - :class:`TeacherSession`: anything with the teacher protocol's ``complete(messages, ...)``
@@ -27,11 +29,22 @@ Per-item output (what the scorer consumes; JSON-able)::
 
 ``ttfa_tokens`` counts generated tokens up to the end of the first valid call's JSON (its
 closing ``<|end|>`` excluded); ``None`` when no valid call was made.
+
+Batched eval (:func:`run_items_batched`): continuous batching over the engine's static-cache rows
+(``TorchEngine.write_rows``). Each row holds one conversation at its own positions; every step
+writes, for each row, what the batch-1 path would write next (the prompt; the last generated
+token; after a turn, its pending stop token and the tool results) and reads the logits after it.
+A row ends its turn on its own stop ids or its own budget (the batch-1 path's
+``min(max_new_tokens, max_seq_len - tokens so far)``); the same :class:`Conversation` answers it,
+and a finished item's row takes the next item at once. Greedy outputs equal the batch-1 path's up
+to float rounding (a batched forward rounds differently from a one-row one, so a near-tie could
+flip a token; none did on the toy eval set, docs/benchmarks.md section 8). Constrained decoding is
+per item and token: the batched path refuses it.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
@@ -165,15 +178,91 @@ def run_items(
     runner: Runner, items: Iterable[Mapping[str, Any]], max_calls: int = 4, progress: bool = False,
     policy: FixturePolicy | None = None,
 ) -> list[dict[str, Any]]:  # fmt: skip
+    """Per-item outputs, in order: one item at a time, or batched (an :class:`EngineRunner` with ``batch_size`` > 1)."""
     from distillgates.progress import ProgressBar
 
     items = list(items)
     with ProgressBar(f"eval ({runner.kind})", len(items), enabled=progress) as bar:
+        if isinstance(runner, EngineRunner) and runner.batch_size > 1:
+            return run_items_batched(runner, items, max_calls, policy, on_item_done=lambda: bar.update(1))
         outputs = []
         for item in items:
             outputs.append(run_item(item, runner.session(), max_calls=max_calls, policy=policy))
             bar.update(1)
     return outputs
+
+
+@dataclass
+class _Row:
+    """One open conversation of the batched path, in one cache row of the engine."""
+
+    index: int  # of its item
+    conversation: Conversation
+    written: int  # tokens in the row's KV state
+    chunk: list[int]  # tokens to write next: the prompt, the pending stop token + tool results, or the last token
+    budget: int  # new tokens the current turn may still reach (EngineSession._budget at the turn's start)
+    turn: list[int]  # the current turn's tokens so far
+
+
+def run_items_batched(
+    runner: EngineRunner, items: Sequence[Mapping[str, Any]], max_calls: int = 4,
+    policy: FixturePolicy | None = None, on_item_done: Callable[[], object] = lambda: None,
+) -> list[dict[str, Any]]:  # fmt: skip
+    """Per-item outputs of ``items``, up to ``runner.batch_size`` decoded together (module docstring).
+
+    Raises:
+        ValueError: constrained decoding is on, or the engine has fewer rows than ``batch_size``.
+    """
+    engine, batch_size = runner.engine, runner.batch_size
+    if runner.constrained:
+        raise ValueError("eval.batch_size > 1 cannot decode with constrained tool calls (a constraint per "
+                         "item and token): set eval.batch_size: 1 or eval.constrained_tool_calls: false")  # fmt: skip
+    if getattr(engine, "max_batch_size", 1) < batch_size or not hasattr(engine, "write_rows"):
+        have = getattr(engine, "max_batch_size", 1)
+        raise ValueError(f"eval.batch_size {batch_size} needs an engine with write_rows and at least that many "
+                         f"cache rows, got a {type(engine).__name__} with {have}")  # fmt: skip
+    session = _TokenSession(runner.tokenizer, runner.max_new_tokens)  # encoding, stop ids, turns
+    fmt, max_seq_len, stops = session.chat_format, int(engine.max_seq_len), frozenset(session.stop_ids)
+    outputs: list[dict[str, Any]] = [{} for _ in items]
+    waiting = list(enumerate(items))[::-1]  # popped from the end: in order
+    rows: list[_Row | None] = [None] * batch_size
+
+    def start_turn(row: _Row, chunk: list[int]) -> bool:
+        """Set the row's next turn; False when the context is full (an empty turn ended the item, as at batch 1)."""
+        row.chunk, row.turn = chunk, []
+        row.budget = max(0, min(runner.max_new_tokens, max_seq_len - row.written - len(chunk)))
+        return row.budget > 0 or end_turn(row)
+
+    def end_turn(row: _Row) -> bool:
+        """Record the turn; True when the conversation goes on (its next turn is set)."""
+        results = row.conversation.add_turn(session.turn(row.turn))
+        if results is None:
+            outputs[row.index] = row.conversation.output()
+            on_item_done()
+            return False
+        # the batch-1 path's extend: the pending last token, then the tool results
+        return start_turn(row, row.turn[-1:] + session.encode(fmt.tool_results_text(results)))
+
+    while True:
+        for slot in range(batch_size):
+            while rows[slot] is None and waiting:
+                index, item = waiting.pop()
+                row = _Row(index, Conversation(item, max_calls, policy, fmt), 0, [], 0, [])
+                rows[slot] = row if start_turn(row, session.encode(fmt.prompt(eval_prompt_item(item)))) else None
+        open_rows = {slot: row for slot, row in enumerate(rows) if row is not None}
+        if not open_rows:
+            return outputs
+        # prompts and tool results first, apart: padding a one-token step to their length would waste the step
+        slots = [slot for slot, row in open_rows.items() if len(row.chunk) > 1] or list(open_rows)
+        batch = [open_rows[slot] for slot in slots]
+        logits = engine.write_rows(slots, [row.chunk for row in batch], [row.written for row in batch])  # (B, V)
+        for slot, row, row_logits in zip(slots, batch, logits, strict=True):
+            row.written += len(row.chunk)
+            token = int(torch.argmax(row_logits))  # greedy, as sample_token at temperature 0
+            row.turn.append(token)
+            row.chunk = [token]
+            if (token in stops or len(row.turn) == row.budget) and not end_turn(row):
+                rows[slot] = None
 
 
 def runner_fingerprint_of(runner: Runner) -> str:
@@ -252,6 +341,8 @@ class EngineRunner:
 
     ``constrained``: tool calls decode under the runtime's constrained JSON decoding
     (:func:`distillgates.runtime.constrained.tool_call_processor`); part of the runner fingerprint.
+    ``batch_size``: items decoded together (:func:`run_items_batched`; the engine needs that many
+    cache rows); above 1 it is part of the runner fingerprint.
     """
 
     engine: Any
@@ -260,11 +351,13 @@ class EngineRunner:
     max_new_tokens: int = 96
     constrained: bool = False
     kind: str = "local_engine"
+    batch_size: int = 1
 
     @property
     def decoding(self) -> dict[str, Any]:
+        batched = {"batch_size": self.batch_size} if self.batch_size > 1 else {}  # batch 1: fingerprints as before
         return {"greedy": True, "max_new_tokens": self.max_new_tokens, "engine": type(self.engine).__name__,
-                "constrained_tool_calls": self.constrained}
+                "constrained_tool_calls": self.constrained, **batched}  # fmt: skip
 
     def session(self) -> Session:
         return EngineSession(self.engine, self.tokenizer, self.max_new_tokens, self.constrained)

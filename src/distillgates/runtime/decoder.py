@@ -8,9 +8,12 @@ trace the model's own forward.
 
 Design choices (measured in docs/benchmarks.md section 1):
 - four matmuls per layer over fused, pre-transposed weights (``x @ W^T`` with a contiguous
-  ``W^T`` is the fast one-row matmul on CPU), residual adds fused into ``addmm``, no module calls;
-- RoPE's ``rotate_half`` folded into the QKV weight and each RMSNorm weight folded into the
-  matmul that follows it (:meth:`FusedDecoder.plan`);
+  ``W^T`` is the fast one-row matmul on CPU; the down projection keeps the model's own layout for
+  ``addmv``), residual adds fused into ``addmm``/``addmv``, no module calls;
+- each RMSNorm weight folded into the matmul that follows it, and for small models RoPE's
+  ``rotate_half`` folded into the QKV weight (:meth:`FusedDecoder.plan`); larger models flip the
+  halves of q and k instead (one op per layer): the folded rows make the QKV weight 1.8x larger
+  (SmolLM-135M) and decode at that size is bound by weight reads (docs/benchmarks.md section 8);
 - one host read of ``input_pos``; contiguous positions (every engine call) take RoPE and
   causal-mask rows as views; attention over the filled prefix ``[:kv_len]`` only, with no mask
   at all for one query without padding;
@@ -42,12 +45,18 @@ def _rms(x: Tensor, d_eps: float) -> Tensor:
     return (x32 * torch.rsqrt(x32.pow(2).sum(-1, keepdim=True) + d_eps)).to(x.dtype)
 
 
+# Fold rotate_half into the QKV weight while the model's weights take at most this many bytes: a
+# model that fits a last-level cache is bound by op dispatch (an extra op per layer costs more than
+# the extra rows); a larger one is bound by weight reads (with the extra rows the QKV weight is 1.8x larger).
+FOLD_ROTATION_MAX_BYTES = 16 * 2**20
+
+
 class _Layer(NamedTuple):
-    qkv_r_t: Tensor  # (d, (2H+3n_kv)*hd): rows [q; k; v; R q; R k], attention norm folded in
+    qkv_r_t: Tensor  # (d, (2H+3n_kv)*hd): rows [q; k; v; R q; R k] (or [q; k; v] unfolded), attention norm folded in
     o_t: Tensor  # (H*hd, d)
     gate_up_t: Tensor  # (d, 2*ffn), MLP norm folded in
-    down_t: Tensor  # (ffn, d)
-    qkv_r_bias: Tensor | None  # ((2H+3n_kv)*hd,): biases of the rows of qkv_r (attention_bias)
+    down: Tensor  # (d, ffn): the model's own weight, not transposed (see forward)
+    qkv_r_bias: Tensor | None  # biases of the rows of qkv_r (attention_bias)
     qk_norm: tuple[Tensor, Tensor] | None  # (H+n_kv, 1, hd) weights for [q; k] and [R q; R k] (qk_norm)
 
 
@@ -56,6 +65,7 @@ class _Plan(NamedTuple):
     stamp: tuple[tuple[int, int], ...]  # (data_ptr, _version) of each source at build time
     layers: list[_Layer]
     head: Tensor  # lm_head^T with the final norm folded in
+    rope_sin: Tensor  # (S_max, hd): the model's sin table; unfolded rotation: first half negated
 
 
 class FusedDecoder:
@@ -66,17 +76,22 @@ class FusedDecoder:
 
     Args:
         model: the transformer, with its static cache set up.
+        fold_rotation: fold RoPE's ``rotate_half`` into the QKV weight (see :meth:`plan`); default:
+            while the model's weights take at most ``FOLD_ROTATION_MAX_BYTES``.
 
     Raises:
         ValueError: the model has no KV cache.
     """
 
-    def __init__(self, model: Transformer) -> None:
+    def __init__(self, model: Transformer, fold_rotation: bool | None = None) -> None:
         caches = [layer.attn.kv_cache for layer in model.layers]
         if any(cache is None for cache in caches):
             raise ValueError("FusedDecoder needs the model's KV cache: call model.setup_caches(batch) first")
         self.model = model
         self.config = model.config
+        if fold_rotation is None:
+            fold_rotation = sum(p.numel() * p.element_size() for p in model.parameters()) <= FOLD_ROTATION_MAX_BYTES
+        self.fold_rotation = fold_rotation
         self.caches = [(c.k_cache, c.v_cache) for c in caches if c is not None]  # per layer, (B_max, n_kv, S_max, hd)
         self._plan: _Plan | None = None
         # a load_state_dict(assign=True) replaces Parameter objects, which the stamp cannot see
@@ -92,10 +107,14 @@ class FusedDecoder:
     def plan(self) -> _Plan:
         """The model's weights folded so that each layer is four matmuls:
 
-        - per layer ``(qkv_r^T, o^T, gate_up^T, down^T)``, then ``head^T``; transposed contiguous
-          (``x @ W^T`` with a contiguous ``W^T`` is the fast one-row matmul on CPU);
+        - per layer ``(qkv_r^T, o^T, gate_up^T, down)``, then ``head^T``; transposed contiguous
+          (``x @ W^T`` with a contiguous ``W^T`` is the fast one-row matmul on CPU), except ``down``: the
+          model's own ``(d, ffn)`` weight, no copy (one row: ``addmv`` over it is the faster one for an
+          output narrower than the input, at the SmolLM-135M shape 1.2x; more rows: ``W^T`` as a view);
         - ``qkv_r`` = rows ``[q; k; v; R q; R k]`` where ``R`` is RoPE's ``rotate_half`` (a signed
-          permutation of rows, so ``R W x`` is exactly ``rotate_half(W x)``): RoPE is then 3 elementwise ops;
+          permutation of rows, so ``R W x`` is exactly ``rotate_half(W x)``): RoPE is then 3 elementwise ops.
+          Without ``fold_rotation`` the rows are ``[q; k; v]`` and the forward flips the halves of q and k,
+          with ``rotate_half``'s sign moved into the plan's ``rope_sin``;
         - each RMSNorm weight (times ``sqrt(d)``, see :func:`_rms`) is folded into the columns of the
           matmul that follows it (``(w * n) @ W^T == n @ (w * W)^T`` up to float rounding).
 
@@ -108,7 +127,7 @@ class FusedDecoder:
             return plan
         cfg = self.config
         assert cfg.head_dim is not None  # set by ModelConfig.__post_init__
-        half = cfg.head_dim // 2
+        half, fold = cfg.head_dim // 2, self.fold_rotation
 
         def rotated(w: Tensor, heads: int) -> Tensor:  # rows of rotate_half(w @ x), per head
             w = w.view(heads, 2, half, -1)
@@ -128,25 +147,28 @@ class FusedDecoder:
                 norms = [layer.attn_norm.weight, layer.mlp_norm.weight]
                 sources += [wq, wk, wv, a.o_proj.weight, m.gate_proj.weight, m.up_proj.weight, m.down_proj.weight]
                 sources += norms
-                qkv_r = folded(norms[0], wq, wk, wv, rotated(wq, cfg.n_heads), rotated(wk, cfg.n_kv_heads))
+                rows = [wq, wk, wv] + ([rotated(wq, cfg.n_heads), rotated(wk, cfg.n_kv_heads)] if fold else [])
+                qkv_r = folded(norms[0], *rows)
                 gate_up = folded(norms[1], m.gate_proj.weight, m.up_proj.weight)
                 bias = qk_norm = None
                 if a.q_proj.bias is not None and a.k_proj.bias is not None and a.v_proj.bias is not None:
                     bq, bk, bv = a.q_proj.bias, a.k_proj.bias, a.v_proj.bias
                     sources += [bq, bk, bv]
-                    bias = torch.cat([bq, bk, bv, rotated(bq[:, None], cfg.n_heads)[:, 0],
-                                      rotated(bk[:, None], cfg.n_kv_heads)[:, 0]])  # fmt: skip
+                    rotated_bias = [rotated(bq[:, None], cfg.n_heads)[:, 0], rotated(bk[:, None], cfg.n_kv_heads)[:, 0]]
+                    bias = torch.cat([bq, bk, bv] + (rotated_bias if fold else []))
                 if a.q_norm is not None and a.k_norm is not None:
                     wqn, wkn = a.q_norm.weight, a.k_norm.weight
                     sources += [wqn, wkn]
                     heads = (wqn,) * cfg.n_heads + (wkn,) * cfg.n_kv_heads  # per head of [q; k]
                     qk_norm = (torch.stack(heads)[:, None], torch.stack([swapped(w) for w in heads])[:, None])
                 layers.append(_Layer(qkv_r, a.o_proj.weight.t().contiguous(), gate_up,
-                                     m.down_proj.weight.t().contiguous(), bias, qk_norm))  # fmt: skip
+                                     m.down_proj.weight.detach(), bias, qk_norm))  # fmt: skip
             sources += [model.norm.weight, model.lm_head.weight, model.embed.weight]
             head = folded(model.norm.weight, model.lm_head.weight)
+            sign = torch.ones(cfg.head_dim, dtype=model.rope_sin.dtype, device=model.rope_sin.device)
+            rope_sin = model.rope_sin if fold else model.rope_sin * sign.index_fill_(0, torch.arange(half), -1.0)
         stamp = tuple((p.data_ptr(), p._version) for p in sources)
-        self._plan = _Plan(sources, stamp, layers, head)
+        self._plan = _Plan(sources, stamp, layers, head, rope_sin)
         return self._plan
 
     def _mask(
@@ -155,7 +177,10 @@ class FusedDecoder:
         """Boolean SDPA mask over the filled prefix ``[:kv_len]`` for GQA-grouped query rows (row ``g*T + t``
         is query ``t``, see :func:`~distillgates.model.gqa_attention`); ``last_row``: the last query only.
         None when every query sees the whole prefix (one query at the last slot, no padding)."""
-        T, groups = input_pos.shape[0], self.config.n_heads // self.config.n_kv_heads
+        T, groups = input_pos.shape[-1], self.config.n_heads // self.config.n_kv_heads
+        if input_pos.dim() == 2:  # one position row per batch row: causal in each row's own positions
+            mask = self.model.causal_mask[input_pos][:, None, :, :kv_len]  # (B, 1, T, S)
+            return (mask[..., -1:, :] if last_row else mask).repeat(1, 1, groups, 1)  # (B, 1, G*T | G, S)
         if attention_mask is None and contiguous:
             if T == 1 or last_row:
                 return None
@@ -167,14 +192,19 @@ class FusedDecoder:
         return mask.repeat(1, 1, groups, 1)  # (B|1, 1, G*T, S)
 
     def forward(
-        self, idx: Tensor, input_pos: Tensor, attention_mask: Tensor | None = None, last_only: bool = False
-    ) -> Tensor:
+        self, idx: Tensor, input_pos: Tensor, attention_mask: Tensor | None = None, last_only: bool = False,
+        cache_rows: Tensor | None = None,
+    ) -> Tensor:  # fmt: skip
         """Write ``idx`` into the cache at ``input_pos``; logits as ``Transformer.forward`` returns them.
 
         Args:
             idx: token ids ``(B, T)``.
-            input_pos: cache positions ``(T,)`` (prefill: ``arange(T)``; decode: ``[pos]``).
+            input_pos: cache positions ``(T,)`` (prefill: ``arange(T)``; decode: ``[pos]``), shared by the
+                rows; or ``(B, T)``, each row's own (continuous batching: a row attends its slots up to each
+                query's position, so slots past it may hold anything; no ``attention_mask`` then).
             attention_mask: ``(B, S_max)`` over cache slots, True = real token; None: all real.
+            cache_rows: with per-row positions, the cache row of each batch row ``(B,)`` (default: rows
+                ``0..B-1``); other rows are neither read nor written.
             last_only: logits ``(B, 1, V)`` of the last position only (prefill, extend): the last layer
                 writes K/V for every row but computes attention, MLP and the LM head (the largest
                 matmul) for the last row only; nothing reads the other rows' outputs.
@@ -187,40 +217,64 @@ class FusedDecoder:
         assert cfg.head_dim is not None  # set by ModelConfig.__post_init__
         H, n_kv, hd, d_eps = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.d_model * cfg.norm_eps
         plan = self.plan()
+        per_row = input_pos.dim() == 2
+        if per_row and attention_mask is not None:
+            raise ValueError("per-row positions (B, T) take no attention_mask: a row attends up to its positions")
         positions = input_pos.tolist()  # the one host read per forward
-        start = positions[0]
-        contiguous = positions == list(range(start, start + T))
-        kv_len = start + T if contiguous else max(positions) + 1
-        if contiguous:  # views, no gather
-            cos, sin = model.rope_cos[start : start + T], model.rope_sin[start : start + T]  # (T, hd)
+        if per_row:
+            contiguous, kv_len = False, max(map(max, positions)) + 1
+            cos, sin = model.rope_cos[input_pos][:, None], plan.rope_sin[input_pos][:, None]  # (B, 1, T, hd)
+            if cache_rows is None or cache_rows.tolist() == list(range(B)):
+                gather, rows = False, torch.arange(B, device=idx.device)[:, None]  # (B, 1): the first B rows
+            else:
+                gather, rows = True, cache_rows[:, None]  # (B, 1): another subset of the cache rows
         else:
-            cos, sin = model.rope_cos[input_pos], model.rope_sin[input_pos]  # (T, hd)
+            start = positions[0]
+            contiguous = positions == list(range(start, start + T))
+            kv_len = start + T if contiguous else max(positions) + 1
+            if contiguous:  # views, no gather
+                cos, sin = model.rope_cos[start : start + T], plan.rope_sin[start : start + T]  # (T, hd)
+            else:
+                cos, sin = model.rope_cos[input_pos], plan.rope_sin[input_pos]  # (T, hd)
         # with ``last_only`` the last layer writes every row's K/V but computes the last row's output only
         last_layer = len(plan.layers) - 1 if last_only and T > 1 else -1
         mask = None if last_layer == 0 else self._mask(input_pos, attention_mask, contiguous, kv_len, False)
         x = F.embedding(idx.reshape(-1), model.embed.weight)  # (B*T, d): 2-D rows for torch.mm
         cast = self.caches[0][0].dtype != x.dtype
         for i, (layer, (k_cache, v_cache)) in enumerate(zip(plan.layers, self.caches)):
-            qkv_r_t, o_t, gate_up_t, down_t, qkv_r_bias, qk_norm = layer
+            qkv_r_t, o_t, gate_up_t, down, qkv_r_bias, qk_norm = layer
             if qkv_r_bias is None:
                 qkv = torch.mm(_rms(x, d_eps), qkv_r_t)  # (B*T, (2H+3n_kv)*hd)
             else:
                 qkv = torch.addmm(qkv_r_bias, _rms(x, d_eps), qkv_r_t)  # (B*T, (2H+3n_kv)*hd)
             # (B, heads, T, hd); with T == 1 the transpose is a plain view
             qkv = qkv.view(B, -1, 1, hd) if T == 1 else qkv.view(B, T, -1, hd).transpose(1, 2)
-            qk, v, qk_rot = qkv.split_with_sizes([H + n_kv, n_kv, H + n_kv], dim=1)  # (B, heads, T, hd)
+            if self.fold_rotation:
+                qk, v, qk_rot = qkv.split_with_sizes([H + n_kv, n_kv, H + n_kv], dim=1)  # (B, heads, T, hd)
+            else:
+                (qk, v), qk_rot = qkv.split_with_sizes([H + n_kv, n_kv], dim=1), None  # (B, heads, T, hd)
             if qk_norm is not None:  # per-head RMSNorm of q and k (Qwen3), fp32 accumulation as RMSNorm
                 qk32 = qk.float()
                 inv_rms = torch.rsqrt(qk32.pow(2).mean(-1, keepdim=True) + cfg.norm_eps)  # (B, H+n_kv, T, 1)
                 qk = qk_norm[0] * (qk32 * inv_rms).to(qk.dtype)
-                qk_rot = qk_norm[1] * (qk_rot.float() * inv_rms).to(qk.dtype)
+                if qk_rot is not None:
+                    qk_rot = qk_norm[1] * (qk_rot.float() * inv_rms).to(qk.dtype)
+            if qk_rot is None:  # halves swapped; rotate_half's sign is in sin (the plan's rope_sin)
+                qk_rot = qk.unflatten(-1, (2, hd // 2)).flip(-2).flatten(-2)  # (B, H+n_kv, T, hd)
             qk = torch.addcmul(qk * cos, qk_rot, sin)  # RoPE on q and k: x * cos + rotate_half(x) * sin
             q, k = qk.split_with_sizes([H, n_kv], dim=1)  # (B, H, T, hd), (B, n_kv, T, hd)
-            if k_cache.shape[0] != B:
-                k_cache, v_cache = k_cache[:B], v_cache[:B]  # (B, n_kv, S_max, hd)
-            k_cache.index_copy_(2, input_pos, k.to(k_cache.dtype) if cast else k)
-            v_cache.index_copy_(2, input_pos, v.to(v_cache.dtype) if cast else v)
-            k, v = k_cache.narrow(2, 0, kv_len), v_cache.narrow(2, 0, kv_len)  # (B, n_kv, S, hd)
+            if per_row:  # (B_max, S, n_kv, hd) views of the cache, written at (cache row, its position)
+                k_cache.transpose(1, 2)[rows, input_pos] = (k.to(k_cache.dtype) if cast else k).transpose(1, 2)
+                v_cache.transpose(1, 2)[rows, input_pos] = (v.to(v_cache.dtype) if cast else v).transpose(1, 2)
+            if per_row and gather:  # another subset of the rows than the first B: a copy of theirs
+                k, v = k_cache[rows[:, 0], :, :kv_len], v_cache[rows[:, 0], :, :kv_len]  # (B, n_kv, S, hd)
+            else:
+                if k_cache.shape[0] != B:
+                    k_cache, v_cache = k_cache[:B], v_cache[:B]  # (B, n_kv, S_max, hd)
+                if not per_row:
+                    k_cache.index_copy_(2, input_pos, k.to(k_cache.dtype) if cast else k)
+                    v_cache.index_copy_(2, input_pos, v.to(v_cache.dtype) if cast else v)
+                k, v = k_cache.narrow(2, 0, kv_len), v_cache.narrow(2, 0, kv_len)  # (B, n_kv, S, hd)
             if cast:
                 k, v = k.to(q.dtype), v.to(q.dtype)
             if i == last_layer:  # nothing reads the other rows' outputs: one query row from here on
@@ -231,5 +285,9 @@ class FusedDecoder:
             y = y.reshape(B, H * hd) if T == 1 else y.view(B, H, T, hd).transpose(1, 2).reshape(B * T, H * hd)
             x = torch.addmm(x, y, o_t)  # x + y @ o^T
             gate, up = torch.mm(_rms(x, d_eps), gate_up_t).chunk(2, dim=-1)  # (B*T, ffn) each
-            x = torch.addmm(x, F.silu(gate) * up, down_t)  # (B*T, d)
+            hidden = F.silu(gate) * up  # (B*T, ffn)
+            if B * T == 1:  # one row: dot products over the (d, ffn) rows read faster than x @ W^T for d < ffn
+                x = torch.addmv(x.view(-1), down, hidden.view(-1)).view(1, -1)  # (1, d)
+            else:
+                x = torch.addmm(x, hidden, down.t())  # (B*T, d)
         return torch.mm(_rms(x, d_eps), plan.head).view(B, T, -1)  # (B, T, V)

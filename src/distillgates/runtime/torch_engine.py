@@ -9,6 +9,9 @@ Design choices (gpt-fast style):
 - Small batches use left padding and an attention mask over cache slots (``(B, S_max)``,
   True = real token), which ``Transformer.forward`` supports. RoPE is relative, so a row shifted
   right by its padding attends exactly as it would alone.
+- Continuous batching (``write_rows``, the batched eval): each cache row holds its own conversation
+  at its own positions (RoPE and causal mask per row), so a row that finishes takes a new prompt
+  while the others keep decoding; no left padding of the history, no re-prefill.
 - Every write runs a :class:`~distillgates.runtime.decoder.FusedDecoder` built from the model
   (under ``inference_mode``): fused, pre-transposed weights, attention over the filled prefix
   only, no module calls. ``prefill``/``extend`` need the last position's logits only
@@ -217,6 +220,43 @@ class TorchEngine(EngineBase):
         logits = self.decoder.forward(self._batch_tokens[:rows], self._pos, self._batch_mask[:rows])[:, -1]  # (B, V)
         self._batch_len += 1
         return logits
+
+    @torch.inference_mode()
+    def write_rows(self, rows: Sequence[int], chunks: Sequence[Sequence[int]], starts: Sequence[int]) -> Tensor:
+        """Continuous batching: each cache row holds its own conversation. Write ``chunks[i]`` into cache row
+        ``rows[i]`` at positions ``starts[i]...`` (the tokens that row already has); logits ``(len(rows), V)``
+        after each chunk's last token. Other rows are untouched.
+
+        Chunks are left-padded to one length; a row's padding is written at the slot after its chunk, where
+        its next write goes, and no query of the row attends it (each row sees its slots up to each query's
+        position, ``FusedDecoder.forward`` with per-row positions). Resets the batch-1 conversation (it
+        shares row 0).
+
+        Raises:
+            ValueError: a row outside ``max_batch_size`` or twice, an empty chunk, or a chunk that reaches the
+                last slot (one slot stays free for padding; the batch-1 path never writes it either: its
+                last token is pending).
+        """
+        if len(chunks) != len(rows) or len(starts) != len(rows) or len(set(rows)) != len(rows) or not rows:
+            raise ValueError(f"need one chunk and one start per distinct row, got rows {list(rows)}")
+        if not all(0 <= row < self.max_batch_size for row in rows):
+            raise ValueError(f"rows {list(rows)} outside the engine's max_batch_size {self.max_batch_size}")
+        if any(not c or start < 0 or start + len(c) >= self.max_seq_len for c, start in zip(chunks, starts)):
+            raise ValueError(f"chunks must be non-empty and leave the last of max_seq_len {self.max_seq_len} slots "
+                             f"free (starts {list(starts)}, lengths {[len(c) for c in chunks]})")  # fmt: skip
+        length = max(len(chunk) for chunk in chunks)
+        pads = [length - len(chunk) for chunk in chunks]
+        # pad id 0; a row's padding goes to the slot after its chunk, overwritten by the row's next write
+        idx = [[0] * pad + [int(t) for t in chunk] for pad, chunk in zip(pads, chunks)]
+        positions = [[s + len(c)] * pad + list(range(s, s + len(c))) for pad, c, s in zip(pads, chunks, starts)]
+        self.tokens, self.pending = [], None
+        logits = self.decoder.forward(
+            torch.tensor(idx, dtype=torch.long, device=self.device),  # (B, T)
+            torch.tensor(positions, dtype=torch.long, device=self.device),  # (B, T)
+            last_only=True,
+            cache_rows=torch.tensor(list(rows), dtype=torch.long, device=self.device),  # (B,)
+        )
+        return logits[:, -1]  # (B, V)
 
     def generate_batch(
         self,
