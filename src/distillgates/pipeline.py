@@ -247,9 +247,9 @@ def step_kd(cfg: Config, run: RunDir) -> dict[str, Any]:
 
         teacher: Any = HTTPTeacher(cfg.teacher.api, run.tokenizer())
     else:
-        from distillgates.teacher.local import LocalTeacher
+        from distillgates.teacher.local import local_teacher
 
-        teacher = LocalTeacher(run.teacher_model_dir(cfg))
+        teacher = local_teacher(run.teacher_model_dir(cfg), run.tokenizer())  # on the student's tokens
     # resume is safe: the builder refuses a checkpoint of another build (different teacher/items); the
     # response cache lives outside kd/ so it survives a config change (keys are request hashes)
     result = build_kd_set(cfg, teacher, run.items("train"), run.kd_set, resume=True, cache_dir=run.kd_cache)
