@@ -93,3 +93,21 @@ def test_teacher_turn_with_a_call_renders_in_the_students_format(tiny_tokenizer,
     assert answer.text == "It is sunny in Paris." and answer.tool_calls == []
     assert answer.token_ids == chatml_tokenizer.encode(answer.text, add_special_tokens=False)
     assert all(row for row in answer.topk_ids)
+
+
+def test_training_refuses_a_kd_set_on_another_tokenizer(tiny_tokenizer, other_tokenizer, toy_items, tmp_path):
+    """A KD set on the teacher's tokens (what the KD step wrote before; main's training then indexed the
+    student's logits with the teacher's ids) is refused by training, naming the file, line and field."""
+    from distillgates.teacher.kd import KDSetError, build_kd_set
+    from distillgates.train.data import read_kd_set as read_for_training
+
+    from .conftest import ReplayTeacher, kd_config
+
+    en = [it for it in toy_items if it["locale"] == "en"]
+    path = tmp_path / "kd.jsonl"
+    build_kd_set(kd_config(), ReplayTeacher(en, other_tokenizer), en, path, progress=False)
+    assert len(read_for_training(path, other_tokenizer)) == len(en)
+    with pytest.raises(KDSetError, match=r"kd.jsonl:1: tokenizer_fingerprint: the KD set is on tokenizer "
+                                         rf"{tokenizer_fingerprint(other_tokenizer)[:16]}, the student's is "
+                                         rf"{tokenizer_fingerprint(tiny_tokenizer)[:16]}"):  # fmt: skip
+        read_for_training(path, tiny_tokenizer)

@@ -688,7 +688,7 @@ def train_student(
     eval_items = eval_items if eval_items is not None else run.items("eval")
     kd_records = None
     if train_cfg.teacher_mode == "offline" and train_cfg.kd.weight > 0:
-        kd_records = read_kd_set(kd_path or run.kd_set)
+        kd_records = read_kd_set(kd_path or run.kd_set, tokenizer)
     teacher_fn = _teacher_fn(teacher) if teacher is not None else None
     recipe = Recipe(
         train_cfg, model_cfg, cfg.shapes, tokenizer, train_items, eval_items, run.model_dir(role),
