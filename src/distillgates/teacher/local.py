@@ -318,8 +318,8 @@ def student_turn(
                   stop_topk_ids=[], stop_topk_logprobs=[])  # fmt: skip
     by = teacher_bytes.by_id
     if len(student_fmt.split_turns(text)) == 1:
-        tokens = [TeacherToken(by[i], lp, [(by[j], v) for j, v in zip(top, lps)])
-                  for i, lp, top, lps in zip(gen.token_ids, gen.token_logprobs, gen.topk_ids, gen.topk_logprobs)]  # fmt: skip
+        steps = zip(gen.token_ids, gen.token_logprobs, gen.topk_ids, gen.topk_logprobs)
+        tokens = [TeacherToken(by[i], lp, [(by[j], v) for j, v in zip(top, lps)]) for i, lp, top, lps in steps]
         map_turn(out, tokens, student_fmt.tokenizer, student_bytes)
     end = teacher_fmt.end_of_turn_id
     if end in gen.stop_topk_ids:  # the stop token is among the top-k (always when greedy)
