@@ -4,6 +4,10 @@ Gives what distillation needs from a white-box teacher: dense logits for a batch
 top-k log-probs (offline KD sets), and greedy/temperature generation that records the top-k
 log-probs of every generated position. Generation is a plain loop over the HF KV cache
 (``past_key_values``) so stop ids and per-step log-probs stay in our hands.
+
+A teacher whose tokenizer is not the student's (another :func:`~distillgates.tokenizer.tokenizer_fingerprint`)
+is used for KD through :class:`StudentTokensTeacher` (:func:`local_teacher` picks): its turns come back
+in the student's chat format, on the student's tokens, its top-k moved onto them through bytes.
 """
 
 from __future__ import annotations
