@@ -36,7 +36,8 @@ def test_local_teacher_with_another_tokenizer_kd_set_is_on_student_tokens(
 ):
     """The KD step with a local teacher on the GPT-2-style BPE and a student on ours: the set's header,
     ids and top-k are the student's (main wrote the teacher's ids, a silently wrong set), > 90% of the
-    student positions carry a teacher distribution, and the student trains on it."""
+    student positions carry a teacher distribution, the student trains on it, and the teacher is evaluated
+    on the student's tokens."""
     from distillgates.pipeline import step_kd
     from distillgates.train.recipe import train_student
 
@@ -64,6 +65,16 @@ def test_local_teacher_with_another_tokenizer_kd_set_is_on_student_tokens(
     path = train_student(train, "student", tmp_path / "out", kd_path=run.kd_set, tokenizer=tiny_tokenizer,
                          train_items=en, eval_items=en[:1], progress=False, device="cpu")  # fmt: skip
     assert path.exists()
+    # the eval step's teacher run: a teacher session on the student's tokens and format (as an API teacher's)
+    from distillgates.eval.evaluate import evaluate
+    from distillgates.eval.runners import TeacherRunner
+    from distillgates.teacher.local import StudentTokensTeacher, local_teacher
+
+    teacher = local_teacher(run.teacher_model_dir(cfg), tiny_tokenizer)
+    assert isinstance(teacher, StudentTokensTeacher) and teacher.model_id == header["teacher_model_id"]
+    quality, outputs = evaluate(TeacherRunner(teacher, 16), en, tiny_tokenizer, max_new_tokens=16, progress=False,
+                                return_outputs=True)  # fmt: skip
+    assert len(outputs) == len(en) and 0.0 <= quality["tool_selection"] <= 1.0
 
 
 def test_teacher_turn_with_a_call_renders_in_the_students_format(tiny_tokenizer, chatml_tokenizer):

@@ -268,7 +268,8 @@ class StudentTokensTeacher:
         self.chat_format = chat_format(tokenizer)
         self.token_bytes = TokenBytes(tokenizer)
         self.teacher_bytes = TokenBytes(teacher.tokenizer)
-        self.model_id = teacher.model_id  # cache keys also hold the student's tokenizer fingerprint
+        # the teacher's tokenizer (and template) shape its turns: a KD checkpoint or cache of another never matches
+        self.model_id = f"{teacher.model_id}:tokenizer:{tokenizer_fingerprint(teacher.tokenizer)[:16]}"
 
     def __repr__(self) -> str:
         return f"StudentTokensTeacher({self.model_id!r})"
