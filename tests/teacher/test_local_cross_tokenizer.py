@@ -122,3 +122,18 @@ def test_training_refuses_a_kd_set_on_another_tokenizer(tiny_tokenizer, other_to
                                          rf"{tokenizer_fingerprint(other_tokenizer)[:16]}, the student's is "
                                          rf"{tokenizer_fingerprint(tiny_tokenizer)[:16]}"):  # fmt: skip
         read_for_training(path, tiny_tokenizer)
+
+
+def test_online_kd_refuses_a_teacher_with_another_tokenizer(tiny_tokenizer, other_tokenizer, toy_items, tmp_path):
+    """Online KD compares dense logits id by id: a local teacher with another vocabulary is refused up front."""
+    from distillgates.teacher.local import LocalTeacher
+    from distillgates.train.recipe import train_student
+
+    from ..train.conftest import tiny_config
+
+    teacher = LocalTeacher(save_tiny_teacher(tmp_path / "teacher", other_tokenizer))
+    cfg = tiny_config(len(tiny_tokenizer), steps=2, warmup_steps=1, teacher_mode="online")
+    with pytest.raises(ValueError, match=r"train.teacher_mode 'online' .*: the run's tokenizer \(\d+ tokens\) does "
+                                         rf"not match the checkpoint's \({len(other_tokenizer)} tokens\)"):  # fmt: skip
+        train_student(cfg, "student", tmp_path / "out", teacher=teacher, tokenizer=tiny_tokenizer,
+                      train_items=toy_items, eval_items=toy_items[:1], progress=False, device="cpu")
