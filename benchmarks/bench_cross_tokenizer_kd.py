@@ -6,7 +6,10 @@ API teacher would be. The student gets another tokenizer: a GPT-2-style byte-lev
 their leading space, ``--vocab`` entries) trained here on the same training conversations. The KD
 set is built twice (greedy teacher: the same answers): with the old 1:1 rule (text-only turns)
 and with the byte mapping (:func:`distillgates.teacher.tokens.map_by_bytes`); both coverages are
-reported. Two students are then trained from scratch with the toy recipe, same seed and steps:
+reported, with that of a third set built from the same teacher as a *local* teacher (in-process,
+:class:`~distillgates.teacher.local.StudentTokensTeacher`: the ``kd`` step's ``teacher.kind: local``
+with another tokenizer; ``--kd-only`` stops there). Two students are then trained from scratch with
+the toy recipe, same seed and steps:
 
 - ``seq_kd``: CE on the teacher's text (each item's reference replaced by the teacher's completion;
   items where the teacher did not finish, or whose text misses a fact the recipe's targets need, are
@@ -44,7 +47,7 @@ from distillgates.project import EMBEDDED_CONFIG
 from distillgates.rundir import RunDir
 from distillgates.teacher.http import HTTPTeacher
 from distillgates.teacher.kd import build_kd_set, read_kd_set
-from distillgates.teacher.local import LocalTeacher
+from distillgates.teacher.local import LocalTeacher, StudentTokensTeacher, local_teacher
 from distillgates.teacher.server import TeacherServer
 from distillgates.tokenizer import SPECIAL_TOKENS, wrap_tokenizer
 
@@ -87,6 +90,18 @@ def build(cfg: Config, tok: Any, items: list[dict[str, Any]], out: Path, map_byt
             "covered": result.covered, "coverage": round(result.coverage, 4)}  # fmt: skip
 
 
+def build_local(cfg: Config, teacher_dir: Path, tok: Any, items: list[dict[str, Any]], out: Path) -> dict[str, Any]:
+    """The KD set at ``out`` from the teacher as a local one (the ``kd`` step's ``teacher.kind: local``): the
+    teacher in-process, its turns moved onto the student's tokens (:func:`distillgates.teacher.local.local_teacher`)."""
+    teacher = local_teacher(teacher_dir, tok)
+    assert isinstance(teacher, StudentTokensTeacher)  # another tokenizer
+    start = time.perf_counter()
+    result = build_kd_set(dataclasses.replace(cfg, teacher=TeacherConfig(kind="local", path=str(teacher_dir))),
+                          teacher, items, out, progress=False)  # fmt: skip
+    return {"seconds": round(time.perf_counter() - start, 1), "positions": result.positions,
+            "covered": result.covered, "coverage": round(result.coverage, 4)}  # fmt: skip
+
+
 def train_and_eval(cfg: Config, tok: Any, items: list[dict[str, Any]], eval_items: list[dict[str, Any]],
                    kd_path: Path, work: Path, kd_weight: float) -> dict[str, Any]:  # fmt: skip
     from distillgates.eval.broker import FixturePolicy
@@ -120,6 +135,7 @@ def main() -> None:
     parser.add_argument("--vocab", type=int, default=1024, help="the student tokenizer's vocabulary size")
     parser.add_argument("--seeds", type=int, nargs="+", default=[0], help="training seeds (one KD set for all)")
     parser.add_argument("--out", type=Path, default=None)
+    parser.add_argument("--kd-only", action="store_true", help="build and report the KD sets, train nothing")
     args = parser.parse_args()
     torch.set_num_threads(1)
     run = RunDir(args.teacher_run)
@@ -145,13 +161,15 @@ def main() -> None:
         kd_path = tmp / "kd.jsonl"
         report["kd_old_rule"] = build(cfg, tok, items, tmp / "kd_old.jsonl", map_bytes=False)
         report["kd_byte_mapped"] = build(cfg, tok, items, kd_path, map_bytes=True)
+        report["kd_local_teacher"] = build_local(cfg, run.teacher_dir, tok, items, tmp / "kd_local.jsonl")
+        print({k: report[k] for k in ("kd_old_rule", "kd_byte_mapped", "kd_local_teacher")}, flush=True)
         # sequence-level KD: the teacher's finished conversations are the references
         _, records = read_kd_set(kd_path)
         by_id = {r["id"]: r for r in records if r["finish"] == "stop"}
         seq_items = [{**it, "reference": by_id[it["id"]]["completion_text"]} for it in items if it["id"] in by_id]
         seq_items = [it for it in seq_items if has_targets(it)]
         report["train_items"] = len(seq_items)
-        arms = {"seq_kd": 0.0, "seq_kd_plus_topk": cfg.train.kd.weight}
+        arms = {} if args.kd_only else {"seq_kd": 0.0, "seq_kd_plus_topk": cfg.train.kd.weight}
         for seed in args.seeds:
             for name, weight in arms.items():
                 run_cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, seed=seed))  # the recipe's seed

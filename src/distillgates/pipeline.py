@@ -247,9 +247,9 @@ def step_kd(cfg: Config, run: RunDir) -> dict[str, Any]:
 
         teacher: Any = HTTPTeacher(cfg.teacher.api, run.tokenizer())
     else:
-        from distillgates.teacher.local import LocalTeacher
+        from distillgates.teacher.local import local_teacher
 
-        teacher = LocalTeacher(run.teacher_model_dir(cfg))
+        teacher = local_teacher(run.teacher_model_dir(cfg), run.tokenizer())  # on the student's tokens
     # resume is safe: the builder refuses a checkpoint of another build (different teacher/items); the
     # response cache lives outside kd/ so it survives a config change (keys are request hashes)
     result = build_kd_set(cfg, teacher, run.items("train"), run.kd_set, resume=True, cache_dir=run.kd_cache)
@@ -363,9 +363,14 @@ def step_eval(cfg: Config, run: RunDir) -> dict[str, Any]:
 
         teacher: Any = TeacherRunner(HTTPTeacher(cfg.teacher.api, tokenizer), cfg.eval.max_new_tokens)
     else:  # a local teacher runs through the same engine and runner (identical weights via from_hf)
-        from distillgates.teacher.local import LocalTeacher
+        from distillgates.eval.runners import TeacherRunner
+        from distillgates.teacher.local import StudentTokensTeacher, local_teacher
 
-        teacher = TorchEngine(from_hf(LocalTeacher(run.teacher_model_dir(cfg)).model).eval())
+        local = local_teacher(run.teacher_model_dir(cfg), tokenizer)
+        if isinstance(local, StudentTokensTeacher):  # another tokenizer: turns in the student's format, as an API's
+            teacher = TeacherRunner(local, cfg.eval.max_new_tokens)
+        else:
+            teacher = TorchEngine(from_hf(local.model).eval())
     policy = FixturePolicy(cfg.eval.missing_fixture, cfg.eval.mock_result)
     common: dict[str, Any] = {"lengths": cfg.shapes.lengths, "dataset_sha256": eval_sha, "progress": True,
                               "max_calls": cfg.eval.max_calls, "max_new_tokens": cfg.eval.max_new_tokens,

@@ -63,6 +63,7 @@ def test_recipe_starts_from_the_teacher_and_records_the_choice(artifacts: dict[s
     torch.manual_seed(7)
     teacher = Transformer(teacher_cfg).eval()
     to_hf(teacher).save_pretrained(tmp_path / "teacher")
+    artifacts["tokenizer"].save_pretrained(tmp_path / "teacher")  # a teacher directory holds its tokenizer
     from distillgates.config import TeacherConfig
 
     cfg.teacher = TeacherConfig(kind="local")
@@ -74,6 +75,23 @@ def test_recipe_starts_from_the_teacher_and_records_the_choice(artifacts: dict[s
     kept = teacher.layers[init["layers"][1]].mlp.up_proj.weight
     # lr 1e-9: three steps leave the copied weights where the teacher had them
     torch.testing.assert_close(student.layers[1].mlp.up_proj.weight, kept, atol=1e-5, rtol=0)
+
+
+def test_init_from_a_teacher_with_another_tokenizer_is_refused(artifacts: dict[str, Any], tmp_path: Path) -> None:
+    """The teacher's layers index its own vocabulary: a teacher with another one cannot start the student."""
+    from distillgates.config import TeacherConfig
+    from distillgates.tokenizer import train_tokenizer
+
+    cfg = artifacts["make_config"](len(artifacts["tokenizer"]), steps=3, init_from="teacher")
+    to_hf(Transformer(dataclasses.replace(cfg.student, n_layers=3))).save_pretrained(tmp_path / "teacher")
+    other = train_tokenizer(["an unrelated corpus of words"] * 8, vocab_size=300, min_frequency=1)
+    other.save_pretrained(tmp_path / "teacher")
+    cfg.teacher = TeacherConfig(kind="local")
+    with pytest.raises(ValueError, match=rf"train.init_from 'teacher' \({tmp_path / 'teacher'}\): the run's tokenizer "
+                                         rf"\({len(artifacts['tokenizer'])} tokens\) does not match the checkpoint's "
+                                         rf"\({len(other)} tokens\)"):  # fmt: skip
+        train_student(cfg, "student", tmp_path, kd_path=artifacts["kd_path"], tokenizer=artifacts["tokenizer"],
+                      train_items=artifacts["train"], eval_items=artifacts["eval"], progress=False, device="cpu")
 
 
 def test_recipe_without_a_local_teacher_says_so(artifacts: dict[str, Any], tmp_path: Path) -> None:

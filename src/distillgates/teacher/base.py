@@ -6,9 +6,11 @@ Design choices:
   through that one call, so the local HF teacher and an HTTP API teacher are interchangeable.
 - ``TurnResult.text`` never contains the final stop token (OpenAI semantics: the stop sequence is
   not part of the content). It is the turn in the student's chat format: a local teacher's own
-  text; an API's assistant message (``content`` and structured ``tool_calls``) rendered by the
-  student's template (:meth:`distillgates.data.chat.ChatFormat.assistant_text`: the toy writes one
-  call per turn, so several calls are several turns joined by its end-of-turn token). The API's
+  text (with another tokenizer: its turn parsed and rendered by the student's template, as an
+  API's, :class:`distillgates.teacher.local.StudentTokensTeacher`); an API's assistant message
+  (``content`` and structured ``tool_calls``) rendered by the student's template
+  (:meth:`distillgates.data.chat.ChatFormat.assistant_text`: the toy writes one call per turn, so
+  several calls are several turns joined by its end-of-turn token). The API's
   message is also kept as it came (``content``, ``tool_calls`` with their ids), so the next request
   can repeat it and answer the calls by id.
 - ``stop_topk_*`` carries the teacher's distribution at the stop position when the teacher can

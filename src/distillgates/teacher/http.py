@@ -56,7 +56,7 @@ from distillgates.config import APIConfig
 from distillgates.data.chat import chat_format
 from distillgates.teacher.base import TurnResult
 from distillgates.teacher.messages import openai_messages
-from distillgates.teacher.tokens import TeacherToken, TokenBytes, api_token_bytes, map_by_bytes
+from distillgates.teacher.tokens import TeacherToken, TokenBytes, api_token_bytes, map_turn
 
 log = logging.getLogger(__name__)
 
@@ -329,7 +329,4 @@ class HTTPTeacher:
                           for t in e.get("top_logprobs") or []])
             for e in content
         ]  # fmt: skip
-        ids = self.tokenizer.encode(result.text, add_special_tokens=False)
-        mapped = map_by_bytes(result.text, teacher, ids, self.token_bytes)
-        if mapped is not None:  # else the bytes do not spell the content: text-only
-            result.token_ids, result.topk_ids, result.topk_logprobs = mapped.ids, mapped.topk_ids, mapped.topk_logprobs
+        map_turn(result, teacher, self.tokenizer, self.token_bytes)

@@ -30,7 +30,8 @@ Record (one JSON line per item, after a header line)::
   ``<|eos|>``, the ``<|end|>`` of an API teacher (stop sequences are not reported), and every
   token of an API turn whose token bytes do not spell its text (text-only KD; see
   :mod:`distillgates.teacher.http`). Log-probs are rounded to 5 decimals. A teacher with another
-  tokenizer (API) gives our tokens of its text and its top-k moved onto them through bytes
+  tokenizer (API, or local: :class:`~distillgates.teacher.local.StudentTokensTeacher`) gives our
+  tokens of its text in our chat format and its top-k moved onto them through bytes
   (:func:`distillgates.teacher.tokens.map_by_bytes`): rows of distinct ids, at most ``top_k + 1``
   long, whose mass may sum to less than the teacher's (unmatched mass: the loss's rest bucket).
   A set built with ``teacher.api.logprobs: false`` has ``"logprobs": false`` in its header and no
@@ -43,8 +44,9 @@ Record (one JSON line per item, after a header line)::
 Coverage: the share of the student positions of teacher-written turns (injected text excluded)
 that carry a teacher distribution, ``KDBuildResult.coverage`` (also in the pipeline's
 ``kd/build.json`` and the report's ``gate_inputs.teacher``). 1.0 for a teacher with our
-tokenizer; a teacher with another one got ~0 before the byte mapping (one foreign token made the
-turn text-only).
+tokenizer; an API teacher with another one got ~0 before the byte mapping (one foreign token made
+the turn text-only), and a local one wrote the set on its own tokens (training now refuses such a
+set: :func:`distillgates.train.data.read_kd_set`).
 
 Robustness: a SHA-256 keyed response cache (:mod:`.cache`; the key also holds the student's
 tokenizer fingerprint, since a cached turn is on its tokens and in its chat format), records appended to

@@ -4,12 +4,17 @@ Gives what distillation needs from a white-box teacher: dense logits for a batch
 top-k log-probs (offline KD sets), and greedy/temperature generation that records the top-k
 log-probs of every generated position. Generation is a plain loop over the HF KV cache
 (``past_key_values``) so stop ids and per-step log-probs stay in our hands.
+
+A teacher whose tokenizer is not the student's (another :func:`~distillgates.tokenizer.tokenizer_fingerprint`)
+is used for KD through :class:`StudentTokensTeacher` (:func:`local_teacher` picks): its turns come back
+in the student's chat format, on the student's tokens, its top-k moved onto them through bytes.
 """
 
 from __future__ import annotations
 
 import hashlib
-from dataclasses import dataclass
+import json
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, cast
 
@@ -18,10 +23,11 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from distillgates.config import sha256_json
-from distillgates.data.chat import chat_format
+from distillgates.data.chat import ChatFormat, chat_format
 from distillgates.io import sha256_file
 from distillgates.teacher.base import TurnResult
-from distillgates.tokenizer import load_tokenizer
+from distillgates.teacher.tokens import TeacherToken, TokenBytes, map_position, map_turn
+from distillgates.tokenizer import load_tokenizer, tokenizer_fingerprint
 
 
 @dataclass
@@ -187,34 +193,42 @@ class LocalTeacher:
         tools: list[list[dict[str, Any]] | None] | None = None,
     ) -> list[TurnResult]:  # fmt: skip
         """:meth:`complete` for several conversations (``tools``: each one's) in one batched generation."""
-        tools = tools or [None] * len(conversations)
-        prompts = [self.encode(self.chat_format.render(m, t, add_generation_prompt=True))
-                   for m, t in zip(conversations, tools, strict=True)]  # fmt: skip
+        prompts = self.prompts(conversations, tools)
         gens = self.generate_batch(prompts, max_new_tokens, [self.end_id], temperature=temperature, top_k=top_k)
-        results = []
-        for prompt_ids, gen in zip(prompts, gens):
-            request = {
-                "model": self.model_id,
-                "prompt_ids": prompt_ids,
-                "max_new_tokens": max_new_tokens,
-                "top_k": top_k,
-                "temperature": temperature,
-            }
-            results.append(
-                TurnResult(
-                    text=gen.text,
-                    token_ids=gen.token_ids,
-                    topk_ids=gen.topk_ids,
-                    topk_logprobs=gen.topk_logprobs,
-                    finish_reason=gen.finish_reason,
-                    request_id="local-" + sha256_json(request)[:24],  # deterministic: same request, same id
-                    prompt_tokens=len(prompt_ids),
-                    completion_tokens=len(gen.token_ids) + (gen.finish_reason == "stop"),
-                    stop_topk_ids=gen.stop_topk_ids,
-                    stop_topk_logprobs=gen.stop_topk_logprobs,
-                )
-            )
-        return results
+        return [self.turn_result(p, gen, max_new_tokens, top_k, temperature) for p, gen in zip(prompts, gens)]
+
+    def prompts(
+        self, conversations: list[list[dict[str, Any]]], tools: list[list[dict[str, Any]] | None] | None = None
+    ) -> list[list[int]]:
+        """Token ids of each conversation (and its ``tools``) rendered by this teacher's chat template, up to
+        the generation prompt."""
+        tools = tools or [None] * len(conversations)
+        return [self.encode(self.chat_format.render(m, t, add_generation_prompt=True))
+                for m, t in zip(conversations, tools, strict=True)]  # fmt: skip
+
+    def turn_result(
+        self, prompt_ids: list[int], gen: Generation, max_new_tokens: int, top_k: int, temperature: float
+    ) -> TurnResult:
+        """The :class:`TurnResult` of one generation (this teacher's text, ids and top-k)."""
+        request = {
+            "model": self.model_id,
+            "prompt_ids": prompt_ids,
+            "max_new_tokens": max_new_tokens,
+            "top_k": top_k,
+            "temperature": temperature,
+        }
+        return TurnResult(
+            text=gen.text,
+            token_ids=gen.token_ids,
+            topk_ids=gen.topk_ids,
+            topk_logprobs=gen.topk_logprobs,
+            finish_reason=gen.finish_reason,
+            request_id="local-" + sha256_json(request)[:24],  # deterministic: same request, same id
+            prompt_tokens=len(prompt_ids),
+            completion_tokens=len(gen.token_ids) + (gen.finish_reason == "stop"),
+            stop_topk_ids=gen.stop_topk_ids,
+            stop_topk_logprobs=gen.stop_topk_logprobs,
+        )
 
     def encode(self, text: str) -> list[int]:
         return list(self.tokenizer.encode(text, add_special_tokens=False))
@@ -226,3 +240,96 @@ class LocalTeacher:
 
 def _maybe(t: Tensor | None, device: torch.device) -> Tensor | None:
     return None if t is None else t.to(device)
+
+
+# --------------------------------------------------------------------------------------
+# A teacher with another tokenizer
+
+
+def local_teacher(path: str | Path, tokenizer: Any) -> LocalTeacher | StudentTokensTeacher:
+    """The local teacher at ``path`` for a student with ``tokenizer``: the teacher itself when its tokenizer
+    is the student's (same :func:`~distillgates.tokenizer.tokenizer_fingerprint`), else the teacher seen on
+    the student's tokens and in its chat format (:class:`StudentTokensTeacher`)."""
+    teacher = LocalTeacher(path)
+    if tokenizer_fingerprint(teacher.tokenizer) == tokenizer_fingerprint(tokenizer):
+        return teacher
+    return StudentTokensTeacher(teacher, tokenizer)
+
+
+class StudentTokensTeacher:
+    """A :class:`LocalTeacher` whose tokenizer is not the student's, as the KD builder needs it: each turn in
+    the student's chat format, on the student's tokens, with the teacher's top-k moved onto them through
+    bytes (what the API teacher does, :mod:`.http`). The teacher writes its turn in its own format (its
+    template renders the conversation); :func:`student_turn` does the rest."""
+
+    def __init__(self, teacher: LocalTeacher, tokenizer: Any) -> None:
+        self.teacher = teacher
+        self.tokenizer = tokenizer  # the student's
+        self.chat_format = chat_format(tokenizer)
+        self.token_bytes = TokenBytes(tokenizer)
+        self.teacher_bytes = TokenBytes(teacher.tokenizer)
+        # the teacher's tokenizer (and template) shape its turns: a KD checkpoint or cache of another never matches
+        self.model_id = f"{teacher.model_id}:tokenizer:{tokenizer_fingerprint(teacher.tokenizer)[:16]}"
+
+    def __repr__(self) -> str:
+        return f"StudentTokensTeacher({self.model_id!r})"
+
+    def complete(
+        self,
+        messages: list[dict[str, Any]],
+        *,
+        max_new_tokens: int,
+        top_k: int,
+        temperature: float = 0.0,
+        tools: list[dict[str, Any]] | None = None,
+    ) -> TurnResult:
+        return self.complete_batch([messages], max_new_tokens=max_new_tokens, top_k=top_k, temperature=temperature,
+                                   tools=[tools])[0]  # fmt: skip
+
+    def complete_batch(
+        self, conversations: list[list[dict[str, Any]]], *, max_new_tokens: int, top_k: int, temperature: float = 0.0,
+        tools: list[list[dict[str, Any]] | None] | None = None,
+    ) -> list[TurnResult]:  # fmt: skip
+        t = self.teacher
+        prompts = t.prompts(conversations, tools)
+        gens = t.generate_batch(prompts, max_new_tokens, [t.end_id], temperature=temperature, top_k=top_k)
+        return [student_turn(gen, t.turn_result(p, gen, max_new_tokens, top_k, temperature), t.chat_format,
+                             self.teacher_bytes, self.chat_format, self.token_bytes)
+                for p, gen in zip(prompts, gens)]  # fmt: skip
+
+
+def student_turn(
+    gen: Generation, base: TurnResult, teacher_fmt: ChatFormat, teacher_bytes: TokenBytes, student_fmt: ChatFormat,
+    student_bytes: TokenBytes,
+) -> TurnResult:  # fmt: skip
+    """A teacher's generated turn (in its chat format ``teacher_fmt``) as the student's: parsed into content and
+    calls by the teacher's parser, rendered by the student's template
+    (:meth:`~distillgates.data.chat.ChatFormat.assistant_text`), the calls kept structured (the next prompt
+    renders them in the teacher's format), and the teacher's top-k moved onto the student's tokens through
+    bytes (:func:`~distillgates.teacher.tokens.map_turn`). As for an API teacher, a turn that is several turns
+    in the student's format, or whose text the teacher's bytes do not spell (calls written otherwise), is
+    text-only (``token_ids`` None). A call that does not parse leaves the whole text as an answer (what a
+    server's parser returns). The stop position's top-k is moved too: the teacher's end of turn is the
+    student's."""
+    parsed = teacher_fmt.parse_turn(gen.text)
+    if parsed.calls and all(c is not None for c in parsed.calls):
+        content = parsed.preamble
+        calls = [{"id": f"call_{j}", "name": c["name"], "arguments": json.dumps(c["arguments"], ensure_ascii=False)}
+                 for j, c in enumerate(parsed.calls) if c is not None]  # fmt: skip
+    else:
+        content, calls = gen.text, []
+    text = student_fmt.assistant_text(content, calls)
+    out = replace(base, text=text, token_ids=None, topk_ids=[], topk_logprobs=[], tool_calls=calls, content=content,
+                  stop_topk_ids=[], stop_topk_logprobs=[])  # fmt: skip
+    by = teacher_bytes.by_id
+    if len(student_fmt.split_turns(text)) == 1:
+        steps = zip(gen.token_ids, gen.token_logprobs, gen.topk_ids, gen.topk_logprobs)
+        tokens = [TeacherToken(by[i], lp, [(by[j], v) for j, v in zip(top, lps)]) for i, lp, top, lps in steps]
+        map_turn(out, tokens, student_fmt.tokenizer, student_bytes)
+    end = teacher_fmt.end_of_turn_id
+    if end in gen.stop_topk_ids:  # the stop token is among the top-k (always when greedy)
+        lp = gen.stop_topk_logprobs[gen.stop_topk_ids.index(end)]
+        stop = TeacherToken(by[end], lp, [(by[j], v) for j, v in zip(gen.stop_topk_ids, gen.stop_topk_logprobs)])
+        out.stop_topk_ids, out.stop_topk_logprobs, _ = map_position(student_fmt.end_of_turn_id, stop, b"",
+                                                                    student_bytes)  # fmt: skip
+    return out

@@ -37,6 +37,7 @@ from bisect import bisect_right
 from dataclasses import dataclass
 from typing import Any
 
+from distillgates.teacher.base import TurnResult
 from distillgates.tokenizer import gpt2_byte_decoder
 
 
@@ -112,22 +113,40 @@ def map_by_bytes(text: str, teacher: list[TeacherToken], ids: list[int], student
     a = 0
     for own in ids:
         i = bisect_right(starts, a) - 1  # the last teacher token starting at or before a: it holds byte a
-        tok = teacher[i]
-        e = data[starts[i] : a]
-        mass: dict[int, float] = {own: math.exp(tok.logprob)}
-        unmatched = 0.0
-        for cand, lp in tok.top:
-            if cand == tok.data or not cand.startswith(e) or len(cand) <= len(e):
-                continue  # the chosen token (counted above), or not a continuation of the bytes written
-            sid = student.longest_prefix(cand[len(e) :])
-            if sid is None:
-                unmatched += math.exp(lp)
-            else:
-                mass[sid] = mass.get(sid, 0.0) + math.exp(lp)
-        z = sum(mass.values()) + unmatched if e else 1.0
-        ranked = sorted(mass.items(), key=lambda kv: (-kv[1], kv[0]))
-        out.topk_ids.append([sid for sid, _ in ranked])
-        out.topk_logprobs.append([math.log(p / z) for _, p in ranked])
-        out.unmatched.append(unmatched / z)
+        top_ids, top_lps, unmatched = map_position(own, teacher[i], data[starts[i] : a], student)
+        out.topk_ids.append(top_ids)
+        out.topk_logprobs.append(top_lps)
+        out.unmatched.append(unmatched)
         a += len(student.by_id[own])
     return out
+
+
+def map_position(own: int, tok: TeacherToken, e: bytes, student: TokenBytes) -> tuple[list[int], list[float], float]:
+    """One student position (module docstring): the student's token ``own`` starts ``len(e)`` bytes into the
+    teacher's token ``tok`` (``e``: its bytes before). Returns the student ids (most probable first), their
+    log-probs and the unmatched mass."""
+    mass: dict[int, float] = {own: math.exp(tok.logprob)}
+    unmatched = 0.0
+    for cand, lp in tok.top:
+        if cand == tok.data or not cand.startswith(e) or len(cand) <= len(e):
+            continue  # the chosen token (counted above), or not a continuation of the bytes written
+        sid = student.longest_prefix(cand[len(e) :])
+        if sid is None:
+            unmatched += math.exp(lp)
+        else:
+            mass[sid] = mass.get(sid, 0.0) + math.exp(lp)
+    z = sum(mass.values()) + unmatched if e else 1.0
+    ranked = sorted(mass.items(), key=lambda kv: (-kv[1], kv[0]))
+    return [sid for sid, _ in ranked], [math.log(p / z) for _, p in ranked], unmatched / z
+
+
+def map_turn(result: TurnResult, teacher: list[TeacherToken], tokenizer: Any, student: TokenBytes) -> None:
+    """Put ``result`` (one turn, its ``text`` in the student's chat format) on the student's tokens of its
+    text, each with the teacher's top-k moved onto it (:func:`map_by_bytes`). Where the teacher's bytes do
+    not spell the text (it wrote calls otherwise than the student's template) ``result`` is left as it is:
+    ``token_ids`` None, text-only KD for the turn. The one owner of this step for the API teacher
+    (:mod:`.http`) and a local teacher with another tokenizer (:class:`~.local.StudentTokensTeacher`)."""
+    ids = tokenizer.encode(result.text, add_special_tokens=False)
+    mapped = map_by_bytes(result.text, teacher, ids, student)
+    if mapped is not None:
+        result.token_ids, result.topk_ids, result.topk_logprobs = mapped.ids, mapped.topk_ids, mapped.topk_logprobs

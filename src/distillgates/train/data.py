@@ -36,13 +36,23 @@ from distillgates.losses import early_tool_positions, early_tool_target, turn_ma
 from distillgates.tokenizer import TOOL_CALL
 
 
-def read_kd_set(path: str | Path) -> dict[str, dict[str, Any]]:
+def read_kd_set(path: str | Path, tokenizer: Any = None) -> dict[str, dict[str, Any]]:
     """KD records by item id, read and validated by :func:`distillgates.teacher.kd.read_kd_set`
     (which raises ``KDSetError`` naming file, line and field). Each record gets ``sequence_level``:
-    true when the set holds no teacher log-probs (module docstring)."""
+    true when the set holds no teacher log-probs (module docstring). With ``tokenizer`` (the student's)
+    the set must be on its tokens: its header's ``tokenizer_fingerprint`` is the student's."""
+    from distillgates.teacher.kd import KDSetError
     from distillgates.teacher.kd import read_kd_set as read_records
+    from distillgates.tokenizer import tokenizer_fingerprint
 
     header, records = read_records(path)
+    if tokenizer is not None and header["tokenizer_fingerprint"] != tokenizer_fingerprint(tokenizer):
+        raise KDSetError(
+            f"{path}:1: tokenizer_fingerprint: the KD set is on tokenizer {header['tokenizer_fingerprint'][:16]}, "
+            f"the student's is {tokenizer_fingerprint(tokenizer)[:16]} (another vocabulary or chat template): "
+            "rebuild it with the run's tokenizer (delete it and run `distillgates kd`: the KD step writes the set "
+            "on the student's tokens whatever the teacher's tokenizer)"
+        )
     sequence_level = header.get("logprobs") is False  # sets built before the switch have top-k
     return {rec["id"]: {**rec, "sequence_level": sequence_level} for rec in records}
 

@@ -103,6 +103,26 @@ def init_from_teacher(student: Transformer, teacher: Transformer, layers: Sequen
 _RUN_FIELDS = ("max_seq_len", "gradient_checkpointing")
 
 
+def check_vocabulary(path: Path, tokenizer: Any, where: str) -> None:
+    """The model directory ``path`` must have the run's vocabulary: its weights index tokens by id.
+
+    Raises:
+        ValueError: no ``tokenizer.json`` in ``path``, or another vocabulary (both sizes named; ``where``: the setting).
+    """
+    from transformers import PreTrainedTokenizerFast
+
+    if not (path / "tokenizer.json").is_file():
+        raise ValueError(f"{where}: no tokenizer.json in {path} to check the run's tokenizer against")
+    # tokenizer.json as written (AutoTokenizer may pick a family class that adds tokens of its own)
+    ckpt_vocab = PreTrainedTokenizerFast.from_pretrained(path, local_files_only=True).get_vocab()
+    run_vocab = tokenizer.get_vocab()
+    if run_vocab != ckpt_vocab:
+        raise ValueError(
+            f"{where}: the run's tokenizer ({len(run_vocab)} tokens) does not match the checkpoint's "
+            f"({len(ckpt_vocab)} tokens); token ids would mean other tokens, so nothing is trained"
+        )
+
+
 def pretrained_student(path: Path, shape_max: int, tokenizer: Any, section: ModelConfig | None) -> Transformer:
     """The student of ``init_from: hf:<path>``: the checkpoint converted strictly (:func:`distillgates.hf.load_hf`).
 
@@ -120,21 +140,10 @@ def pretrained_student(path: Path, shape_max: int, tokenizer: Any, section: Mode
             section disagrees with the checkpoint (the field named).
         HFConversionError: see :func:`distillgates.hf.load_hf`.
     """
-    from transformers import PreTrainedTokenizerFast
-
     from distillgates.hf import load_hf
 
     where = f"train.init_from 'hf:{path}'"
-    if not (path / "tokenizer.json").is_file():
-        raise ValueError(f"{where}: no tokenizer.json in {path} to check the run's tokenizer against")
-    # tokenizer.json as written (AutoTokenizer may pick a family class that adds tokens of its own)
-    ckpt_vocab = PreTrainedTokenizerFast.from_pretrained(path, local_files_only=True).get_vocab()
-    run_vocab = tokenizer.get_vocab()
-    if run_vocab != ckpt_vocab:
-        raise ValueError(
-            f"{where}: the run's tokenizer ({len(run_vocab)} tokens) does not match the checkpoint's "
-            f"({len(ckpt_vocab)} tokens); token ids would mean other tokens, so nothing is trained"
-        )
+    check_vocabulary(path, tokenizer, where)
     model = load_hf(path, section.max_seq_len if section is not None else shape_max)
     cfg = model.config
     if section is not None:

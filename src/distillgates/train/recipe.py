@@ -688,30 +688,38 @@ def train_student(
     eval_items = eval_items if eval_items is not None else run.items("eval")
     kd_records = None
     if train_cfg.teacher_mode == "offline" and train_cfg.kd.weight > 0:
-        kd_records = read_kd_set(kd_path or run.kd_set)
+        kd_records = read_kd_set(kd_path or run.kd_set, tokenizer)
+    if isinstance(getattr(teacher, "path", None), Path):  # a LocalTeacher: its logits index the run's vocabulary
+        from distillgates.train.init import check_vocabulary
+
+        check_vocabulary(teacher.path, tokenizer, f"train.teacher_mode 'online' ({teacher.path})")
     teacher_fn = _teacher_fn(teacher) if teacher is not None else None
     recipe = Recipe(
         train_cfg, model_cfg, cfg.shapes, tokenizer, train_items, eval_items, run.model_dir(role),
         kd_records=kd_records, teacher=teacher_fn, device=device, max_steps=max_steps, progress=progress,
         speed_prompts=min(cfg.speed.n_prompts, 4),
-        init_teacher=_init_teacher(cfg, run) if train_cfg.init_from == "teacher" else None, init_model=init_model,
+        init_teacher=_init_teacher(cfg, run, tokenizer) if train_cfg.init_from == "teacher" else None,
+        init_model=init_model,
     )
     recipe.setup()
     recipe.train()
     return recipe.cleanup()
 
 
-def _init_teacher(cfg: Config, run: RunDir) -> Transformer:
-    """The local teacher (``teacher.path``, else the run's toy teacher) as a :class:`Transformer`."""
+def _init_teacher(cfg: Config, run: RunDir, tokenizer: Any) -> Transformer:
+    """The local teacher (``teacher.path``, else the run's toy teacher) as a :class:`Transformer`; its
+    vocabulary must be the run's (``tokenizer``)."""
     from transformers import AutoModelForCausalLM
 
     from distillgates.hf import from_hf
+    from distillgates.train.init import check_vocabulary
 
     if cfg.teacher is None or cfg.teacher.kind != "local":
         raise ValueError("train.init_from 'teacher' needs a local teacher (teacher.kind: local)")
     path = run.teacher_model_dir(cfg)
     if not (path / "config.json").exists():
         raise FileNotFoundError(f"train.init_from 'teacher': no teacher model at {path} (run the teacher step first)")
+    check_vocabulary(path, tokenizer, f"train.init_from 'teacher' ({path})")
     return from_hf(AutoModelForCausalLM.from_pretrained(path).float())
 
 
