@@ -24,6 +24,7 @@ from distillgates.runtime.constrained import (
     TokenVocab,
     ToolCallConstraint,
     UnsupportedSchemaError,
+    _walk,
     tool_call_constraint,
     tool_call_processor,
 )
@@ -269,7 +270,7 @@ def test_string_fast_path_equals_trie_walk(tok, vocab, text, max_chars):
     state = constraint.feed(constraint.initial_state(), prefix.encode())
     assume(state is not None and state[-1][1] == S_BODY)  # e.g. a text ending in "<" leaves the fast path
     walked = torch.zeros(constraint.vocab.size, dtype=torch.bool)
-    walked[constraint._walk(state, constraint.vocab.trie)] = True  # exact: every token's bytes stepped
+    walked[_walk(constraint.vocab.trie, state, constraint.step)] = True  # exact: every token's bytes stepped
     assert torch.equal(constraint._compute_mask(state), walked)
 
 

@@ -130,10 +130,11 @@ _KILL_SCRIPT = textwrap.dedent(
     torch.set_num_threads(1)
     from distillgates.config import Config, KDConfig
     from distillgates.data.generator import generate_items
+    from distillgates.teacher.base import BatchTeacher
     from distillgates.teacher.kd import build_kd_set
     from distillgates.teacher.local import LocalTeacher
 
-    class SlowTeacher:  # the real teacher, slowed so the test can kill the build mid-run
+    class SlowTeacher(BatchTeacher):  # the real teacher, slowed so the test can kill the build mid-run
         def __init__(self, inner):
             self.inner, self.model_id, self.tokenizer = inner, inner.model_id, inner.tokenizer
         def complete_batch(self, conversations, **kwargs):

@@ -44,7 +44,7 @@ from __future__ import annotations
 
 import json
 from collections import OrderedDict
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from decimal import ROUND_CEILING, ROUND_FLOOR, Decimal
 from typing import Any
@@ -697,25 +697,26 @@ class ToolCallConstraint:
             plain = self.vocab.plain_chars
             mask |= (plain >= 0) & (plain <= budget)  # (V,) raw characters that fit the length budget
             trie = self.vocab.nonplain_trie
-        ids = self._walk(state, trie)
+        ids = _walk(trie, state, self.step)
         if ids:
             mask[torch.tensor(ids)] = True
         return mask
 
-    def _walk(self, state: State, trie: _Trie) -> list[int]:
-        """Ids of tokens in ``trie`` whose bytes all step validly from ``state`` (pruned DFS)."""
-        ids: list[int] = []
-        stack = [(trie, state)]
-        while stack:
-            node, st = stack.pop()
-            for b, child in node.children.items():
-                nxt = self.step(st, b)
-                if nxt is None:
-                    continue
-                ids.extend(child.ids)
-                if child.children:
-                    stack.append((child, nxt))
-        return ids
+
+def _walk(trie: _Trie, state: Any, step: Callable[[Any, int], Any | None]) -> list[int]:
+    """Ids of tokens in ``trie`` whose bytes all ``step`` validly from ``state`` (pruned DFS; None: invalid)."""
+    ids: list[int] = []
+    stack = [(trie, state)]
+    while stack:
+        node, st = stack.pop()
+        for b, child in node.children.items():
+            nxt = step(st, b)
+            if nxt is None:
+                continue
+            ids.extend(child.ids)
+            if child.children:
+                stack.append((child, nxt))
+    return ids
 
 
 def _type_ok(value: Any, kind: str | None) -> bool:
@@ -1005,10 +1006,11 @@ class TurnConstraint:
             return mask
         if phase == CALL:
             mask = self.constraint.allowed_mask(pos).clone()
-            mask[self._walk(state, self.vocab.brace_trie, False)] = True  # "}}\n" closes the call and goes on
+            mask[_walk(self.vocab.brace_trie, state, self.step)] = True  # "}}\n" closes the call and goes on
             return mask
         mask = torch.zeros(self.vocab.size, dtype=torch.bool)
-        mask[self._walk(state, self.vocab.trie, False) + self._walk(state, self.vocab.special_trie, True)] = True
+        special = _walk(self.vocab.special_trie, state, lambda st, b: self.step(st, b, special=True))
+        mask[_walk(self.vocab.trie, state, self.step) + special] = True
         if state == (AFTER, 0):
             mask[self.end_of_turn_id] = True
         return mask
@@ -1032,21 +1034,6 @@ class TurnConstraint:
             if state is None:
                 out.append(token_id)
         return out
-
-    def _walk(self, state: TurnState, trie: _Trie, special: bool) -> list[int]:
-        """Ids of tokens in ``trie`` whose bytes all step validly from ``state`` (pruned DFS)."""
-        ids: list[int] = []
-        stack = [(trie, state)]
-        while stack:
-            node, st = stack.pop()
-            for b, child in node.children.items():
-                nxt = self.step(st, b, special)
-                if nxt is None:
-                    continue
-                ids.extend(child.ids)
-                if child.children:
-                    stack.append((child, nxt))
-        return ids
 
 
 # --------------------------------------------------------------------------------------

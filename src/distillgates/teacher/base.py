@@ -20,6 +20,7 @@ Design choices:
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from dataclasses import asdict, dataclass, field
 from typing import Any, Protocol
 
@@ -75,3 +76,27 @@ class Teacher(Protocol):
         :func:`distillgates.data.tools.item_tools`); an API teacher sends them, a local teacher reads
         them from the system prompt."""
         ...
+
+
+class BatchTeacher(ABC):
+    """A teacher that completes many conversations in one batched generation (the local ones):
+    :meth:`complete` is :meth:`complete_batch` of one."""
+
+    def complete(
+        self,
+        messages: list[dict[str, Any]],
+        *,
+        max_new_tokens: int,
+        top_k: int,
+        temperature: float = 0.0,
+        tools: list[dict[str, Any]] | None = None,
+    ) -> TurnResult:
+        return self.complete_batch([messages], max_new_tokens=max_new_tokens, top_k=top_k, temperature=temperature,
+                                   tools=[tools])[0]  # fmt: skip
+
+    @abstractmethod
+    def complete_batch(
+        self, conversations: list[list[dict[str, Any]]], *, max_new_tokens: int, top_k: int, temperature: float = 0.0,
+        tools: list[list[dict[str, Any]] | None] | None = None,
+    ) -> list[TurnResult]:  # fmt: skip
+        """:meth:`Teacher.complete` for several conversations (``tools``: each one's)."""

@@ -73,7 +73,7 @@ from distillgates.data.registry import tool_registry_sha256
 from distillgates.data.tools import item_tools
 from distillgates.eval.runners import Conversation, Turn
 from distillgates.io import atomic_write_json, sha256_bytes
-from distillgates.teacher.base import Teacher, TurnResult
+from distillgates.teacher.base import BatchTeacher, Teacher, TurnResult
 from distillgates.teacher.cache import ResponseCache, cache_key
 from distillgates.teacher.messages import call_turns, turn_messages
 from distillgates.tokenizer import tokenizer_fingerprint
@@ -333,10 +333,9 @@ def _complete_all(
     cached = [r is not None for r in results]
     missing = [i for i, r in enumerate(results) if r is None]
     if missing:
-        batch = getattr(teacher, "complete_batch", None)
-        if batch is not None:  # a local teacher
-            fresh = batch([conversations[i].messages for i in missing], **kwargs,
-                          tools=[conversations[i].tools for i in missing])  # fmt: skip
+        if isinstance(teacher, BatchTeacher):  # a local teacher
+            fresh = teacher.complete_batch([conversations[i].messages for i in missing], **kwargs,
+                                           tools=[conversations[i].tools for i in missing])  # fmt: skip
         else:
             fresh = [teacher.complete(conversations[i].messages, **kwargs, tools=conversations[i].tools)
                      for i in missing]  # fmt: skip
@@ -390,7 +389,7 @@ def build_kd_set(
         raise ValueError(f"duplicate item id {dup!r}: KD records are keyed by id")
     out = Path(out_path)
     partial, ckpt = Path(f"{out}.partial"), Path(f"{out}.ckpt")
-    chunk = kd.batch_size if hasattr(teacher, "complete_batch") else 1
+    chunk = kd.batch_size if isinstance(teacher, BatchTeacher) else 1
     ckpt_every = -(-kd.ckpt_every // chunk) * chunk  # a multiple of the chunk: resumes re-run whole chunks
     header = kd_header(cfg, teacher, items, chunk)
     header_key = sha256_json(header)

@@ -25,7 +25,7 @@ from torch import Tensor
 from distillgates.config import sha256_json
 from distillgates.data.chat import ChatFormat, chat_format
 from distillgates.io import sha256_file
-from distillgates.teacher.base import TurnResult
+from distillgates.teacher.base import BatchTeacher, TurnResult
 from distillgates.teacher.tokens import TeacherToken, TokenBytes, map_position, map_turn
 from distillgates.tokenizer import load_tokenizer, tokenizer_fingerprint
 
@@ -55,7 +55,7 @@ def _weights_digest(path: Path) -> str:
     return h.hexdigest()
 
 
-class LocalTeacher:
+class LocalTeacher(BatchTeacher):
     """A causal LM loaded from a ``save_pretrained`` directory."""
 
     def __init__(self, path: str | Path, device: str = "cpu", dtype: torch.dtype = torch.float32) -> None:
@@ -173,26 +173,13 @@ class LocalTeacher:
             for r in rows
         ]
 
-    def complete(
-        self,
-        messages: list[dict[str, Any]],
-        *,
-        max_new_tokens: int,
-        top_k: int,
-        temperature: float = 0.0,
-        tools: list[dict[str, Any]] | None = None,
-    ) -> TurnResult:
-        """One assistant turn for chat messages and the item's ``tools``, rendered by the tokenizer's chat
-        template (the built-in ones list the tools in the system message, so they ignore ``tools``), stopping
-        at its end-of-turn token (toy: ``<|end|>``)."""
-        return self.complete_batch([messages], max_new_tokens=max_new_tokens, top_k=top_k, temperature=temperature,
-                                   tools=[tools])[0]  # fmt: skip
-
     def complete_batch(
         self, conversations: list[list[dict[str, Any]]], *, max_new_tokens: int, top_k: int, temperature: float = 0.0,
         tools: list[list[dict[str, Any]] | None] | None = None,
     ) -> list[TurnResult]:  # fmt: skip
-        """:meth:`complete` for several conversations (``tools``: each one's) in one batched generation."""
+        """One assistant turn for each conversation and its item's ``tools``, rendered by the tokenizer's chat
+        template (the built-in ones list the tools in the system message, so they ignore ``tools``), stopping
+        at its end-of-turn token (toy: ``<|end|>``), in one batched generation."""
         prompts = self.prompts(conversations, tools)
         gens = self.generate_batch(prompts, max_new_tokens, [self.end_id], temperature=temperature, top_k=top_k)
         return [self.turn_result(p, gen, max_new_tokens, top_k, temperature) for p, gen in zip(prompts, gens)]
@@ -256,7 +243,7 @@ def local_teacher(path: str | Path, tokenizer: Any) -> LocalTeacher | StudentTok
     return StudentTokensTeacher(teacher, tokenizer)
 
 
-class StudentTokensTeacher:
+class StudentTokensTeacher(BatchTeacher):
     """A :class:`LocalTeacher` whose tokenizer is not the student's, as the KD builder needs it: each turn in
     the student's chat format, on the student's tokens, with the teacher's top-k moved onto them through
     bytes (what the API teacher does, :mod:`.http`). The teacher writes its turn in its own format (its
@@ -273,18 +260,6 @@ class StudentTokensTeacher:
 
     def __repr__(self) -> str:
         return f"StudentTokensTeacher({self.model_id!r})"
-
-    def complete(
-        self,
-        messages: list[dict[str, Any]],
-        *,
-        max_new_tokens: int,
-        top_k: int,
-        temperature: float = 0.0,
-        tools: list[dict[str, Any]] | None = None,
-    ) -> TurnResult:
-        return self.complete_batch([messages], max_new_tokens=max_new_tokens, top_k=top_k, temperature=temperature,
-                                   tools=[tools])[0]  # fmt: skip
 
     def complete_batch(
         self, conversations: list[list[dict[str, Any]]], *, max_new_tokens: int, top_k: int, temperature: float = 0.0,
