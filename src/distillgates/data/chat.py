@@ -323,6 +323,9 @@ class CallSyntax:
         return tuple(t for t in dict.fromkeys(texts) if not any(o != t and o in t for o in texts))
 
 
+_PROBE_CALL = {"name": "n", "arguments": {"a": 1, "b": [True, "x"]}}  # a call whose rendering shows the syntax
+
+
 class ChatFormat:
     """The chat format of a tokenizer: rendering (its chat template), tool-call parsing, stop ids.
 
@@ -365,9 +368,6 @@ class ChatFormat:
         self.end_of_turn_id: int = vocab[self.end_of_turn]
         self.assistant_header_ids: list[int] = self.encode(self.assistant_header)
         """Token ids that open an assistant turn (toy: ``<|assistant|>``); the last one predicts its first token."""
-        marker = self.call_text({"name": "n", "arguments": {}}).split("{", 1)[0].strip()
-        self.call_marker_id: int | None = vocab.get(marker) if marker else None
-        """The single token a call opens with (toy ``<|tool_call|>``, ChatML ``<tool_call>``), else None."""
 
     def render(self, messages: Sequence[Mapping[str, Any]], tools: Sequence[Mapping[str, Any]] | None = None,
                add_generation_prompt: bool = False) -> str:  # fmt: skip
@@ -443,6 +443,20 @@ class ChatFormat:
         return self.assistant_text("", [call])
 
     @cached_property
+    def _probe_turn(self) -> tuple[str, int]:
+        """The turn that makes :data:`_PROBE_CALL`, and where its JSON starts (-1: not as ``{"name"...``)."""
+        one = self.assistant_text("", [_PROBE_CALL])
+        return one, one.find('{"name"')
+
+    @cached_property
+    def call_marker_id(self) -> int | None:
+        """The single token this template opens a call with (toy ``<|tool_call|>``, ChatML ``<tool_call>``), else
+        None (Llama 3's bare JSON turn): the text before the call's JSON, as :attr:`call_syntax` finds it."""
+        one, start = self._probe_turn
+        marker = one[:start].strip() if start >= 0 else ""
+        return self.tokenizer.get_vocab().get(marker) if marker else None
+
+    @cached_property
     def call_syntax(self) -> CallSyntax:
         """The family's call syntax, read off the template's rendering of one and of two calls.
 
@@ -450,9 +464,7 @@ class ChatFormat:
             ValueError: when the template writes a call that is not canonical ``json.dumps`` JSON, or
                 opens it with no marker text outside the ``llama3`` family (whose parser reads a bare JSON turn).
         """
-        call = {"name": "n", "arguments": {"a": 1, "b": [True, "x"]}}
-        one = self.assistant_text("", [call])
-        start = one.find('{"name"')
+        call, (one, start) = _PROBE_CALL, self._probe_turn
         if start < 0:
             raise ValueError(f"the chat template writes a call as {one!r}: no JSON object that starts with 'name'")
         obj, end = json.JSONDecoder().raw_decode(one, start)
