@@ -155,20 +155,3 @@ def test_positions_out_of_order_match_module_path(last_only: bool, length: int) 
             rest = forward(idx[:, length:], torch.arange(length, length + 3))
         out.append(torch.cat([first, rest], dim=1).clone())
     torch.testing.assert_close(out[0], out[1], atol=1e-5, rtol=1e-4)
-
-
-@pytest.mark.parametrize("last_only", [False, True])
-def test_left_padded_batch_matches_module_path(last_only: bool) -> None:
-    """An attention mask over cache slots (the engine's left-padded batches): prefill, then decode steps."""
-    model = _model(7)
-    idx = torch.randint(1, CFG.vocab_size, (2, 10), generator=torch.Generator().manual_seed(7))
-    slots = torch.ones(2, CFG.max_seq_len, dtype=torch.bool)
-    slots[1, :4] = False  # row 1: 4 pad slots, then a 3-token prompt
-    out = []
-    for forward in (_decoder(model, 2).forward, model):
-        with torch.inference_mode():
-            steps = [forward(idx[:, :7], torch.arange(7), slots, last_only=last_only)]
-            for pos in range(7, 10):
-                steps.append(forward(idx[:, pos : pos + 1], torch.tensor([pos]), slots))
-        out.append(torch.cat(steps, dim=1).clone())
-    torch.testing.assert_close(out[0], out[1], atol=1e-5, rtol=1e-4)

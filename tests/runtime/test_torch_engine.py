@@ -143,7 +143,7 @@ def test_batch_matches_single_rows(make_model):
 
 
 def test_long_batch_prefill_matches_single_rows(make_model):
-    """Left-padded prompts through ``last_only`` (the last layer computes the last position only)."""
+    """Prompts of different lengths through ``last_only`` (the last layer computes the last position only)."""
     engine = TorchEngine(make_model(11, dtype=torch.float64), max_batch_size=2)
     prompts = [list(range(1, 25)), list(range(30, 47))]
     logits = engine.prefill_batch(prompts)  # (B, V)

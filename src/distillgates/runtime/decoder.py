@@ -171,38 +171,34 @@ class FusedDecoder:
         self._plan = _Plan(sources, stamp, layers, head, rope_sin)
         return self._plan
 
-    def _mask(
-        self, input_pos: Tensor, attention_mask: Tensor | None, contiguous: bool, kv_len: int, last_row: bool
-    ) -> Tensor | None:
+    def _mask(self, input_pos: Tensor, contiguous: bool, kv_len: int, last_row: bool) -> Tensor | None:
         """Boolean SDPA mask over the filled prefix ``[:kv_len]`` for GQA-grouped query rows (row ``g*T + t``
         is query ``t``, see :func:`~distillgates.model.gqa_attention`); ``last_row``: the last query only.
-        None when every query sees the whole prefix (one query at the last slot, no padding)."""
+        None when every query sees the whole prefix (one query at the last slot)."""
         T, groups = input_pos.shape[-1], self.config.n_heads // self.config.n_kv_heads
         if input_pos.dim() == 2:  # one position row per batch row: causal in each row's own positions
             mask = self.model.causal_mask[input_pos][:, None, :, :kv_len]  # (B, 1, T, S)
             return (mask[..., -1:, :] if last_row else mask).repeat(1, 1, groups, 1)  # (B, 1, G*T | G, S)
-        if attention_mask is None and contiguous:
+        if contiguous:
             if T == 1 or last_row:
                 return None
             causal = self.model.causal_mask[kv_len - T : kv_len, :kv_len]  # (T, S): a view
             return torch.cat([causal] * groups)  # (G*T, S): one copy
-        mask = self.model.make_mask(T, input_pos, attention_mask)[..., :kv_len]  # (B|1, 1, T, S)
+        mask = self.model.make_mask(T, input_pos, None)[..., :kv_len]  # (1, 1, T, S)
         if last_row:
-            mask = mask[..., -1:, :]  # (B|1, 1, 1, S)
-        return mask.repeat(1, 1, groups, 1)  # (B|1, 1, G*T, S)
+            mask = mask[..., -1:, :]  # (1, 1, 1, S)
+        return mask.repeat(1, 1, groups, 1)  # (1, 1, G*T, S)
 
     def forward(
-        self, idx: Tensor, input_pos: Tensor, attention_mask: Tensor | None = None, last_only: bool = False,
-        cache_rows: Tensor | None = None,
-    ) -> Tensor:  # fmt: skip
+        self, idx: Tensor, input_pos: Tensor, last_only: bool = False, cache_rows: Tensor | None = None
+    ) -> Tensor:
         """Write ``idx`` into the cache at ``input_pos``; logits as ``Transformer.forward`` returns them.
 
         Args:
             idx: token ids ``(B, T)``.
             input_pos: cache positions ``(T,)`` (prefill: ``arange(T)``; decode: ``[pos]``), shared by the
                 rows; or ``(B, T)``, each row's own (continuous batching: a row attends its slots up to each
-                query's position, so slots past it may hold anything; no ``attention_mask`` then).
-            attention_mask: ``(B, S_max)`` over cache slots, True = real token; None: all real.
+                query's position, so slots past it may hold anything).
             cache_rows: with per-row positions, the cache row of each batch row ``(B,)`` (default: rows
                 ``0..B-1``); other rows are neither read nor written.
             last_only: logits ``(B, 1, V)`` of the last position only (prefill, extend): the last layer
@@ -218,8 +214,6 @@ class FusedDecoder:
         H, n_kv, hd, d_eps = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.d_model * cfg.norm_eps
         plan = self.plan()
         per_row = input_pos.dim() == 2
-        if per_row and attention_mask is not None:
-            raise ValueError("per-row positions (B, T) take no attention_mask: a row attends up to its positions")
         positions = input_pos.tolist()  # the one host read per forward
         if per_row:
             contiguous, kv_len = False, max(map(max, positions)) + 1
@@ -238,7 +232,7 @@ class FusedDecoder:
                 cos, sin = model.rope_cos[input_pos], plan.rope_sin[input_pos]  # (T, hd)
         # with ``last_only`` the last layer writes every row's K/V but computes the last row's output only
         last_layer = len(plan.layers) - 1 if last_only and T > 1 else -1
-        mask = None if last_layer == 0 else self._mask(input_pos, attention_mask, contiguous, kv_len, False)
+        mask = None if last_layer == 0 else self._mask(input_pos, contiguous, kv_len, False)
         x = F.embedding(idx.reshape(-1), model.embed.weight)  # (B*T, d): 2-D rows for torch.mm
         cast = self.caches[0][0].dtype != x.dtype
         for i, (layer, (k_cache, v_cache)) in enumerate(zip(plan.layers, self.caches)):
@@ -279,7 +273,7 @@ class FusedDecoder:
                 k, v = k.to(q.dtype), v.to(q.dtype)
             if i == last_layer:  # nothing reads the other rows' outputs: one query row from here on
                 q, x, T = q[:, :, -1:], x.view(B, T, -1)[:, -1], 1  # (B, H, 1, hd), (B, d)
-                mask = self._mask(input_pos, attention_mask, contiguous, kv_len, True)
+                mask = self._mask(input_pos, contiguous, kv_len, True)
             y = F.scaled_dot_product_attention(q.reshape(B, n_kv, -1, hd), k, v, attn_mask=mask)  # (B,n_kv,G*T,hd)
             # GQA by query grouping (see gqa_attention); one query row per head needs no transpose
             y = y.reshape(B, H * hd) if T == 1 else y.view(B, H, T, hd).transpose(1, 2).reshape(B * T, H * hd)

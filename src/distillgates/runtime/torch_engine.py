@@ -6,12 +6,10 @@ Design choices (gpt-fast style):
   lets a query see, so no zeroing is needed, and rollback (speculative decoding) is free.
 - The decode path reuses pre-allocated ``(1, 1)`` token and ``(1,)`` position tensors (filled in
   place) and slices of a pre-built ``arange``; nothing is allocated per token outside the model.
-- Small batches use left padding and an attention mask over cache slots (``(B, S_max)``,
-  True = real token), which ``Transformer.forward`` supports. RoPE is relative, so a row shifted
-  right by its padding attends exactly as it would alone.
-- Continuous batching (``write_rows``, the batched eval): each cache row holds its own conversation
-  at its own positions (RoPE and causal mask per row), so a row that finishes takes a new prompt
-  while the others keep decoding; no left padding of the history, no re-prefill.
+- Batches (``write_rows``: the batched eval, and ``prefill_batch``/``decode_batch`` over it): each cache
+  row holds its own conversation at its own positions (RoPE and causal mask per row), so a row that
+  finishes takes a new prompt while the others keep decoding; no left padding of the history, no
+  re-prefill.
 - Every write runs a :class:`~distillgates.runtime.decoder.FusedDecoder` built from the model
   (under ``inference_mode``): fused, pre-transposed weights, attention over the filled prefix
   only, no module calls. ``prefill``/``extend`` need the last position's logits only
@@ -56,7 +54,8 @@ def _stretched(call: Callable[..., Tensor], fraction: float) -> Callable[..., Te
 
 
 class TorchEngine(EngineBase):
-    """Batch-1 engine (the protocol) plus small-batch helpers (``prefill_batch``/``decode_batch``).
+    """Batch-1 engine (the protocol) plus continuous batching over the cache rows (``write_rows``; offline
+    batches of prompts: ``prefill_batch``/``decode_batch``/``generate_batch``).
 
     Args:
         model: the transformer; put in eval mode and given a static cache of ``max_batch_size``.
@@ -84,9 +83,7 @@ class TorchEngine(EngineBase):
         self._positions = torch.arange(self.max_seq_len, device=self.device)  # (S_max,) sliced, never rebuilt
         self._token = torch.zeros(1, 1, dtype=torch.long, device=self.device)  # (1, 1) decode input
         self._pos = torch.zeros(1, dtype=torch.long, device=self.device)  # (1,) decode position
-        self._batch_tokens = torch.zeros(max_batch_size, 1, dtype=torch.long, device=self.device)  # (B, 1)
-        self._batch_mask = torch.ones(max_batch_size, self.max_seq_len, dtype=torch.bool, device=self.device)
-        self._batch_rows = 0
+        self._batch_lens: list[int] = []  # tokens in each row of the current batch (prefill_batch/decode_batch)
         self._decode = torch.compile(self._decode_compiled, dynamic=False) if compile else self._decode_eager
         self.tokens: list[int] = []  # token ids in the KV state (batch-1 conversation)
         self.pending = None
@@ -181,44 +178,23 @@ class TorchEngine(EngineBase):
 
     # ---- small batches (offline) -------------------------------------------------------
 
-    @torch.inference_mode()
     def prefill_batch(self, prompts: Sequence[Sequence[int]]) -> Tensor:
-        """Left-pad ``prompts`` to one length and prefill them together; logits ``(B, V)``.
+        """Prefill ``prompts`` into cache rows ``0..B-1`` together (:meth:`write_rows`); logits ``(B, V)``.
 
         Resets the batch-1 conversation too (they share the cache rows).
         """
-        rows = len(prompts)
-        if not 1 <= rows <= self.max_batch_size:
-            raise ValueError(f"batch of {rows} prompts, engine has max_batch_size {self.max_batch_size}")
-        if any(len(p) == 0 for p in prompts):
-            raise ValueError("every prompt needs at least one token")
-        length = max(len(p) for p in prompts)
-        if length > self.max_seq_len:
-            raise ValueError(f"prompt of {length} tokens exceeds max_seq_len {self.max_seq_len}")
-        idx = torch.zeros(rows, length, dtype=torch.long, device=self.device)  # (B, L) pad id 0, never attended
-        self._batch_mask.fill_(True)
-        for row, prompt in enumerate(prompts):
-            pad = length - len(prompt)
-            idx[row, pad:] = torch.tensor(list(prompt), dtype=torch.long)
-            self._batch_mask[row, :pad] = False
-        self.tokens, self.pending = [], None
-        self._batch_rows, self._batch_len = rows, length
-        mask = self._batch_mask[:rows]  # (B, S_max)
-        return self.decoder.forward(idx, self._positions[:length], mask, last_only=True)[:, -1]  # (B, V)
+        if not 1 <= len(prompts) <= self.max_batch_size:
+            raise ValueError(f"batch of {len(prompts)} prompts, engine has max_batch_size {self.max_batch_size}")
+        logits = self.write_rows(range(len(prompts)), prompts, [0] * len(prompts))
+        self._batch_lens = [len(p) for p in prompts]
+        return logits
 
-    @torch.inference_mode()
     def decode_batch(self, tokens: Sequence[int]) -> Tensor:
-        """One step for every row of the current batch; logits ``(B, V)``."""
-        rows = self._batch_rows
-        if len(tokens) != rows:
-            raise ValueError(f"expected {rows} tokens (one per row), got {len(tokens)}")
-        if self._batch_len + 1 > self.max_seq_len:
-            raise ValueError(f"batch sequence exceeds max_seq_len {self.max_seq_len}")
-        for row, token in enumerate(tokens):
-            self._batch_tokens[row, 0] = token
-        self._pos.fill_(self._batch_len)
-        logits = self.decoder.forward(self._batch_tokens[:rows], self._pos, self._batch_mask[:rows])[:, -1]  # (B, V)
-        self._batch_len += 1
+        """One step for every row of the current batch (one token each); logits ``(B, V)``."""
+        if len(tokens) != len(self._batch_lens):
+            raise ValueError(f"expected {len(self._batch_lens)} tokens (one per row), got {len(tokens)}")
+        logits = self.write_rows(range(len(tokens)), [[t] for t in tokens], self._batch_lens)
+        self._batch_lens = [n + 1 for n in self._batch_lens]
         return logits
 
     @torch.inference_mode()
