@@ -347,8 +347,8 @@ def step_eval(cfg: Config, run: RunDir) -> dict[str, Any]:
     the unsharded arm of the determinism check (the shards re-run it, on the same thread count)."""
     from distillgates.data.fingerprints import dataset_sha256
     from distillgates.eval.broker import FixturePolicy
-    from distillgates.eval.evaluate import evaluate, item_lengths, sharded_determinism
-    from distillgates.eval.scorer import item_rows, score_items
+    from distillgates.eval.evaluate import evaluate, sharded_determinism
+    from distillgates.eval.scorer import item_rows
     from distillgates.eval.sharding import outputs_sha256, write_outputs
     from distillgates.hardware import torch_threads
     from distillgates.hf import from_hf
@@ -377,14 +377,13 @@ def step_eval(cfg: Config, run: RunDir) -> dict[str, Any]:
                               "policy": policy, "privacy": cfg.eval.privacy}
     with torch_threads(cfg.eval.threads):  # the shard workers' thread count: the same kernels, bit for bit
         batch = cfg.eval.batch_size  # items decoded together (the engine's cache rows)
-        student, outputs = evaluate(TorchEngine(run.load_model(), max_batch_size=batch), items, tokenizer,
-                                    return_outputs=True, batch_size=batch, constrained=cfg.eval.constrained_tool_calls,
-                                    **common)  # fmt: skip
+        student, outputs, scores = evaluate(TorchEngine(run.load_model(), max_batch_size=batch), items, tokenizer,
+                                            return_outputs=True, batch_size=batch,
+                                            constrained=cfg.eval.constrained_tool_calls, **common)  # fmt: skip
     student["outputs_sha256"] = outputs_sha256(outputs)  # the determinism gate checks the shards compared these
     quality = {"student": student, "teacher": evaluate(teacher, items, tokenizer, **common)}
     write_outputs(run.eval_outputs, outputs)
     # per-item F1 of the student for the paired drift gates (kept out of report.json: one row per item)
-    scores = score_items(items, outputs, item_lengths(items, tokenizer), cfg.shapes.lengths, cfg.eval.privacy)
     atomic_write_json(run.item_scores, {"role": "student", "items": item_rows(scores)})
     spec = {"dataset": str(run.dataset("eval")), "tokenizer": str(run.tokenizer_dir), "model": str(run.model_path()),
             "runner": "engine", "max_new_tokens": cfg.eval.max_new_tokens, "max_calls": cfg.eval.max_calls,

@@ -89,9 +89,9 @@ def test_evaluate_and_specs_take_the_batch_size(tiny_run: dict[str, Any]) -> Non
 
     items, tok = tiny_run["items"][:6], tiny_run["tokenizer"]
     model = load_model(tiny_run["model"]).eval()
-    one, one_out = evaluate(TorchEngine(model), items, tok, max_new_tokens=10, return_outputs=True)
-    four, four_out = evaluate(TorchEngine(model, max_batch_size=4), items, tok, max_new_tokens=10, batch_size=4,
-                              return_outputs=True)  # fmt: skip
+    one, one_out, _ = evaluate(TorchEngine(model), items, tok, max_new_tokens=10, return_outputs=True)
+    four, four_out, _ = evaluate(TorchEngine(model, max_batch_size=4), items, tok, max_new_tokens=10, batch_size=4,
+                                 return_outputs=True)  # fmt: skip
     assert four_out == one_out
     assert four["fingerprints"]["runner_fingerprint"] != one["fingerprints"]["runner_fingerprint"]
     four.pop("fingerprints"), one.pop("fingerprints")

@@ -105,7 +105,7 @@ def test_constrained_decoding_uses_the_items_own_tools_and_falls_back_explicitly
         model.embed.weight[tok.convert_tokens_to_ids("<|tool_call|>"), 0] = 200.0
     # one call per item and room for a 64-character string argument (the bound of a free string)
     runner = EngineRunner(TorchEngine(model), tok, model_fingerprint(model), 200, constrained=True)
-    metrics, outputs = evaluate(runner, items[:2], tok, max_calls=1, return_outputs=True)
+    metrics, outputs, _ = evaluate(runner, items[:2], tok, max_calls=1, return_outputs=True)
     assert metrics["json_validity"] == 1.0
     calls = [c["call"] for o in outputs for c in o["calls"]]
     assert calls and {c["name"] for c in calls} <= {"create_ticket", "search_files"}

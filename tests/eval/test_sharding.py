@@ -62,7 +62,7 @@ def test_sharded_equals_unsharded_with_real_processes(tiny_run: dict[str, Any]) 
 def test_evaluate_with_engine_produces_a_valid_report(tiny_run: dict[str, Any]) -> None:
     engine = TorchEngine(load_model(tiny_run["model"]))
     items = tiny_run["items"][:4]
-    metrics, outputs = evaluate(
+    metrics, outputs, _ = evaluate(
         engine, items, tiny_run["tokenizer"], lengths=[128, 256, 384], max_new_tokens=5, return_outputs=True
     )
     assert metrics["n"] == 4 and len(outputs) == 4

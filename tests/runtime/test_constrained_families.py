@@ -273,7 +273,7 @@ def test_eval_runner_decodes_chatml_calls_under_the_constraint(chatml):
         runner = EngineRunner(TorchEngine(model), tok, "m" * 64, 400, constrained=constrained)
         results[constrained] = evaluate(runner, items, tok, max_calls=2, return_outputs=True)
     assert results[False][0]["json_validity"] == 0.0
-    metrics, outputs = results[True]
+    metrics, outputs, _ = results[True]
     assert metrics["json_validity"] == 1.0
     calls = [(item, c["call"]) for item, o in zip(items, outputs, strict=True) for c in o["calls"]]
     assert calls and all(not validate_call(call, item_tools(item)) for item, call in calls)

@@ -72,8 +72,8 @@ def test_local_teacher_with_another_tokenizer_kd_set_is_on_student_tokens(
 
     teacher = local_teacher(run.teacher_model_dir(cfg), tiny_tokenizer)
     assert isinstance(teacher, StudentTokensTeacher) and teacher.model_id == header["teacher_model_id"]
-    quality, outputs = evaluate(TeacherRunner(teacher, 16), en, tiny_tokenizer, max_new_tokens=16, progress=False,
-                                return_outputs=True)  # fmt: skip
+    quality, outputs, _ = evaluate(TeacherRunner(teacher, 16), en, tiny_tokenizer, max_new_tokens=16, progress=False,
+                                   return_outputs=True)  # fmt: skip
     assert len(outputs) == len(en) and 0.0 <= quality["tool_selection"] <= 1.0
 
 

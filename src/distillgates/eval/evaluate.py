@@ -20,7 +20,7 @@ from distillgates.data.registry import tool_registry_sha256
 from distillgates.eval.broker import FixturePolicy
 from distillgates.eval.fingerprints import check_fingerprints, items_sha256
 from distillgates.eval.runners import EngineRunner, HFRunner, Runner, TeacherRunner, run_items, runner_fingerprint_of
-from distillgates.eval.scorer import score
+from distillgates.eval.scorer import ItemScore, score_items, summarize
 from distillgates.eval.sharding import (
     determinism_check,
     launch_shards,
@@ -96,7 +96,7 @@ def evaluate(
     policy: FixturePolicy | None = ...,
     privacy: PrivacyConfig | None = ...,
     batch_size: int = ...,
-) -> tuple[dict[str, Any], list[dict[str, Any]]]: ...
+) -> tuple[dict[str, Any], list[dict[str, Any]], list[ItemScore]]: ...
 
 
 def evaluate(
@@ -114,7 +114,7 @@ def evaluate(
     policy: FixturePolicy | None = None,
     privacy: PrivacyConfig | None = None,
     batch_size: int = 1,
-) -> dict[str, Any] | tuple[dict[str, Any], list[dict[str, Any]]]:
+) -> dict[str, Any] | tuple[dict[str, Any], list[dict[str, Any]], list[ItemScore]]:
     """Run and score ``items``; returns METRICS (with slices and ``fingerprints``).
 
     Args:
@@ -124,7 +124,8 @@ def evaluate(
         tokenizer: the project tokenizer (shape slices and the tokenizer fingerprint).
         lengths: enumerated shapes (``cfg.shapes.lengths``) for the shape slice.
         max_calls: tool calls allowed per item.
-        return_outputs: also return the per-item outputs.
+        return_outputs: also return the per-item outputs and their scores
+            (:class:`~distillgates.eval.scorer.ItemScore`).
         dataset_sha256: the eval file's sha256 (``distillgates.data.fingerprints.dataset_sha256``);
             default: sha256 of the items.
         constrained: an engine decodes tool calls under constrained JSON decoding (not for runners).
@@ -136,10 +137,10 @@ def evaluate(
     runner = as_runner(engine_or_runner, tokenizer, max_new_tokens=max_new_tokens, constrained=constrained,
                        batch_size=batch_size)  # fmt: skip
     outputs = run_items(runner, items, max_calls=max_calls, progress=progress, policy=policy)
-    metrics = score(items, outputs, shapes=item_lengths(items, tokenizer) if lengths else None, lengths=lengths,
-                    privacy=privacy)
+    scores = score_items(items, outputs, item_lengths(items, tokenizer) if lengths else None, lengths, privacy)
+    metrics = summarize(scores)
     metrics["fingerprints"] = collect_fingerprints(runner, items, tokenizer, dataset_sha256)
-    return (metrics, outputs) if return_outputs else metrics
+    return (metrics, outputs, scores) if return_outputs else metrics
 
 
 def collect_fingerprints(

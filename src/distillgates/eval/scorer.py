@@ -394,7 +394,11 @@ def score(
     privacy: PrivacyConfig | None = None,
 ) -> dict[str, Any]:
     """METRICS with slices for runner ``outputs`` on ``items`` (arguments as :func:`score_items`)."""
-    scores = score_items(items, outputs, shapes, lengths, privacy)
+    return summarize(score_items(items, outputs, shapes, lengths, privacy))
+
+
+def summarize(scores: Sequence[ItemScore]) -> dict[str, Any]:
+    """METRICS with slices of per-item ``scores`` (:func:`score_items`)."""
     metrics = aggregate(scores)
     slices: dict[str, dict[str, Any]] = {}
     for key in SLICE_KEYS:
