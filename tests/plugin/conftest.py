@@ -102,7 +102,7 @@ def good_report() -> dict[str, Any]:
             "prompt_cache": {"ttft_cold_ms": [10.0, 11.0, 10.5], "ttft_hit_ms": [4.0, 4.2, 4.1], "hit_rate": 1.0},
             "speculative": {"identical": True, "speedup": 1.6, "acceptance_rate": 0.7, "tokens_per_worker_step": 2.1},
             "teacher": {"kind": "openai", "determinism": True, "retries": 0, "cache_hits": 0, "records": 10,
-                        "tokens": 1000},
+                        "tokens": 1000, "kd_positions": 900, "kd_coverage": 0.97},
         },
     }
 
