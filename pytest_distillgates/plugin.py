@@ -24,6 +24,7 @@ import pytest
 from distillgates.config import ConfigError
 from distillgates.gates.core import Gate, GateInconclusive, GateStopped, SpeedSettings
 from distillgates.gates.session import GateOptions, GateSession, RunArtifacts
+from distillgates.project import Project
 from pytest_distillgates.checklist import CHECKLIST_DIR
 
 pytest_plugins = ["pytest_distillgates.fixtures"]  # the gates' fixtures: the checklist's and a project's own gates
@@ -128,7 +129,7 @@ def pytest_configure(config: pytest.Config) -> None:
                             mode=opt.dg_speed_mode),
     )
     try:
-        session = GateSession(options, Path(config.rootpath))
+        session = GateSession(options, Project.find(config.rootpath))
     except ConfigError as err:  # a bad distillgates.yaml / [tool.distillgates]: one line, not a traceback
         raise pytest.UsageError(str(err)) from err
     config.stash[SESSION_KEY] = session

@@ -100,3 +100,14 @@ def test_a_bad_threshold_names_its_file_line_and_field(tmp_path: Path) -> None:
 def test_the_embedded_thresholds_are_the_documented_defaults(tmp_path: Path) -> None:
     """The gates.yaml shipped in the package states DESIGN.md's defaults, which GatesConfig also holds."""
     assert Project.load(tmp_path).thresholds().values == GatesConfig()
+
+
+def test_find_walks_up_to_the_projects_root(tmp_path: Path) -> None:
+    """The nearest folder with distillgates.yaml, a pyproject.toml or .git is the project (its settings or none)."""
+    (tmp_path / "proj" / "tests" / "unit").mkdir(parents=True)
+    (tmp_path / "proj" / "distillgates.yaml").write_text("baselines: blessed\n")
+    found = Project.find(tmp_path / "proj" / "tests" / "unit")
+    assert found.root == (tmp_path / "proj").resolve() and found.baselines_dir == found.root / "blessed"
+    (tmp_path / "proj" / "tests" / "pyproject.toml").write_text("[tool.other]\n")  # a nested project of its own
+    inner = Project.find(tmp_path / "proj" / "tests" / "unit")
+    assert inner.root == (tmp_path / "proj" / "tests").resolve() and inner.source is None

@@ -63,7 +63,8 @@ class Thresholds:
 
 @dataclass
 class Project:
-    """The project folder (the command's working directory, pytest's rootdir) and its settings."""
+    """The project folder (the command's working directory; for pytest :meth:`find` from its rootdir) and its
+    settings."""
 
     root: Path
     settings: ProjectSettings = field(default_factory=ProjectSettings)
@@ -92,6 +93,17 @@ class Project:
             source = str(root / PYPROJECT_SECTION)
             return cls(root, from_dict(ProjectSettings, table, source=source), source)
         return cls(root)
+
+    @classmethod
+    def find(cls, start: str | Path) -> Project:
+        """The project of the nearest folder at or above ``start`` that has ``distillgates.yaml``, a
+        ``pyproject.toml`` or ``.git`` (where a project's root is, as black and ruff find it): pytest's rootdir
+        is a test folder when the project has no pytest ini-file (``pytest tests/``). None such: ``start``."""
+        start = Path(start).resolve()
+        for folder in (start, *start.parents):
+            if any((folder / name).exists() for name in (SETTINGS_FILE, "pyproject.toml", ".git")):
+                return cls.load(folder)
+        return cls.load(start)
 
     def _own(self, key: str) -> Path | None:
         """The project's file named by setting ``key`` (None: unset); it must exist."""

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import json
+import shutil
 
 from distillgates.project import EMBEDDED_THRESHOLDS
+from pytest_distillgates.checklist import CHECKLIST_DIR
 
 from .conftest import project_file
 
@@ -43,6 +45,24 @@ def test_report_names_the_file_of_each_threshold(pytester, gates_project, make_r
     assert session["threshold_sources"]["privacy_ok_rate_min"] == str(own)
     assert session["threshold_sources"]["controls_with_integration_max"] == DEFAULTS
     result.stdout.fnmatch_lines(["*thresholds:*", "*(privacy_ok_rate_min); the rest: *"])  # the table's caption
+
+
+def test_project_settings_are_found_above_pytests_rootdir(pytester, make_run, own_profile, monkeypatch):
+    """`pytest` in the tests/ folder of a project with no pytest ini-file: pytest's rootdir is tests/, and the
+    project's settings (distillgates.yaml in the folder above) still apply, never silently the embedded ones."""
+    tests = pytester.path / "tests"
+    tests.mkdir()
+    shutil.copy(CHECKLIST_DIR / "test_privacy.py", tests / "test_privacy.py")
+    own = project_file(pytester.path, "thresholds", "configs/gates.yaml", "gates:\n  privacy_ok_rate_min: 0.99\n")
+    run = make_run(**{"quality.student.privacy_ok_rate": 0.99})
+    report = pytester.path / "gates.json"
+    monkeypatch.chdir(tests)
+    result = pytester.runpytest("test_privacy.py", f"--run-dir={run}", f"--hw-profile={own_profile}",
+                                f"--gate-report={report}", "-p", "no:cacheprovider", "--import-mode=importlib")
+    result.stdout.fnmatch_lines([f"rootdir: {tests}"])
+    result.assert_outcomes(passed=2)
+    session = json.loads(report.read_text())["session"]
+    assert session["thresholds_source"] == f"{own} (privacy_ok_rate_min); the rest: {DEFAULTS}"
 
 
 def test_thresholds_file_without_a_gates_section_is_an_error(pytester, gates_project, make_run, own_profile):

@@ -101,10 +101,10 @@ def git_sha(cwd: Path) -> str | None:
 class GateSession:
     """Everything a pytest session of gates shares; built lazily so plain unit-test runs pay nothing."""
 
-    def __init__(self, options: GateOptions, rootdir: Path) -> None:
+    def __init__(self, options: GateOptions, project: Project) -> None:
         self.options = options
-        self.rootdir = rootdir
-        self.project = Project.load(rootdir)  # its config, thresholds, hardware profiles and baselines
+        self.project = project  # its config, thresholds, hardware profiles and baselines
+        self.rootdir = project.root
         self.run: RunArtifacts | None = None
         self.messages: list[str] = []  # shown in the terminal summary
         # the gates' thresholds and the file each came from, shown in every report; None: no gate asked
