@@ -20,6 +20,7 @@ from distillgates.teacher.http import HTTPTeacher
 from distillgates.teacher.kd import build_kd_set, read_kd_set
 from distillgates.teacher.local import Generation
 from distillgates.teacher.server import TeacherServer
+from distillgates.teacher.tokens import TokenBytes
 from distillgates.tokenizer import TOOL_CALL
 
 from ..train.conftest import tiny_config
@@ -210,3 +211,26 @@ def test_evaluating_an_api_teacher_for_a_chatml_student(chatml_teacher_dir, chat
     assert [c["call"] for c in output["calls"]] == multi["expected_calls"]
     assert all(c["fixture_hit"] for c in output["calls"]) and output["answer"] == answer
     assert output["turns"][0]["text"] == hermes_calls(multi["expected_calls"])  # one turn, both calls
+
+
+def test_an_unstripped_hermes_preamble_keeps_the_teachers_distribution(chatml_tokenizer):
+    """vLLM's Hermes parser returns all the text before ``<tool_call>`` as the content, its newline included:
+    the turn is still the one the model wrote (the template writes that newline itself), so the log-probs
+    spell it and the turn keeps the teacher's top-k rather than going text-only."""
+    fmt = chat_format(chatml_tokenizer)
+    arguments = json.dumps({"city": "Paris"})
+    written = fmt.assistant_text("Let me check.", [{"id": "c0", "name": "get_weather", "arguments": arguments}])
+    assert written.startswith("Let me check.\n<tool_call>")
+    ids = chatml_tokenizer.encode(written, add_special_tokens=False)
+    by_id = TokenBytes(chatml_tokenizer).by_id
+    tokens = [{"token": by_id[i].decode("utf-8", errors="replace"), "logprob": -0.5, "bytes": list(by_id[i])}
+              for i in ids]  # fmt: skip
+    body = {"id": "r1", "choices": [{
+        "message": {"role": "assistant", "content": "Let me check.\n", "tool_calls": [
+            {"id": "c0", "type": "function", "function": {"name": "get_weather", "arguments": arguments}}]},
+        "finish_reason": "tool_calls", "logprobs": {"content": [{**t, "top_logprobs": [t]} for t in tokens]}}]}
+    client = HTTPTeacher(APIConfig(base_url="http://127.0.0.1:9", max_retries=0), chatml_tokenizer, api_key="")
+    result = client._parse(body)
+    client.close()
+    assert result.text == written and result.content == "Let me check.\n"  # the message kept as it came
+    assert result.token_ids == ids and result.topk_ids == [[i] for i in ids]

@@ -176,6 +176,11 @@ def _json_call(text: str, arguments_key: str) -> dict[str, Any] | None:
         return None
 
 
+# What each family's parser keeps of the text before a turn's calls (its preamble): the template writes its own
+# separator after it (ChatML: "\n<tool_call>"), so a server that returns it unstripped (vLLM) means the same turn
+CALL_PREAMBLE: dict[str, Callable[[str], str]] = {"toy": str, "hermes": str.rstrip, "llama3": str.strip}
+
+
 def parse_toy_turn(text: str) -> ParsedTurn:
     """Toy: ``[preamble]<|tool_call|>{"name":...,"arguments":{...}}``, else the answer. The toy template
     ends a turn after each call, so a turn holds one; a turn with several ``<|tool_call|>`` segments
@@ -194,7 +199,7 @@ def parse_hermes_turn(text: str) -> ParsedTurn:
     if "<tool_call>" not in text:
         return ParsedTurn([], [], text)
     raws = [body.strip() for body in _HERMES_CALL.findall(text)]
-    preamble = text.split("<tool_call>", 1)[0].rstrip()  # Qwen / ChatML write content + "\n<tool_call>"
+    preamble = CALL_PREAMBLE["hermes"](text.split("<tool_call>", 1)[0])  # ChatML: content + "\n<tool_call>"
     return ParsedTurn([_json_call(raw, "arguments") for raw in raws], raws, None, preamble)
 
 
@@ -210,9 +215,9 @@ def parse_llama3_turn(text: str) -> ParsedTurn:
         return ParsedTurn([], [], text)
     whole = _json_call(body, "parameters")
     if whole is not None:
-        return ParsedTurn([whole], [body], None, preamble.strip())
+        return ParsedTurn([whole], [body], None, CALL_PREAMBLE["llama3"](preamble))
     raws = [part.strip() for part in body.split(";") if part.strip()] or [body]
-    return ParsedTurn([_json_call(raw, "parameters") for raw in raws], raws, None, preamble.strip())
+    return ParsedTurn([_json_call(raw, "parameters") for raw in raws], raws, None, CALL_PREAMBLE["llama3"](preamble))
 
 
 TOOL_CALL_PARSERS: dict[str, Callable[[str], ParsedTurn]] = {
@@ -417,7 +422,9 @@ class ChatFormat:
         (OpenAI or flat calls; arguments a JSON string or an object): the template's rendering of the
         message after the assistant header, up to (not including) its last end-of-turn token. A format
         that ends a turn after each call (the toy) gives several turns joined by its end-of-turn token
-        (:meth:`split_turns`); Hermes and Llama 3 write all calls in one turn.
+        (:meth:`split_turns`); Hermes and Llama 3 write all calls in one turn. With calls, ``content`` is taken as
+        the family's parser returns a preamble (:data:`CALL_PREAMBLE`: Hermes without trailing whitespace), so
+        a server's unstripped preamble renders the turn its model wrote.
 
         Raises:
             ValueError: when the template does not open the message with its generation prompt.
@@ -426,6 +433,7 @@ class ChatFormat:
         head = self.render(user, add_generation_prompt=True)
         message: dict[str, Any] = {"role": "assistant", "content": content or ""}
         if calls:
+            message["content"] = CALL_PREAMBLE[self.tool_call_format](message["content"])
             message["tool_calls"] = list(calls)
         text = self.render([*user, message])
         if not text.startswith(head) or self.end_of_turn not in text[len(head) :]:
