@@ -81,23 +81,35 @@ def test_padded_forward_matches_hf(pair: tuple[Any, Transformer]) -> None:
 @pytest.mark.parametrize("engine", ["model", "fused"])
 @torch.no_grad()
 def test_cached_decode_matches_hf(pair: tuple[Any, Transformer], engine: str) -> None:
-    """Left-padded prefill, then four KV-cached decode steps, against HF's own cache."""
+    """A left-padded prefill, then four KV-cached decode steps, against HF's own cache. The model takes the
+    padding as an attention mask over cache slots; the fused decoder (the engine's batches) writes each row at
+    its own positions, its padding at the slot its first decode step overwrites (``TorchEngine.write_rows``)."""
     hf, model = pair
     ids, mask = padded_batch()
     B, T = ids.shape
     model.setup_caches(B)
-    step = FusedDecoder(model).forward if engine == "fused" else model
-    slots = torch.zeros(B, MAX_SEQ, dtype=torch.bool)  # attention mask over cache slots
+    lengths = mask.sum(1).tolist()
+    slots = torch.zeros(B, MAX_SEQ, dtype=torch.bool)  # the model's attention mask over cache slots
     slots[:, :T] = mask.bool()
-    ours = step(ids, torch.arange(T), slots)
+    fused = FusedDecoder(model)
+
+    def step(idx: Tensor, k: int) -> Tensor:
+        """The prefill (``k`` -1), else decode step ``k``."""
+        if engine == "fused":  # per-row positions (B, T)
+            rows = [[n] * (T - n) + list(range(n)) for n in lengths] if k < 0 else [[n + k] for n in lengths]
+            return fused.forward(idx, torch.tensor(rows))
+        if k >= 0:
+            slots[:, T + k] = True
+        return model(idx, torch.arange(T) if k < 0 else torch.tensor([T + k]), slots)
+
+    ours = step(ids, -1)
     out = hf(ids, attention_mask=mask, use_cache=True)
     real = mask.bool()
     assert_close(ours[real], out.logits[real], atol=2e-5)
     past, hf_mask, token = out.past_key_values, mask, out.logits[:, -1].argmax(-1, keepdim=True)
-    for pos in range(T, T + 4):
-        slots[:, pos] = True
+    for k in range(4):
         hf_mask = torch.cat([hf_mask, torch.ones(B, 1, dtype=torch.long)], dim=1)
-        ours = step(token, torch.tensor([pos]), slots)
+        ours = step(token, k)
         out = hf(token, attention_mask=hf_mask, past_key_values=past, use_cache=True)
         assert_close(ours[:, -1], out.logits[:, -1], atol=2e-5)
         past, token = out.past_key_values, out.logits[:, -1].argmax(-1, keepdim=True)
