@@ -7,7 +7,9 @@ turn) so that load from other jobs on a shared machine hits them alike; the rati
 the per-round ratios. Goal (issue 6): >= 3x at the toy shape.
 
 ``--shape smollm-135m`` times a SmolLM-135M-shaped model (random weights, fp32) and adds the
-memory-bandwidth limit: decoding one token reads every weight once, so no engine beats
+memory-bandwidth limit (with more than one thread the engine packs the wide weights for oneDNN,
+``FusedDecoder``'s ``packed``; "TorchEngine, MKL only" is the same engine without, timed alongside):
+decoding one token reads every weight once, so no engine beats
 ``read bandwidth / weight bytes per token`` tok/s. Weight bytes = every parameter once (linear
 weights, norms, and the LM head; a tied embedding is the LM head and counts once, an embedding
 lookup reads one row). Read bandwidth = best of ``--repeats`` sums over a 1 GiB fp32 buffer (far
@@ -18,7 +20,8 @@ Batched decoding (issue 20), interleaved with batch 1 in the same way:
 
 - ``--rows B``: decode tok/s of ``B`` rows stepping together (``TorchEngine.write_rows``, the batched
   eval's step: every row one token at its own position) vs one row (``decode_step``), all rows'
-  tokens counted; any shape.
+  tokens counted; any shape. Where the batched engine runs oneDNN's packed weights, also the same rows
+  over MKL alone.
 - ``--eval-batch B`` (with ``--run-dir``: its trained student, tokenizer and eval set): items/s of the
   eval (``run_items``, multi-turn with the tool broker) at ``eval.batch_size`` B vs 1, and whether
   every item's output is identical.
@@ -42,6 +45,7 @@ from bench_loss_memory import SMOLLM_135M
 from distillgates.config import ModelConfig
 from distillgates.hf import to_hf
 from distillgates.model import Transformer
+from distillgates.runtime.decoder import FusedDecoder
 from distillgates.runtime.torch_engine import TorchEngine
 
 BANDWIDTH_BUFFER_BYTES = 2**30  # 1 GiB: ~30x the last-level cache of the boxes this ran on
@@ -70,23 +74,33 @@ def read_bandwidth(buffer: torch.Tensor, repeats: int = 3) -> float:
 def rows_vs_one(model: Transformer, rows: int, steps: int, repeats: int) -> None:
     """Print decode tok/s of ``rows`` rows stepping together vs one row (module docstring)."""
     one, batched = TorchEngine(model), TorchEngine(model, max_batch_size=rows)
+    engines = [one, batched]
+    if batched.decoder.plan().packed:  # also the same rows over MKL (the plan without oneDNN's packed weights)
+        engines.append(TorchEngine(model, max_batch_size=rows))
+        engines[-1].decoder = FusedDecoder(model, packed=False)
     prompts = [[(17 * i + 11 * r) % model.config.vocab_size for i in range(32)] for r in range(rows)]
 
     def step_one() -> float:
         one.prefill(prompts[0])
         return seconds(lambda: [one.decode_step(5) for _ in range(steps)])
 
-    def step_rows() -> float:
-        batched.write_rows(range(rows), prompts, [0] * rows)
-        return seconds(lambda: [batched.write_rows(range(rows), [[5]] * rows, [32 + i] * rows) for i in range(steps)])
+    def step_rows(engine: TorchEngine) -> float:
+        engine.write_rows(range(rows), prompts, [0] * rows)
+        return seconds(lambda: [engine.write_rows(range(rows), [[5]] * rows, [32 + i] * rows) for i in range(steps)])
 
-    step_one(), step_rows()  # warm-up
-    times = [(step_one(), step_rows()) for _ in range(repeats)]
-    tps_one = statistics.median(steps / t for t, _ in times)
-    tps_rows = statistics.median(rows * steps / t for _, t in times)
-    ratio = statistics.median(rows * t1 / tr for t1, tr in times)
+    def round_() -> list[float]:
+        return [step_one()] + [step_rows(e) for e in engines[1:]]
+
+    round_()  # warm-up
+    times = [round_() for _ in range(repeats)]
+    tps_one = statistics.median(steps / t[0] for t in times)
+    tps_rows = statistics.median(rows * steps / t[1] for t in times)
+    ratio = statistics.median(rows * t[0] / t[1] for t in times)
     print(f"decode, {steps} steps: 1 row {tps_one:.1f} tok/s; {rows} rows {tps_rows:.1f} tok/s (all rows) "
           f"= {ratio:.2f}x")  # fmt: skip
+    if len(engines) == 3:
+        print(f"  {rows} rows over MKL only: {statistics.median(rows * steps / t[2] for t in times):.1f} tok/s; "
+              f"packed / MKL only {statistics.median(t[2] / t[1] for t in times):.2f}x")  # fmt: skip
 
 
 def eval_batch_vs_one(args, batch: int) -> None:  # type: ignore[no-untyped-def]
@@ -152,6 +166,10 @@ def main() -> None:
     # name -> (generate, prefill); every generate returns the new token ids
     runs: dict[str, tuple[Callable[[], list[int]], Callable[[], object]]] = {"HF generate()": (hf_generate, hf_prefill)}
     engines = [("TorchEngine", TorchEngine(model))]
+    if engines[0][1].decoder.plan().packed:  # also time the MKL-only plan the engine runs on one thread
+        mkl_only = TorchEngine(model)
+        mkl_only.decoder = FusedDecoder(model, packed=False)
+        engines.append(("TorchEngine, MKL only", mkl_only))
     if args.compile:
         engines.append(("TorchEngine+compile", TorchEngine(model, compile=True)))
     for name, engine in engines:

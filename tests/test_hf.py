@@ -15,7 +15,7 @@ from torch import Tensor
 from distillgates.export.layout import ANETransformer, StandardLayout
 from distillgates.hf import HFConversionError, from_hf, load_hf, save_hf, to_hf
 from distillgates.model import Transformer, apply_rope
-from distillgates.runtime.decoder import FusedDecoder
+from distillgates.runtime.decoder import FusedDecoder, packed_available
 from distillgates.tokenizer import train_tokenizer
 
 from .conftest import assert_close
@@ -78,24 +78,27 @@ def test_padded_forward_matches_hf(pair: tuple[Any, Transformer]) -> None:
     assert_close(model(ids, attention_mask=real)[real], hf(ids, attention_mask=mask).logits[real], atol=2e-5)
 
 
-@pytest.mark.parametrize("engine", ["model", "fused"])
+@pytest.mark.parametrize("engine", ["model", "fused", "fused-packed"])
 @torch.no_grad()
 def test_cached_decode_matches_hf(pair: tuple[Any, Transformer], engine: str) -> None:
     """A left-padded prefill, then four KV-cached decode steps, against HF's own cache. The model takes the
     padding as an attention mask over cache slots; the fused decoder (the engine's batches) writes each row at
-    its own positions, its padding at the slot its first decode step overwrites (``TorchEngine.write_rows``)."""
+    its own positions, its padding at the slot its first decode step overwrites (``TorchEngine.write_rows``); with
+    ``packed``, over oneDNN's packed weights (the default for large models on more than one thread)."""
     hf, model = pair
+    if engine == "fused-packed" and not packed_available(torch.float32, torch.device("cpu")):
+        pytest.skip("this torch build has no oneDNN packed linear")
     ids, mask = padded_batch()
     B, T = ids.shape
     model.setup_caches(B)
     lengths = mask.sum(1).tolist()
     slots = torch.zeros(B, MAX_SEQ, dtype=torch.bool)  # the model's attention mask over cache slots
     slots[:, :T] = mask.bool()
-    fused = FusedDecoder(model)
+    fused = FusedDecoder(model, packed=engine == "fused-packed")
 
     def step(idx: Tensor, k: int) -> Tensor:
         """The prefill (``k`` -1), else decode step ``k``."""
-        if engine == "fused":  # per-row positions (B, T)
+        if engine != "model":  # per-row positions (B, T)
             rows = [[n] * (T - n) + list(range(n)) for n in lengths] if k < 0 else [[n + k] for n in lengths]
             return fused.forward(idx, torch.tensor(rows))
         if k >= 0:

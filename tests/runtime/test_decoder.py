@@ -15,11 +15,12 @@ from hypothesis import strategies as st
 
 from distillgates.config import ModelConfig
 from distillgates.model import Transformer
-from distillgates.runtime.decoder import FusedDecoder
+from distillgates.runtime.decoder import FusedDecoder, packed_available
 
 from .conftest import tiny_model_config
 
 CFG = tiny_model_config(max_seq_len=48)
+CAN_PACK = packed_available(torch.float32, torch.device("cpu"))
 Forward = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (idx, input_pos) -> logits
 
 
@@ -33,9 +34,11 @@ def _model(seed: int = 0, cfg: ModelConfig = CFG) -> Transformer:
     return model
 
 
-def _decoder(model: Transformer, batch: int = 1, fold_rotation: bool | None = None) -> FusedDecoder:
+def _decoder(
+    model: Transformer, batch: int = 1, fold_rotation: bool | None = None, packed: bool | None = None
+) -> FusedDecoder:
     model.setup_caches(batch)
-    return FusedDecoder(model, fold_rotation)
+    return FusedDecoder(model, fold_rotation, packed)
 
 
 def _run(forward: Forward, idx: torch.Tensor, start: int) -> torch.Tensor:
@@ -50,9 +53,10 @@ def _run(forward: Forward, idx: torch.Tensor, start: int) -> torch.Tensor:
 @settings(max_examples=20, deadline=None)
 @given(start=st.integers(1, 10), n=st.integers(1, 8), batch=st.integers(1, 2), seed=st.integers(0, 50),
        n_kv=st.sampled_from([1, 2, 4]), fold_rotation=st.booleans(),
+       packed=st.sampled_from([False, True] if CAN_PACK else [False]),
        family=st.sampled_from(["llama", "attention_bias", "qk_norm"]))  # fmt: skip
 def test_decoder_matches_module_path(
-    start: int, n: int, batch: int, seed: int, n_kv: int, fold_rotation: bool, family: str
+    start: int, n: int, batch: int, seed: int, n_kv: int, fold_rotation: bool, packed: bool, family: str
 ) -> None:
     extra = {"attention_bias": {"attention_bias": True}, "qk_norm": {"qk_norm": True}}.get(family, {})
     cfg = ModelConfig(**{**CFG.__dict__, "n_kv_heads": n_kv, **extra})
@@ -65,7 +69,7 @@ def test_decoder_matches_module_path(
     idx = torch.randint(0, cfg.vocab_size, (batch, start + n), generator=torch.Generator().manual_seed(seed))
     model.setup_caches(batch)
     ref = _run(model, idx, start)
-    got = _run(_decoder(model, batch, fold_rotation).forward, idx, start)
+    got = _run(_decoder(model, batch, fold_rotation, packed).forward, idx, start)
     torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-4)
 
 
@@ -73,7 +77,36 @@ def test_rotation_is_folded_for_small_models_only() -> None:
     model = _model()
     assert _decoder(model).fold_rotation  # the tiny test model: dispatch-bound
     big = Transformer(ModelConfig(**{**CFG.__dict__, "vocab_size": 40_000, "d_model": 128})).eval()
-    assert not _decoder(big).fold_rotation  # > FOLD_ROTATION_MAX_BYTES: bound by weight reads
+    assert not _decoder(big).fold_rotation  # > DISPATCH_BOUND_MAX_BYTES: bound by weight reads
+
+
+@pytest.mark.skipif(not CAN_PACK, reason="this torch build has no oneDNN packed linear")
+def test_large_models_pack_their_weights_unless_one_row_on_one_thread() -> None:
+    """By default a model bound by weight reads runs on oneDNN's packed weights when its cache holds several
+    rows, or while torch runs more than one thread (rebuilt when the thread count changes); a dispatch-bound
+    model never. The logits stay the module's."""
+    threads = torch.get_num_threads()
+    cfg = ModelConfig(**{**CFG.__dict__, "vocab_size": 40_000, "d_model": 128})
+    big, idx = _model(5, cfg), torch.randint(0, 40_000, (1, 5), generator=torch.Generator().manual_seed(5))
+    batched, small = _decoder(big, batch=2), _decoder(_model())
+    one_row = _decoder(big)  # the model's cache now has one row; `batched` keeps its own two-row buffers
+    try:
+        for n, packed in ((1, False), (2, True), (1, False)):
+            torch.set_num_threads(n)
+            torch.testing.assert_close(_run(one_row.forward, idx, 2), _run(big, idx, 2), atol=1e-5, rtol=1e-4)
+            assert one_row.plan().packed is packed
+            assert one_row.plan().head.is_mkldnn is packed  # packed: an opaque oneDNN tensor
+            assert batched.plan().packed is True
+            assert small.plan().packed is False
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_packed_needs_float32_on_cpu() -> None:
+    model = _model().to(torch.bfloat16)
+    model.setup_caches(1)
+    with pytest.raises(ValueError, match=r"float32.*bfloat16"):
+        FusedDecoder(model, packed=True)
 
 
 def test_in_place_weight_update_is_seen() -> None:

@@ -45,17 +45,44 @@ def _rms(x: Tensor, d_eps: float) -> Tensor:
     return (x32 * torch.rsqrt(x32.pow(2).sum(-1, keepdim=True) + d_eps)).to(x.dtype)
 
 
-# Fold rotate_half into the QKV weight while the model's weights take at most this many bytes: a
-# model that fits a last-level cache is bound by op dispatch (an extra op per layer costs more than
-# the extra rows); a larger one is bound by weight reads (with the extra rows the QKV weight is 1.8x larger).
-FOLD_ROTATION_MAX_BYTES = 16 * 2**20
+# A model whose weights take at most this many bytes fits a last-level cache and its decode is bound by
+# op dispatch: the plan folds rotate_half into the QKV weight (an extra op per layer costs more than the
+# extra rows). A larger one is bound by weight reads: the plan keeps the QKV weight small (the folded rows
+# make it 1.8x larger) and, unless it decodes one row on one thread, packs its weights for oneDNN
+# (:func:`packed_available`).
+DISPATCH_BOUND_MAX_BYTES = 16 * 2**20
+
+
+def packed_available(dtype: torch.dtype, device: torch.device) -> bool:
+    """Whether oneDNN's inner product over pre-packed weights (``torch.ops.mkldnn._linear_pointwise``,
+    what inductor's CPU freezing runs) serves ``dtype`` weights on ``device``: float32 on a CPU build with
+    oneDNN. Measured at the SmolLM-135M shape (docs/benchmarks.md section 8): on two threads its one-row
+    matmuls read faster than MKL's (which gain nothing from a second thread), on one thread slower; over
+    several rows (batched decode, prefill) it is faster on both, as MKL repacks the weight at every call."""
+    return (dtype == torch.float32 and device.type == "cpu" and torch.backends.mkldnn.is_available()
+            and hasattr(torch.ops.mkldnn, "_reorder_linear_weight"))  # fmt: skip
+
+
+def _mkl_linear(x: Tensor, w_t: Tensor, bias: Tensor | None) -> Tensor:
+    """``x @ W^T (+ bias)`` over a contiguous ``W^T``: MKL's fast one-row matmul."""
+    return torch.mm(x, w_t) if bias is None else torch.addmm(bias, x, w_t)
+
+
+def _packed_linear(x: Tensor, packed: Tensor, bias: Tensor | None) -> Tensor:
+    """``x @ W^T (+ bias)`` over oneDNN's packed ``W`` (``torch.ops.mkldnn._reorder_linear_weight``)."""
+    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+
+
+def _packed_linear_add(x: Tensor, packed: Tensor, residual: Tensor) -> Tensor:
+    """``residual + x @ W^T`` over oneDNN's packed ``W``: the add is the kernel's post-op."""
+    return torch.ops.mkldnn._linear_pointwise.binary(x, residual, packed, None, "add")
 
 
 class _Layer(NamedTuple):
-    qkv_r_t: Tensor  # (d, (2H+3n_kv)*hd): rows [q; k; v; R q; R k] (or [q; k; v] unfolded), attention norm folded in
-    o_t: Tensor  # (H*hd, d)
-    gate_up_t: Tensor  # (d, 2*ffn), MLP norm folded in
-    down: Tensor  # (d, ffn): the model's own weight, not transposed (see forward)
+    qkv_r: Tensor  # rows [q; k; v; R q; R k] (or [q; k; v] unfolded), attention norm folded in; see _Plan.packed
+    o: Tensor  # o^T (H*hd, d) contiguous, or packed o
+    gate_up: Tensor  # rows [gate; up], MLP norm folded in; see _Plan.packed
+    down: Tensor  # (d, ffn): the model's own weight, not transposed (see forward), or packed down
     qkv_r_bias: Tensor | None  # biases of the rows of qkv_r (attention_bias)
     qk_norm: tuple[Tensor, Tensor] | None  # (H+n_kv, 1, hd) weights for [q; k] and [R q; R k] (qk_norm)
 
@@ -63,8 +90,9 @@ class _Layer(NamedTuple):
 class _Plan(NamedTuple):
     sources: list[Tensor]  # the parameters the fused tensors were built from
     stamp: tuple[tuple[int, int], ...]  # (data_ptr, _version) of each source at build time
+    packed: bool  # every matmul over oneDNN's packed W; else MKL over contiguous W^T (down: W, see forward)
     layers: list[_Layer]
-    head: Tensor  # lm_head^T with the final norm folded in
+    head: Tensor  # lm_head with the final norm folded in; see packed
     rope_sin: Tensor  # (S_max, hd): the model's sin table; unfolded rotation: first half negated
 
 
@@ -77,22 +105,35 @@ class FusedDecoder:
     Args:
         model: the transformer, with its static cache set up.
         fold_rotation: fold RoPE's ``rotate_half`` into the QKV weight (see :meth:`plan`); default:
-            while the model's weights take at most ``FOLD_ROTATION_MAX_BYTES``.
+            while the model's weights take at most ``DISPATCH_BOUND_MAX_BYTES``.
+        packed: run the matmuls over oneDNN's packed weights; default: when :func:`packed_available`, the
+            model's weights take more than ``DISPATCH_BOUND_MAX_BYTES``, and the cache holds more than one
+            row or torch runs more than one thread (checked at each forward: the plan is rebuilt when the
+            thread count changes). A batch-1 decoder on one thread keeps MKL, faster for one row there.
 
     Raises:
-        ValueError: the model has no KV cache.
+        ValueError: the model has no KV cache, or ``packed`` where :func:`packed_available` is false.
     """
 
-    def __init__(self, model: Transformer, fold_rotation: bool | None = None) -> None:
+    def __init__(self, model: Transformer, fold_rotation: bool | None = None, packed: bool | None = None) -> None:
         caches = [layer.attn.kv_cache for layer in model.layers]
         if any(cache is None for cache in caches):
             raise ValueError("FusedDecoder needs the model's KV cache: call model.setup_caches(batch) first")
         self.model = model
         self.config = model.config
-        if fold_rotation is None:
-            fold_rotation = sum(p.numel() * p.element_size() for p in model.parameters()) <= FOLD_ROTATION_MAX_BYTES
-        self.fold_rotation = fold_rotation
+        dispatch_bound = sum(p.numel() * p.element_size() for p in model.parameters()) <= DISPATCH_BOUND_MAX_BYTES
+        self.fold_rotation = dispatch_bound if fold_rotation is None else fold_rotation
+        weight = model.embed.weight
+        can_pack = packed_available(weight.dtype, weight.device)
+        if packed and not can_pack:
+            raise ValueError(f"oneDNN packed weights need float32 on a CPU build with oneDNN; got {weight.dtype} "
+                             f"on {weight.device}")  # fmt: skip
         self.caches = [(c.k_cache, c.v_cache) for c in caches if c is not None]  # per layer, (B_max, n_kv, S_max, hd)
+        if packed is None and (dispatch_bound or not can_pack):
+            packed = False
+        elif packed is None and self.caches[0][0].shape[0] > 1:  # batched decode
+            packed = True
+        self.packed = packed  # None: packed while torch runs more than one thread (decided at each plan())
         self._plan: _Plan | None = None
         # a load_state_dict(assign=True) replaces Parameter objects, which the stamp cannot see
         model.register_load_state_dict_post_hook(self._drop_plan_hook)
@@ -107,10 +148,11 @@ class FusedDecoder:
     def plan(self) -> _Plan:
         """The model's weights folded so that each layer is four matmuls:
 
-        - per layer ``(qkv_r^T, o^T, gate_up^T, down)``, then ``head^T``; transposed contiguous
-          (``x @ W^T`` with a contiguous ``W^T`` is the fast one-row matmul on CPU), except ``down``: the
-          model's own ``(d, ffn)`` weight, no copy (one row: ``addmv`` over it is the faster one for an
-          output narrower than the input, at the SmolLM-135M shape 1.2x; more rows: ``W^T`` as a view);
+        - per layer ``(qkv_r, o, gate_up, down)``, then ``head``: packed for oneDNN (see the ``packed``
+          argument), else transposed contiguous (``x @ W^T`` with a contiguous ``W^T`` is MKL's fast one-row
+          matmul on CPU) except ``down``: the model's own ``(d, ffn)`` weight, no copy (one row: ``addmv``
+          over it is the faster one for an output narrower than the input, at the SmolLM-135M shape 1.2x;
+          more rows: ``W^T`` as a view);
         - ``qkv_r`` = rows ``[q; k; v; R q; R k]`` where ``R`` is RoPE's ``rotate_half`` (a signed
           permutation of rows, so ``R W x`` is exactly ``rotate_half(W x)``): RoPE is then 3 elementwise ops.
           Without ``fold_rotation`` the rows are ``[q; k; v]`` and the forward flips the halves of q and k,
@@ -122,9 +164,11 @@ class FusedDecoder:
         version (in-place updates and ``.to()`` are seen; ``load_state_dict`` drops it; after replacing
         a Parameter object otherwise, call :meth:`drop_plan`).
         """
-        plan = self._plan
-        if plan is not None and plan.stamp == tuple((p.data_ptr(), p._version) for p in plan.sources):
+        plan, packed = self._plan, self.packed if self.packed is not None else torch.get_num_threads() > 1
+        stamp = None if plan is None else tuple((p.data_ptr(), p._version) for p in plan.sources)
+        if plan is not None and plan.packed == packed and plan.stamp == stamp:
             return plan
+        self._plan = None  # free the old copy before building the new one
         cfg = self.config
         assert cfg.head_dim is not None  # set by ModelConfig.__post_init__
         half, fold = cfg.head_dim // 2, self.fold_rotation
@@ -136,8 +180,11 @@ class FusedDecoder:
         def swapped(w: Tensor) -> Tensor:  # rotate_half(w * q) == swapped(w) * rotate_half(q)
             return torch.cat([w[half:], w[:half]])
 
-        def folded(norm: Tensor, *ws: Tensor) -> Tensor:  # (in, out) contiguous, norm weight folded in
-            return (torch.cat(ws).float() * (norm.float() * math.sqrt(cfg.d_model))).to(ws[0].dtype).t().contiguous()
+        def laid_out(w: Tensor) -> Tensor:  # (out, in) -> packed, or W^T contiguous
+            return torch.ops.mkldnn._reorder_linear_weight(w) if packed else w.t().contiguous()
+
+        def folded(norm: Tensor, *ws: Tensor) -> Tensor:  # rows ws with the norm weight folded in, laid out
+            return laid_out((torch.cat(ws).float() * (norm.float() * math.sqrt(cfg.d_model))).to(ws[0].dtype))
 
         model, layers, sources = self.model, [], []
         with torch.inference_mode(False), torch.no_grad():  # plain tensors: usable outside inference mode
@@ -161,14 +208,14 @@ class FusedDecoder:
                     sources += [wqn, wkn]
                     heads = (wqn,) * cfg.n_heads + (wkn,) * cfg.n_kv_heads  # per head of [q; k]
                     qk_norm = (torch.stack(heads)[:, None], torch.stack([swapped(w) for w in heads])[:, None])
-                layers.append(_Layer(qkv_r, a.o_proj.weight.t().contiguous(), gate_up,
-                                     m.down_proj.weight.detach(), bias, qk_norm))  # fmt: skip
+                down = laid_out(m.down_proj.weight) if packed else m.down_proj.weight.detach()
+                layers.append(_Layer(qkv_r, laid_out(a.o_proj.weight), gate_up, down, bias, qk_norm))
             sources += [model.norm.weight, model.lm_head.weight, model.embed.weight]
             head = folded(model.norm.weight, model.lm_head.weight)
             sign = torch.ones(cfg.head_dim, dtype=model.rope_sin.dtype, device=model.rope_sin.device)
             rope_sin = model.rope_sin if fold else model.rope_sin * sign.index_fill_(0, torch.arange(half), -1.0)
         stamp = tuple((p.data_ptr(), p._version) for p in sources)
-        self._plan = _Plan(sources, stamp, layers, head, rope_sin)
+        self._plan = _Plan(sources, stamp, packed, layers, head, rope_sin)
         return self._plan
 
     def _mask(self, input_pos: Tensor, contiguous: bool, kv_len: int, last_row: bool) -> Tensor | None:
@@ -213,6 +260,7 @@ class FusedDecoder:
         assert cfg.head_dim is not None  # set by ModelConfig.__post_init__
         H, n_kv, hd, d_eps = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.d_model * cfg.norm_eps
         plan = self.plan()
+        linear = _packed_linear if plan.packed else _mkl_linear
         per_row = input_pos.dim() == 2
         positions = input_pos.tolist()  # the one host read per forward
         if per_row:
@@ -236,11 +284,8 @@ class FusedDecoder:
         x = F.embedding(idx.reshape(-1), model.embed.weight)  # (B*T, d): 2-D rows for torch.mm
         cast = self.caches[0][0].dtype != x.dtype
         for i, (layer, (k_cache, v_cache)) in enumerate(zip(plan.layers, self.caches)):
-            qkv_r_t, o_t, gate_up_t, down, qkv_r_bias, qk_norm = layer
-            if qkv_r_bias is None:
-                qkv = torch.mm(_rms(x, d_eps), qkv_r_t)  # (B*T, (2H+3n_kv)*hd)
-            else:
-                qkv = torch.addmm(qkv_r_bias, _rms(x, d_eps), qkv_r_t)  # (B*T, (2H+3n_kv)*hd)
+            qkv_r, o, gate_up, down, qkv_r_bias, qk_norm = layer
+            qkv = linear(_rms(x, d_eps), qkv_r, qkv_r_bias)  # (B*T, (2H+3n_kv)*hd)
             # (B, heads, T, hd); with T == 1 the transpose is a plain view
             qkv = qkv.view(B, -1, 1, hd) if T == 1 else qkv.view(B, T, -1, hd).transpose(1, 2)
             if self.fold_rotation:
@@ -277,11 +322,13 @@ class FusedDecoder:
             y = F.scaled_dot_product_attention(q.reshape(B, n_kv, -1, hd), k, v, attn_mask=mask)  # (B,n_kv,G*T,hd)
             # GQA by query grouping (see gqa_attention); one query row per head needs no transpose
             y = y.reshape(B, H * hd) if T == 1 else y.view(B, H, T, hd).transpose(1, 2).reshape(B * T, H * hd)
-            x = torch.addmm(x, y, o_t)  # x + y @ o^T
-            gate, up = torch.mm(_rms(x, d_eps), gate_up_t).chunk(2, dim=-1)  # (B*T, ffn) each
+            x = _packed_linear_add(y, o, x) if plan.packed else torch.addmm(x, y, o)  # x + y @ o^T
+            gate, up = linear(_rms(x, d_eps), gate_up, None).chunk(2, dim=-1)  # (B*T, ffn) each
             hidden = F.silu(gate) * up  # (B*T, ffn)
-            if B * T == 1:  # one row: dot products over the (d, ffn) rows read faster than x @ W^T for d < ffn
+            if plan.packed:
+                x = _packed_linear_add(hidden, down, x)  # (B*T, d)
+            elif B * T == 1:  # one row: dot products over the (d, ffn) rows read faster than x @ W^T for d < ffn
                 x = torch.addmv(x.view(-1), down, hidden.view(-1)).view(1, -1)  # (1, d)
             else:
                 x = torch.addmm(x, hidden, down.t())  # (B*T, d)
-        return torch.mm(_rms(x, d_eps), plan.head).view(B, T, -1)  # (B, T, V)
+        return linear(_rms(x, d_eps), plan.head, None).view(B, T, -1)  # (B, T, V)
