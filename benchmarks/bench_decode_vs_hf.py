@@ -6,10 +6,10 @@ Both generate exactly ``--new-tokens`` tokens from the same prompt (HF: ``min_ne
 turn) so that load from other jobs on a shared machine hits them alike; the ratio is the median of
 the per-round ratios. Goal (issue 6): >= 3x at the toy shape.
 
-``--shape smollm-135m`` times a SmolLM-135M-shaped model (random weights, fp32) and adds the
-memory-bandwidth limit (with more than one thread the engine packs the wide weights for oneDNN,
-``FusedDecoder``'s ``packed``; "TorchEngine, MKL only" is the same engine without, timed alongside):
-decoding one token reads every weight once, so no engine beats
+``--shape smollm-135m`` times a SmolLM-135M-shaped model (random weights, fp32), alongside the
+engine the matmul plan it does not choose at this thread count (``FusedDecoder``'s ``packed``: on
+more than one thread "TorchEngine, MKL only", on one "TorchEngine, packed"), and adds the
+memory-bandwidth limit: decoding one token reads every weight once, so no engine beats
 ``read bandwidth / weight bytes per token`` tok/s. Weight bytes = every parameter once (linear
 weights, norms, and the LM head; a tied embedding is the LM head and counts once, an embedding
 lookup reads one row). Read bandwidth = best of ``--repeats`` sums over a 1 GiB fp32 buffer (far
@@ -166,10 +166,11 @@ def main() -> None:
     # name -> (generate, prefill); every generate returns the new token ids
     runs: dict[str, tuple[Callable[[], list[int]], Callable[[], object]]] = {"HF generate()": (hf_generate, hf_prefill)}
     engines = [("TorchEngine", TorchEngine(model))]
-    if engines[0][1].decoder.plan().packed:  # also time the MKL-only plan the engine runs on one thread
-        mkl_only = TorchEngine(model)
-        mkl_only.decoder = FusedDecoder(model, packed=False)
-        engines.append(("TorchEngine, MKL only", mkl_only))
+    packed = engines[0][1].decoder.plan().packed
+    if packed or engines[0][1].decoder.packed is None:  # also the plan the engine does not choose here
+        other = TorchEngine(model)
+        other.decoder = FusedDecoder(model, packed=not packed)
+        engines.append(("TorchEngine, MKL only" if packed else "TorchEngine, packed", other))
     if args.compile:
         engines.append(("TorchEngine+compile", TorchEngine(model, compile=True)))
     for name, engine in engines:
