@@ -10,9 +10,10 @@ import pytest
 import yaml
 
 from distillgates import __version__
-from distillgates.cli import main
+from distillgates.cli import _project_defaults, build_parser, main
 from distillgates.config import load_config
 from distillgates.hardware import load_profiles
+from distillgates.pipeline import default_run_dir
 from distillgates.project import EMBEDDED_CONFIG, Project
 from distillgates.scaffold import project_files, scaffold
 
@@ -67,6 +68,21 @@ def test_commands_work_from_any_folder(tmp_path: Path, monkeypatch: pytest.Monke
     with pytest.raises(SystemExit) as exit_info:
         main(["--version"])
     assert exit_info.value.code == 0 and capsys.readouterr().out.strip() == f"distillgates {__version__}"
+
+
+def test_commands_in_a_subfolder_use_the_projects_config_and_runs(tmp_path: Path,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """From a subfolder of a project, a command takes the project's config and writes to the project's runs/
+    (where the gates look), as the gates find the project above pytest's rootdir."""
+    (tmp_path / "configs").mkdir()
+    (tmp_path / "configs" / "pipeline.yaml").write_text(EMBEDDED_CONFIG.read_text().replace("name: toy", "name: mine"))
+    (tmp_path / "distillgates.yaml").write_text("config: configs/pipeline.yaml\n")
+    (tmp_path / "tests" / "unit").mkdir(parents=True)
+    monkeypatch.chdir(tmp_path / "tests" / "unit")
+    args = build_parser().parse_args(["data"])
+    _project_defaults(args)
+    assert Path(args.config) == tmp_path.resolve() / "configs" / "pipeline.yaml"
+    assert default_run_dir(load_config(args.config)) == tmp_path.resolve() / "runs" / "mine"
 
 
 @pytest.mark.integration  # a Python process (~3 s)

@@ -61,9 +61,8 @@ def quiet_third_party() -> None:
 def _add_common(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("config", nargs="?", default=None,
                         help="pipeline YAML (default: the project's `config`, else the embedded toy task)")
-    parser.add_argument(
-        "--run-dir", default=None, help="where artifacts go (default runs/<config name>); reused across steps"
-    )
+    parser.add_argument("--run-dir", default=None,
+                        help="where artifacts go (default: runs/<config name> in the project); reused across steps")
     parser.add_argument("--force", action="store_true", help="redo the step(s) even if cached results are fresh")
 
 
@@ -127,11 +126,12 @@ def _cli_init(args: argparse.Namespace) -> int:
 
 
 def _project_defaults(args: argparse.Namespace) -> None:
-    """Fill the config / profiles a command was not given from the working directory's project."""
+    """Fill the config / profiles a command was not given from the working directory's project (the nearest
+    at or above it, :meth:`Project.find`)."""
     if getattr(args, "config", "") is None or getattr(args, "profiles", "") is None:
         from distillgates.project import Project
 
-        project = Project.load(Path.cwd())
+        project = Project.find(Path.cwd())
         if getattr(args, "config", "") is None:
             args.config = str(project.config_path)
         if getattr(args, "profiles", "") is None:

@@ -33,6 +33,7 @@ from rich.console import Console
 from distillgates.codeversion import step_code
 from distillgates.config import Config, TrainConfig, load_config, sha256_json, to_dict
 from distillgates.io import atomic_write_json, sha256_file
+from distillgates.project import Project
 from distillgates.rundir import RunDir
 
 console = Console(stderr=True)
@@ -194,7 +195,9 @@ def set_threads(cfg: Config) -> None:
 
 
 def default_run_dir(cfg: Config) -> Path:
-    return Path("runs") / cfg.name
+    """``runs/<name>`` in the project of the working directory (:meth:`Project.find`: the nearest folder at or
+    above it with ``distillgates.yaml``, ``pyproject.toml`` or ``.git``), where the gates look for it."""
+    return Project.find(Path.cwd()).runs_dir / cfg.name
 
 
 def run_pipeline(config_path: str | Path, run_dir: str | Path | None = None, force: bool = False) -> Path:
