@@ -24,11 +24,14 @@ Batched decoding (issue 20), interleaved with batch 1 in the same way:
   over MKL alone.
 - ``--eval-batch B`` (with ``--run-dir``: its trained student, tokenizer and eval set): items/s of the
   eval (``run_items``, multi-turn with the tool broker) at ``eval.batch_size`` B vs 1, and whether
-  every item's output is identical.
+  every item's output is identical. With ``--shape smollm-135m`` the eval runs the SmolLM-135M body
+  (random weights) over the run's vocabulary instead of its student; ``--eval-items N``: the first N items.
 
     .venv/bin/python benchmarks/bench_decode_vs_hf.py [--compile] [--run-dir runs/toy] [--repeats 15]
     taskset -c 0 .venv/bin/python benchmarks/bench_decode_vs_hf.py --shape smollm-135m --repeats 7
     .venv/bin/python benchmarks/bench_decode_vs_hf.py --run-dir runs/toy --eval-batch 8 --rows 8
+    .venv/bin/python benchmarks/bench_decode_vs_hf.py --shape smollm-135m --run-dir runs/toy --eval-batch 8 \
+        --eval-items 32 --repeats 5
 """
 
 from __future__ import annotations
@@ -110,8 +113,15 @@ def eval_batch_vs_one(args, batch: int) -> None:  # type: ignore[no-untyped-def]
     from distillgates.rundir import RunDir
 
     run = RunDir(args.run_dir)
-    tokenizer, items = run.tokenizer(), run.items("eval")
-    model = toy_model(args)
+    tokenizer, items = run.tokenizer(), run.items("eval")[: args.eval_items or None]
+    if args.shape == "toy":
+        model = toy_model(args)
+    else:  # the SmolLM-135M body over the run's vocabulary (random weights): the eval needs its tokenizer
+        torch.manual_seed(0)
+        max_seq_len = toy_model(args).config.max_seq_len  # the run's student: what the eval's prompts fit
+        cfg = ModelConfig(**{**SMOLLM_135M, "vocab_size": len(tokenizer)}, max_seq_len=max_seq_len)  # type: ignore[arg-type]
+        model = Transformer(cfg).eval()
+        print(f"eval model: SmolLM-135M body, vocabulary {cfg.vocab_size}, {cfg.n_params / 1e6:.1f}M params")
     runners = {size: EngineRunner(TorchEngine(model, max_batch_size=size), tokenizer, model_fingerprint(model),
                                   batch_size=size) for size in (1, batch)}  # fmt: skip
     outputs = {size: run_items(runner, items) for size, runner in runners.items()}  # warm-up, and the outputs
@@ -120,8 +130,8 @@ def eval_batch_vs_one(args, batch: int) -> None:  # type: ignore[no-untyped-def]
              for _ in range(max(1, args.repeats // 5))]  # fmt: skip
     per_s = {size: statistics.median(len(items) / t[i] for t in times) for i, size in enumerate(runners)}
     ratio = statistics.median(t1 / tb for t1, tb in times)
-    print(f"eval of {len(items)} items ({len(times)} interleaved rounds): batch 1 {per_s[1]:.1f} items/s; batch "
-          f"{batch} {per_s[batch]:.1f} items/s = {ratio:.2f}x; outputs identical to batch 1: {same}/{len(items)}")
+    print(f"eval of {len(items)} items ({len(times)} interleaved rounds): batch 1 {per_s[1]:.2f} items/s; batch "
+          f"{batch} {per_s[batch]:.2f} items/s = {ratio:.2f}x; outputs identical to batch 1: {same}/{len(items)}")
 
 
 def build_model(args) -> Transformer:  # type: ignore[no-untyped-def]
@@ -143,6 +153,7 @@ def main() -> None:
     parser.add_argument("--rows", type=int, default=0, help="also time this many rows decoding together vs one")
     parser.add_argument("--eval-batch", type=int, default=0, help="also time the eval at this batch size vs 1 "
                         "(needs --run-dir)")  # fmt: skip
+    parser.add_argument("--eval-items", type=int, default=0, help="with --eval-batch: the first N eval items (0: all)")
     parser.set_defaults(repeats=15)
     args = parser.parse_args()
     if args.eval_batch and not args.run_dir:
