@@ -41,7 +41,7 @@ GATE_MARKERS = {
     "export": "export gate: exported program vs eager cosine, no int64 on attention, contract, ANE op-eligibility "
               "lint (static MIL)",
     "ane_residency": "ANE residency gate (macOS): MLComputePlan share on the ANE and drop vs the profile's baseline",
-    "coreml_parity": "Core ML parity gate: Core ML vs PyTorch logits per shape (macOS)",
+    "coreml_parity": "Core ML parity gate (macOS): Core ML vs PyTorch logits per shape and over decode steps",
     "speed": "speed gate: TTFT p50/p95 and TPS p50/p5 vs the blessed reference of the profile, interleaved A/B "
              "(runs only with -m speed)",
     "prompt_cache": "prompt-cache gate: TTFT reduction with a cached prefix, hit rate",

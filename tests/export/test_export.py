@@ -388,6 +388,8 @@ def test_coreml_parity_per_shape_and_16_decode_steps(standard_export, tiny_ckpt,
     assert sorted(parity["cosine_by_shape"]) == sorted(str(n) for n in export_lengths)
     assert all(c >= 0.999 for c in parity["cosine_by_shape"].values()), parity
     assert len(parity["decode_cosine"]) == 16 and min(parity["decode_cosine"]) >= 0.999, parity
+    recorded = standard_export.gate_inputs["coreml_parity"]  # what the coreml_parity gates read
+    assert recorded["source"] == "MLModel.predict" and recorded["cosine_by_shape"] == parity["cosine_by_shape"]
 
 
 @pytest.mark.integration

@@ -26,7 +26,7 @@ def lose_f1(field: str, shapes: list[str] | tuple[str, ...], n_per_shape: int = 
     return rows
 
 GATE_FILES = ["quality", "f1_drift", "privacy", "determinism", "identity", "latency_loss", "shape_drift", "qat_cosine",
-              "export", "ane_residency", "prompt_cache", "speculative"]
+              "export", "ane_residency", "coreml_parity", "prompt_cache", "speculative"]
 BASELINED = ["gates/test_f1_drift.py", "gates/test_shape_drift.py", "gates/test_ane_residency.py"]
 
 # (id, {dotted report key: value}, gate file, failing tests, fragment of the failure message)
@@ -117,6 +117,12 @@ VIOLATIONS = [
      ["test_ane_residency", "test_ane_residency_no_drop"], "ane.residency[MLComputePlan] FAILED: measured 0.7 >= "),
     ("ane_residency_drop", {"gate_inputs.ane_residency.residency": 0.83}, "ane_residency",
      ["test_ane_residency_no_drop"], "change -0.12"),
+    ("coreml_mismatch", {"gate_inputs.coreml_parity.cosine_by_shape.192": 0.99}, "coreml_parity",
+     ["test_coreml_parity[192]"], "coreml.cosine[shape=192] FAILED: measured 0.99 >= "),
+    ("coreml_shape_missing", {"gate_inputs.coreml_parity.cosine_by_shape.256": DELETE}, "coreml_parity",
+     ["test_coreml_parity[256]"], "coreml.cosine[shape=256] FAILED: measured None"),
+    ("coreml_decode_mismatch", {"gate_inputs.coreml_parity.decode_cosine": [0.9999, 0.95]}, "coreml_parity",
+     ["test_coreml_decode_parity"], "coreml.decode_cosine_min FAILED: measured 0.95"),
     ("prompt_cache_slow", {"gate_inputs.prompt_cache.ttft_hit_ms": [9.0, 9.5, 10.0]}, "prompt_cache",
      ["test_ttft_reduction"], "prompt_cache.ttft_reduction"),
     ("prompt_cache_misses", {"gate_inputs.prompt_cache.hit_rate": 0.5}, "prompt_cache", ["test_hit_rate"], "0.5"),
@@ -138,10 +144,9 @@ def test_good_run_passes_every_gate(pytester, gates_project, make_run, own_profi
     common = [f"--run-dir={run}", f"--hw-profile={own_profile}"]
     pytester.runpytest(*BASELINED, *common, "--bless").assert_outcomes(passed=7)
     result = pytester.runpytest("gates", *common, "-rA")
-    result.assert_outcomes(passed=52, skipped=3, deselected=4)
+    result.assert_outcomes(passed=56, deselected=4)
     for name in GATE_FILES:
         assert f"PASSED gates/test_{name}.py::" in result.stdout.str(), name
-    assert "requires macOS" in result.stdout.str()
 
 
 @pytest.mark.parametrize(("changes", "gate_file", "expected", "fragment"), [v[1:] for v in VIOLATIONS],
@@ -236,6 +241,20 @@ def test_residency_gates_need_mlcomputeplan(pytester, gates_project, make_run, o
     else:
         result.assert_outcomes(skipped=2)
         assert "ANE residency is measured only by MLComputePlan (macOS 14.4+)" in result.stdout.str()
+
+
+def test_coreml_parity_gates_need_a_mac_export(pytester, gates_project, make_run, own_profile):
+    """A run exported off macOS has no Core ML figure: the gates skip naming MLModel.predict (on a Mac they fail,
+    since there the export step always records it); the shipped-weights parity of the export gates is not it."""
+    gates_project()
+    run = make_run("linux_export", **{"gate_inputs.coreml_parity": DELETE})
+    result = pytester.runpytest("gates/test_coreml_parity.py", f"--run-dir={run}", f"--hw-profile={own_profile}",
+                                "-rs")
+    if sys.platform == "darwin":
+        assert failed_tests(result) == ["test_coreml_decode_parity", *(f"test_coreml_parity[{s}]" for s in SHAPES)]
+    else:
+        result.assert_outcomes(skipped=1 + len(SHAPES))
+        assert "Core ML parity is measured only by MLModel.predict (macOS)" in result.stdout.str()
 
 
 def test_malformed_item_scores_fail_the_drift_gates_naming_file_and_row(pytester, gates_project, make_run, own_profile):

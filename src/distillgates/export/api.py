@@ -2,8 +2,8 @@
 
 Run-directory layout (contract.md): ``export/prefill.mlpackage``, ``export/decode.mlpackage``,
 ``export/contract.json`` (one contract for both packages, which share one KV state layout) and
-``export/ane_lint.json`` (the ANE op-eligibility lint), plus ``export/ane_residency.json`` on macOS
-(``MLComputePlan``).
+``export/ane_lint.json`` (the ANE op-eligibility lint), plus on macOS ``export/ane_residency.json``
+(``MLComputePlan``) and ``export/coreml_parity.json`` (Core ML's own logits vs PyTorch, ``MLModel.predict``).
 
 The parity gate runs after the packages are saved: the exported programs with the weights read
 back from the saved packages (dequantized int8/palettized constants) against eager PyTorch, so it
@@ -56,14 +56,15 @@ class ExportResult:
     ane_lint_path: Path
     contract: dict[str, Any]
     lint: dict[str, list[str]]  # lint name -> messages (all empty: clean)
-    ane: dict[str, Any]  # gate_inputs.ane_lint, and gate_inputs.ane_residency on macOS
+    ane: dict[str, Any]  # gate_inputs.ane_lint; on macOS also gate_inputs.ane_residency and .coreml_parity
     parity: dict[str, Any]  # shipped weights vs eager (source, cosine_by_shape, decode_cosine)
     qat_exact: list[str]  # weights exported on their own int8 grid (no re-quantization)
     errors: list[str]  # every reason the export fails (lints, parity, contract)
 
     @property
     def gate_inputs(self) -> dict[str, Any]:
-        """``gate_inputs.export``, ``gate_inputs.ane_lint`` (and ``ane_residency`` on macOS) of report.json."""
+        """``gate_inputs.export``, ``gate_inputs.ane_lint`` (and ``ane_residency``, ``coreml_parity`` on macOS)
+        of report.json."""
         return {
             "export": {
                 "source": self.parity["source"],
@@ -152,11 +153,15 @@ def export_transformer(
     contract["ok"] = not contract_errors
     ane = {"ane_lint": ane_op_lint(programs, symbol_size=max(lengths))}
     contract_path, ane_path = out / "contract.json", out / "ane_lint.json"
-    if sys.platform == "darwin":  # residency is measured only by the compute plan, on the machine
-        from distillgates.export.compute_plan import ane_residency
+    if sys.platform == "darwin":  # residency (the compute plan) and Core ML's own logits exist only on the machine
+        from distillgates.export.compute_plan import COREML_SOURCE, ane_residency
+        from distillgates.export.parity import coreml_parity
 
         ane["ane_residency"] = ane_residency(packages["prefill"], export_cfg.compute_units)
         atomic_write_json(out / "ane_residency.json", ane["ane_residency"])
+        ane["coreml_parity"] = {"source": COREML_SOURCE,
+                                **coreml_parity(packages["prefill"], packages["decode"], model, lengths)}  # fmt: skip
+        atomic_write_json(out / "coreml_parity.json", ane["coreml_parity"])
     atomic_write_json(contract_path, contract)
     atomic_write_json(ane_path, ane["ane_lint"])
     low = {shape: c for shape, c in parity["cosine_by_shape"].items() if c < cosine_min}

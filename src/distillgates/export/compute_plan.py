@@ -15,6 +15,9 @@ from pathlib import Path
 from typing import Any
 
 PLAN_SOURCE = "MLComputePlan"  # how reports label its figures (vs "op-eligibility lint (static MIL)")
+# how reports label Core ML's own logits (gate_inputs.coreml_parity, export.parity.coreml_parity): the other
+# figure only a Mac measures at export; this light module is what the checklist imports
+COREML_SOURCE = "MLModel.predict"
 
 
 def ane_residency(package: str | Path, compute_units: str = "ALL") -> dict[str, Any]:
