@@ -36,7 +36,7 @@ GATE_MARKERS = {
     "determinism": "determinism gate: sharded == unsharded eval; fingerprints present and equal; the report, "
                    "checkpoint and export describe one model",
     "latency_loss": "latency-loss gate: student output length vs teacher; no new false tool calls; TTFA p95",
-    "shape_drift": "shape-drift gate: F1 lax spread across enumerated shapes",
+    "shape_drift": "shape-drift gate: per enumerated shape, paired F1 lax drop vs the shape's blessed baseline",
     "qat_cosine": "QAT gate: probe cosine pre vs post QAT, no NaNs",
     "export": "export gate: exported program vs eager cosine, no int64 on attention, contract, ANE op-eligibility "
               "lint (static MIL)",

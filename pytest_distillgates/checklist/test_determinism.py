@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from distillgates.data.chat import prompt_wrapper_sha256
+from distillgates.data.fingerprints import dataset_sha256
 from distillgates.data.registry import tool_registry_sha256
 from distillgates.eval.fingerprints import FINGERPRINT_KEYS
 
@@ -43,6 +44,15 @@ def test_fingerprint_present(gate, report, key):
     value = report.get("header.fingerprints").get(key)
     gate.equals(f"fingerprint.{key}.present", isinstance(value, str) and bool(value), True,
                 f"report header fingerprint {key} is a non-empty string (found {value!r})")
+
+
+@pytest.mark.determinism
+def test_report_describes_the_eval_set(gate, report):
+    """The report's quality was measured on the run's eval set as it is now (a regenerated or edited
+    data/eval.jsonl beside a stale report would let the gates vouch for items nobody evaluated)."""
+    path = report.run.require(report.run.dataset("eval"))
+    gate.equals("fingerprint.dataset_sha256.eval_set", report.get("header.fingerprints.dataset_sha256"),
+                dataset_sha256(path), f"report's dataset_sha256 equals the sha256 of {path}")
 
 
 @pytest.mark.determinism

@@ -20,6 +20,7 @@ import pytest
 
 from distillgates.config import load_config, to_dict
 from distillgates.data.chat import prompt_wrapper_sha256
+from distillgates.data.fingerprints import dataset_sha256
 from distillgates.data.registry import tool_registry_sha256
 from distillgates.gates.session import resolve_hardware
 from distillgates.model import Transformer, model_fingerprint, save_model
@@ -35,6 +36,7 @@ from ..conftest import tiny_model_config
 
 SHAPES = ("128", "192", "256")
 TOKENIZER_FP = "tok-" + "a" * 60
+GOOD_DATASET_SHA256 = "d" * 64  # write_run puts the sha256 of the eval set it writes in its place
 
 
 def metrics(**overrides: Any) -> dict[str, Any]:
@@ -71,7 +73,7 @@ def good_report() -> dict[str, Any]:
             "hardware": {"soc": "test", "os": "Linux", "ram_gb": 8.0, "torch_version": "2.13.0",
                          "coremltools_version": "9.0", "export_path": None, "hardware_profile_key": "test"},
             "fingerprints": {
-                "dataset_sha256": "d" * 64, "tool_registry_sha256": tool_registry_sha256(),
+                "dataset_sha256": GOOD_DATASET_SHA256, "tool_registry_sha256": tool_registry_sha256(),
                 "tokenizer_fingerprint": TOKENIZER_FP, "prompt_wrapper_sha256": prompt_wrapper_sha256(),
                 "runner_fingerprint": "r" * 64, "model_fingerprint": model_fingerprint(tiny_student()),
             },
@@ -131,12 +133,16 @@ def write_run(
     run = RunDir(root)
     for folder in (run.reports_dir, run.data_dir, run.model_dir("student"), run.export_dir, run.eval_dir):
         folder.mkdir(parents=True, exist_ok=True)
-    run.report.write_text(json.dumps(report))
-    rows = good_item_scores() if item_scores is None else item_scores
-    run.item_scores.write_text(json.dumps({"role": "student", "items": rows}))
     header = {"__header__": True, "dataset_version": 1, "tokenizer_fingerprint": TOKENIZER_FP,
               "tool_registry_sha256": tool_registry_sha256(), "prompt_wrapper_sha256": prompt_wrapper_sha256()}
     run.dataset("eval").write_text(json.dumps(header | (eval_set or {})) + "\n")
+    fingerprints = report.get("header", {}).get("fingerprints", {})
+    if fingerprints.get("dataset_sha256") == GOOD_DATASET_SHA256:  # the good report: evaluated on this eval set
+        report = copy.deepcopy(report)
+        report["header"]["fingerprints"]["dataset_sha256"] = dataset_sha256(run.dataset("eval"))
+    run.report.write_text(json.dumps(report))
+    rows = good_item_scores() if item_scores is None else item_scores
+    run.item_scores.write_text(json.dumps({"role": "student", "items": rows}))
     model = model or tiny_student()
     save_model(run.model_path(), model)
     run.contract.write_text(json.dumps({"model_fingerprint": model_fingerprint(model)}))

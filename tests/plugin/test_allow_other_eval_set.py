@@ -8,8 +8,7 @@ import json
 import pytest
 
 from distillgates.gates.baselines import EVAL_SET_KEYS
-
-from .conftest import good_report
+from distillgates.rundir import RunDir
 
 F1_DRIFT = "gates/test_f1_drift.py"
 
@@ -24,7 +23,7 @@ def bless(pytester, make_run, own_profile) -> list[str]:
 def test_baseline_of_another_eval_set_is_refused(pytester, gates_project, make_run, own_profile, key):
     gates_project()
     args = bless(pytester, make_run, own_profile)
-    blessed = good_report()["header"]["fingerprints"][key]
+    blessed = json.loads(RunDir(make_run("blessed")).report.read_text())["header"]["fingerprints"][key]
     run = make_run("other", **{f"header.fingerprints.{key}": "e" * 64})
     result = pytester.runpytest(*args, f"--run-dir={run}")
     result.assert_outcomes(failed=2)

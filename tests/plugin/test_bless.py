@@ -7,8 +7,9 @@ import json
 import pytest
 
 from distillgates.model import model_fingerprint
+from distillgates.rundir import RunDir
 
-from .conftest import good_item_scores, good_report, tiny_student
+from .conftest import good_item_scores, tiny_student
 
 F1_DRIFT = "gates/test_f1_drift.py"
 
@@ -34,7 +35,7 @@ def test_bless_then_normal_run_passes(pytester, gates_project, make_run, own_pro
     data = json.loads((pytester.path / "baselines" / "common" / "f1_drift.json").read_text())
     entry = data["entries"]["f1_lax_macro"]
     assert entry["value"] == 0.95 and "integration F1 lax" in entry["definition"]
-    assert entry["fingerprints"] == good_report()["header"]["fingerprints"]  # all six, as the report has them
+    assert entry["fingerprints"] == json.loads(RunDir(run).report.read_text())["header"]["fingerprints"]  # all six
     assert entry["fingerprints"]["model_fingerprint"] == model_fingerprint(tiny_student())
     provenance = entry["provenance"]
     assert provenance["git_sha"] == "0" * 40 and "fingerprints" not in provenance

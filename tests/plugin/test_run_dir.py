@@ -74,6 +74,8 @@ VIOLATIONS = [
      ["test_fingerprint_matches_eval_set[prompt_wrapper_sha256]"], "fingerprint.prompt_wrapper_sha256.code"),
     ("other_tokenizer", {"header.fingerprints.tokenizer_fingerprint": "other"}, "determinism",
      ["test_fingerprint_matches_eval_set[tokenizer_fingerprint]"], "'other'"),
+    ("eval_set_replaced", {"header.fingerprints.dataset_sha256": "e" * 64}, "determinism",
+     ["test_report_describes_the_eval_set"], "fingerprint.dataset_sha256.eval_set FAILED: measured 'eeee"),
     ("stale_report", {"header.fingerprints.model_fingerprint": "f" * 64}, "identity",
      ["test_report_describes_the_checkpoint"], f"measured '{'f' * 64}' == threshold"),
     ("longer_outputs", {"quality.student.median_tokens_out": 28.0}, "latency_loss", ["test_median_tokens_out"],
@@ -144,7 +146,7 @@ def test_good_run_passes_every_gate(pytester, gates_project, make_run, own_profi
     common = [f"--run-dir={run}", f"--hw-profile={own_profile}"]
     pytester.runpytest(*BASELINED, *common, "--bless").assert_outcomes(passed=7)
     result = pytester.runpytest("gates", *common, "-rA")
-    result.assert_outcomes(passed=56, deselected=4)
+    result.assert_outcomes(passed=57, deselected=4)
     for name in GATE_FILES:
         assert f"PASSED gates/test_{name}.py::" in result.stdout.str(), name
 
