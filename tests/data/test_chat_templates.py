@@ -287,6 +287,35 @@ def test_a_hermes_turn_with_parallel_calls_is_answered_call_by_call(hermes, own_
     assert conversation.add_turn(Turn(text="Done.", tokens=2, stopped=True)) is None and conversation.answer == "Done."
 
 
+def test_ttfa_counts_a_parallel_call_turn_up_to_its_first_valid_call(hermes, own_items):
+    """TTFA is the tokens generated up to the end of the first valid call's JSON, not to the end of its turn:
+    in a turn of two calls it stops in the first one; an invalid first call moves it to the second. A turn
+    without ids (an API teacher's) counts whole."""
+    from distillgates.eval.runners import Conversation, Turn
+
+    item = next(i for i in own_items if i.get("parallel_calls"))
+    first, second = item["expected_calls"][:2]
+    calls = [f'<tool_call>\n{json.dumps(c)}\n</tool_call>' for c in (first, second)]
+    end = hermes.tokenizer.convert_tokens_to_ids("<|im_end|>")
+
+    def ttfa(text: str, ids: bool = True) -> int | None:
+        conversation = Conversation(item, fmt=hermes)
+        conversation.tokens_out = 5  # tokens of earlier turns
+        token_ids = (*hermes.encode(text), end)
+        conversation.add_turn(Turn(text=text, tokens=len(token_ids), stopped=True, ids=token_ids if ids else ()))
+        return conversation.ttfa
+
+    def tokens_until(text: str, call: dict[str, Any]) -> int:  # the fewest tokens whose text holds the call's JSON
+        ids = hermes.encode(text)
+        return next(k for k in range(1, len(ids) + 1) if json.dumps(call) in hermes.tokenizer.decode(ids[:k]))
+
+    both = calls[0] + calls[1]
+    assert ttfa(both) == 5 + tokens_until(both, first) < 5 + len(hermes.encode(calls[0]))
+    assert ttfa(both, ids=False) == 5 + len(hermes.encode(both))  # the stop token is never counted
+    broken = "<tool_call>\n{not json}\n</tool_call>" + calls[1]
+    assert ttfa(broken) == 5 + tokens_until(broken, second)
+
+
 @pytest.mark.parametrize("family", ["toy", "hermes", "chatml", "llama3"])
 def test_an_api_message_renders_as_turns_its_family_parses_back(family, request, own_items):
     """``assistant_text`` of an API's message (content, parallel calls with ids, JSON-string arguments) is

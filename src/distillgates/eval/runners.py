@@ -63,6 +63,7 @@ class Turn:
     text: str  # generated text of the turn, stop token excluded
     tokens: int  # generated tokens, stop token included
     stopped: bool  # ended on a stop token (not the budget)
+    ids: tuple[int, ...] = ()  # the generated token ids, stop included (token sessions; an API's turn has none)
 
 
 class Session(Protocol):
@@ -105,7 +106,7 @@ class Conversation:
     gets an error result and is never dispatched); the conversation ends after ``max_calls`` calls
     or a turn the token budget cut short. :func:`run_item` drives it with one session; the KD
     builder (:mod:`distillgates.teacher.kd`) drives a batch of them with one teacher request per
-    turn.
+    turn. ``fmt`` is the chat format of the tokenizer that generated the turns (TTFA decodes a turn's ids).
     """
 
     def __init__(self, item: Mapping[str, Any], max_calls: int = 4, policy: FixturePolicy | None = None,
@@ -130,7 +131,7 @@ class Conversation:
         if parsed.answer is not None:
             self.answer = parsed.answer
             return None
-        results = []
+        results: list[dict[str, Any]] = []
         for call, raw in zip(parsed.calls, parsed.raw, strict=True):
             errors = ["malformed_call: $: not a JSON tool call"] if call is None else validate_call(call, self.tools)
             if call is None:
@@ -138,7 +139,7 @@ class Conversation:
             else:
                 result, hit, mocked = self.broker.call(call["name"], call["arguments"])
             if self.ttfa is None and call is not None and not errors:
-                self.ttfa = max(0, self.tokens_out - int(turn.stopped))
+                self.ttfa = self.tokens_out - turn.tokens + self._tokens_to_call(turn, len(results), call)
             record = {"raw": raw, "call": call, "errors": errors, "fixture_hit": hit}
             self.calls.append({**record, "mocked": True} if mocked else record)
             self.turns.append({"role": "tool", "result": result})
@@ -146,6 +147,25 @@ class Conversation:
         if len(self.calls) >= self.max_calls or not turn.stopped:
             return None
         return results
+
+    def _tokens_to_call(self, turn: Turn, index: int, call: dict[str, Any]) -> int:
+        """Tokens of ``turn`` up to the end of its call number ``index`` (``call``): the fewest whose text parses
+        to that call there (a complete call stays complete in longer prefixes: a binary search); the stop token
+        is never counted. A turn without token ids (an API teacher's) counts whole."""
+        body = turn.ids[:-1] if turn.stopped else turn.ids
+        if not body:
+            return max(0, turn.tokens - int(turn.stopped))
+
+        def holds(k: int) -> bool:
+            text = self.fmt.tokenizer.decode(body[:k], skip_special_tokens=False, clean_up_tokenization_spaces=False)
+            calls = self.fmt.parse_turn(text).calls
+            return len(calls) > index and calls[index] == call
+
+        lo, hi = 1, len(body)  # holds(len(body)): the turn's own text
+        while lo < hi:
+            mid = (lo + hi) // 2
+            lo, hi = (lo, mid) if holds(mid) else (mid + 1, hi)
+        return hi
 
     def output(self) -> dict[str, Any]:
         """The per-item output the scorer consumes (module docstring)."""
@@ -288,7 +308,7 @@ class _TokenSession:
         stopped = bool(ids) and ids[-1] in self.stop_ids
         body = ids[:-1] if stopped else ids
         text = self.tokenizer.decode(body, skip_special_tokens=False, clean_up_tokenization_spaces=False)
-        return Turn(text=text, tokens=len(ids), stopped=stopped)
+        return Turn(text=text, tokens=len(ids), stopped=stopped, ids=tuple(ids))
 
 
 class EngineSession(_TokenSession):
@@ -513,8 +533,8 @@ def reference_output(item: Mapping[str, Any], tokenizer: Any = None) -> dict[str
             generated = text[start:end]
             stop = min((t for t in fmt.stop_tokens if t in generated), key=generated.index, default=None)
             body = generated[: generated.index(stop)] if stop else generated
-            n = len(fmt.encode(body + (stop or ""))) if tokenizer is not None else 0
-            return Turn(text=body, tokens=n, stopped=stop is not None)
+            ids = tuple(fmt.encode(body + (stop or ""))) if tokenizer is not None else ()
+            return Turn(text=body, tokens=len(ids), stopped=stop is not None, ids=ids)
 
         def first_turn(self, item: Mapping[str, Any], prompt_text: str) -> Turn:
             return self._turn()
