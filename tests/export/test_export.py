@@ -401,7 +401,9 @@ def test_mlcomputeplan_residency(standard_export) -> None:
     assert report["source"] == "MLComputePlan"
     assert 0.0 <= report["residency"] <= 1.0
     assert "linear" in report["by_op_type"]
-    assert standard_export.gate_inputs["ane_residency"]["source"] == "MLComputePlan"  # recorded by the export
+    for key in ("ane_residency", "ane_residency_decode"):  # recorded by the export, per package
+        assert standard_export.gate_inputs[key]["source"] == "MLComputePlan"
+        assert 0.0 <= standard_export.gate_inputs[key]["residency"] <= 1.0
 
 
 def test_an_op_coremltools_cannot_convert_is_an_export_error():

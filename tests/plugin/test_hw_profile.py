@@ -16,10 +16,10 @@ def other_profile(own: str) -> str:
 def test_default_is_the_detected_profile(pytester, gates_project, make_run, own_profile):
     gates_project()
     result = pytester.runpytest(ANE, f"--run-dir={make_run()}", "--bless")
-    result.assert_outcomes(passed=2)
+    result.assert_outcomes(passed=4)
     data = json.loads((pytester.path / "baselines" / own_profile / "ane_residency.json").read_text())
     assert data["hardware_profile_key"] == own_profile
-    assert "residency.mlcomputeplan" in data["entries"]
+    assert {"residency.mlcomputeplan", "residency.mlcomputeplan.decode"} <= set(data["entries"])
 
 
 def test_selected_profile_that_is_not_this_machine_is_refused(pytester, gates_project, make_run, own_profile):
@@ -28,7 +28,7 @@ def test_selected_profile_that_is_not_this_machine_is_refused(pytester, gates_pr
     other = other_profile(own_profile)
     pytester.runpytest(ANE, f"--run-dir={run}", f"--hw-profile={other}", "--bless", "--allow-cross-hw")
     result = pytester.runpytest(ANE, f"--run-dir={run}", f"--hw-profile={other}")
-    result.assert_outcomes(passed=1, failed=1)  # the absolute residency gate is hardware-free; the drop gate is not
+    result.assert_outcomes(passed=2, failed=2)  # the absolute residency gates are hardware-free; the drop gates not
     result.stdout.fnmatch_lines([f"*--hw-profile '{other}' does not match this machine*--allow-cross-hw*"])
 
 
@@ -51,6 +51,6 @@ def test_bless_under_another_machines_profile_is_refused(pytester, gates_project
     gates_project()
     other = other_profile(own_profile)
     result = pytester.runpytest(ANE, f"--run-dir={make_run()}", f"--hw-profile={other}", "--bless")
-    result.assert_outcomes(passed=1, failed=1)
+    result.assert_outcomes(passed=2, failed=2)
     result.stdout.fnmatch_lines(["*refusing to bless*does not match this machine*"])
     assert not (pytester.path / "baselines" / other).exists()

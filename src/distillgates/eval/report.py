@@ -207,9 +207,10 @@ def _ane_rows(report: dict[str, Any]) -> list[list[str]]:
         rows.append([f"ANE op-eligible share [{lint['source']}]", _fmt(lint["op_eligible_share"])])
         rows.append([f"ANE lint findings [{lint['source']}]",
                      f"{len(lint['ineligible_ops'])} ineligible ops, {len(lint['over_limits'])} over limits"])
-    if "ane_residency" in inputs:
-        plan = inputs["ane_residency"]
-        rows.append([f"ANE residency [{plan['source']}]", _fmt(plan["residency"])])
+    for key, package in (("ane_residency", "prefill"), ("ane_residency_decode", "decode")):
+        if key in inputs:
+            plan = inputs[key]
+            rows.append([f"ANE residency, {package} [{plan['source']}]", _fmt(plan["residency"])])
     return rows
 
 

@@ -2,8 +2,9 @@
 
 Run-directory layout (contract.md): ``export/prefill.mlpackage``, ``export/decode.mlpackage``,
 ``export/contract.json`` (one contract for both packages, which share one KV state layout) and
-``export/ane_lint.json`` (the ANE op-eligibility lint), plus on macOS ``export/ane_residency.json``
-(``MLComputePlan``) and ``export/coreml_parity.json`` (Core ML's own logits vs PyTorch, ``MLModel.predict``).
+``export/ane_lint.json`` (the ANE op-eligibility lint), plus on macOS ``export/ane_residency.json`` and
+``export/ane_residency_decode.json`` (``MLComputePlan``, per package) and ``export/coreml_parity.json``
+(Core ML's own logits vs PyTorch, ``MLModel.predict``).
 
 The parity gate runs after the packages are saved: the exported programs with the weights read
 back from the saved packages (dequantized int8/palettized constants) against eager PyTorch, so it
@@ -44,6 +45,7 @@ from distillgates.io import atomic_write_json
 from distillgates.model import Transformer, load_model, model_fingerprint
 
 KINDS = ("prefill", "decode")
+RESIDENCY_KEYS = {"prefill": "ane_residency", "decode": "ane_residency_decode"}  # package -> gate_inputs key (macOS)
 
 
 @dataclasses.dataclass
@@ -56,15 +58,15 @@ class ExportResult:
     ane_lint_path: Path
     contract: dict[str, Any]
     lint: dict[str, list[str]]  # lint name -> messages (all empty: clean)
-    ane: dict[str, Any]  # gate_inputs.ane_lint; on macOS also gate_inputs.ane_residency and .coreml_parity
+    ane: dict[str, Any]  # gate_inputs.ane_lint; on macOS also .ane_residency(_decode) and .coreml_parity
     parity: dict[str, Any]  # shipped weights vs eager (source, cosine_by_shape, decode_cosine)
     qat_exact: list[str]  # weights exported on their own int8 grid (no re-quantization)
     errors: list[str]  # every reason the export fails (lints, parity, contract)
 
     @property
     def gate_inputs(self) -> dict[str, Any]:
-        """``gate_inputs.export``, ``gate_inputs.ane_lint`` (and ``ane_residency``, ``coreml_parity`` on macOS)
-        of report.json."""
+        """``gate_inputs.export``, ``gate_inputs.ane_lint`` (and on macOS ``ane_residency``,
+        ``ane_residency_decode``, ``coreml_parity``) of report.json."""
         return {
             "export": {
                 "source": self.parity["source"],
@@ -157,8 +159,9 @@ def export_transformer(
         from distillgates.export.compute_plan import COREML_SOURCE, ane_residency
         from distillgates.export.parity import coreml_parity
 
-        ane["ane_residency"] = ane_residency(packages["prefill"], export_cfg.compute_units)
-        atomic_write_json(out / "ane_residency.json", ane["ane_residency"])
+        for kind, key in RESIDENCY_KEYS.items():
+            ane[key] = ane_residency(packages[kind], export_cfg.compute_units)
+            atomic_write_json(out / f"{key}.json", ane[key])
         ane["coreml_parity"] = {"source": COREML_SOURCE,
                                 **coreml_parity(packages["prefill"], packages["decode"], model, lengths)}  # fmt: skip
         atomic_write_json(out / "coreml_parity.json", ane["coreml_parity"])
