@@ -85,6 +85,20 @@ def test_thresholds_override_key_by_key_and_name_their_file(tmp_path: Path) -> N
     assert thresholds.sources["controls_with_integration_max"] == str(own)
     assert thresholds.sources["json_validity_min"] == str(EMBEDDED_THRESHOLDS)
     assert thresholds.label() == f"{own} (f1_lax_min, controls_with_integration_max); the rest: {EMBEDDED_THRESHOLDS}"
+    assert thresholds.loosened() == {}  # tighter and equal values are not looser
+
+
+def test_thresholds_looser_than_the_embedded_ones_are_named(tmp_path: Path) -> None:
+    """A project may relax a gate, but the label (terminal table, Markdown summary, gate report) says so."""
+    (tmp_path / "gates.yaml").write_text("gates:\n  privacy_ok_rate_min: 0.5\n  ttfa_p95_tokens_max: 40\n"
+                                         "  significance_alpha: 0.01\n  speed_regression_max: 0.02\n")
+    (tmp_path / "distillgates.yaml").write_text("thresholds: gates.yaml\n")
+    thresholds = Project.load(tmp_path).thresholds()
+    assert thresholds.loosened() == {"privacy_ok_rate_min": (0.5, 1.0), "ttfa_p95_tokens_max": (40.0, 25.0),
+                                     "significance_alpha": (0.01, 0.05)}  # speed_regression_max 0.02 is tighter
+    assert thresholds.label().endswith("; LOOSER than the embedded defaults: privacy_ok_rate_min 0.5 (embedded "
+                                       "1.0), ttfa_p95_tokens_max 40.0 (embedded 25.0), significance_alpha 0.01 "
+                                       "(embedded 0.05)")
 
 
 def test_a_bad_threshold_names_its_file_line_and_field(tmp_path: Path) -> None:

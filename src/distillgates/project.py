@@ -48,17 +48,33 @@ class Thresholds:
 
     values: GatesConfig
     sources: dict[str, str]  # GatesConfig field -> file
+    embedded: GatesConfig = field(default_factory=GatesConfig)  # the embedded values the project's replace
+
+    def loosened(self) -> dict[str, tuple[Any, Any]]:
+        """The thresholds set looser than the embedded ones, ``name -> (value, embedded value)``: a ``*_min``
+        below it, a ``*_max`` above it, a smaller ``significance_alpha`` (fewer regressions called)."""
+        looser = {}
+        for name, value in dataclasses.asdict(self.values).items():
+            default = getattr(self.embedded, name)
+            if name.endswith("_min") or name == "significance_alpha":
+                relaxed = value < default
+            else:
+                relaxed = name.endswith("_max") and value > default
+            if relaxed:
+                looser[name] = (value, default)
+        return looser
 
     def label(self) -> str:
-        """``<file> (k1, k2); the rest: <embedded file>`` — which file each threshold came from, in one line."""
+        """``<file> (k1, k2); the rest: <embedded file>`` — which file each threshold came from, in one line,
+        then any threshold set looser than the embedded one (a reviewer sees a gate that was relaxed)."""
         by_file: dict[str, list[str]] = {}
         for name, source in self.sources.items():
             by_file.setdefault(source, []).append(name)
-        if len(by_file) == 1:
-            return next(iter(by_file))
         embedded = str(EMBEDDED_THRESHOLDS)
         own = [f"{source} ({', '.join(names)})" for source, names in by_file.items() if source != embedded]
-        return "; ".join(own) + f"; the rest: {embedded}"
+        label = "; ".join(own) + f"; the rest: {embedded}" if len(by_file) > 1 else next(iter(by_file))
+        looser = [f"{name} {value} (embedded {default})" for name, (value, default) in self.loosened().items()]
+        return label + (f"; LOOSER than the embedded defaults: {', '.join(looser)}" if looser else "")
 
 
 @dataclass
@@ -134,14 +150,15 @@ class Project:
 
     def thresholds(self) -> Thresholds:
         """The embedded thresholds, each key the project's thresholds file sets replaced by its value."""
-        values = dataclasses.asdict(_gates_section(EMBEDDED_THRESHOLDS))
+        embedded = _gates_section(EMBEDDED_THRESHOLDS)
+        values = dataclasses.asdict(embedded)
         sources = dict.fromkeys(values, str(EMBEDDED_THRESHOLDS))
         own = self._own("thresholds")
         if own is not None:
             section = _gates_section(own, partial=True)
             for key in section:
                 values[key], sources[key] = section[key], str(own)
-        return Thresholds(GatesConfig(**values), sources)
+        return Thresholds(GatesConfig(**values), sources, embedded)
 
 
 def _pyproject_table(path: Path) -> dict[str, Any] | None:
