@@ -80,6 +80,8 @@ VIOLATIONS = [
      ["test_report_describes_the_checkpoint"], f"measured '{'f' * 64}' == threshold"),
     ("longer_outputs", {"quality.student.median_tokens_out": 28.0}, "latency_loss", ["test_median_tokens_out"],
      "<= threshold 0.85"),
+    ("teacher_answered_nothing", {"quality.teacher.median_tokens_out": 0}, "latency_loss", ["test_median_tokens_out"],
+     "median_tokens_out_ratio FAILED: measured None"),
     ("false_tool_calls", {"quality.student.false_tool_calls_tool_absent": 2}, "latency_loss",
      ["test_no_new_false_tool_calls"], "measured 2 <= threshold 0"),
     ("late_first_tool_call", {"quality.student.ttfa_tokens_p95": 30.0}, "latency_loss", ["test_ttfa_p95"],
