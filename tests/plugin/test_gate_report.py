@@ -11,6 +11,7 @@ from pytest_distillgates.checklist import CHECKLIST_DIR
 from .conftest import project_file
 
 DEFAULTS = str(EMBEDDED_THRESHOLDS)
+LOOSER = "; LOOSER than the embedded defaults: privacy_ok_rate_min 0.99 (embedded 1.0)"  # 0.99 < 1.0
 
 
 def test_json_report_lists_every_check(pytester, gates_project, make_run, own_profile):
@@ -41,7 +42,7 @@ def test_report_names_the_file_of_each_threshold(pytester, gates_project, make_r
                                 "--gate-report=gates.json")
     result.assert_outcomes(passed=2)
     session = json.loads((pytester.path / "gates.json").read_text())["session"]
-    assert session["thresholds_source"] == f"{own} (privacy_ok_rate_min); the rest: {DEFAULTS}"
+    assert session["thresholds_source"] == f"{own} (privacy_ok_rate_min); the rest: {DEFAULTS}{LOOSER}"
     assert session["threshold_sources"]["privacy_ok_rate_min"] == str(own)
     assert session["threshold_sources"]["controls_with_integration_max"] == DEFAULTS
     result.stdout.fnmatch_lines(["*thresholds:*", "*(privacy_ok_rate_min); the rest: *"])  # the table's caption
@@ -62,7 +63,7 @@ def test_project_settings_are_found_above_pytests_rootdir(pytester, make_run, ow
     result.stdout.fnmatch_lines([f"rootdir: {tests}"])
     result.assert_outcomes(passed=2)
     session = json.loads(report.read_text())["session"]
-    assert session["thresholds_source"] == f"{own} (privacy_ok_rate_min); the rest: {DEFAULTS}"
+    assert session["thresholds_source"] == f"{own} (privacy_ok_rate_min); the rest: {DEFAULTS}{LOOSER}"
 
 
 def test_thresholds_file_without_a_gates_section_is_an_error(pytester, gates_project, make_run, own_profile):
