@@ -7,8 +7,8 @@ turn) so that load from other jobs on a shared machine hits them alike; the rati
 the per-round ratios. Goal (issue 6): >= 3x at the toy shape.
 
 ``--shape smollm-135m`` times a SmolLM-135M-shaped model (random weights, fp32), alongside the
-engine the matmul plan it does not choose at this thread count (``FusedDecoder``'s ``packed``: on
-more than one thread "TorchEngine, MKL only", on one "TorchEngine, packed"), and adds the
+engine (its plan in brackets) the same engine over each other matmul plan this machine can run
+(``FusedDecoder``'s ``matmuls``: "TorchEngine, mkl", "TorchEngine, packed", ...), and adds the
 memory-bandwidth limit: decoding one token reads every weight once, so no engine beats
 ``read bandwidth / weight bytes per token`` tok/s. Weight bytes = every parameter once (linear
 weights, norms, and the LM head; a tied embedding is the LM head and counts once, an embedding
@@ -48,7 +48,7 @@ from bench_loss_memory import SMOLLM_135M
 from distillgates.config import ModelConfig
 from distillgates.hf import to_hf
 from distillgates.model import Transformer
-from distillgates.runtime.decoder import FusedDecoder
+from distillgates.runtime.decoder import MATMULS, FusedDecoder, compiled_available, packed_available
 from distillgates.runtime.torch_engine import TorchEngine
 
 BANDWIDTH_BUFFER_BYTES = 2**30  # 1 GiB: ~30x the last-level cache of the boxes this ran on
@@ -78,9 +78,9 @@ def rows_vs_one(model: Transformer, rows: int, steps: int, repeats: int) -> None
     """Print decode tok/s of ``rows`` rows stepping together vs one row (module docstring)."""
     one, batched = TorchEngine(model), TorchEngine(model, max_batch_size=rows)
     engines = [one, batched]
-    if batched.decoder.plan().packed:  # also the same rows over MKL (the plan without oneDNN's packed weights)
+    if batched.decoder.plan().matmuls == "packed":  # also the same rows over MKL (without oneDNN's packed weights)
         engines.append(TorchEngine(model, max_batch_size=rows))
-        engines[-1].decoder = FusedDecoder(model, packed=False)
+        engines[-1].decoder = FusedDecoder(model, matmuls="mkl")
     prompts = [[(17 * i + 11 * r) % model.config.vocab_size for i in range(32)] for r in range(rows)]
 
     def step_one() -> float:
@@ -177,11 +177,16 @@ def main() -> None:
     # name -> (generate, prefill); every generate returns the new token ids
     runs: dict[str, tuple[Callable[[], list[int]], Callable[[], object]]] = {"HF generate()": (hf_generate, hf_prefill)}
     engines = [("TorchEngine", TorchEngine(model))]
-    packed = engines[0][1].decoder.plan().packed
-    if packed or engines[0][1].decoder.packed is None:  # also the plan the engine does not choose here
-        other = TorchEngine(model)
-        other.decoder = FusedDecoder(model, packed=not packed)
-        engines.append(("TorchEngine, MKL only" if packed else "TorchEngine, packed", other))
+    chosen = engines[0][1].decoder.plan().matmuls
+    weight = model.embed.weight
+    available = {"mkl": True, "packed": packed_available(weight.dtype, weight.device),
+                 "compiled": compiled_available(weight.dtype, weight.device)}  # fmt: skip
+    for matmuls in MATMULS if args.shape != "toy" else ():  # also the matmul plans the engine does not choose
+        if matmuls != chosen and available[matmuls]:
+            other = TorchEngine(model)
+            other.decoder = FusedDecoder(model, matmuls=matmuls)
+            engines.append((f"TorchEngine, {matmuls}", other))
+    engines[0] = (f"TorchEngine ({chosen})", engines[0][1])
     if args.compile:
         engines.append(("TorchEngine+compile", TorchEngine(model, compile=True)))
     for name, engine in engines:
@@ -211,13 +216,13 @@ def main() -> None:
         print(f"weights read per token {nbytes / 1e6:.1f} MB, read bandwidth {bandwidth / 1e9:.1f} GB/s (median of "
               f"rounds, {low:.1f}-{high:.1f}), limit {bandwidth / nbytes:.1f} tok/s\n"
               f"'of limit': median over rounds of tok/s / that round's limit")  # fmt: skip
-    print(f"{'engine':<22}{'decode tok/s':>14}{'vs HF':>8}  {'ratio p10-p90':>14}{'of limit':>10}  same tokens as HF")
+    print(f"{'engine':<24}{'decode tok/s':>14}{'vs HF':>8}  {'ratio p10-p90':>14}{'of limit':>10}  same tokens as HF")
     for name, samples in tps.items():
         ratios = sorted(s / b for s, b in zip(samples, base, strict=True))
         lo, hi = ratios[len(ratios) // 10], ratios[-1 - len(ratios) // 10]
         same = tokens[name] == tokens["HF generate()"]
         of_limit = f"{statistics.median(s / lim for s, lim in zip(samples, limits)):>9.0%}" if limits else f"{'':>9}"
-        print(f"{name:<22}{statistics.median(samples):>14.1f}{statistics.median(ratios):>7.2f}x  "
+        print(f"{name:<24}{statistics.median(samples):>14.1f}{statistics.median(ratios):>7.2f}x  "
               f"{lo:>6.2f}-{hi:.2f}x {of_limit}  {same}")  # fmt: skip
     del buffer, runs, engines
     if args.rows:

@@ -15,7 +15,7 @@ from torch import Tensor
 from distillgates.export.layout import ANETransformer, StandardLayout
 from distillgates.hf import HFConversionError, from_hf, load_hf, save_hf, to_hf
 from distillgates.model import Transformer, apply_rope
-from distillgates.runtime.decoder import FusedDecoder, packed_available
+from distillgates.runtime.decoder import FusedDecoder, compiled_available, packed_available
 from distillgates.tokenizer import train_tokenizer
 
 from .conftest import assert_close
@@ -78,23 +78,26 @@ def test_padded_forward_matches_hf(pair: tuple[Any, Transformer]) -> None:
     assert_close(model(ids, attention_mask=real)[real], hf(ids, attention_mask=mask).logits[real], atol=2e-5)
 
 
-@pytest.mark.parametrize("engine", ["model", "fused", "fused-packed"])
+@pytest.mark.parametrize("engine", ["model", "fused", "fused-packed", "fused-compiled"])
 @torch.no_grad()
 def test_cached_decode_matches_hf(pair: tuple[Any, Transformer], engine: str) -> None:
     """A left-padded prefill, then four KV-cached decode steps, against HF's own cache. The model takes the
     padding as an attention mask over cache slots; the fused decoder (the engine's batches) writes each row at
     its own positions, its padding at the slot its first decode step overwrites (``TorchEngine.write_rows``); with
-    ``packed``, over oneDNN's packed weights (the default for large models on more than one thread)."""
+    ``packed``, over oneDNN's packed weights (the default for large models' batches); ``compiled``, one row whose
+    decode steps run the compiled reductions (the default for large models' batch-1 decode)."""
     hf, model = pair
     if engine == "fused-packed" and not packed_available(torch.float32, torch.device("cpu")):
         pytest.skip("this torch build has no oneDNN packed linear")
-    ids, mask = padded_batch()
+    if engine == "fused-compiled" and not compiled_available(torch.float32, torch.device("cpu")):
+        pytest.skip("no C++ compiler for inductor")
+    ids, mask = padded_batch(pads=(0,)) if engine == "fused-compiled" else padded_batch()
     B, T = ids.shape
     model.setup_caches(B)
     lengths = mask.sum(1).tolist()
     slots = torch.zeros(B, MAX_SEQ, dtype=torch.bool)  # the model's attention mask over cache slots
     slots[:, :T] = mask.bool()
-    fused = FusedDecoder(model, packed=engine == "fused-packed")
+    fused = FusedDecoder(model, matmuls={"fused-packed": "packed", "fused-compiled": "compiled"}.get(engine, "mkl"))
 
     def step(idx: Tensor, k: int) -> Tensor:
         """The prefill (``k`` -1), else decode step ``k``."""

@@ -15,12 +15,14 @@ from hypothesis import strategies as st
 
 from distillgates.config import ModelConfig
 from distillgates.model import Transformer
-from distillgates.runtime.decoder import FusedDecoder, packed_available
+from distillgates.runtime.decoder import MATMULS, FusedDecoder, Matmuls, compiled_available, packed_available
 
 from .conftest import tiny_model_config
 
 CFG = tiny_model_config(max_seq_len=48)
-CAN_PACK = packed_available(torch.float32, torch.device("cpu"))
+CPU = torch.device("cpu")
+CAN_PACK, CAN_COMPILE = packed_available(torch.float32, CPU), compiled_available(torch.float32, CPU)
+AVAILABLE = [m for m in MATMULS if {"packed": CAN_PACK, "compiled": CAN_COMPILE}.get(m, True)]
 Forward = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (idx, input_pos) -> logits
 
 
@@ -35,10 +37,10 @@ def _model(seed: int = 0, cfg: ModelConfig = CFG) -> Transformer:
 
 
 def _decoder(
-    model: Transformer, batch: int = 1, fold_rotation: bool | None = None, packed: bool | None = None
+    model: Transformer, batch: int = 1, fold_rotation: bool | None = None, matmuls: Matmuls | None = None
 ) -> FusedDecoder:
     model.setup_caches(batch)
-    return FusedDecoder(model, fold_rotation, packed)
+    return FusedDecoder(model, fold_rotation, matmuls)
 
 
 def _run(forward: Forward, idx: torch.Tensor, start: int) -> torch.Tensor:
@@ -53,10 +55,10 @@ def _run(forward: Forward, idx: torch.Tensor, start: int) -> torch.Tensor:
 @settings(max_examples=20, deadline=None)
 @given(start=st.integers(1, 10), n=st.integers(1, 8), batch=st.integers(1, 2), seed=st.integers(0, 50),
        n_kv=st.sampled_from([1, 2, 4]), fold_rotation=st.booleans(),
-       packed=st.sampled_from([False, True] if CAN_PACK else [False]),
+       matmuls=st.sampled_from(AVAILABLE),
        family=st.sampled_from(["llama", "attention_bias", "qk_norm"]))  # fmt: skip
 def test_decoder_matches_module_path(
-    start: int, n: int, batch: int, seed: int, n_kv: int, fold_rotation: bool, packed: bool, family: str
+    start: int, n: int, batch: int, seed: int, n_kv: int, fold_rotation: bool, matmuls: Matmuls, family: str
 ) -> None:
     extra = {"attention_bias": {"attention_bias": True}, "qk_norm": {"qk_norm": True}}.get(family, {})
     cfg = ModelConfig(**{**CFG.__dict__, "n_kv_heads": n_kv, **extra})
@@ -69,7 +71,7 @@ def test_decoder_matches_module_path(
     idx = torch.randint(0, cfg.vocab_size, (batch, start + n), generator=torch.Generator().manual_seed(seed))
     model.setup_caches(batch)
     ref = _run(model, idx, start)
-    got = _run(_decoder(model, batch, fold_rotation, packed).forward, idx, start)
+    got = _run(_decoder(model, batch, fold_rotation, matmuls).forward, idx, start)
     torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-4)
 
 
@@ -80,33 +82,45 @@ def test_rotation_is_folded_for_small_models_only() -> None:
     assert not _decoder(big).fold_rotation  # > DISPATCH_BOUND_MAX_BYTES: bound by weight reads
 
 
-@pytest.mark.skipif(not CAN_PACK, reason="this torch build has no oneDNN packed linear")
-def test_large_models_pack_their_weights_unless_one_row_on_one_thread() -> None:
-    """By default a model bound by weight reads runs on oneDNN's packed weights when its cache holds several
-    rows, or while torch runs more than one thread (rebuilt when the thread count changes); a dispatch-bound
-    model never. The logits stay the module's."""
-    threads = torch.get_num_threads()
-    cfg = ModelConfig(**{**CFG.__dict__, "vocab_size": 40_000, "d_model": 128})
-    big, idx = _model(5, cfg), torch.randint(0, 40_000, (1, 5), generator=torch.Generator().manual_seed(5))
+BIG = ModelConfig(**{**CFG.__dict__, "vocab_size": 40_000, "d_model": 128})  # > DISPATCH_BOUND_MAX_BYTES
+
+
+@pytest.mark.skipif(not (CAN_PACK and CAN_COMPILE), reason="needs oneDNN packed linear and a C++ compiler")
+def test_large_models_default_to_the_kernels_that_read_weights_fastest() -> None:
+    """A model bound by weight reads decodes one row over compiled reductions and several rows over oneDNN's
+    packed weights; a dispatch-bound model runs MKL. The logits stay the module's."""
+    big, idx = _model(5, BIG), torch.randint(0, 40_000, (1, 5), generator=torch.Generator().manual_seed(5))
     batched, small = _decoder(big, batch=2), _decoder(_model())
     one_row = _decoder(big)  # the model's cache now has one row; `batched` keeps its own two-row buffers
+    torch.testing.assert_close(_run(one_row.forward, idx, 2), _run(big, idx, 2), atol=1e-5, rtol=1e-4)
+    assert (one_row.plan().matmuls, batched.plan().matmuls, small.plan().matmuls) == ("compiled", "packed", "mkl")
+    assert one_row.plan().head.is_contiguous() and batched.plan().head.is_mkldnn  # packed: an opaque oneDNN tensor
+
+
+@pytest.mark.skipif(not CAN_PACK, reason="this torch build has no oneDNN packed linear")
+def test_without_a_compiler_one_row_packs_on_several_threads(monkeypatch: pytest.MonkeyPatch) -> None:
+    """No C++ compiler for inductor: a one-row decoder of a large model runs oneDNN's packed weights while torch
+    runs more than one thread and MKL on one (the plan is rebuilt when the thread count changes)."""
+    monkeypatch.setenv("CXX", "/nonexistent/c++")
+    assert not compiled_available(torch.float32, CPU)
+    threads = torch.get_num_threads()
+    big, idx = _model(5, BIG), torch.randint(0, 40_000, (1, 5), generator=torch.Generator().manual_seed(5))
+    one_row = _decoder(big)
     try:
-        for n, packed in ((1, False), (2, True), (1, False)):
+        for n, matmuls in ((1, "mkl"), (2, "packed"), (1, "mkl")):
             torch.set_num_threads(n)
             torch.testing.assert_close(_run(one_row.forward, idx, 2), _run(big, idx, 2), atol=1e-5, rtol=1e-4)
-            assert one_row.plan().packed is packed
-            assert one_row.plan().head.is_mkldnn is packed  # packed: an opaque oneDNN tensor
-            assert batched.plan().packed is True
-            assert small.plan().packed is False
+            assert one_row.plan().matmuls == matmuls
     finally:
         torch.set_num_threads(threads)
 
 
-def test_packed_needs_float32_on_cpu() -> None:
+@pytest.mark.parametrize("matmuls", ["packed", "compiled"])
+def test_packed_and_compiled_need_float32_on_cpu(matmuls: Matmuls) -> None:
     model = _model().to(torch.bfloat16)
     model.setup_caches(1)
     with pytest.raises(ValueError, match=r"float32.*bfloat16"):
-        FusedDecoder(model, packed=True)
+        FusedDecoder(model, matmuls=matmuls)
 
 
 def test_in_place_weight_update_is_seen() -> None:

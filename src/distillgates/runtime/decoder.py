@@ -3,8 +3,8 @@
 ``Transformer.forward`` is the one model forward (training, and prefill/decode through
 ``input_pos``). :class:`FusedDecoder` computes the same logits over the same parameters and
 cache buffers with fewer ops: decode and short extends of a small model are bound by op
-dispatch, not FLOPs. The PyTorch engine runs it eagerly; ``torch.compile`` and ``torch.export``
-trace the model's own forward.
+dispatch, not FLOPs. The PyTorch engine runs it eagerly, except a large model's one-row decode, whose
+layers it compiles (below); ``torch.compile`` and ``torch.export`` of the model trace its own forward.
 
 Design choices (measured in docs/benchmarks.md section 1):
 - four matmuls per layer over fused, pre-transposed weights (``x @ W^T`` with a contiguous
@@ -19,6 +19,9 @@ Design choices (measured in docs/benchmarks.md section 1):
   at all for one query without padding;
 - GQA by query grouping (:func:`~distillgates.model.gqa_attention`), never ``repeat_interleave``
   of the cache;
+- a model bound by weight reads decodes one row with each layer compiled by inductor, its matmuls as
+  reductions over the weight rows: twice the read bandwidth of MKL's one-row kernels on CPU
+  (docs/benchmarks.md section 8); several rows run oneDNN over packed weights;
 - the optional features of other families: q/k/v biases (Qwen2) become one ``addmm`` bias (rotated
   like the weights); per-head q/k RMSNorm (Qwen3) runs after the matmul, on ``R q`` with its weight
   halves swapped (``rotate_half(w * q) == swap(w) * rotate_half(q)``, and the norm of ``R q`` is that of ``q``).
@@ -27,7 +30,10 @@ Design choices (measured in docs/benchmarks.md section 1):
 from __future__ import annotations
 
 import math
-from typing import Any, NamedTuple
+import os
+import shutil
+import sys
+from typing import Any, Literal, NamedTuple, get_args
 
 import torch
 import torch.nn.functional as F
@@ -48,8 +54,7 @@ def _rms(x: Tensor, d_eps: float) -> Tensor:
 # A model whose weights take at most this many bytes fits a last-level cache and its decode is bound by
 # op dispatch: the plan folds rotate_half into the QKV weight (an extra op per layer costs more than the
 # extra rows). A larger one is bound by weight reads: the plan keeps the QKV weight small (the folded rows
-# make it 1.8x larger) and, unless it decodes one row on one thread, packs its weights for oneDNN
-# (:func:`packed_available`).
+# make it 1.8x larger) and runs the kernels that read weights fastest (see FusedDecoder's ``matmuls``).
 DISPATCH_BOUND_MAX_BYTES = 16 * 2**20
 
 
@@ -61,6 +66,39 @@ def packed_available(dtype: torch.dtype, device: torch.device) -> bool:
     several rows (batched decode, prefill) it is faster on both, as MKL repacks the weight at every call."""
     return (dtype == torch.float32 and device.type == "cpu" and torch.backends.mkldnn.is_available()
             and hasattr(torch.ops.mkldnn, "_reorder_linear_weight"))  # fmt: skip
+
+
+def compiled_available(dtype: torch.dtype, device: torch.device) -> bool:
+    """Whether inductor can compile the one-row matmuls (:data:`MATMULS` ``"compiled"``): float32 on a CPU
+    with the C++ compiler inductor uses (``$CXX``, else ``g++``; ``clang++`` on macOS)."""
+    compiler = os.environ.get("CXX", "clang++" if sys.platform == "darwin" else "g++")
+    return dtype == torch.float32 and device.type == "cpu" and shutil.which(compiler) is not None
+
+
+def _attn_in(x: Tensor, w: Tensor, bias: Tensor | None, d_eps: float) -> Tensor:
+    """One row ``(1, d)``: ``rms(x) @ W^T (+ bias)`` as a reduction over ``W``'s rows ``(out, d)``."""
+    out = (w * _rms(x, d_eps)).sum(-1)
+    return (out if bias is None else out + bias).view(1, -1)
+
+
+def _layer_out(y: Tensor, x: Tensor, o: Tensor, gate_up: Tensor, down: Tensor, d_eps: float) -> Tensor:
+    """One row: the residual stream after attention output ``y``: ``x + o y``, then ``+`` its MLP, every
+    matmul a reduction over the weight's rows (``o`` ``(d, H*hd)``, ``gate_up`` ``(2 ffn, d)``, ``down``
+    ``(d, ffn)``)."""
+    x = x + (o * y).sum(-1)
+    gate, up = (gate_up * _rms(x, d_eps)).sum(-1).chunk(2)
+    return x + (down * (F.silu(gate) * up)).sum(-1)
+
+
+_COMPILED: dict[str, Any] = {}
+
+
+def _compiled(fn: Any) -> Any:
+    """``fn`` compiled by inductor, once per process. Kernels read the thread count at run time
+    (``cpp.dynamic_threads``): a process may change it after compiling."""
+    if fn.__name__ not in _COMPILED:
+        _COMPILED[fn.__name__] = torch.compile(fn, options={"cpp.dynamic_threads": True})
+    return _COMPILED[fn.__name__]
 
 
 def _mkl_linear(x: Tensor, w_t: Tensor, bias: Tensor | None) -> Tensor:
@@ -78,11 +116,20 @@ def _packed_linear_add(x: Tensor, packed: Tensor, residual: Tensor) -> Tensor:
     return torch.ops.mkldnn._linear_pointwise.binary(x, residual, packed, None, "add")
 
 
+# How the plan lays out each weight and which kernels run the matmuls (FusedDecoder's ``matmuls``):
+# "mkl": ``x @ W^T`` over a contiguous ``W^T`` (MKL); "packed": oneDNN over its packed ``W``; "compiled": ``W``
+# as rows ``(out, in)``; one row over a one-row cache runs each layer compiled by inductor (:func:`_decode_layer`,
+# its matmuls as reductions over the rows, which read weights about twice as fast as MKL's one-row kernels),
+# several rows ``x @ W^T`` (MKL).
+Matmuls = Literal["mkl", "packed", "compiled"]
+MATMULS: tuple[Matmuls, ...] = get_args(Matmuls)
+
+
 class _Layer(NamedTuple):
-    qkv_r: Tensor  # rows [q; k; v; R q; R k] (or [q; k; v] unfolded), attention norm folded in; see _Plan.packed
-    o: Tensor  # o^T (H*hd, d) contiguous, or packed o
-    gate_up: Tensor  # rows [gate; up], MLP norm folded in; see _Plan.packed
-    down: Tensor  # (d, ffn): the model's own weight, not transposed (see forward), or packed down
+    qkv_r: Tensor  # rows [q; k; v; R q; R k] (or [q; k; v] unfolded), attention norm folded in; see Matmuls
+    o: Tensor  # o^T (H*hd, d) contiguous (mkl), packed o, or the model's own (d, H*hd) (compiled)
+    gate_up: Tensor  # rows [gate; up], MLP norm folded in; see Matmuls
+    down: Tensor  # (d, ffn): the model's own weight, not transposed (mkl: see forward; compiled), or packed down
     qkv_r_bias: Tensor | None  # biases of the rows of qkv_r (attention_bias)
     qk_norm: tuple[Tensor, Tensor] | None  # (H+n_kv, 1, hd) weights for [q; k] and [R q; R k] (qk_norm)
 
@@ -90,10 +137,52 @@ class _Layer(NamedTuple):
 class _Plan(NamedTuple):
     sources: list[Tensor]  # the parameters the fused tensors were built from
     stamp: tuple[tuple[int, int], ...]  # (data_ptr, _version) of each source at build time
-    packed: bool  # every matmul over oneDNN's packed W; else MKL over contiguous W^T (down: W, see forward)
+    matmuls: Matmuls
     layers: list[_Layer]
-    head: Tensor  # lm_head with the final norm folded in; see packed
+    head: Tensor  # lm_head with the final norm folded in; see Matmuls
     rope_sin: Tensor  # (S_max, hd): the model's sin table; unfolded rotation: first half negated
+
+
+def _heads(
+    qkv: Tensor, B: int, T: int, dims: tuple[int, int, int, float], fold: bool, qk_norm: tuple[Tensor, Tensor] | None,
+    cos: Tensor, sin: Tensor,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """``q, k, v`` ``(B, heads, T, hd)`` of the QKV matmul's output ``(B*T, rows)`` (see :meth:`FusedDecoder.plan`),
+    q and k RoPE-rotated (and per-head RMS-normed first with ``qk_norm``)."""
+    H, n_kv, hd, norm_eps = dims
+    # (B, heads, T, hd); with T == 1 the transpose is a plain view
+    qkv = qkv.view(B, -1, 1, hd) if T == 1 else qkv.view(B, T, -1, hd).transpose(1, 2)
+    if fold:
+        qk, v, qk_rot = qkv.split_with_sizes([H + n_kv, n_kv, H + n_kv], dim=1)  # (B, heads, T, hd)
+    else:
+        (qk, v), qk_rot = qkv.split_with_sizes([H + n_kv, n_kv], dim=1), None  # (B, heads, T, hd)
+    if qk_norm is not None:  # per-head RMSNorm of q and k (Qwen3), fp32 accumulation as RMSNorm
+        qk32 = qk.float()
+        inv_rms = torch.rsqrt(qk32.pow(2).mean(-1, keepdim=True) + norm_eps)  # (B, H+n_kv, T, 1)
+        qk = qk_norm[0] * (qk32 * inv_rms).to(qk.dtype)
+        if qk_rot is not None:
+            qk_rot = qk_norm[1] * (qk_rot.float() * inv_rms).to(qk.dtype)
+    if qk_rot is None:  # halves swapped; rotate_half's sign is in sin (the plan's rope_sin)
+        qk_rot = qk.unflatten(-1, (2, hd // 2)).flip(-2).flatten(-2)  # (B, H+n_kv, T, hd)
+    qk = torch.addcmul(qk * cos, qk_rot, sin)  # RoPE on q and k: x * cos + rotate_half(x) * sin
+    q, k = qk.split_with_sizes([H, n_kv], dim=1)  # (B, H, T, hd), (B, n_kv, T, hd)
+    return q, k, v
+
+
+def _decode_layer(
+    x: Tensor, layer: _Layer, k_cache: Tensor, v_cache: Tensor, input_pos: Tensor, kv_len: int, cos: Tensor,
+    sin: Tensor, dims: tuple[int, int, int, float], fold: bool, d_eps: float,
+) -> Tensor:
+    """One layer of one row ``x`` ``(1, d)`` at ``input_pos`` ``[pos]`` over a one-row cache: the residual
+    stream after it, every matmul a reduction over the weight's rows (``Matmuls`` ``"compiled"``)."""
+    qkv_r, o, gate_up, down, bias, qk_norm = layer
+    q, k, v = _heads(_attn_in(x, qkv_r, bias, d_eps), 1, 1, dims, fold, qk_norm, cos, sin)
+    k_cache.index_copy_(2, input_pos, k.to(k_cache.dtype))
+    v_cache.index_copy_(2, input_pos, v.to(v_cache.dtype))
+    k, v = k_cache.narrow(2, 0, kv_len).to(q.dtype), v_cache.narrow(2, 0, kv_len).to(q.dtype)
+    H, n_kv, hd, _ = dims
+    y = F.scaled_dot_product_attention(q.reshape(1, n_kv, -1, hd), k, v)  # GQA by query grouping
+    return _layer_out(y.reshape(1, H * hd), x, o, gate_up, down, d_eps)
 
 
 class FusedDecoder:
@@ -106,16 +195,17 @@ class FusedDecoder:
         model: the transformer, with its static cache set up.
         fold_rotation: fold RoPE's ``rotate_half`` into the QKV weight (see :meth:`plan`); default:
             while the model's weights take at most ``DISPATCH_BOUND_MAX_BYTES``.
-        packed: run the matmuls over oneDNN's packed weights; default: when :func:`packed_available`, the
-            model's weights take more than ``DISPATCH_BOUND_MAX_BYTES``, and the cache holds more than one
-            row or torch runs more than one thread (checked at each forward: the plan is rebuilt when the
-            thread count changes). A batch-1 decoder on one thread keeps MKL, faster for one row there.
+        matmuls: the kernels of the matmuls (:data:`Matmuls`); default: ``"mkl"`` while the model's weights
+            take at most ``DISPATCH_BOUND_MAX_BYTES``; for a larger one, ``"packed"`` when the cache holds more
+            than one row (and :func:`packed_available`), else ``"compiled"`` (when :func:`compiled_available`),
+            else ``"packed"`` while torch runs more than one thread and ``"mkl"`` on one (checked at each
+            forward: the plan is rebuilt when the thread count changes).
 
     Raises:
-        ValueError: the model has no KV cache, or ``packed`` where :func:`packed_available` is false.
+        ValueError: the model has no KV cache, or ``matmuls`` this build or machine cannot run.
     """
 
-    def __init__(self, model: Transformer, fold_rotation: bool | None = None, packed: bool | None = None) -> None:
+    def __init__(self, model: Transformer, fold_rotation: bool | None = None, matmuls: Matmuls | None = None) -> None:
         caches = [layer.attn.kv_cache for layer in model.layers]
         if any(cache is None for cache in caches):
             raise ValueError("FusedDecoder needs the model's KV cache: call model.setup_caches(batch) first")
@@ -125,15 +215,21 @@ class FusedDecoder:
         self.fold_rotation = dispatch_bound if fold_rotation is None else fold_rotation
         weight = model.embed.weight
         can_pack = packed_available(weight.dtype, weight.device)
-        if packed and not can_pack:
+        can_compile = compiled_available(weight.dtype, weight.device)
+        if matmuls == "packed" and not can_pack:
             raise ValueError(f"oneDNN packed weights need float32 on a CPU build with oneDNN; got {weight.dtype} "
                              f"on {weight.device}")  # fmt: skip
+        if matmuls == "compiled" and not can_compile:
+            raise ValueError(f"compiled matmuls need float32 on a CPU with a C++ compiler for inductor; got "
+                             f"{weight.dtype} on {weight.device}")  # fmt: skip
         self.caches = [(c.k_cache, c.v_cache) for c in caches if c is not None]  # per layer, (B_max, n_kv, S_max, hd)
-        if packed is None and (dispatch_bound or not can_pack):
-            packed = False
-        elif packed is None and self.caches[0][0].shape[0] > 1:  # batched decode
-            packed = True
-        self.packed = packed  # None: packed while torch runs more than one thread (decided at each plan())
+        if matmuls is None and (dispatch_bound or not (can_pack or can_compile)):
+            matmuls = "mkl"
+        elif matmuls is None and self.caches[0][0].shape[0] > 1:  # batched decode
+            matmuls = "packed" if can_pack else "mkl"
+        elif matmuls is None and can_compile:
+            matmuls = "compiled"
+        self.matmuls = matmuls  # None: packed while torch runs more than one thread (decided at each plan())
         self._plan: _Plan | None = None
         # a load_state_dict(assign=True) replaces Parameter objects, which the stamp cannot see
         model.register_load_state_dict_post_hook(self._drop_plan_hook)
@@ -148,11 +244,12 @@ class FusedDecoder:
     def plan(self) -> _Plan:
         """The model's weights folded so that each layer is four matmuls:
 
-        - per layer ``(qkv_r, o, gate_up, down)``, then ``head``: packed for oneDNN (see the ``packed``
-          argument), else transposed contiguous (``x @ W^T`` with a contiguous ``W^T`` is MKL's fast one-row
-          matmul on CPU) except ``down``: the model's own ``(d, ffn)`` weight, no copy (one row: ``addmv``
-          over it is the faster one for an output narrower than the input, at the SmolLM-135M shape 1.2x;
-          more rows: ``W^T`` as a view);
+        - per layer ``(qkv_r, o, gate_up, down)``, then ``head``, laid out for their kernels (:data:`Matmuls`):
+          packed for oneDNN; rows ``(out, in)`` for compiled reductions (``o`` and ``down`` the model's own
+          weights, no copy); for MKL transposed contiguous (``x @ W^T`` with a contiguous ``W^T`` is MKL's fast
+          one-row matmul on CPU) except ``down``: the model's own ``(d, ffn)`` weight, no copy (one row:
+          ``addmv`` over it is the faster one for an output narrower than the input, at the SmolLM-135M shape
+          1.2x; more rows: ``W^T`` as a view);
         - ``qkv_r`` = rows ``[q; k; v; R q; R k]`` where ``R`` is RoPE's ``rotate_half`` (a signed
           permutation of rows, so ``R W x`` is exactly ``rotate_half(W x)``): RoPE is then 3 elementwise ops.
           Without ``fold_rotation`` the rows are ``[q; k; v]`` and the forward flips the halves of q and k,
@@ -164,9 +261,9 @@ class FusedDecoder:
         version (in-place updates and ``.to()`` are seen; ``load_state_dict`` drops it; after replacing
         a Parameter object otherwise, call :meth:`drop_plan`).
         """
-        plan, packed = self._plan, self.packed if self.packed is not None else torch.get_num_threads() > 1
+        plan, matmuls = self._plan, self.matmuls or ("packed" if torch.get_num_threads() > 1 else "mkl")
         stamp = None if plan is None else tuple((p.data_ptr(), p._version) for p in plan.sources)
-        if plan is not None and plan.packed == packed and plan.stamp == stamp:
+        if plan is not None and plan.matmuls == matmuls and plan.stamp == stamp:
             return plan
         self._plan = None  # free the old copy before building the new one
         cfg = self.config
@@ -180,8 +277,10 @@ class FusedDecoder:
         def swapped(w: Tensor) -> Tensor:  # rotate_half(w * q) == swapped(w) * rotate_half(q)
             return torch.cat([w[half:], w[:half]])
 
-        def laid_out(w: Tensor) -> Tensor:  # (out, in) -> packed, or W^T contiguous
-            return torch.ops.mkldnn._reorder_linear_weight(w) if packed else w.t().contiguous()
+        def laid_out(w: Tensor) -> Tensor:  # (out, in) -> packed (oneDNN), rows (compiled), or W^T contiguous
+            if matmuls == "packed":
+                return torch.ops.mkldnn._reorder_linear_weight(w)
+            return w.detach() if matmuls == "compiled" else w.t().contiguous()
 
         def folded(norm: Tensor, *ws: Tensor) -> Tensor:  # rows ws with the norm weight folded in, laid out
             return laid_out((torch.cat(ws).float() * (norm.float() * math.sqrt(cfg.d_model))).to(ws[0].dtype))
@@ -208,14 +307,14 @@ class FusedDecoder:
                     sources += [wqn, wkn]
                     heads = (wqn,) * cfg.n_heads + (wkn,) * cfg.n_kv_heads  # per head of [q; k]
                     qk_norm = (torch.stack(heads)[:, None], torch.stack([swapped(w) for w in heads])[:, None])
-                down = laid_out(m.down_proj.weight) if packed else m.down_proj.weight.detach()
+                down = m.down_proj.weight.detach() if matmuls == "mkl" else laid_out(m.down_proj.weight)
                 layers.append(_Layer(qkv_r, laid_out(a.o_proj.weight), gate_up, down, bias, qk_norm))
             sources += [model.norm.weight, model.lm_head.weight, model.embed.weight]
             head = folded(model.norm.weight, model.lm_head.weight)
             sign = torch.ones(cfg.head_dim, dtype=model.rope_sin.dtype, device=model.rope_sin.device)
             rope_sin = model.rope_sin if fold else model.rope_sin * sign.index_fill_(0, torch.arange(half), -1.0)
         stamp = tuple((p.data_ptr(), p._version) for p in sources)
-        self._plan = _Plan(sources, stamp, packed, layers, head, rope_sin)
+        self._plan = _Plan(sources, stamp, matmuls, layers, head, rope_sin)
         return self._plan
 
     def _mask(self, input_pos: Tensor, contiguous: bool, kv_len: int, last_row: bool) -> Tensor | None:
@@ -260,7 +359,8 @@ class FusedDecoder:
         assert cfg.head_dim is not None  # set by ModelConfig.__post_init__
         H, n_kv, hd, d_eps = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.d_model * cfg.norm_eps
         plan = self.plan()
-        linear = _packed_linear if plan.packed else _mkl_linear
+        packed, compiled = plan.matmuls == "packed", plan.matmuls == "compiled"
+        linear = _packed_linear if packed else F.linear if compiled else _mkl_linear
         per_row = input_pos.dim() == 2
         positions = input_pos.tolist()  # the one host read per forward
         if per_row:
@@ -283,25 +383,16 @@ class FusedDecoder:
         mask = None if last_layer == 0 else self._mask(input_pos, contiguous, kv_len, False)
         x = F.embedding(idx.reshape(-1), model.embed.weight)  # (B*T, d): 2-D rows for torch.mm
         cast = self.caches[0][0].dtype != x.dtype
+        if compiled and B * T == 1 and self.caches[0][0].shape[0] == 1:  # one row over a one-row cache
+            decode_layer, dims, fold = _compiled(_decode_layer), (H, n_kv, hd, cfg.norm_eps), self.fold_rotation
+            pos, cos, sin = input_pos.view(1), cos.view(1, hd), sin.view(1, hd)
+            for layer, (k_cache, v_cache) in zip(plan.layers, self.caches):
+                x = decode_layer(x, layer, k_cache, v_cache, pos, kv_len, cos, sin, dims, fold, d_eps)
+            return _compiled(_attn_in)(x, plan.head, None, d_eps).view(1, 1, -1)  # (1, 1, V)
         for i, (layer, (k_cache, v_cache)) in enumerate(zip(plan.layers, self.caches)):
             qkv_r, o, gate_up, down, qkv_r_bias, qk_norm = layer
             qkv = linear(_rms(x, d_eps), qkv_r, qkv_r_bias)  # (B*T, (2H+3n_kv)*hd)
-            # (B, heads, T, hd); with T == 1 the transpose is a plain view
-            qkv = qkv.view(B, -1, 1, hd) if T == 1 else qkv.view(B, T, -1, hd).transpose(1, 2)
-            if self.fold_rotation:
-                qk, v, qk_rot = qkv.split_with_sizes([H + n_kv, n_kv, H + n_kv], dim=1)  # (B, heads, T, hd)
-            else:
-                (qk, v), qk_rot = qkv.split_with_sizes([H + n_kv, n_kv], dim=1), None  # (B, heads, T, hd)
-            if qk_norm is not None:  # per-head RMSNorm of q and k (Qwen3), fp32 accumulation as RMSNorm
-                qk32 = qk.float()
-                inv_rms = torch.rsqrt(qk32.pow(2).mean(-1, keepdim=True) + cfg.norm_eps)  # (B, H+n_kv, T, 1)
-                qk = qk_norm[0] * (qk32 * inv_rms).to(qk.dtype)
-                if qk_rot is not None:
-                    qk_rot = qk_norm[1] * (qk_rot.float() * inv_rms).to(qk.dtype)
-            if qk_rot is None:  # halves swapped; rotate_half's sign is in sin (the plan's rope_sin)
-                qk_rot = qk.unflatten(-1, (2, hd // 2)).flip(-2).flatten(-2)  # (B, H+n_kv, T, hd)
-            qk = torch.addcmul(qk * cos, qk_rot, sin)  # RoPE on q and k: x * cos + rotate_half(x) * sin
-            q, k = qk.split_with_sizes([H, n_kv], dim=1)  # (B, H, T, hd), (B, n_kv, T, hd)
+            q, k, v = _heads(qkv, B, T, (H, n_kv, hd, cfg.norm_eps), self.fold_rotation, qk_norm, cos, sin)
             if per_row:  # (B_max, S, n_kv, hd) views of the cache, written at (cache row, its position)
                 k_cache.transpose(1, 2)[rows, input_pos] = (k.to(k_cache.dtype) if cast else k).transpose(1, 2)
                 v_cache.transpose(1, 2)[rows, input_pos] = (v.to(v_cache.dtype) if cast else v).transpose(1, 2)
@@ -322,10 +413,10 @@ class FusedDecoder:
             y = F.scaled_dot_product_attention(q.reshape(B, n_kv, -1, hd), k, v, attn_mask=mask)  # (B,n_kv,G*T,hd)
             # GQA by query grouping (see gqa_attention); one query row per head needs no transpose
             y = y.reshape(B, H * hd) if T == 1 else y.view(B, H, T, hd).transpose(1, 2).reshape(B * T, H * hd)
-            x = _packed_linear_add(y, o, x) if plan.packed else torch.addmm(x, y, o)  # x + y @ o^T
+            x = _packed_linear_add(y, o, x) if packed else torch.addmm(x, y, o.t() if compiled else o)  # x + y @ o^T
             gate, up = linear(_rms(x, d_eps), gate_up, None).chunk(2, dim=-1)  # (B*T, ffn) each
             hidden = F.silu(gate) * up  # (B*T, ffn)
-            if plan.packed:
+            if packed:
                 x = _packed_linear_add(hidden, down, x)  # (B*T, d)
             elif B * T == 1:  # one row: dot products over the (d, ffn) rows read faster than x @ W^T for d < ffn
                 x = torch.addmv(x.view(-1), down, hidden.view(-1)).view(1, -1)  # (1, d)
