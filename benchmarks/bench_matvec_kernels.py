@@ -1,12 +1,13 @@
 """Read bandwidth of the one-row matmuls a decode step runs, per kernel, against a plain ``sum()``.
 
 The SmolLM-135M decode step (docs/benchmarks.md section 8) is five one-row matmuls per layer plus the
-LM head. This times ``x @ W^T`` for each of those weight shapes with the kernel the engine uses (MKL,
-through ``torch.mm``), with oneDNN's inner product over a pre-packed weight
-(``torch.ops.mkldnn._reorder_linear_weight`` / ``_linear_pointwise``, what inductor's CPU freezing
-uses), and as a reduction over the weight's rows, ``(W * x).sum(-1)``, compiled by inductor (what the
-engine's ``"compiled"`` plan runs for one row: ``runtime/decoder.py``), over enough copies of each weight (>= 256 MB) that none is read from cache, and a ``sum()`` over
-1 GiB on the same threads: what a bandwidth-bound kernel could read. Best of 3 passes each.
+LM head. This times ``x @ W^T`` for each of those weight shapes with MKL (through ``torch.mm``), with
+oneDNN's inner product over a pre-packed weight (``torch.ops.mkldnn._reorder_linear_weight`` /
+``_linear_pointwise``, what inductor's CPU freezing uses), and as a reduction over the weight's rows,
+``(W * x).sum(-1)``, compiled by inductor (what the engine's ``"compiled"`` plan runs for one row:
+``runtime/decoder.py``), over enough copies of each weight (>= 256 MB) that none is read from cache,
+and a ``sum()`` over 1 GiB on the same threads: what a bandwidth-bound kernel could read. Best of 3
+passes each.
 
     taskset -c 0 .venv/bin/python benchmarks/bench_matvec_kernels.py --threads 1
     .venv/bin/python benchmarks/bench_matvec_kernels.py --threads 2
