@@ -3,8 +3,8 @@
 ``Transformer.forward`` is the one model forward (training, and prefill/decode through
 ``input_pos``). :class:`FusedDecoder` computes the same logits over the same parameters and
 cache buffers with fewer ops: decode and short extends of a small model are bound by op
-dispatch, not FLOPs. The PyTorch engine runs it eagerly, except a large model's one-row decode, whose
-layers it compiles (below); ``torch.compile`` and ``torch.export`` of the model trace its own forward.
+dispatch, not FLOPs. The PyTorch engine runs it eagerly, except a large model's one-row decode step,
+which it compiles (below); ``torch.compile`` and ``torch.export`` of the model trace its own forward.
 
 Design choices (measured in docs/benchmarks.md section 1):
 - four matmuls per layer over fused, pre-transposed weights (``x @ W^T`` with a contiguous
@@ -19,7 +19,7 @@ Design choices (measured in docs/benchmarks.md section 1):
   at all for one query without padding;
 - GQA by query grouping (:func:`~distillgates.model.gqa_attention`), never ``repeat_interleave``
   of the cache;
-- a model bound by weight reads decodes one row with each layer compiled by inductor, its matmuls as
+- a model bound by weight reads decodes one row in one step compiled by inductor, its matmuls as
   reductions over the weight rows: twice the read bandwidth of MKL's one-row kernels on CPU
   (docs/benchmarks.md section 8); several rows run oneDNN over packed weights;
 - the optional features of other families: q/k/v biases (Qwen2) become one ``addmm`` bias (rotated
@@ -118,7 +118,7 @@ def _packed_linear_add(x: Tensor, packed: Tensor, residual: Tensor) -> Tensor:
 
 # How the plan lays out each weight and which kernels run the matmuls (FusedDecoder's ``matmuls``):
 # "mkl": ``x @ W^T`` over a contiguous ``W^T`` (MKL); "packed": oneDNN over its packed ``W``; "compiled": ``W``
-# as rows ``(out, in)``; one row over a one-row cache runs each layer compiled by inductor (:func:`_decode_layer`,
+# as rows ``(out, in)``; one row over a one-row cache runs the whole step compiled by inductor (:func:`_decode_step`,
 # its matmuls as reductions over the rows, which read weights about twice as fast as MKL's one-row kernels),
 # several rows ``x @ W^T`` (MKL).
 Matmuls = Literal["mkl", "packed", "compiled"]
@@ -183,6 +183,17 @@ def _decode_layer(
     H, n_kv, hd, _ = dims
     y = F.scaled_dot_product_attention(q.reshape(1, n_kv, -1, hd), k, v)  # GQA by query grouping
     return _layer_out(y.reshape(1, H * hd), x, o, gate_up, down, d_eps)
+
+
+def _decode_step(
+    x: Tensor, layers: list[_Layer], caches: list[tuple[Tensor, Tensor]], input_pos: Tensor, kv_len: int,
+    cos: Tensor, sin: Tensor, dims: tuple[int, int, int, float], fold: bool, d_eps: float, head: Tensor,
+) -> Tensor:
+    """Logits ``(1, V)`` of one row ``x`` through every layer (:func:`_decode_layer`) and the LM head: compiled
+    as one graph, one call per token (a call per layer cost 7-8% more time per token at SmolLM-135M)."""
+    for layer, (k_cache, v_cache) in zip(layers, caches):
+        x = _decode_layer(x, layer, k_cache, v_cache, input_pos, kv_len, cos, sin, dims, fold, d_eps)
+    return _attn_in(x, head, None, d_eps)
 
 
 class FusedDecoder:
@@ -384,11 +395,10 @@ class FusedDecoder:
         x = F.embedding(idx.reshape(-1), model.embed.weight)  # (B*T, d): 2-D rows for torch.mm
         cast = self.caches[0][0].dtype != x.dtype
         if compiled and B * T == 1 and self.caches[0][0].shape[0] == 1:  # one row over a one-row cache
-            decode_layer, dims, fold = _compiled(_decode_layer), (H, n_kv, hd, cfg.norm_eps), self.fold_rotation
-            pos, cos, sin = input_pos.view(1), cos.view(1, hd), sin.view(1, hd)
-            for layer, (k_cache, v_cache) in zip(plan.layers, self.caches):
-                x = decode_layer(x, layer, k_cache, v_cache, pos, kv_len, cos, sin, dims, fold, d_eps)
-            return _compiled(_attn_in)(x, plan.head, None, d_eps).view(1, 1, -1)  # (1, 1, V)
+            pos, cos, sin, dims = input_pos.view(1), cos.view(1, hd), sin.view(1, hd), (H, n_kv, hd, cfg.norm_eps)
+            logits = _compiled(_decode_step)(x, plan.layers, self.caches, pos, kv_len, cos, sin, dims,
+                                             self.fold_rotation, d_eps, plan.head)  # fmt: skip
+            return logits.view(1, 1, -1)  # (1, 1, V)
         for i, (layer, (k_cache, v_cache)) in enumerate(zip(plan.layers, self.caches)):
             qkv_r, o, gate_up, down, qkv_r_bias, qk_norm = layer
             qkv = linear(_rms(x, d_eps), qkv_r, qkv_r_bias)  # (B*T, (2H+3n_kv)*hd)
