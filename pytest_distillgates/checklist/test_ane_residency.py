@@ -14,12 +14,12 @@ import sys
 
 import pytest
 
-from distillgates.export.compute_plan import PLAN_SOURCE
+from distillgates.export.compute_plan import PLAN_SOURCE, RESIDENCY_KEYS
 
 NAME = f"ane.residency[{PLAN_SOURCE}]"
-# package -> (gate_inputs key, check name, baseline key); the prefill names predate the decode gates
-PACKAGES = {"prefill": ("ane_residency", NAME, "residency.mlcomputeplan"),
-            "decode": ("ane_residency_decode", f"{NAME}.decode", "residency.mlcomputeplan.decode")}
+# package -> (check name, baseline key); the prefill names predate the decode gates
+PACKAGES = {"prefill": (NAME, "residency.mlcomputeplan"),
+            "decode": (f"{NAME}.decode", "residency.mlcomputeplan.decode")}
 DEFINITION = ("share of the {package} package's compute-plan estimated cost whose preferred device is the Neural "
               "Engine, measured by MLComputePlan when the run was exported (None: exported off macOS; re-run "
               "`distillgates step export` on this Mac)")
@@ -32,7 +32,7 @@ def package(request) -> str:
 
 @pytest.fixture
 def residency(report, package) -> float | None:
-    measured = report.get("gate_inputs").get(PACKAGES[package][0])
+    measured = report.get("gate_inputs").get(RESIDENCY_KEYS[package])
     if measured is None and sys.platform != "darwin":
         pytest.skip(f"ANE residency is measured only by MLComputePlan (macOS 14.4+); this run was exported on "
                     f"{report.header.get('hardware', {}).get('os')} and has no residency figure")
@@ -41,12 +41,12 @@ def residency(report, package) -> float | None:
 
 @pytest.mark.ane_residency
 def test_ane_residency(gate, residency, package, thresholds):
-    gate.at_least(PACKAGES[package][1], residency, thresholds.ane_residency_min, DEFINITION.format(package=package))
+    gate.at_least(PACKAGES[package][0], residency, thresholds.ane_residency_min, DEFINITION.format(package=package))
 
 
 @pytest.mark.ane_residency
 def test_ane_residency_no_drop(gate, residency, package, thresholds):
     # a compute plan depends on the OS and the chip: baselines are per hardware profile
-    _, name, key = PACKAGES[package]
+    name, key = PACKAGES[package]
     gate.no_regression(name, residency, key, tolerance=thresholds.ane_residency_drop_max, higher_is_better=True,
                        definition=DEFINITION.format(package=package), hardware_dependent=True)

@@ -45,7 +45,6 @@ from distillgates.io import atomic_write_json
 from distillgates.model import Transformer, load_model, model_fingerprint
 
 KINDS = ("prefill", "decode")
-RESIDENCY_KEYS = {"prefill": "ane_residency", "decode": "ane_residency_decode"}  # package -> gate_inputs key (macOS)
 
 
 @dataclasses.dataclass
@@ -156,7 +155,7 @@ def export_transformer(
     ane = {"ane_lint": ane_op_lint(programs, symbol_size=max(lengths))}
     contract_path, ane_path = out / "contract.json", out / "ane_lint.json"
     if sys.platform == "darwin":  # residency (the compute plan) and Core ML's own logits exist only on the machine
-        from distillgates.export.compute_plan import COREML_SOURCE, ane_residency
+        from distillgates.export.compute_plan import COREML_SOURCE, RESIDENCY_KEYS, ane_residency
         from distillgates.export.parity import coreml_parity
 
         for kind, key in RESIDENCY_KEYS.items():

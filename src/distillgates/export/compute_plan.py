@@ -15,6 +15,8 @@ from pathlib import Path
 from typing import Any
 
 PLAN_SOURCE = "MLComputePlan"  # how reports label its figures (vs "op-eligibility lint (static MIL)")
+# package -> the gate_inputs key of its residency (macOS), written by the export step, read by the gates
+RESIDENCY_KEYS = {"prefill": "ane_residency", "decode": "ane_residency_decode"}
 # how reports label Core ML's own logits (gate_inputs.coreml_parity, export.parity.coreml_parity): the other
 # figure only a Mac measures at export; this light module is what the checklist imports
 COREML_SOURCE = "MLModel.predict"

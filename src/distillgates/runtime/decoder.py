@@ -29,6 +29,7 @@ Design choices (measured in docs/benchmarks.md section 1):
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 import shutil
@@ -88,17 +89,6 @@ def _layer_out(y: Tensor, x: Tensor, o: Tensor, gate_up: Tensor, down: Tensor, d
     x = x + (o * y).sum(-1)
     gate, up = (gate_up * _rms(x, d_eps)).sum(-1).chunk(2)
     return x + (down * (F.silu(gate) * up)).sum(-1)
-
-
-_COMPILED: dict[str, Any] = {}
-
-
-def _compiled(fn: Any) -> Any:
-    """``fn`` compiled by inductor, once per process. Kernels read the thread count at run time
-    (``cpp.dynamic_threads``): a process may change it after compiling."""
-    if fn.__name__ not in _COMPILED:
-        _COMPILED[fn.__name__] = torch.compile(fn, options={"cpp.dynamic_threads": True})
-    return _COMPILED[fn.__name__]
 
 
 def _mkl_linear(x: Tensor, w_t: Tensor, bias: Tensor | None) -> Tensor:
@@ -194,6 +184,13 @@ def _decode_step(
     for layer, (k_cache, v_cache) in zip(layers, caches):
         x = _decode_layer(x, layer, k_cache, v_cache, input_pos, kv_len, cos, sin, dims, fold, d_eps)
     return _attn_in(x, head, None, d_eps)
+
+
+@functools.cache
+def _compiled_step() -> Any:
+    """:func:`_decode_step` compiled by inductor, once per process (imports dynamo on first use only). Its
+    kernels read the thread count at run time (``cpp.dynamic_threads``): a process may change it later."""
+    return torch.compile(_decode_step, options={"cpp.dynamic_threads": True})
 
 
 class FusedDecoder:
@@ -396,8 +393,8 @@ class FusedDecoder:
         cast = self.caches[0][0].dtype != x.dtype
         if compiled and B * T == 1 and self.caches[0][0].shape[0] == 1:  # one row over a one-row cache
             pos, cos, sin, dims = input_pos.view(1), cos.view(1, hd), sin.view(1, hd), (H, n_kv, hd, cfg.norm_eps)
-            logits = _compiled(_decode_step)(x, plan.layers, self.caches, pos, kv_len, cos, sin, dims,
-                                             self.fold_rotation, d_eps, plan.head)  # fmt: skip
+            logits = _compiled_step()(x, plan.layers, self.caches, pos, kv_len, cos, sin, dims,
+                                  self.fold_rotation, d_eps, plan.head)  # fmt: skip
             return logits.view(1, 1, -1)  # (1, 1, V)
         for i, (layer, (k_cache, v_cache)) in enumerate(zip(plan.layers, self.caches)):
             qkv_r, o, gate_up, down, qkv_r_bias, qk_norm = layer
