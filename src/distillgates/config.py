@@ -120,13 +120,18 @@ class TokenizerConfig:
 
     vocab_size: int = 1024
     min_frequency: int = 2
-    chat_template: str = "toy"  # trained tokenizer only: toy | chatml (distillgates.tokenizer.CHAT_TEMPLATES)
-    path: str | None = None  # a save_pretrained directory with a chat template (AutoTokenizer, local files only)
+    # the template everything renders with: a built-in (toy | chatml, distillgates.tokenizer.CHAT_TEMPLATES) or a
+    # .jinja file (with ``path`` only); None: a trained tokenizer's toy, a tokenizer directory's own. The template
+    # must write tool calls its parser reads back (checked by the data step)
+    chat_template: str | None = None
+    path: str | None = None  # a save_pretrained directory with a chat template (local files only), or a .gguf file
     tool_call_format: str | None = None  # toy | hermes | llama3; None: detected from the chat template
 
     def __post_init__(self) -> None:
-        if self.chat_template not in ("toy", "chatml"):
-            raise ValueError(f"tokenizer.chat_template: expected toy or chatml, got {self.chat_template!r}")
+        builtin = self.chat_template in (None, "toy", "chatml")
+        if not builtin and not (self.path and str(self.chat_template).endswith(".jinja")):
+            raise ValueError(f"tokenizer.chat_template: expected toy, chatml or (with path) a .jinja file, "
+                             f"got {self.chat_template!r}")
         if self.tool_call_format not in (None, "toy", "hermes", "llama3"):
             raise ValueError(f"tokenizer.tool_call_format: expected toy, hermes or llama3, "
                              f"got {self.tool_call_format!r}")
@@ -233,7 +238,10 @@ class TeacherConfig:
     """Which teacher: a local Hugging Face model (given, or the toy teacher the pipeline trains) or an API."""
 
     kind: str = "local"  # "local" (AutoModelForCausalLM dir) or "openai" (chat completions)
-    path: str | None = None  # local: model directory (None: the pipeline trains the toy teacher)
+    path: str | None = None  # local: model directory or .gguf file (None: the pipeline trains the toy teacher)
+    # local: the template the teacher renders with (toy | chatml | a .jinja file); None: the run's template when the
+    # teacher has the run's vocabulary, else its own
+    chat_template: str | None = None
     model: ModelConfig | None = None  # local toy teacher architecture (trained from scratch)
     train: ToyTeacherTrainConfig = field(default_factory=ToyTeacherTrainConfig)  # the toy teacher's training
     api: APIConfig = field(default_factory=APIConfig)  # kind "openai": the client
@@ -243,6 +251,8 @@ class TeacherConfig:
             raise ValueError(f"kind must be 'local' or 'openai', got {self.kind!r}")
         if self.kind == "openai" and not self.api.base_url:
             raise ValueError("api.base_url is required when kind is 'openai'")
+        if self.chat_template not in (None, "toy", "chatml") and not self.chat_template.endswith(".jinja"):
+            raise ValueError(f"chat_template: expected toy, chatml or a .jinja file, got {self.chat_template!r}")
 
 
 @dataclass
@@ -356,13 +366,14 @@ class TrainConfig:
     # "scratch"; "teacher": start from the local teacher's embeddings and its most influential
     # layers (the student must have the teacher's width; see distillgates/train/init.py); or
     # "hf:<dir>": a local Hugging Face checkpoint (Llama/SmolLM, Mistral, Qwen2/2.5, Qwen3) whose
-    # architecture becomes the model's (see distillgates/hf.py)
+    # architecture becomes the model's (see distillgates/hf.py); "gguf:<file>": a GGUF file of one, dequantised
     init_from: str = "scratch"
     init_layers: list[int] | None = None  # teacher layers to keep (None: by block influence)
 
     def __post_init__(self) -> None:
-        if self.init_from not in ("scratch", "teacher") and self.hf_init_dir is None:
-            raise ValueError(f"init_from must be scratch, teacher or hf:<checkpoint dir>, got {self.init_from!r}")
+        if self.init_from not in ("scratch", "teacher") and self.pretrained is None:
+            raise ValueError(f"init_from must be scratch, teacher, hf:<checkpoint dir> or gguf:<file>, "
+                             f"got {self.init_from!r}")
         if self.mixed_precision not in ("no", "bf16", "fp16"):
             raise ValueError(f"mixed_precision must be no/bf16/fp16, got {self.mixed_precision!r}")
         if self.teacher_mode not in ("offline", "online"):
@@ -375,10 +386,13 @@ class TrainConfig:
             raise ValueError(f"loss_chunk must be >= 0 (0: off), got {self.loss_chunk}")
 
     @property
-    def hf_init_dir(self) -> Path | None:
-        """The checkpoint directory of ``init_from: hf:<dir>``, else None."""
+    def pretrained(self) -> Path | None:
+        """The checkpoint of ``init_from: hf:<dir>`` or ``gguf:<file>`` (:func:`distillgates.hf.checkpoint_dir`
+        makes a directory of either), else None."""
         prefix, _, rest = self.init_from.partition(":")
-        return Path(rest) if prefix == "hf" and rest.strip() else None
+        if prefix == "gguf" and rest.strip() and not rest.lower().endswith(".gguf"):
+            raise ValueError(f"init_from {self.init_from!r}: expected gguf:<file>.gguf")
+        return Path(rest) if prefix in ("hf", "gguf") and rest.strip() else None
 
 
 @dataclass

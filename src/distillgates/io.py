@@ -22,11 +22,25 @@ class ChecksumError(ValueError):
     """A checksummed file does not match its recorded sha256 (corrupted or truncated)."""
 
 
-def _default_mode() -> int:
-    """``0o666`` minus the process umask: what ``open(path, "w")`` would give (mkstemp gives 0o600)."""
+def _umask() -> int:
     umask = os.umask(0)
     os.umask(umask)
-    return 0o666 & ~umask
+    return umask
+
+
+def _default_mode() -> int:
+    """``0o666`` minus the process umask: what ``open(path, "w")`` would give (mkstemp gives 0o600)."""
+    return 0o666 & ~_umask()
+
+
+def staging_dir(target: str | Path, tag: str = "") -> Path:
+    """A new empty directory beside ``target`` (same filesystem, so it can be renamed over it) with the mode
+    ``mkdir`` would give: a directory swapped in keeps it (``mkdtemp`` alone gives 0o700)."""
+    target = Path(target)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    path = Path(tempfile.mkdtemp(dir=target.parent, prefix=f".{target.name}.{tag}"))
+    path.chmod(0o777 & ~_umask())
+    return path
 
 
 def atomic_write_bytes(path: str | Path, data: bytes) -> None:

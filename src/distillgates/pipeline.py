@@ -252,7 +252,8 @@ def step_kd(cfg: Config, run: RunDir) -> dict[str, Any]:
     else:
         from distillgates.teacher.local import local_teacher
 
-        teacher = local_teacher(run.teacher_model_dir(cfg), run.tokenizer())  # on the student's tokens
+        # on the student's tokens
+        teacher = local_teacher(run.teacher_model_dir(cfg), run.tokenizer(), cfg.teacher.chat_template)
     # resume is safe: the builder refuses a checkpoint of another build (different teacher/items); the
     # response cache lives outside kd/ so it survives a config change (keys are request hashes)
     result = build_kd_set(cfg, teacher, run.items("train"), run.kd_set, resume=True, cache_dir=run.kd_cache)
@@ -369,7 +370,7 @@ def step_eval(cfg: Config, run: RunDir) -> dict[str, Any]:
         from distillgates.eval.runners import TeacherRunner
         from distillgates.teacher.local import StudentTokensTeacher, local_teacher
 
-        local = local_teacher(run.teacher_model_dir(cfg), tokenizer)
+        local = local_teacher(run.teacher_model_dir(cfg), tokenizer, cfg.teacher.chat_template)
         if isinstance(local, StudentTokensTeacher):  # another tokenizer: turns in the student's format, as an API's
             teacher = TeacherRunner(local, cfg.eval.max_new_tokens)
         else:
@@ -437,9 +438,12 @@ def _data_files(cfg: Config) -> tuple[Path, ...]:
 
 
 def _checkpoint_files(train: TrainConfig | None) -> tuple[Path, ...]:
-    """The files of an ``init_from: hf:<dir>`` checkpoint: a checkpoint replaced in place re-trains."""
-    folder = train.hf_init_dir if train is not None else None
-    return tuple(sorted(p for p in folder.rglob("*") if p.is_file())) if folder is not None and folder.is_dir() else ()
+    """The files of an ``init_from: hf:<dir>`` checkpoint (or the ``gguf:<file>``): a checkpoint replaced in place
+    re-trains."""
+    path = train.pretrained if train is not None else None
+    if path is None or not path.exists():
+        return ()
+    return (path,) if path.is_file() else tuple(sorted(p for p in path.rglob("*") if p.is_file()))
 
 
 def _teacher_outputs(cfg: Config, run: RunDir) -> tuple[Path, ...]:
@@ -456,7 +460,7 @@ STEPS: list[Step] = [
          ("teacher.kind", "teacher.path", "teacher.model", "teacher.train"), ("data",), step_teacher,
          _teacher_outputs),
     Step("kd", "query the teacher for the training prompts and write the KD set",
-         ("teacher.kind", "teacher.api", "kd"), ("data", "teacher"), step_kd, lambda cfg, run: (run.kd_dir,),
+         ("teacher.kind", "teacher.api", "teacher.chat_template", "kd"), ("data", "teacher"), step_kd, lambda cfg, run: (run.kd_dir,),
          resumable=True),
     Step("student", "distill the student (KD + latency-aware losses, enumerated shapes, late QAT)",
          ("student", "train", "shapes", "speed.n_prompts"), ("data", "teacher", "kd"), step_student,
@@ -470,7 +474,8 @@ STEPS: list[Step] = [
     Step("speed", "measure TTFT/TPS/TTFA, prompt cache and speculative decoding", ("speed",),
          ("data", "student", "drafter"), step_speed, lambda cfg, run: (run.speed_report,)),
     Step("eval", "evaluate student and teacher on held-out items; sharded determinism",
-         ("shapes", "eval", "teacher.kind", "teacher.api"), ("data", "teacher", "student"), step_eval,
+         ("shapes", "eval", "teacher.kind", "teacher.api", "teacher.chat_template"), ("data", "teacher", "student"),
+         step_eval,
          lambda cfg, run: (run.eval_dir,)),
     Step("report", "write the validated report", ("*",), ("eval", "speed", "export", "kd", "student"), step_report,
          lambda cfg, run: (run.report,)),

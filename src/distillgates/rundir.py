@@ -72,8 +72,13 @@ class RunDir:
         return self.root / "teacher"
 
     def teacher_model_dir(self, cfg: Config) -> Path:
-        """The local teacher's model directory: ``teacher.path`` when given, else the trained toy teacher."""
-        return Path(cfg.teacher.path) if cfg.teacher is not None and cfg.teacher.path else self.teacher_dir
+        """The local teacher's model directory: ``teacher.path`` when given (a GGUF file: its converted checkpoint,
+        :func:`distillgates.hf.checkpoint_dir`), else the trained toy teacher."""
+        if cfg.teacher is not None and cfg.teacher.path:
+            from distillgates.hf import checkpoint_dir
+
+            return checkpoint_dir(cfg.teacher.path)
+        return self.teacher_dir
 
     @property
     def kd_dir(self) -> Path:

@@ -121,6 +121,23 @@ CHAT_TEMPLATES = {
 }
 """Templates of trained tokenizers (``tokenizer.chat_template``); a tokenizer directory brings its own."""
 
+def chat_template_text(value: str, where: str) -> str:
+    """The chat template a setting names: a built-in template (:data:`CHAT_TEMPLATES`) or a ``.jinja`` file.
+
+    Raises:
+        ValueError: neither (``where``, the setting, is named).
+        FileNotFoundError: the ``.jinja`` file does not exist.
+    """
+    if value in CHAT_TEMPLATES:
+        return CHAT_TEMPLATES[value].template
+    if not value.endswith(".jinja"):
+        raise ValueError(f"{where}: expected one of {', '.join(CHAT_TEMPLATES)} or a .jinja file, got {value!r}")
+    path = Path(value)
+    if not path.is_file():
+        raise FileNotFoundError(f"{where}: no template file {path}")
+    return path.read_text()
+
+
 # GPT-2's split pattern, changed so tool arguments are copied token for token:
 # - words and numbers do NOT absorb their leading space (GPT-2 has " ?\p{L}+"): "Paris" in
 #   "weather in Paris?" is the same token as in {"city":"Paris"}, so the model learns an identity copy

@@ -229,10 +229,18 @@ def test_template_family_renders_parses_and_masks_own_data(family, request, own_
 
 def test_tool_call_format_override_travels_with_the_tokenizer(tmp_path, hermes):
     tok = hermes.tokenizer
-    tok.init_kwargs["tool_call_format"] = "llama3"
+    tok.init_kwargs["tool_call_format"] = "hermes"
     save_tokenizer(tok, tmp_path / "tok")
     del tok.init_kwargs["tool_call_format"]
-    assert chat_format(load_tokenizer(tmp_path / "tok")).tool_call_format == "llama3"
+    assert json.loads((tmp_path / "tok" / "tokenizer_config.json").read_text())["tool_call_format"] == "hermes"
+    assert chat_format(load_tokenizer(tmp_path / "tok")).tool_call_format == "hermes"
+
+
+def test_a_tool_call_format_whose_parser_cannot_read_the_template_is_refused(hermes):
+    """The probe: a call rendered by the template must parse back with the chosen parser (Hermes tags read as
+    Llama 3 give no call: every call turn would be scored, and trained, as an answer)."""
+    with pytest.raises(ValueError, match=r"does not write tool calls: .*llama3 parser reads back no call"):
+        ChatFormat(hermes.tokenizer, "llama3")
 
 
 def test_a_tokenizer_without_a_chat_template_is_a_clear_error(tmp_path):

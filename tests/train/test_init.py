@@ -171,6 +171,6 @@ def test_hf_init_refuses_a_model_section_that_disagrees(artifacts: dict[str, Any
 def test_init_from_must_name_a_checkpoint_dir() -> None:
     from distillgates.config import TrainConfig
 
-    assert TrainConfig(init_from="hf:models/smollm").hf_init_dir == Path("models/smollm")
-    with pytest.raises(ValueError, match="scratch, teacher or hf:<checkpoint dir>, got 'hf:'"):
+    assert TrainConfig(init_from="hf:models/smollm").pretrained == Path("models/smollm")
+    with pytest.raises(ValueError, match="scratch, teacher, hf:<checkpoint dir> or gguf:<file>, got 'hf:'"):
         TrainConfig(init_from="hf:")

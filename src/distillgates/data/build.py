@@ -21,7 +21,8 @@ from distillgates.config import Config
 from distillgates.data.chat import chat_format, template_chat_format
 from distillgates.data.dataset import DatasetError, write_dataset
 from distillgates.data.shapes import bucket_of
-from distillgates.tokenizer import encode, load_tokenizer, save_tokenizer, tokenizer_fingerprint, train_tokenizer
+from distillgates.io import staging_dir
+from distillgates.tokenizer import chat_template_text, encode, load_tokenizer, save_tokenizer, tokenizer_fingerprint, train_tokenizer
 
 
 @dataclass
@@ -61,22 +62,30 @@ def source_items(cfg: Config) -> dict[str, list[dict[str, Any]]]:
 
 
 def input_files(cfg: Config) -> tuple[Path, ...]:
-    """The user's data files the build reads (their content is part of the data step's fingerprint)."""
-    return tuple(Path(p) for p in (cfg.data.path, cfg.data.eval_path) if cfg.data.source != "toy" and p)
+    """The user's files the build reads, data and a ``.jinja`` template (their content is part of the data step's
+    fingerprint)."""
+    template = cfg.tokenizer.chat_template
+    data = tuple(Path(p) for p in (cfg.data.path, cfg.data.eval_path) if cfg.data.source != "toy" and p)
+    return (*data, Path(template)) if template and template.endswith(".jinja") else data
 
 
 def student_tokenizer(cfg: Config, train_items: list[dict[str, Any]]) -> PreTrainedTokenizerFast:
-    """``tokenizer.path`` (a Hugging Face tokenizer directory with a chat template, local files only), or
-    a byte-level BPE trained on the train conversations rendered in ``tokenizer.chat_template``.
+    """``tokenizer.path`` (a Hugging Face tokenizer directory with a chat template, local files only, or a GGUF
+    file's), its template replaced by ``tokenizer.chat_template`` when set, or a byte-level BPE trained on the
+    train conversations rendered in ``tokenizer.chat_template`` (default ``toy``).
     ``tokenizer.tool_call_format`` is stored with it (``tokenizer_config.json``), so every stage parses
     calls the same way."""
     tcfg = cfg.tokenizer
     if tcfg.path is not None:
-        tok = load_tokenizer(tcfg.path)
+        from distillgates.hf import checkpoint_dir
+
+        tok = load_tokenizer(checkpoint_dir(tcfg.path))
+        if tcfg.chat_template is not None:  # the config's template replaces the checkpoint's own
+            tok.chat_template = chat_template_text(tcfg.chat_template, "tokenizer.chat_template")
     else:
-        fmt = template_chat_format(tcfg.chat_template)
+        fmt = template_chat_format(tcfg.chat_template or "toy")
         texts = (fmt.conversation(item) for item in train_items)
-        tok = train_tokenizer(texts, tcfg.vocab_size, tcfg.min_frequency, tcfg.chat_template)
+        tok = train_tokenizer(texts, tcfg.vocab_size, tcfg.min_frequency, tcfg.chat_template or "toy")
     if tcfg.tool_call_format is not None:
         tok.init_kwargs["tool_call_format"] = tcfg.tool_call_format
     return tok
@@ -99,8 +108,7 @@ def build_data(cfg: Config, out_dir: str | Path) -> DataBuild:
         raise DatasetError(f"{cfg.data.eval_path}: id: {len(overlap)} eval ids are training ids, e.g. {overlap[0]!r}")
     tok = student_tokenizer(cfg, splits["train"])
     fmt = chat_format(tok)
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(dir=out_dir.parent, prefix=f".{out_dir.name}.new-"))
+    staging = staging_dir(out_dir, "new-")
     try:
         save_tokenizer(tok, staging / "tokenizer")
         fingerprint = tokenizer_fingerprint(tok)

@@ -373,6 +373,28 @@ class ChatFormat:
         self.end_of_turn_id: int = vocab[self.end_of_turn]
         self.assistant_header_ids: list[int] = self.encode(self.assistant_header)
         """Token ids that open an assistant turn (toy: ``<|assistant|>``); the last one predicts its first token."""
+        self._check_tool_support(getattr(tokenizer, "name_or_path", "") or "")
+
+    def _check_tool_support(self, name: str) -> None:
+        """A conversation with a call and its result must survive the template: the call parses back out of its
+        rendering and the result is in the text. A template that renders only ``content`` (SmolLM2's) would
+        otherwise train every call turn as an empty turn.
+
+        Raises:
+            ValueError: naming the template's tokenizer, what it rendered and what the parser read.
+        """
+        where = f"the chat template of {name!r}" if name else "the chat template"
+        turn = self.assistant_text("", [_PROBE_CALL])
+        parsed = self.parse_turn(turn)
+        if parsed.calls != [_PROBE_CALL]:
+            raise ValueError(
+                f"{where} does not write tool calls: the call {_compact_json(_PROBE_CALL)} renders as {turn!r} and "
+                f"the {self.tool_call_format} parser reads back {parsed.calls or 'no call'}; choose a tool-capable "
+                "template with tokenizer.chat_template (chatml, or a .jinja file)")  # fmt: skip
+        result = {"probe_result": 7}
+        if _compact_json(result) not in self.tool_results_text([result]).replace(" ", ""):
+            raise ValueError(f"{where} drops tool results: a tool message's content is not in its rendering; choose "
+                             "a tool-capable template with tokenizer.chat_template (chatml, or a .jinja file)")
 
     def render(self, messages: Sequence[Mapping[str, Any]], tools: Sequence[Mapping[str, Any]] | None = None,
                add_generation_prompt: bool = False) -> str:  # fmt: skip

@@ -27,7 +27,7 @@ from distillgates.data.chat import ChatFormat, chat_format
 from distillgates.io import sha256_file
 from distillgates.teacher.base import BatchTeacher, TurnResult
 from distillgates.teacher.tokens import TeacherToken, TokenBytes, map_position, map_turn
-from distillgates.tokenizer import load_tokenizer, tokenizer_fingerprint
+from distillgates.tokenizer import chat_template_text, load_tokenizer, tokenizer_fingerprint
 
 
 @dataclass
@@ -58,7 +58,9 @@ def _weights_digest(path: Path) -> str:
 class LocalTeacher(BatchTeacher):
     """A causal LM loaded from a ``save_pretrained`` directory."""
 
-    def __init__(self, path: str | Path, device: str = "cpu", dtype: torch.dtype = torch.float32) -> None:
+    def __init__(self, path: str | Path, device: str = "cpu", dtype: torch.dtype = torch.float32,
+                 tokenizer: Any = None) -> None:  # fmt: skip
+        """``tokenizer``: the one to render and parse with (default: the checkpoint's own)."""
         from transformers import AutoModelForCausalLM
 
         self.path = Path(path)
@@ -66,7 +68,7 @@ class LocalTeacher(BatchTeacher):
             raise FileNotFoundError(f"{self.path}: not a model directory (config.json missing)")
         # transformers types PreTrainedModel.to (@wraps(Module.to)) as taking the model as its first argument
         self.model = AutoModelForCausalLM.from_pretrained(self.path, dtype=dtype).to(device).eval()  # type: ignore[arg-type]
-        self.tokenizer = load_tokenizer(self.path)
+        self.tokenizer = tokenizer if tokenizer is not None else load_tokenizer(self.path)
         self.chat_format = chat_format(self.tokenizer)
         self.device = torch.device(device)
         self.model_id = f"local:{self.path.name}:{_weights_digest(self.path)[:16]}"
@@ -233,11 +235,22 @@ def _maybe(t: Tensor | None, device: torch.device) -> Tensor | None:
 # A teacher with another tokenizer
 
 
-def local_teacher(path: str | Path, tokenizer: Any) -> LocalTeacher | StudentTokensTeacher:
+def local_teacher(path: str | Path, tokenizer: Any, chat_template: str | None = None
+                  ) -> LocalTeacher | StudentTokensTeacher:  # fmt: skip
     """The local teacher at ``path`` for a student with ``tokenizer``: the teacher itself when its tokenizer
     is the student's (same :func:`~distillgates.tokenizer.tokenizer_fingerprint`), else the teacher seen on
-    the student's tokens and in its chat format (:class:`StudentTokensTeacher`)."""
-    teacher = LocalTeacher(path)
+    the student's tokens and in its chat format (:class:`StudentTokensTeacher`).
+
+    Its template: ``chat_template`` (``teacher.chat_template``: a built-in name or a ``.jinja`` file) when
+    given; else a teacher with the student's vocabulary renders with the student's template (the run's
+    ``tokenizer.chat_template``, which may replace the checkpoint's own); else its own.
+    """
+    own = load_tokenizer(path)
+    if chat_template is not None:
+        own.chat_template = chat_template_text(chat_template, "teacher.chat_template")
+    elif own.get_vocab() == tokenizer.get_vocab():
+        own = tokenizer
+    teacher = LocalTeacher(path, tokenizer=own)
     if tokenizer_fingerprint(teacher.tokenizer) == tokenizer_fingerprint(tokenizer):
         return teacher
     return StudentTokensTeacher(teacher, tokenizer)

@@ -123,7 +123,8 @@ def check_vocabulary(path: Path, tokenizer: Any, where: str) -> None:
         )
 
 
-def pretrained_student(path: Path, shape_max: int, tokenizer: Any, section: ModelConfig | None) -> Transformer:
+def pretrained_student(path: Path, shape_max: int, tokenizer: Any, section: ModelConfig | None,
+                       where: str | None = None) -> Transformer:  # fmt: skip
     """The student of ``init_from: hf:<path>``: the checkpoint converted strictly (:func:`distillgates.hf.load_hf`).
 
     Args:
@@ -134,6 +135,7 @@ def pretrained_student(path: Path, shape_max: int, tokenizer: Any, section: Mode
             the same tokens or nothing trains.
         section: the config's model section, if any: it may set ``max_seq_len`` and
             ``gradient_checkpointing``; every other field must equal the checkpoint's.
+        where: the setting named in errors (default ``train.init_from 'hf:<path>'``).
 
     Raises:
         ValueError: the run's tokenizer differs from the checkpoint's (both sizes named), or the
@@ -142,7 +144,7 @@ def pretrained_student(path: Path, shape_max: int, tokenizer: Any, section: Mode
     """
     from distillgates.hf import load_hf
 
-    where = f"train.init_from 'hf:{path}'"
+    where = where or f"train.init_from 'hf:{path}'"
     check_vocabulary(path, tokenizer, where)
     model = load_hf(path, section.max_seq_len if section is not None else shape_max)
     cfg = model.config

@@ -27,6 +27,7 @@ those with symmetric per-channel int8 at export is lossless.
 from __future__ import annotations
 
 import copy
+import math
 from typing import Any, cast
 
 import torch
@@ -131,45 +132,68 @@ class QAT:
         return out, meta
 
 
-def _module_outputs(model: Transformer, idx: Tensor) -> dict[str, Tensor]:
-    outputs: dict[str, Tensor] = {}
-    hooks = []
-    for i, layer in enumerate(model.layers):
-        for part in ("attn", "mlp"):
-            name = f"layers.{i}.{part}"
-            hook = getattr(layer, part).register_forward_hook(lambda _m, _a, y, n=name: outputs.__setitem__(n, y))
-            hooks.append(hook)
-    try:
-        with torch.no_grad():
-            logits = model(idx)
-    finally:
-        for h in hooks:
-            h.remove()
-    outputs["logits"] = logits
-    return outputs
+class _CosineSums:
+    """Running float64 sums of a*b, a*a and b*b over flattened outputs: a cosine over any number of
+    tokens without keeping the outputs (float32 sums over ~1e8 products drift past 1 at 135M)."""
+
+    def __init__(self) -> None:
+        self.dot = self.aa = self.bb = 0.0
+        self.finite = True
+
+    def add(self, a: Tensor, b: Tensor) -> None:
+        a, b = a.detach().double().flatten(), b.detach().double().flatten()
+        self.finite = self.finite and bool(torch.isfinite(b).all())
+        self.dot += float(a @ b)
+        self.aa += float(a @ a)
+        self.bb += float(b @ b)
+
+    @property
+    def cosine(self) -> float:
+        if self.aa == 0.0 or self.bb == 0.0:
+            return 1.0 if self.aa == self.bb else 0.0
+        return min(1.0, max(-1.0, self.dot / math.sqrt(self.aa * self.bb)))  # |rounding| only: Cauchy-Schwarz
 
 
+def _probed_modules(model: Transformer) -> dict[str, nn.Module]:
+    return {f"layers.{i}.{part}": getattr(layer, part) for i, layer in enumerate(model.layers)
+            for part in ("attn", "mlp")}  # fmt: skip
+
+
+@torch.no_grad()
 def probe(reference: Transformer, quantized: Transformer, batches: list[Tensor]) -> dict[str, Any]:
     """Cosine similarity of every attention/MLP output (and the logits), reference vs quantized.
 
-    Each module's outputs over all probe tokens are flattened into one vector per model; NaNs
-    or infs anywhere in the quantized outputs set ``has_nan``.
+    Each module's outputs over all probe tokens count as one vector per model. The models run one
+    row at a time and each quantized output is compared as soon as it exists (float64 sums,
+    :class:`_CosineSums`), so the probe holds one row's reference outputs, never all of them: its
+    memory is a forward of one row, whatever the model and vocabulary. NaNs or infs anywhere in
+    the quantized outputs set ``has_nan``.
     """
-    ref_out: dict[str, list[Tensor]] = {}
-    q_out: dict[str, list[Tensor]] = {}
-    for idx in batches:
-        for store, model in ((ref_out, reference), (q_out, quantized)):
-            for name, y in _module_outputs(model.eval(), idx).items():
-                store.setdefault(name, []).append(y.float().flatten())
-    cosine, has_nan = {}, False
-    for name in ref_out:
-        a, b = torch.cat(ref_out[name]), torch.cat(q_out[name])
-        has_nan = has_nan or not bool(torch.isfinite(b).all())
-        cosine[name] = float(torch.nn.functional.cosine_similarity(a, b, dim=0))
-    modules = {k: v for k, v in cosine.items() if k != "logits"}
+    names = list(_probed_modules(reference))
+    sums = {name: _CosineSums() for name in [*names, "logits"]}
+    stored: dict[str, Tensor] = {}
+
+    def keep(name: str) -> Any:
+        return lambda _m, _a, y: stored.__setitem__(name, y)
+
+    def compare(name: str) -> Any:
+        return lambda _m, _a, y: sums[name].add(stored.pop(name), y)
+
+    hooks = [m.register_forward_hook(keep(n)) for n, m in _probed_modules(reference.eval()).items()]
+    hooks += [m.register_forward_hook(compare(n)) for n, m in _probed_modules(quantized.eval()).items()]
+    try:
+        for batch in batches:
+            for row in batch.split(1):  # (1, T): one row's activations at a time
+                ref_logits = reference(row)
+                sums["logits"].add(ref_logits, quantized(row))
+                del ref_logits
+    finally:
+        for hook in hooks:
+            hook.remove()
+    modules = {name: sums[name].cosine for name in names}
     return {
         "probe_cosine_min": min(modules.values()) if modules else float("nan"),
         "probe_cosine": modules,
-        "logits_cosine": cosine.get("logits"),
-        "has_nan": has_nan,
+        "logits_cosine": sums["logits"].cosine,
+        "has_nan": not all(s.finite for s in sums.values()),
     }

@@ -179,7 +179,7 @@ class Recipe:
             raise ValueError("teacher_mode 'online' needs a teacher; got none")
         if train_cfg.init_from == "teacher" and init_teacher is None:
             raise ValueError("train.init_from 'teacher' needs the teacher model; got none")
-        if train_cfg.hf_init_dir is not None and (init_model is None or init_model.config != model_cfg):
+        if train_cfg.pretrained is not None and (init_model is None or init_model.config != model_cfg):
             raise ValueError(f"train.init_from {train_cfg.init_from!r} needs the converted checkpoint as init_model")
         self.init_teacher, self.init_model = init_teacher, init_model
 
@@ -216,7 +216,7 @@ class Recipe:
         if not (self.out_dir / CKPT_NAME).exists():  # a resume loads its own
             if cfg.init_from == "teacher":
                 self._init_from_teacher()
-            elif cfg.hf_init_dir is not None and self.dist.main:
+            elif cfg.pretrained is not None and self.dist.main:
                 self.out_dir.mkdir(parents=True, exist_ok=True)
                 atomic_write_json(self.out_dir / "init.json", {"from": cfg.init_from})
         self.model.to(self.device)
@@ -677,10 +677,12 @@ def train_student(
     run = run_dir if isinstance(run_dir, RunDir) else RunDir(run_dir)
     tokenizer = tokenizer if tokenizer is not None else run.tokenizer()
     init_model = None
-    if train_cfg.hf_init_dir is not None:  # the checkpoint's architecture (the section, if any, must agree)
+    if train_cfg.pretrained is not None:  # the checkpoint's architecture (the section, if any, must agree)
+        from distillgates.hf import checkpoint_dir
         from distillgates.train.init import pretrained_student
 
-        init_model = pretrained_student(train_cfg.hf_init_dir, max(cfg.shapes.lengths), tokenizer, model_cfg)
+        init_model = pretrained_student(checkpoint_dir(train_cfg.pretrained), max(cfg.shapes.lengths), tokenizer,
+                                        model_cfg, f"train.init_from {train_cfg.init_from!r}")  # fmt: skip
         model_cfg = init_model.config
     if model_cfg is None:
         raise ValueError(f"config has no '{role}' section")
