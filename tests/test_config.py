@@ -92,3 +92,35 @@ def test_fingerprint_changes_with_any_field() -> None:
     assert cfg.fingerprint() == other.fingerprint()
     other.train.lr *= 2
     assert cfg.fingerprint() != other.fingerprint()
+
+
+_TEACHER_YAML = """
+teacher:
+  model: {vocab_size: 96, d_model: 32, n_layers: 4, n_heads: 4, n_kv_heads: 2, ffn_hidden: 64, max_seq_len: 64,
+          norm_eps: 9.999999747378752e-06, rope_theta: 100000.0}
+shapes: {lengths: [32, 64], mix: [0.5, 0.5]}
+train: {init_from: teacher}
+drafter_train: {init_from: teacher}
+"""
+
+
+def test_a_model_pruned_from_the_teacher_inherits_what_it_must_share(tmp_path: Path) -> None:
+    """A drafter/student trained from the teacher states its depth; the rest it must share comes from the teacher
+    (a GGUF teacher's norm_eps is 1e-5 through float32: 1e-5 written counts as the same value)."""
+    path = tmp_path / "c.yaml"
+    path.write_text(_TEACHER_YAML + "student: {n_layers: 3, norm_eps: 1.0e-5}\ndrafter: {n_layers: 1}\n")
+    cfg = load_config(path)
+    assert cfg.teacher is not None and cfg.teacher.model is not None and cfg.student and cfg.drafter
+    for model in (cfg.student, cfg.drafter):
+        for name in ("vocab_size", "d_model", "n_heads", "n_kv_heads", "head_dim", "ffn_hidden", "norm_eps",
+                     "rope_theta"):  # fmt: skip
+            assert getattr(model, name) == getattr(cfg.teacher.model, name), name
+        assert model.max_seq_len == 64  # the largest shape
+    assert (cfg.student.n_layers, cfg.drafter.n_layers) == (3, 1)
+
+
+def test_a_pruned_model_that_contradicts_the_teacher_names_its_own_section(tmp_path: Path) -> None:
+    path = tmp_path / "c.yaml"
+    path.write_text(_TEACHER_YAML + "student: {n_layers: 3}\ndrafter:\n  n_layers: 1\n  d_model: 48\n")
+    with pytest.raises(ConfigError, match=r"c\.yaml:11: drafter\.d_model: 48, but drafter_train\.init_from 'teacher'"):
+        load_config(path)

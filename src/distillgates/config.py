@@ -18,6 +18,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import math
 import re
 import types
 import typing
@@ -672,9 +673,73 @@ def read_yaml(path: str | Path) -> Any:
 
 
 def load_config(path: str | Path) -> Config:
-    """Load and validate a pipeline config YAML."""
+    """Load and validate a pipeline config YAML (a model trained from the teacher inherits its shared fields:
+    :func:`inherit_teacher_fields`)."""
     data = read_yaml(path)
-    return from_dict(Config, data if data is not None else {}, source=str(path))
+    data = data if data is not None else {}
+    if isinstance(data, dict):
+        inherit_teacher_fields(data, str(path))
+    return from_dict(Config, data, source=str(path))
+
+
+TEACHER_SHARED_FIELDS = ("vocab_size", "d_model", "n_heads", "n_kv_heads", "head_dim", "ffn_hidden", "tie_embeddings",
+                         "rope_theta", "rope_scaling", "norm_eps", "attention_bias", "qk_norm")  # fmt: skip
+"""What a model initialised from the teacher (``init_from: teacher``, depth pruning) must share with it."""
+
+
+def _teacher_architecture(data: dict[str, Any], source: str) -> dict[str, Any] | None:
+    """The teacher's architecture as a model section: its checkpoint's (``teacher.path``, a directory or GGUF
+    file) or its ``teacher.model`` section; None for an API teacher or none given."""
+    teacher = data.get("teacher")
+    if not isinstance(teacher, dict) or teacher.get("kind", "local") != "local":
+        return None
+    if teacher.get("path"):
+        from transformers import AutoConfig
+
+        from distillgates.hf import checkpoint_dir, model_config_from_hf
+
+        folder = checkpoint_dir(teacher["path"])
+        if not (folder / "config.json").is_file():
+            raise ConfigError(f"{_where(source, 'teacher.path', teacher.get('__lines__', {}).get('path'))}: "
+                              f"no checkpoint at {teacher['path']} (config.json or a .gguf file)")  # fmt: skip
+        return to_dict(model_config_from_hf(AutoConfig.from_pretrained(folder, local_files_only=True)))
+    model = teacher.get("model")
+    return to_dict(from_dict(ModelConfig, model, source, "teacher.model")) if isinstance(model, dict) else None
+
+
+def inherit_teacher_fields(data: dict[str, Any], source: str) -> None:
+    """A ``student``/``drafter`` section trained from the teacher (its ``init_from: teacher``) takes every field
+    of :data:`TEACHER_SHARED_FIELDS` it does not set from the teacher (a GGUF checkpoint's ``norm_eps`` is
+    9.999999747378752e-06, 1e-5 read through float32: nobody should have to restate it), and ``max_seq_len``
+    (when unset) from the largest enumerated shape. Runs on the YAML mapping before validation.
+
+    Raises:
+        ConfigError: a field the section sets that differs from the teacher's (naming the section's key and
+            line); floats equal at float32 precision count as the same and take the teacher's value.
+    """
+    shapes = data.get("shapes") if isinstance(data.get("shapes"), dict) else {}
+    for role, train_key in (("student", "train"), ("drafter", "drafter_train" if "drafter_train" in data else "train")):
+        section, train = data.get(role), data.get(train_key)
+        if not isinstance(section, dict) or not isinstance(train, dict) or train.get("init_from") != "teacher":
+            continue
+        teacher = _teacher_architecture(data, source)
+        if teacher is None:
+            continue
+        lines = section.get("__lines__", {})
+        for name in TEACHER_SHARED_FIELDS:
+            if name not in section:
+                section[name] = teacher.get(name)
+                continue
+            mine, theirs = section[name], teacher.get(name)
+            if isinstance(mine, float | int) and isinstance(theirs, float) and not isinstance(mine, bool) \
+                    and math.isclose(mine, theirs, rel_tol=1e-6):  # fmt: skip
+                section[name] = theirs
+            elif _strip_lines(mine) != theirs:
+                raise ConfigError(
+                    f"{_where(source, f'{role}.{name}', lines.get(name))}: {mine!r}, but {train_key}.init_from "
+                    f"'teacher' makes the {role} a pruned copy of the teacher, whose {name} is {theirs!r} "
+                    "(drop the key: it is inherited)")  # fmt: skip
+        section.setdefault("max_seq_len", max((shapes or {}).get("lengths") or ShapesConfig().lengths))
 
 
 def load_model_config(path: str | Path, role: str = "student") -> ModelConfig:

@@ -206,9 +206,60 @@ def run_pipeline(config_path: str | Path, run_dir: str | Path | None = None, for
     run_dir = Path(run_dir) if run_dir else default_run_dir(cfg)
     set_threads(cfg)
     started = time.perf_counter()
+    preflight(cfg)
     Pipeline(cfg, run_dir, force).run()
     console.print(f"[bold]pipeline finished in {time.perf_counter() - started:.0f}s[/bold] → {run_dir}")
     return run_dir
+
+
+def preflight(cfg: Config) -> None:
+    """Check what the steps need that the config alone decides, before the first step runs (an error after
+    minutes of earlier steps is one found too late): the student's chat template writes tool calls its parser
+    reads back, a local teacher's checkpoint exists, and a pretrained student's or drafter's checkpoint
+    (``init_from: hf:``/``gguf:``) has the run's vocabulary and the architecture its section states.
+    (A model trained from the teacher inherits what it must share when the config loads:
+    :func:`distillgates.config.inherit_teacher_fields`.)
+
+    Raises:
+        ValueError / FileNotFoundError: naming the setting.
+    """
+    from distillgates.data.build import student_tokenizer
+    from distillgates.data.chat import chat_format, template_chat_format
+    from distillgates.hf import checkpoint_dir
+
+    tokenizer = None
+    try:
+        if cfg.tokenizer.path is not None:
+            tokenizer = student_tokenizer(cfg, [])
+            chat_format(tokenizer)
+        else:
+            template_chat_format(cfg.tokenizer.chat_template or "toy")
+    except ValueError as err:
+        raise ValueError(f"tokenizer: {err}") from err
+    if cfg.teacher is not None and cfg.teacher.kind == "local" and cfg.teacher.path:
+        folder = checkpoint_dir(cfg.teacher.path)
+        if not (folder / "config.json").is_file():
+            raise FileNotFoundError(f"teacher.path: no checkpoint at {cfg.teacher.path} (config.json or a .gguf file)")
+    for role, train in (("student", cfg.train), ("drafter", cfg.drafter_train or cfg.train)):
+        if train.pretrained is None or (role == "drafter" and cfg.drafter is None):
+            continue
+        from transformers import AutoConfig
+
+        from distillgates.hf import model_config_from_hf
+        from distillgates.train.init import check_section, check_vocabulary
+
+        where = f"{'drafter_train' if role == 'drafter' and cfg.drafter_train else 'train'}.init_from " \
+                f"{train.init_from!r}"  # fmt: skip
+        folder = checkpoint_dir(train.pretrained)
+        if tokenizer is None:
+            raise ValueError(f"{where}: needs tokenizer.path (the checkpoint's tokenizer: token ids must mean the same "
+                             "tokens), not a tokenizer the data step trains")  # fmt: skip
+        check_vocabulary(folder, tokenizer, where)
+        section = getattr(cfg, role)
+        if section is not None:
+            checkpoint = model_config_from_hf(AutoConfig.from_pretrained(folder, local_files_only=True),
+                                              section.max_seq_len)  # fmt: skip
+            check_section(section, checkpoint, f"{role}: {where}")
 
 
 # --------------------------------------------------------------------------------------
@@ -460,8 +511,8 @@ STEPS: list[Step] = [
          ("teacher.kind", "teacher.path", "teacher.model", "teacher.train"), ("data",), step_teacher,
          _teacher_outputs),
     Step("kd", "query the teacher for the training prompts and write the KD set",
-         ("teacher.kind", "teacher.api", "teacher.chat_template", "kd"), ("data", "teacher"), step_kd, lambda cfg, run: (run.kd_dir,),
-         resumable=True),
+         ("teacher.kind", "teacher.api", "teacher.chat_template", "kd"), ("data", "teacher"), step_kd,
+         lambda cfg, run: (run.kd_dir,), resumable=True),
     Step("student", "distill the student (KD + latency-aware losses, enumerated shapes, late QAT)",
          ("student", "train", "shapes", "speed.n_prompts"), ("data", "teacher", "kd"), step_student,
          lambda cfg, run: (run.model_dir("student"),), resumable=True, files=lambda cfg: _checkpoint_files(cfg.train)),

@@ -22,7 +22,14 @@ from distillgates.data.chat import chat_format, template_chat_format
 from distillgates.data.dataset import DatasetError, write_dataset
 from distillgates.data.shapes import bucket_of
 from distillgates.io import staging_dir
-from distillgates.tokenizer import chat_template_text, encode, load_tokenizer, save_tokenizer, tokenizer_fingerprint, train_tokenizer
+from distillgates.tokenizer import (
+    chat_template_text,
+    encode,
+    load_tokenizer,
+    save_tokenizer,
+    tokenizer_fingerprint,
+    train_tokenizer,
+)
 
 
 @dataclass

