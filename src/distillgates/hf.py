@@ -298,7 +298,8 @@ def gguf_checkpoint(file: str | Path) -> Path:
             from err  # fmt: skip
     tokenizer = AutoTokenizer.from_pretrained(file.parent, gguf_file=file.name)
     model = AutoModelForCausalLM.from_pretrained(file.parent, gguf_file=file.name, dtype=torch.float32)
-    model.hf_quantizer = None  # dequantised on load: nothing of GGUF's quantization is left to serialize
+    # dequantised on load: nothing of GGUF's quantization is left to serialize
+    model.hf_quantizer = None  # type: ignore[assignment]
     if hasattr(model.config, "quantization_config"):
         del model.config.quantization_config
     tmp = staging_dir(out)

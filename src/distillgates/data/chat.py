@@ -241,8 +241,9 @@ def detect_tool_call_format(template: str) -> str:
     if "<|python_tag|>" in template or "<|eot_id|>" in template:
         return "llama3"
     raise ValueError("the chat template writes no known tool-call format (toy <|tool_call|>, hermes <tool_call>, "
-                     "llama3 <|python_tag|>): choose a tool-capable template with tokenizer.chat_template (chatml, or a "
-                     f".jinja file), or name its format with tokenizer.tool_call_format ({', '.join(TOOL_CALL_FORMATS)})")
+                     "llama3 <|python_tag|>): choose a tool-capable template with tokenizer.chat_template (chatml, "
+                     "or a .jinja file), or name its format with tokenizer.tool_call_format "
+                     f"({', '.join(TOOL_CALL_FORMATS)})")  # fmt: skip
 
 
 # --------------------------------------------------------------------------------------
