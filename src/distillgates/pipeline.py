@@ -18,6 +18,7 @@ resumes at the first unfinished step (training and the KD set continue from thei
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import json
 import shutil
@@ -141,19 +142,22 @@ class Pipeline:
         if reason != "not run yet":
             console.print(f"[dim]running {step.name}: {reason}[/dim]")
         self._prepare_output(step, force)
+        reset_peak_rss()
         started = time.perf_counter()
         summary = step.run(self.cfg, self.run_dir)
         seconds = time.perf_counter() - started
+        peak = peak_rss_bytes()
         self.manifest[step.name] = {
             "fingerprint": self.fingerprint(step),
             "inputs": self.inputs(step),
             "outputs": output_checksums(step.outputs(self.cfg, self.run_dir), self.run_dir),
             "seconds": round(seconds, 2),
+            "peak_rss_bytes": peak,
             "finished_at": datetime.now(UTC).isoformat(timespec="seconds"),
             "summary": summary,
         }
         atomic_write_json(self.run_dir.manifest, self.manifest)
-        console.print(f"[green]✓ {step.name}[/green] in {seconds:.1f}s")
+        console.print(f"[green]✓ {step.name}[/green] in {seconds:.1f}s, peak RSS {peak / 2**30:.2f} GiB")
         return summary
 
     def _prepare_output(self, step: Step, force: bool) -> None:
@@ -185,6 +189,26 @@ class Pipeline:
                     )
                 self.run_step(step)
         return self.manifest
+
+
+def reset_peak_rss() -> None:
+    """Start a step's memory peak: Linux resets the process's peak resident set (``VmHWM``) when 5 is written to
+    ``/proc/self/clear_refs``; elsewhere the peak stays the process's so far."""
+    with contextlib.suppress(OSError):
+        Path("/proc/self/clear_refs").write_text("5")
+
+
+def peak_rss_bytes() -> int:
+    """Peak resident memory of this process since :func:`reset_peak_rss` (Linux ``VmHWM``), else its whole
+    life's (``ru_maxrss``: KiB on Linux, bytes on macOS)."""
+    import resource
+    import sys
+
+    with contextlib.suppress(OSError, StopIteration, ValueError):
+        status = Path("/proc/self/status").read_text().splitlines()
+        return int(next(line for line in status if line.startswith("VmHWM:")).split()[1]) * 1024
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return int(peak if sys.platform == "darwin" else peak * 1024)
 
 
 def set_threads(cfg: Config) -> None:
