@@ -56,10 +56,10 @@ def smollm2_gguf() -> Path:
 
 @pytest.fixture(scope="session")
 def smollm2_dir(smollm2_gguf: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
-    """The real checkpoint as a Hugging Face directory (:func:`distillgates.hf.gguf_checkpoint`, dequantised to
+    """The real checkpoint as a Hugging Face directory (:func:`distillgates.checkpoints.gguf_checkpoint`, dequantised to
     float32, its tokenizer and own chat template). The conversion cache is the session's: processes the
     tests start see it through ``DISTILLGATES_CACHE``."""
-    from distillgates.hf import gguf_checkpoint
+    from distillgates.checkpoints import gguf_checkpoint
 
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("DISTILLGATES_CACHE", str(tmp_path_factory.mktemp("distillgates-cache")))

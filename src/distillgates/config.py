@@ -388,7 +388,7 @@ class TrainConfig:
 
     @property
     def pretrained(self) -> Path | None:
-        """The checkpoint of ``init_from: hf:<dir>`` or ``gguf:<file>`` (:func:`distillgates.hf.checkpoint_dir`
+        """The checkpoint of ``init_from: hf:<dir>`` or ``gguf:<file>`` (:func:`distillgates.checkpoints.checkpoint_dir`
         makes a directory of either), else None."""
         prefix, _, rest = self.init_from.partition(":")
         if prefix == "gguf" and rest.strip() and not rest.lower().endswith(".gguf"):
@@ -696,7 +696,8 @@ def _teacher_architecture(data: dict[str, Any], source: str) -> dict[str, Any] |
     if teacher.get("path"):
         from transformers import AutoConfig
 
-        from distillgates.hf import checkpoint_dir, model_config_from_hf
+        from distillgates.checkpoints import checkpoint_dir
+        from distillgates.hf import model_config_from_hf
 
         folder = checkpoint_dir(teacher["path"])
         if not (folder / "config.json").is_file():

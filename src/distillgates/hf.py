@@ -15,7 +15,6 @@ is downloaded; ``transformers`` is imported inside the functions that need it.
 
 from __future__ import annotations
 
-import os
 import re
 import shutil
 from dataclasses import dataclass
@@ -24,7 +23,7 @@ from typing import Any
 
 import torch
 
-from distillgates.config import ModelConfig, RopeScaling, sha256_json
+from distillgates.config import ModelConfig, RopeScaling
 from distillgates.io import staging_dir
 from distillgates.model import Transformer
 
@@ -248,74 +247,6 @@ def _model_type(hf_model: Any) -> str:
     return str(getattr(hf_model.config, "model_type", type(hf_model).__name__))
 
 
-def cache_root() -> Path:
-    """Where converted inputs are kept across runs: ``$DISTILLGATES_CACHE``, else ``$XDG_CACHE_HOME/distillgates``
-    (``~/.cache/distillgates``)."""
-    if root := os.environ.get("DISTILLGATES_CACHE"):
-        return Path(root)
-    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "distillgates"
-
-
-def is_gguf(path: str | Path) -> bool:
-    return Path(path).suffix.lower() == ".gguf"
-
-
-def checkpoint_dir(path: str | Path) -> Path:
-    """The Hugging Face checkpoint directory of a model setting: ``path`` itself, or for a ``.gguf`` file its
-    dequantised conversion (:func:`gguf_checkpoint`)."""
-    return gguf_checkpoint(path) if is_gguf(path) else Path(path)
-
-
-def gguf_checkpoint(file: str | Path) -> Path:
-    """A GGUF file as a normal Hugging Face checkpoint directory (float32 safetensors, its tokenizer and chat
-    template), converted once by ``transformers`` (dequantised, through the ``gguf`` package) into
-    :func:`cache_root` ``/gguf/<name>-<sha256 of the file and the transformers version>``.
-
-    ``from_pretrained(..., gguf_file=...)`` gives a model ``save_pretrained`` refuses ("quantized with gguf"):
-    its weights are already dequantised, so the GGUF quantizer and ``quantization_config`` are dropped and what
-    is saved is an ordinary checkpoint that every step loads like any other.
-
-    Raises:
-        FileNotFoundError: no such file.
-        ImportError: the ``gguf`` package is missing (the ``gguf`` extra: ``pip install 'distillgates[gguf]'``).
-    """
-    import transformers
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from distillgates.io import sha256_file
-
-    file = Path(file)
-    if not file.is_file():
-        raise FileNotFoundError(f"{file}: no such GGUF file")
-    key = sha256_json({"file": sha256_file(file), "transformers": transformers.__version__})[:16]
-    out = cache_root() / "gguf" / f"{file.stem}-{key}"
-    if (out / "config.json").is_file():
-        return out
-    try:
-        import gguf  # noqa: F401  (transformers reads GGUF through it)
-    except ImportError as err:
-        raise ImportError(f"{file}: reading a GGUF file needs the gguf package (pip install 'distillgates[gguf]')") \
-            from err  # fmt: skip
-    tokenizer = AutoTokenizer.from_pretrained(file.parent, gguf_file=file.name)
-    model = AutoModelForCausalLM.from_pretrained(file.parent, gguf_file=file.name, dtype=torch.float32)
-    # dequantised on load: nothing of GGUF's quantization is left to serialize
-    model.hf_quantizer = None  # type: ignore[assignment]
-    if hasattr(model.config, "quantization_config"):
-        del model.config.quantization_config
-    tmp = staging_dir(out)
-    try:
-        model.save_pretrained(tmp)
-        tokenizer.save_pretrained(tmp)
-        tmp.rename(out)  # a concurrent conversion that finished first wins; this one is the same
-    except OSError:
-        if not (out / "config.json").is_file():
-            raise
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp)
-    return out
-
-
 def load_hf(path: str | Path, max_seq_len: int | None = None) -> Transformer:
     """A :class:`Transformer` (fp32) from a local HF checkpoint directory (nothing is downloaded).
 
@@ -360,6 +291,6 @@ def save_hf(model: Transformer, out_dir: str | Path, tokenizer: Any = None, mode
     return out_dir
 
 
-__all__ = ["HFConversionError", "checkpoint_dir", "family_of", "from_hf", "gguf_checkpoint", "hf_config", "is_gguf",
-           "load_hf", "model_config_from_hf", "save_hf", "to_hf"]  # fmt: skip
+__all__ = ["HFConversionError", "family_of", "from_hf", "hf_config", "load_hf", "model_config_from_hf", "save_hf",
+           "to_hf"]  # fmt: skip
 

@@ -247,9 +247,9 @@ def preflight(cfg: Config) -> None:
     Raises:
         ValueError / FileNotFoundError: naming the setting.
     """
+    from distillgates.checkpoints import checkpoint_dir
     from distillgates.data.build import student_tokenizer
     from distillgates.data.chat import chat_format, template_chat_format
-    from distillgates.hf import checkpoint_dir
 
     tokenizer = None
     try:

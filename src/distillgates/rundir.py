@@ -73,9 +73,9 @@ class RunDir:
 
     def teacher_model_dir(self, cfg: Config) -> Path:
         """The local teacher's model directory: ``teacher.path`` when given (a GGUF file: its converted checkpoint,
-        :func:`distillgates.hf.checkpoint_dir`), else the trained toy teacher."""
+        :func:`distillgates.checkpoints.checkpoint_dir`), else the trained toy teacher."""
         if cfg.teacher is not None and cfg.teacher.path:
-            from distillgates.hf import checkpoint_dir
+            from distillgates.checkpoints import checkpoint_dir
 
             return checkpoint_dir(cfg.teacher.path)
         return self.teacher_dir

@@ -84,7 +84,7 @@ def student_tokenizer(cfg: Config, train_items: list[dict[str, Any]]) -> PreTrai
     calls the same way."""
     tcfg = cfg.tokenizer
     if tcfg.path is not None:
-        from distillgates.hf import checkpoint_dir
+        from distillgates.checkpoints import checkpoint_dir
 
         tok = load_tokenizer(checkpoint_dir(tcfg.path))
         if tcfg.chat_template is not None:  # the config's template replaces the checkpoint's own

@@ -678,7 +678,7 @@ def train_student(
     tokenizer = tokenizer if tokenizer is not None else run.tokenizer()
     init_model = None
     if train_cfg.pretrained is not None:  # the checkpoint's architecture (the section, if any, must agree)
-        from distillgates.hf import checkpoint_dir
+        from distillgates.checkpoints import checkpoint_dir
         from distillgates.train.init import pretrained_student
 
         init_model = pretrained_student(checkpoint_dir(train_cfg.pretrained), max(cfg.shapes.lengths), tokenizer,
