@@ -6,6 +6,8 @@ import importlib.util
 import json
 from pathlib import Path
 
+import pytest
+
 from distillgates.config import load_config
 from distillgates.data.openai_format import read_items
 
@@ -30,3 +32,21 @@ def test_own_data_example_config_and_data():
         assert any(item.get("parallel_calls") for item in items)
         names = {call["name"] for item in items for call in item["expected_calls"]}
         assert names == {"create_ticket", "search_files", "ticket_status"}
+
+
+@pytest.mark.integration
+def test_smollm2_example_config_prunes_the_real_checkpoint(smollm2_gguf, tmp_path, monkeypatch):
+    """examples/smollm2 validates with its checkpoint linked where the config names it (what link_checkpoint.py
+    does, here in a scratch working directory): student and drafter inherit the teacher's architecture."""
+    example = EXAMPLE.parent / "smollm2"
+    (tmp_path / "examples" / "smollm2").mkdir(parents=True)
+    (tmp_path / "examples" / "smollm2" / smollm2_gguf.name).symlink_to(smollm2_gguf)
+    monkeypatch.setenv("DISTILLGATES_CACHE", str(tmp_path / "cache"))
+    monkeypatch.chdir(tmp_path)
+    cfg = load_config(example / "config.yaml")
+    assert cfg.tokenizer.chat_template == "chatml" and cfg.teacher is not None and cfg.teacher.path
+    assert cfg.student is not None and cfg.drafter is not None
+    assert (cfg.student.n_layers, cfg.drafter.n_layers) == (10, 2)
+    for model in (cfg.student, cfg.drafter):
+        assert (model.vocab_size, model.d_model, model.n_heads, model.n_kv_heads) == (49152, 576, 9, 3)
+        assert model.norm_eps == 9.999999747378752e-06 and model.max_seq_len == max(cfg.shapes.lengths)
