@@ -17,6 +17,7 @@ from typing import Any
 from distillgates.config import GatesConfig
 from distillgates.gates.baselines import BaselineStore
 from distillgates.gates.core import Gate, GateContext, SpeedSettings
+from distillgates.gates.outcomes import TestLog, TestOutcome, session_result, summarize_tests
 from distillgates.gates.report import write_json_report, write_markdown_summary
 from distillgates.project import Project, Thresholds
 from distillgates.rundir import RunArtifactError, RunDir
@@ -109,6 +110,9 @@ class GateSession:
         self.messages: list[str] = []  # shown in the terminal summary
         # the gates' thresholds and the file each came from, shown in every report; None: no gate asked
         self.thresholds_used: Thresholds | None = None
+        self.test_log = TestLog()  # every collected gate test's outcome (the plugin reports each phase)
+        self.tests: list[TestOutcome] = []  # the log's tests with their final outcomes, set by finish()
+        self.result: dict[str, Any] | None = None  # verdict, reason and counts of the session, set by finish()
 
     def thresholds(self) -> GatesConfig:
         """The gate thresholds (:meth:`Project.thresholds`), recorded for the reports."""
@@ -181,12 +185,17 @@ class GateSession:
     def gate(self, nodeid: str, group: str, record: Any) -> Gate:
         return Gate(self.context, nodeid, group, record)
 
-    def finish(self, interrupted: bool) -> None:
+    def finish(self, interrupted: bool, exit_status: int = 0) -> None:
         """Commit blessed baselines (never after an interrupt) and write the reports."""
-        if "context" not in self.__dict__ and not (self.options.gate_report or self.options.gate_summary):
+        if ("context" not in self.__dict__ and not self.test_log.tests
+                and not (self.options.gate_report or self.options.gate_summary)):
             return  # no gate ran and no report asked for: plain unit-test sessions pay nothing
         context = self.context
+        self.tests = self.test_log.finish({r.nodeid for r in context.records if r.verdict == "blessed"})
+        verdict, why = session_result(self.tests, exit_status)
+        self.result = {"verdict": verdict, "reason": why, "tests": summarize_tests(self.tests)}
         session: dict[str, Any] = {
+            "result": self.result,
             "hardware_profile_key": self.profile, "bless": self.options.bless, "hardware": self.hardware[2],
             "hardware_mismatch": self.hardware[1], "run_dir": str(self.run.path) if self.run else None,
             "thresholds_source": self.thresholds_source,
@@ -201,8 +210,8 @@ class GateSession:
             self.messages += [f"blessed baselines written: {p}" for p in session["written_baselines"]]
             self.messages += [f"baseline not used by any gate: {u}" for u in session["unused_baselines"]]
         if self.options.gate_report:
-            write_json_report(self.options.gate_report, context.records, session)
+            write_json_report(self.options.gate_report, context.records, self.tests, session)
             self.messages.append(f"gate report written: {self.options.gate_report}")
         if self.options.gate_summary:
-            write_markdown_summary(self.options.gate_summary, context.records, session)
+            write_markdown_summary(self.options.gate_summary, context.records, self.tests, session)
             self.messages.append(f"gate summary written: {self.options.gate_summary}")
