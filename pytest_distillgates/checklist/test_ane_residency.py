@@ -36,6 +36,7 @@ def residency(report, package) -> float | None:
     if measured is None and sys.platform != "darwin":
         pytest.skip(f"ANE residency is measured only by MLComputePlan (macOS 14.4+); this run was exported on "
                     f"{report.header.get('hardware', {}).get('os')} and has no residency figure")
+    report.run.verify_packages()  # figures of the packages in export/ only: else an error naming each package
     return None if measured is None else measured["residency"]
 
 

@@ -32,3 +32,13 @@ def test_export_describes_the_checkpoint(gate, report, checkpoint_fingerprint):
     gate.equals("identity.model_fingerprint.export", contract.get("model_fingerprint"), checkpoint_fingerprint,
                 f"model_fingerprint recorded by the export in {report.run.contract} (measured) equals the "
                 f"model_fingerprint of {report.run.model_path()} (threshold)")
+
+
+@pytest.mark.determinism
+def test_packages_are_the_exported_ones(gate, report):
+    """The packages in ``export/`` are the ones the export step wrote (and measured: parity, residency): no
+    package missing, changed, or added since."""
+    current, recorded = report.run.package_digests()
+    gate.equals("identity.package_sha256", current or "no package", recorded,
+                f"sha256 of every file of each package in {report.run.export_dir} (measured; None: missing) equals "
+                f"package_sha256 recorded by the export in {report.run.contract} (threshold)")

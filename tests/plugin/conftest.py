@@ -23,6 +23,7 @@ from distillgates.data.chat import prompt_wrapper_sha256
 from distillgates.data.fingerprints import dataset_sha256
 from distillgates.data.registry import tool_registry_sha256
 from distillgates.gates.session import resolve_hardware
+from distillgates.io import tree_sha256
 from distillgates.model import Transformer, model_fingerprint, save_model
 from distillgates.project import EMBEDDED_CONFIG
 from distillgates.rundir import RunDir
@@ -113,6 +114,7 @@ def good_report() -> dict[str, Any]:
 
 
 ITEMS_PER_SHAPE = 40
+PACKAGES = ("prefill.mlpackage", "decode.mlpackage")
 
 
 def good_item_scores() -> list[dict[str, Any]]:
@@ -129,8 +131,8 @@ def write_run(
     item_scores: list[dict[str, Any]] | None = None,
 ) -> Path:
     """A run dir: ``report``, the student's per-item scores (default :func:`good_item_scores`), the eval set's header
-    (``eval_set`` overrides its fields), ``model`` (default: the tiny student) as the student checkpoint, and an
-    export contract recording the checkpoint's fingerprint."""
+    (``eval_set`` overrides its fields), ``model`` (default: the tiny student) as the student checkpoint, stand-ins
+    of the exported packages, and an export contract recording the checkpoint's fingerprint and their digests."""
     run = RunDir(root)
     for folder in (run.reports_dir, run.data_dir, run.model_dir("student"), run.export_dir, run.eval_dir):
         folder.mkdir(parents=True, exist_ok=True)
@@ -146,7 +148,11 @@ def write_run(
     run.item_scores.write_text(json.dumps({"role": "student", "items": rows}))
     model = model or tiny_student()
     save_model(run.model_path(), model)
-    run.contract.write_text(json.dumps({"model_fingerprint": model_fingerprint(model)}))
+    for name in PACKAGES:  # stand-ins for the exported packages: the identity gate checks their digests
+        (run.export_dir / name / "Data").mkdir(parents=True, exist_ok=True)
+        (run.export_dir / name / "Data" / "weight.bin").write_bytes(name.encode())
+    run.contract.write_text(json.dumps({"model_fingerprint": model_fingerprint(model), "package_sha256": {
+        name: tree_sha256(run.export_dir / name) for name in PACKAGES}}))
     return root
 
 

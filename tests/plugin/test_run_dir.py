@@ -154,7 +154,7 @@ def test_good_run_passes_every_gate(pytester, gates_project, make_run, own_profi
     common = [f"--run-dir={run}", f"--hw-profile={own_profile}"]
     pytester.runpytest(*BASELINED, *common, "--bless").assert_outcomes(passed=9)
     result = pytester.runpytest("gates", *common, "-rA")
-    result.assert_outcomes(passed=59, deselected=4)
+    result.assert_outcomes(passed=60, deselected=4)
     for name in GATE_FILES:
         assert f"PASSED gates/test_{name}.py::" in result.stdout.str(), name
 
@@ -219,7 +219,8 @@ def test_another_model_fails_the_identity_gates(pytester, gates_project, make_ru
     if swap == "checkpoint":
         save_model(run.model_path(), other)
     else:
-        run.contract.write_text(json.dumps({"model_fingerprint": model_fingerprint(other)}))
+        contract = run.read_json(run.contract)
+        run.contract.write_text(json.dumps({**contract, "model_fingerprint": model_fingerprint(other)}))
     result = pytester.runpytest("gates/test_identity.py", f"--run-dir={run.root}", f"--hw-profile={own_profile}")
     assert failed_tests(result) == expected, result.stdout.str()
     out = result.stdout.str()

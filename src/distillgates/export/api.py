@@ -41,7 +41,7 @@ from distillgates.export.lint import ane_op_lint, run_lints
 from distillgates.export.parity import program_parity
 from distillgates.export.roundtrip import SOURCE, roundtrip_module
 from distillgates.export.wrappers import DecodeModule, PrefillModule
-from distillgates.io import atomic_write_json
+from distillgates.io import atomic_write_json, tree_sha256
 from distillgates.model import Transformer, load_model, model_fingerprint
 
 KINDS = ("prefill", "decode")
@@ -149,6 +149,8 @@ def export_transformer(
         "export": to_dict(export_cfg),
         "qat_exact_weights": qat_exact,
         "versions": {"coremltools": ct.__version__, "torch": torch.__version__},
+        # every package as saved (every file in it): the identity gate and the Core ML speed worker check them
+        "package_sha256": {path.name: tree_sha256(path) for path in packages.values()},
     }
     contract_errors = verify_contract(contract, cfg, lengths)
     contract["ok"] = not contract_errors
