@@ -22,9 +22,9 @@ from typing import Any
 import pytest
 
 from distillgates.config import ConfigError
-from distillgates.gates.core import Gate, GateInconclusive, GateStopped, SpeedSettings
+from distillgates.gates.core import Gate, GateInconclusive, GateNotMeasured, GateStopped, SpeedSettings
 from distillgates.gates.report import counts_line
-from distillgates.gates.session import GateOptions, GateSession, RunArtifacts
+from distillgates.gates.session import CI_VARIABLES, GateOptions, GateSession, RunArtifacts, ci_variable
 from distillgates.project import Project
 from pytest_distillgates.checklist import CHECKLIST_DIR
 
@@ -113,20 +113,21 @@ def pytest_addoption(parser: pytest.Parser) -> None:
                     metavar="N", help="extra measurement rounds while a speed gate is inconclusive (default: 3); the "
                                       "false-alarm bound is split over all rounds")
     group.addoption("--speed-inconclusive", dest="dg_speed_inconclusive", choices=("skip", "fail"), default=None,
-                    help="what an inconclusive speed gate does (default: fail when the CI environment variable is "
-                         "set, else skip; with the reason)")
+                    help="what an inconclusive speed gate does (default: fail under CI, i.e. when one of "
+                         f"{', '.join(CI_VARIABLES)} is true, 1, yes or on, else skip; with the reason)")
 
 
 def pytest_configure(config: pytest.Config) -> None:
     for name, doc in {**GATE_MARKERS, **OTHER_MARKERS}.items():
         config.addinivalue_line("markers", f"{name}: {doc}")
     opt = config.option
+    ci = ci_variable(os.environ)
     options = GateOptions(
         hw_profile=opt.dg_hw_profile, bless=opt.dg_bless, allow_cross_hw=opt.dg_allow_cross_hw,
         allow_other_eval_set=opt.dg_allow_other_eval_set,
         baselines_dir=opt.dg_baselines_dir, run_dir=opt.dg_run_dir, gate_report=opt.dg_gate_report,
         gate_summary=opt.dg_gate_summary,
-        speed_inconclusive=opt.dg_speed_inconclusive or ("fail" if os.environ.get("CI") else "skip"),
+        speed_inconclusive=opt.dg_speed_inconclusive or ("fail" if ci else "skip"), ci=ci,
         speed=SpeedSettings(samples=opt.dg_speed_samples, workers=opt.dg_speed_workers,
                             max_extra_rounds=opt.dg_speed_max_rounds,
                             mode=opt.dg_speed_mode),
@@ -229,6 +230,8 @@ def pytest_runtest_call(item: pytest.Item) -> Iterator[None]:
         pytest.skip(str(err))
     except GateStopped as err:  # the session already failed on another speed gate
         item.stash[SPEED_END_KEY] = "stopped"
+        pytest.skip(str(err))
+    except GateNotMeasured as err:  # nothing to decide on, outside CI or waived: reported "not measured"
         pytest.skip(str(err))
 
 

@@ -47,6 +47,7 @@ def metrics(**overrides: Any) -> dict[str, Any]:
         "privacy_ok_rate": 1.0, "controls_with_integration": 0, "fixture_hit_rate": 1.0,
         "median_tokens_out": 20.0, "median_tokens_out_tool_items": 22.0, "false_tool_calls_tool_absent": 0,
         "ttfa_tokens_p50": 12.0, "ttfa_tokens_p95": 18.0, "failure_reasons": {},
+        "items_with_pii": 20, "control_items": 30, "tool_absent_items": 40, "ttfa_items": 150,
     }
     flat.update(overrides)
     return flat

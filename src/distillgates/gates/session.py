@@ -9,6 +9,7 @@ from __future__ import annotations
 import datetime as dt
 import shlex
 import subprocess
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
@@ -37,6 +38,7 @@ class GateOptions:
     gate_summary: Path | None = None
     speed: SpeedSettings = field(default_factory=SpeedSettings)
     speed_inconclusive: str = "skip"  # "skip" or "fail"
+    ci: str | None = None  # the CI variable set true (:func:`ci_variable`), None: not CI
 
 
 class RunArtifacts:
@@ -89,6 +91,18 @@ def resolve_hardware(
         except hardware.HardwareMismatchError as err:
             mismatch = str(err)  # recorded, and every hardware-dependent gate fails with it
     return key, mismatch, hardware.hardware_header(profile_key=key)
+
+
+# the CI systems' variables that say a job runs in CI; only a true value counts (CI=false is no CI)
+CI_VARIABLES = ("CI", "GITHUB_ACTIONS", "GITLAB_CI", "BUILDKITE", "CIRCLECI", "TF_BUILD")
+TRUE_VALUES = ("1", "true", "yes", "on")
+
+
+def ci_variable(environ: Mapping[str, str]) -> str | None:
+    """``NAME=value`` of the first of :data:`CI_VARIABLES` set to a true value (1, true, yes, on; any case), else
+    None: under CI an inconclusive speed gate, a gate that measured nothing and an underpowered drift gate fail."""
+    return next((f"{name}={environ[name]}" for name in CI_VARIABLES
+                 if environ.get(name, "").strip().lower() in TRUE_VALUES), None)
 
 
 def git_sha(cwd: Path) -> str | None:
@@ -179,8 +193,15 @@ class GateSession:
             allow_cross_hw=self.options.allow_cross_hw, allow_other_eval_set=self.options.allow_other_eval_set,
             hardware_mismatch=mismatch, run_fingerprints=self.run.header.get("fingerprints") if self.run else None,
             provenance=provenance,
-            speed=self.options.speed, bless_command=self.bless_command,
+            speed=self.options.speed, bless_command=self.bless_command, ci=self.options.ci,
+            waived=self._waived,
         )
+
+    def _waived(self) -> dict[str, str]:
+        """Check name -> the thresholds file whose ``waive`` names it."""
+        waive = self.thresholds().waive
+        assert self.thresholds_used is not None
+        return {name: self.thresholds_used.sources.get("waive", "") for name in waive}
 
     def gate(self, nodeid: str, group: str, record: Any) -> Gate:
         return Gate(self.context, nodeid, group, record)
