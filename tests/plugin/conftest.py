@@ -22,6 +22,7 @@ from distillgates.config import load_config, to_dict
 from distillgates.data.chat import prompt_wrapper_sha256
 from distillgates.data.fingerprints import dataset_sha256
 from distillgates.data.registry import tool_registry_sha256
+from distillgates.eval.sharding import outputs_sha256, write_outputs
 from distillgates.gates.session import resolve_hardware
 from distillgates.io import tree_sha256
 from distillgates.model import Transformer, model_fingerprint, save_model
@@ -38,6 +39,7 @@ from ..conftest import tiny_model_config
 SHAPES = ("128", "192", "256")
 TOKENIZER_FP = "tok-" + "a" * 60
 GOOD_DATASET_SHA256 = "d" * 64  # write_run puts the sha256 of the eval set it writes in its place
+GOOD_OUTPUTS_SHA256 = "o" * 64  # write_run puts the sha256 of the eval outputs it writes in its place
 
 
 def metrics(**overrides: Any) -> dict[str, Any]:
@@ -82,7 +84,7 @@ def good_report() -> dict[str, Any]:
             "config_sha256": "c" * 64, "git_sha": "0" * 40, "created_at": "2026-01-01T00:00:00+00:00",
             "config": run_config(),
         },
-        "quality": {"student": {**metrics(), "slices": slices, "outputs_sha256": "o" * 64},
+        "quality": {"student": {**metrics(), "slices": slices, "outputs_sha256": GOOD_OUTPUTS_SHA256},
                     "teacher": {**metrics(median_tokens_out=30.0), "slices": copy.deepcopy(slices)}},
         "speed": {
             "backend": "torch", "export": False, "hardware_profile_key": "test",
@@ -93,7 +95,7 @@ def good_report() -> dict[str, Any]:
         },
         "gate_inputs": {
             "determinism": {"coverage": 1.0, "duplicates": 0, "missing": 0, "mismatches": 0, "sharded_equal": True,
-                            "n_shards": 2, "unsharded_sha256": "o" * 64},
+                            "n_shards": 2, "items_per_shard": [60, 60], "unsharded_sha256": GOOD_OUTPUTS_SHA256},
             "qat": {"probe_cosine_min": 0.9995, "probe_cosine": {"layer0_attn": 0.9995, "layer0_mlp": 0.9999},
                     "has_nan": False},
             "export": {"cosine_by_shape": {s: 0.9999 for s in SHAPES}, "decode_cosine": [0.9999, 0.9998],
@@ -144,6 +146,10 @@ def write_run(
     if fingerprints.get("dataset_sha256") == GOOD_DATASET_SHA256:  # the good report: evaluated on this eval set
         report = copy.deepcopy(report)
         report["header"]["fingerprints"]["dataset_sha256"] = dataset_sha256(run.dataset("eval"))
+    outputs = [{"id": f"{shape}-{i}", "turns": [], "calls": [], "answer": "ok", "tokens_out": 20, "ttfa_tokens": None}
+               for shape in SHAPES for i in range(ITEMS_PER_SHAPE)]
+    write_outputs(run.eval_outputs, outputs)
+    report = json.loads(json.dumps(report).replace(GOOD_OUTPUTS_SHA256, outputs_sha256(outputs)))
     run.report.write_text(json.dumps(report))
     rows = good_item_scores() if item_scores is None else item_scores
     run.item_scores.write_text(json.dumps({"role": "student", "items": rows}))

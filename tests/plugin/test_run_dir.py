@@ -55,15 +55,18 @@ VIOLATIONS = [
       "test_sharded_equals_unsharded[missing]"], "coverage"),
     ("shards_compared_with_another_run", {"gate_inputs.determinism.unsharded_sha256": "x" * 64}, "determinism",
      ["test_shards_were_compared_with_the_reported_run"], "unsharded_is_reported"),
-    ("single_shard", {"gate_inputs.determinism.n_shards": 1}, "determinism", ["test_more_than_one_shard"], "n_shards"),
+    ("single_shard", {"gate_inputs.determinism.items_per_shard": [120, 0]}, "determinism",
+     ["test_more_than_one_shard"], "shards_with_items"),
+    ("outputs_not_reported", {"quality.student.outputs_sha256": "x" * 64}, "determinism",
+     ["test_shards_were_compared_with_the_reported_run"], "outputs_are_reported"),
     ("api_teacher_retried", {"gate_inputs.teacher.retries": 2}, "determinism",
      ["test_api_teacher_made_no_retries"], "measured 2 == threshold 0"),
     ("api_teacher_not_deterministic", {"gate_inputs.teacher.determinism": False}, "determinism",
      ["test_api_teacher_made_no_retries"], "teacher.api.determinism: true"),
     ("missing_teacher_inputs", {"gate_inputs.teacher": DELETE}, "determinism",
      ["test_api_teacher_made_no_retries"], "missing key 'gate_inputs.teacher.kind'"),
-    ("missing_fingerprint", {"header.fingerprints.model_fingerprint": DELETE}, "determinism",
-     ["test_fingerprint_present[model_fingerprint]"], "found None"),
+    ("missing_fingerprint", {"header.fingerprints.runner_fingerprint": DELETE}, "determinism",
+     ["test_fingerprint_present[runner_fingerprint]"], "found None"),
     ("null_fingerprint", {"header.fingerprints.runner_fingerprint": None}, "determinism",
      ["test_fingerprint_present[runner_fingerprint]"], "runner_fingerprint"),
     ("registry_of_other_code", {"header.fingerprints.tool_registry_sha256": "0" * 64,
@@ -228,6 +231,24 @@ def test_another_model_fails_the_identity_gates(pytester, gates_project, make_ru
                           else (model_fingerprint(tiny_student()), model_fingerprint(other)))
     for fragment in (shipped, described, str(run.model_path()), str(run.contract if swap == "export" else run.report)):
         assert fragment in out, fragment
+
+
+@pytest.mark.parametrize("select", [["-m", "quality"], ["gates/test_privacy.py"]])
+def test_a_report_of_another_model_is_refused_in_every_session(pytester, gates_project, make_run, own_profile,
+                                                               select):
+    """-m quality alone (no identity gate selected) still checks that the report describes student/model.pt."""
+    gates_project()
+    run = RunDir(make_run())
+    other = copy.deepcopy(tiny_student())
+    other.embed.weight.data.mul_(1.01)
+    save_model(run.model_path(), other)
+    args = select if select[0] == "-m" else [*select]
+    result = pytester.runpytest(*(["gates"] if select[0] == "-m" else []), *args, f"--run-dir={run.root}",
+                                f"--hw-profile={own_profile}")
+    outcomes = result.parseoutcomes()
+    assert outcomes.get("errors") == (4 if select[0] == "-m" else 2) and "passed" not in outcomes, outcomes
+    result.stdout.fnmatch_lines([f"*model_fingerprint '{model_fingerprint(tiny_student())}' is not the "
+                                 f"model_fingerprint '{model_fingerprint(other)}'*the report describes another model*"])
 
 
 def test_qat_gates_skip_a_run_trained_without_qat(pytester, gates_project, make_run, own_profile):
