@@ -61,6 +61,12 @@ def tiny_student() -> Transformer:
     return Transformer(tiny_model_config()).eval()
 
 
+@functools.cache
+def this_profile() -> str:
+    """This machine's hardware profile key (detected)."""
+    return resolve_hardware(None)[0]
+
+
 def run_config() -> dict[str, Any]:
     """``header.config``: the toy config, enumerating the fabricated report's shapes."""
     config = to_dict(load_config(EMBEDDED_CONFIG))
@@ -104,10 +110,13 @@ def good_report() -> dict[str, Any]:
             "ane_lint": {"source": "op-eligibility lint (static MIL)", "ineligible_ops": [], "over_limits": [],
                          "limits": {"max_rank": 5, "max_dim": 16384}, "op_eligible_share": 0.99, "by_op_type": {}},
             # as a Mac's export records it (off macOS a run has none, and the residency gates skip)
-            "ane_residency": {"source": "MLComputePlan", "residency": 0.95, "by_op_type": {}},
-            "ane_residency_decode": {"source": "MLComputePlan", "residency": 0.93, "by_op_type": {}},
+            # measured on this machine: the gates bind them to the session's hardware profile
+            "ane_residency": {"source": "MLComputePlan", "residency": 0.95, "by_op_type": {},
+                              "hardware_profile_key": this_profile()},
+            "ane_residency_decode": {"source": "MLComputePlan", "residency": 0.93, "by_op_type": {},
+                                     "hardware_profile_key": this_profile()},
             "coreml_parity": {"source": "MLModel.predict", "cosine_by_shape": {s: 0.9999 for s in SHAPES},
-                              "decode_cosine": [0.9999, 0.9998]},
+                              "decode_cosine": [0.9999, 0.9998], "hardware_profile_key": this_profile()},
             "prompt_cache": {"ttft_cold_ms": [10.0, 11.0, 10.5], "ttft_hit_ms": [4.0, 4.2, 4.1], "hit_rate": 1.0},
             "speculative": {"identical": True, "speedup": 1.6, "acceptance_rate": 0.7, "tokens_per_worker_step": 2.1},
             "teacher": {"kind": "openai", "determinism": True, "retries": 0, "cache_hits": 0, "records": 10,
@@ -254,7 +263,7 @@ def speed_reference_record():
 
 @pytest.fixture(scope="session")
 def own_profile() -> str:
-    return resolve_hardware(None)[0]
+    return this_profile()
 
 
 @pytest.fixture

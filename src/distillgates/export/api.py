@@ -159,11 +159,13 @@ def export_transformer(
     if sys.platform == "darwin":  # residency (the compute plan) and Core ML's own logits exist only on the machine
         from distillgates.export.compute_plan import COREML_SOURCE, RESIDENCY_KEYS, ane_residency
         from distillgates.export.parity import coreml_parity
+        from distillgates.hardware import hardware_header
 
+        measured_on = {"hardware_profile_key": hardware_header()["hardware_profile_key"]}  # the gates bind to it
         for kind, key in RESIDENCY_KEYS.items():
-            ane[key] = ane_residency(packages[kind], export_cfg.compute_units)
+            ane[key] = {**ane_residency(packages[kind], export_cfg.compute_units), **measured_on}
             atomic_write_json(out / f"{key}.json", ane[key])
-        ane["coreml_parity"] = {"source": COREML_SOURCE,
+        ane["coreml_parity"] = {"source": COREML_SOURCE, **measured_on,
                                 **coreml_parity(packages["prefill"], packages["decode"], model, lengths)}  # fmt: skip
         atomic_write_json(out / "coreml_parity.json", ane["coreml_parity"])
     atomic_write_json(contract_path, contract)

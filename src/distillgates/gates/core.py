@@ -173,6 +173,18 @@ class Gate:
         if n == 0:
             self.unmeasured(name, f"not measured (0 items): no eval item {what}", n=0)
 
+    def measured_on(self, name: str, key: str | None, what: str) -> None:
+        """Before gating a figure one machine measured (Core ML parity, ANE residency): fail, naming both, when its
+        hardware profile ``key`` is not the session's (``--hw-profile`` or detected), unless ``--allow-cross-hw``."""
+        __tracebackhide__ = True
+        profile = self.context.store.profile
+        if key == profile or self.context.allow_cross_hw:
+            return
+        self._finish(GateRecord(self.nodeid, self.group, name, key, profile, "==", None, "fail",
+                                f"{what} was measured on hardware profile {key!r}, this session gates hardware profile "
+                                f"{profile!r}: a figure is bound to the machine that measured it (export on a "
+                                f"{profile} machine, or pass --allow-cross-hw)"))
+
     def _check(self, name: str, value: Any, threshold: Any, comparison: str, ok: bool, definition: str,
                interval: Interval | None = None, n: int | None = None) -> GateRecord:
         __tracebackhide__ = True

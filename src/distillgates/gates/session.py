@@ -66,6 +66,11 @@ class RunArtifacts:
     def header(self) -> dict[str, Any]:
         return self.report.get("header", {})
 
+    def measured_on(self, figure: dict[str, Any] | None) -> str | None:
+        """The hardware profile that measured a figure of the export (Core ML parity, ANE residency): the one
+        recorded with it, else the report header's."""
+        return (figure or {}).get("hardware_profile_key") or self.header.get("hardware", {}).get("hardware_profile_key")
+
 
 def resolve_hardware(
     selected: str | None, profiles_path: Path | None = None
