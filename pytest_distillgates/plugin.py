@@ -54,7 +54,7 @@ OTHER_MARKERS = {
 }
 SESSION_KEY = pytest.StashKey[GateSession]()
 DESELECTED_KEY = pytest.StashKey[int]()
-SPEED_END_KEY = pytest.StashKey[str]()  # "inconclusive" or "stopped": how a speed gate ended
+END_KEY = pytest.StashKey[str]()  # how a gate that decided nothing ended: inconclusive, stopped, not measured...
 SPEED_DESELECTED = "speed gates measure live and run only when selected, e.g. pytest -m speed --hw-profile=<key>"
 PROFILE_RE = re.compile(r"^[a-z0-9][a-z0-9._-]*$")
 
@@ -197,7 +197,7 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) ->
         else:
             message = " ".join(excinfo.exconly().split()) if excinfo else ""
         item.config.stash[SESSION_KEY].test_log.phase(
-            _gate_nodeid(item), call.when, report.outcome, message, special=item.stash.get(SPEED_END_KEY, None),
+            _gate_nodeid(item), call.when, report.outcome, message, special=item.stash.get(END_KEY, None),
             assertion=excinfo is not None and excinfo.errisinstance((AssertionError, pytest.fail.Exception)))
     return report
 
@@ -224,14 +224,15 @@ def pytest_runtest_call(item: pytest.Item) -> Iterator[None]:
     try:
         return (yield)
     except GateInconclusive as err:
-        item.stash[SPEED_END_KEY] = "inconclusive"
+        item.stash[END_KEY] = "inconclusive"
         if item.config.stash[SESSION_KEY].options.speed_inconclusive == "fail":
             pytest.fail(str(err), pytrace=False)
         pytest.skip(str(err))
     except GateStopped as err:  # the session already failed on another speed gate
-        item.stash[SPEED_END_KEY] = "stopped"
+        item.stash[END_KEY] = "stopped"
         pytest.skip(str(err))
-    except GateNotMeasured as err:  # nothing to decide on, outside CI or waived: reported "not measured"
+    except GateNotMeasured as err:  # nothing decided, outside CI or waived: "not measured" or "underpowered"
+        item.stash[END_KEY] = err.verdict
         pytest.skip(str(err))
 
 

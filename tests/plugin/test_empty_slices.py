@@ -66,7 +66,7 @@ def test_counts_show_their_n(pytester, gates_project, make_run, own_profile):
     pytester.runpytest("gates/test_privacy.py", "gates/test_latency_loss.py", f"--run-dir={make_run()}",
                        f"--hw-profile={own_profile}", "--gate-report=gates.json").assert_outcomes(passed=5)
     n = {g["name"]: g["n"] for g in json.loads((pytester.path / "gates.json").read_text())["gates"]}
-    assert n == {"privacy_ok_rate": 120, "controls_with_integration": 30, "median_tokens_out_ratio": 200,
+    assert n == {"privacy_ok_rate": 360, "controls_with_integration": 30, "median_tokens_out_ratio": 200,
                  "false_tool_calls_tool_absent": 40, "ttfa_tokens_p95": 150}
 
 

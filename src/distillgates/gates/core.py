@@ -42,7 +42,11 @@ class GateStopped(Exception):
 
 class GateNotMeasured(Exception):
     """A gate had nothing to decide on (an empty slice, an underpowered drift gate) outside CI, or waived: a skip
-    with the reason, never a pass."""
+    with the reason, never a pass. ``verdict``: "not measured" or "underpowered"."""
+
+    def __init__(self, message: str, verdict: str = "not measured") -> None:
+        super().__init__(message)
+        self.verdict = verdict
 
 
 @dataclass
@@ -56,7 +60,7 @@ class GateRecord:
     threshold: Any = None
     comparison: str = ""  # ">=", "<=", "==", "no_regression", "speed_no_regression"
     baseline: Any = None
-    verdict: str = "pass"  # pass | fail | inconclusive | stopped | blessed | not measured
+    verdict: str = "pass"  # pass | fail | inconclusive | stopped | blessed | not measured | underpowered
     reason: str = ""
     details: dict[str, Any] = field(default_factory=dict)
     n: int | None = None  # sample size behind ``measured`` (items, calls), when it is an estimate
@@ -140,27 +144,29 @@ class Gate:
             )
         if rec.verdict == "inconclusive":
             raise GateInconclusive(f"gate {self.group}/{rec.name} INCONCLUSIVE: {rec.reason}")
-        if rec.verdict == "not measured":
-            raise GateNotMeasured(f"gate {self.group}/{rec.name} {rec.reason}")
+        if rec.verdict in ("not measured", "underpowered"):
+            raise GateNotMeasured(f"gate {self.group}/{rec.name}: {rec.reason}", rec.verdict)
         if rec.verdict == "stopped":
             raise GateStopped(f"gate {self.group}/{rec.name} NOT DECIDED: {rec.reason}; run it alone to decide it: "
                               f"pytest '{self.nodeid}' -m speed")
         return rec
 
     def unmeasured(self, name: str, why: str, value: Any = None, threshold: Any = None, comparison: str = "",
-                   n: int | None = None, details: dict[str, Any] | None = None) -> GateRecord:
-        """``name`` decides nothing (``why``: e.g. "not measured (0 items)"): under CI a fail unless the thresholds'
-        ``waive`` names it, else (or waived) reported "not measured" and skipped. Never a pass."""
+                   n: int | None = None, details: dict[str, Any] | None = None, *, label: str = "not measured",
+                   baseline: Any = None, ci: list[float] | None = None) -> GateRecord:
+        """``name`` decides nothing (``why``: e.g. "not measured (0 items)"; ``label``: "not measured" or
+        "underpowered"): under CI a fail unless the thresholds' ``waive`` names it, else (or waived) reported as
+        ``label`` and skipped. Never a pass."""
         __tracebackhide__ = True
         waived = self.context.waived()
         if name in waived:
-            verdict, why = "not measured", f"{why}; waived by {waived[name]} (gates.waive)"
+            verdict, why = label, f"{why}; waived by {waived[name]} (gates.waive)"
         elif self.context.ci:
             verdict, why = "fail", f"{why}; fails under CI ({self.context.ci}) unless gates.waive names {name!r}"
         else:
-            verdict, why = "not measured", f"{why}; fails under CI unless gates.waive names {name!r}"
-        return self._finish(GateRecord(self.nodeid, self.group, name, value, threshold, comparison, None, verdict,
-                                       why, details or {}, n=n))
+            verdict, why = label, f"{why}; fails under CI unless gates.waive names {name!r}"
+        return self._finish(GateRecord(self.nodeid, self.group, name, value, threshold, comparison, baseline, verdict,
+                                       why, details or {}, n=n, ci=ci))
 
     def over(self, name: str, n: int | None, what: str) -> None:
         """Before gating ``name``: it is over ``n`` eval items ``what`` (e.g. "holding PII"); 0 is "not measured
@@ -319,6 +325,10 @@ class Gate:
         except ValueError as err:
             return self._finish(GateRecord(self.nodeid, self.group, name, value, tolerance, "paired_no_regression",
                                            base.value, "fail", f"{name} vs {base.path}: entries.{key}: {err}"))
+        if result.verdict == "pass" and result.underpowered:  # a pass it could not have failed: never a pass
+            return self.unmeasured(name, f"underpowered: {result.reason} ({definition})", value, tolerance,
+                                   "paired_no_regression", label="underpowered", baseline=base.value,
+                                   details=result.to_dict(), **interval)
         return self._finish(GateRecord(self.nodeid, self.group, name, value, tolerance, "paired_no_regression",
                                        base.value, result.verdict, f"{name}: {result.reason} ({definition})",
                                        result.to_dict(), **interval))

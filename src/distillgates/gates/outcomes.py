@@ -12,8 +12,10 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 # pass | blessed (a --bless session stored its figures) | fail (a gate's criterion) | error (a crash or a fixture
-# error) | not measured (skipped, with the reason) | inconclusive | stopped | deselected (collected, not selected)
-OUTCOMES = ("pass", "blessed", "fail", "error", "not measured", "inconclusive", "stopped", "deselected")
+# error) | not measured (skipped, with the reason) | underpowered (a drift gate that could not have failed) |
+# inconclusive | stopped | deselected (collected, not selected)
+OUTCOMES = ("pass", "blessed", "fail", "error", "not measured", "underpowered", "inconclusive", "stopped",
+            "deselected")
 NOT_RUN = "not run: the session ended before this test (-x, --maxfail or an interrupt)"
 
 
@@ -57,8 +59,8 @@ class TestLog:
         """One phase report (``when``: setup, call, teardown; ``outcome``: passed, failed, skipped).
 
         ``message``: the exception line (failed) or the skip reason; ``assertion``: the call failed on an
-        assertion (a gate's criterion, ``pytest.fail``) rather than crashing; ``special``: ``inconclusive``
-        or ``stopped`` when a speed gate ended so.
+        assertion (a gate's criterion, ``pytest.fail``) rather than crashing; ``special``: how a gate that decided
+        nothing ended (``inconclusive``, ``stopped``, ``not measured``, ``underpowered``).
         """
         test = self.tests.get(nodeid)
         if test is None:

@@ -16,7 +16,7 @@ from distillgates.gates.outcomes import TestOutcome, summarize_tests
 from distillgates.io import atomic_write_json, atomic_write_text
 
 VERDICT_STYLE = {"pass": "green", "blessed": "cyan", "fail": "bold red", "error": "bold red", "inconclusive": "yellow",
-                 "stopped": "dim", "not measured": "yellow", "deselected": "dim"}
+                 "stopped": "dim", "not measured": "yellow", "underpowered": "yellow", "deselected": "dim"}
 
 
 _DIGEST = re.compile(r"[0-9a-f]{32,}")
