@@ -72,3 +72,22 @@ def test_verify_packages_names_each_package(tmp_path):
     run.contract.write_text(json.dumps({"package_sha256": {"model.mlpackage": tree_sha256(run.export_dir /
                                                                                           "model.mlpackage")}}))
     assert run.verify_packages() == {"model.mlpackage": tree_sha256(run.export_dir / "model.mlpackage")}
+
+
+def test_core_ml_speed_worker_refuses_a_changed_package(make_run, tmp_path):
+    """On macOS the speed workers measure the export: only packages whose digest the export recorded."""
+    from distillgates.gates.references import ReferenceStore
+    from distillgates.gates.speed_ab import WorkerArms
+
+    run = RunDir(make_run())
+    (run.export_dir / "prefill.mlpackage" / "Data" / "weight.bin").write_bytes(b"junk")
+    arms = WorkerArms(run, ReferenceStore(tmp_path / "store"))
+    try:
+        arms.coreml = True  # as on macOS with an export
+        with pytest.raises(RunArtifactError, match="not the packages the export wrote: prefill.mlpackage"):
+            arms.candidate()
+        with pytest.raises(RunArtifactError, match="not the packages the export wrote"):
+            arms.record()
+        assert arms.workers == []  # no worker started
+    finally:
+        arms.close()
