@@ -84,7 +84,7 @@ def test_core_ml_speed_worker_refuses_a_changed_package(make_run, tmp_path):
     arms = WorkerArms(run, ReferenceStore(tmp_path / "store"))
     try:
         arms.coreml = True  # as on macOS with an export
-        with pytest.raises(RunArtifactError, match="not the packages the export wrote: prefill.mlpackage"):
+        with pytest.raises(RunArtifactError, match=r"not the packages the export wrote: prefill\.mlpackage"):
             arms.candidate()
         with pytest.raises(RunArtifactError, match="not the packages the export wrote"):
             arms.record()
