@@ -97,4 +97,4 @@ def session_result(tests: list[TestOutcome], exit_status: int) -> tuple[str, str
         return "fail", f"pytest exit status {exit_status} (a collection error, a non-gate test failed or an interrupt)"
     if not tests:
         return "pass", "no gate test collected"
-    return "pass", "no gate test failed or errored"
+    return "pass", "no fail, no error"
