@@ -21,6 +21,7 @@ from distillgates.gates.session import GateSession, RunArtifacts
 from distillgates.gates.speed_ab import ArmFactory, ReferenceFactory, SpeedRounds, WorkerArms
 from distillgates.gates.stats import Interval, mean_interval, wilson_interval
 from distillgates.hardware import GatingPolicy, load_profiles
+from distillgates.rundir import RunArtifactError
 from pytest_distillgates.checklist import CHECKLIST_DIR
 from pytest_distillgates.plugin import SESSION_KEY
 
@@ -71,7 +72,24 @@ def speed_policy(hardware_profile: str, thresholds: GatesConfig, gate_session: G
 
 
 @pytest.fixture(scope="session")
-def report(pipeline_run: RunArtifacts) -> RunArtifacts:
+def checkpoint_fingerprint(pipeline_run: RunArtifacts) -> str:
+    """``model_fingerprint`` (config + weights) of the run's ``student/model.pt``."""
+    from distillgates.model import model_fingerprint
+
+    return model_fingerprint(pipeline_run.run.load_model())
+
+
+@pytest.fixture(scope="session")
+def report(pipeline_run: RunArtifacts, checkpoint_fingerprint: str) -> RunArtifacts:
+    """The run's report, once it is known to describe ``student/model.pt``: in every session that reads it (``-m
+    quality`` alone too), a report of another model is an error naming both fingerprints (the identity gates,
+    ``test_identity.py``, record the comparison)."""
+    described = pipeline_run.header.get("fingerprints", {}).get("model_fingerprint")
+    if described != checkpoint_fingerprint:
+        raise RunArtifactError(f"{pipeline_run.report_path}: header.fingerprints.model_fingerprint {described!r} is "
+                               f"not the model_fingerprint {checkpoint_fingerprint!r} of "
+                               f"{pipeline_run.run.model_path()}: the report describes another model (re-run the "
+                               "eval and report steps)")
     return pipeline_run
 
 

@@ -22,8 +22,9 @@ from typing import Any
 import pytest
 
 from distillgates.config import ConfigError
-from distillgates.gates.core import Gate, GateInconclusive, GateStopped, SpeedSettings
-from distillgates.gates.session import GateOptions, GateSession, RunArtifacts
+from distillgates.gates.core import Gate, GateInconclusive, GateNotMeasured, GateStopped, SpeedSettings
+from distillgates.gates.report import counts_line
+from distillgates.gates.session import CI_VARIABLES, GateOptions, GateSession, RunArtifacts, ci_variable
 from distillgates.project import Project
 from pytest_distillgates.checklist import CHECKLIST_DIR
 
@@ -53,6 +54,8 @@ OTHER_MARKERS = {
 }
 SESSION_KEY = pytest.StashKey[GateSession]()
 DESELECTED_KEY = pytest.StashKey[int]()
+END_KEY = pytest.StashKey[str]()  # how a gate that decided nothing ended: inconclusive, stopped, not measured...
+SPEED_DESELECTED = "speed gates measure live and run only when selected, e.g. pytest -m speed --hw-profile=<key>"
 PROFILE_RE = re.compile(r"^[a-z0-9][a-z0-9._-]*$")
 
 
@@ -110,20 +113,21 @@ def pytest_addoption(parser: pytest.Parser) -> None:
                     metavar="N", help="extra measurement rounds while a speed gate is inconclusive (default: 3); the "
                                       "false-alarm bound is split over all rounds")
     group.addoption("--speed-inconclusive", dest="dg_speed_inconclusive", choices=("skip", "fail"), default=None,
-                    help="what an inconclusive speed gate does (default: fail when the CI environment variable is "
-                         "set, else skip; with the reason)")
+                    help="what an inconclusive speed gate does (default: fail under CI, i.e. when one of "
+                         f"{', '.join(CI_VARIABLES)} is true, 1, yes or on, else skip; with the reason)")
 
 
 def pytest_configure(config: pytest.Config) -> None:
     for name, doc in {**GATE_MARKERS, **OTHER_MARKERS}.items():
         config.addinivalue_line("markers", f"{name}: {doc}")
     opt = config.option
+    ci = ci_variable(os.environ)
     options = GateOptions(
         hw_profile=opt.dg_hw_profile, bless=opt.dg_bless, allow_cross_hw=opt.dg_allow_cross_hw,
         allow_other_eval_set=opt.dg_allow_other_eval_set,
         baselines_dir=opt.dg_baselines_dir, run_dir=opt.dg_run_dir, gate_report=opt.dg_gate_report,
         gate_summary=opt.dg_gate_summary,
-        speed_inconclusive=opt.dg_speed_inconclusive or ("fail" if os.environ.get("CI") else "skip"),
+        speed_inconclusive=opt.dg_speed_inconclusive or ("fail" if ci else "skip"), ci=ci,
         speed=SpeedSettings(samples=opt.dg_speed_samples, workers=opt.dg_speed_workers,
                             max_extra_rounds=opt.dg_speed_max_rounds,
                             mode=opt.dg_speed_mode),
@@ -145,6 +149,57 @@ def _collects_checklist(config: pytest.Config, session: GateSession) -> bool:
     if session.project.source is None and session.options.run_dir is None:
         return False
     return not any(CHECKLIST_DIR.is_relative_to(Path(arg.split("::")[0]).resolve()) for arg in config.args)
+
+
+def _is_gate_test(item: pytest.Item) -> bool:
+    """A test the gate reports list: one of the checklist's, one with a gate marker, or one using ``gate``."""
+    return (item.path.is_relative_to(CHECKLIST_DIR) or any(item.get_closest_marker(m) for m in GATE_MARKERS)
+            or "gate" in getattr(item, "fixturenames", ()))
+
+
+def _gate_group(item: pytest.Item) -> str:
+    marker = next((m.name for m in item.iter_markers() if m.name in GATE_MARKERS), None)
+    return marker or item.path.stem.removeprefix("test_")
+
+
+def _gate_nodeid(item: pytest.Item) -> str:
+    """The test's node id in the reports; the installed checklist's names its file, so that the bless
+    command runs anywhere."""
+    if not item.path.is_relative_to(item.config.rootpath):
+        return f"{item.path}::{item.nodeid.split('::', 1)[1]}"
+    return item.nodeid
+
+
+def pytest_deselected(items: list[pytest.Item]) -> None:
+    for item in items:
+        if _is_gate_test(item):
+            config = item.config
+            speed = item.get_closest_marker("speed") and not re.search(r"\bspeed\b", config.option.markexpr or "")
+            reason = SPEED_DESELECTED if speed else f"deselected (-m {config.option.markexpr!r}, " \
+                                                    f"-k {config.option.keyword!r})"
+            config.stash[SESSION_KEY].test_log.deselected(_gate_nodeid(item), _gate_group(item), reason)
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    log = session.config.stash[SESSION_KEY].test_log
+    for item in session.items:
+        if _is_gate_test(item):
+            log.collected(_gate_nodeid(item), _gate_group(item))
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Iterator[pytest.TestReport]:
+    report = yield
+    if _is_gate_test(item):
+        excinfo = call.excinfo
+        if report.skipped and isinstance(report.longrepr, tuple):
+            message = report.longrepr[2].removeprefix("Skipped: ")
+        else:
+            message = " ".join(excinfo.exconly().split()) if excinfo else ""
+        item.config.stash[SESSION_KEY].test_log.phase(
+            _gate_nodeid(item), call.when, report.outcome, message, special=item.stash.get(END_KEY, None),
+            assertion=excinfo is not None and excinfo.errisinstance((AssertionError, pytest.fail.Exception)))
+    return report
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -169,29 +224,33 @@ def pytest_runtest_call(item: pytest.Item) -> Iterator[None]:
     try:
         return (yield)
     except GateInconclusive as err:
+        item.stash[END_KEY] = "inconclusive"
         if item.config.stash[SESSION_KEY].options.speed_inconclusive == "fail":
             pytest.fail(str(err), pytrace=False)
         pytest.skip(str(err))
     except GateStopped as err:  # the session already failed on another speed gate
+        item.stash[END_KEY] = "stopped"
+        pytest.skip(str(err))
+    except GateNotMeasured as err:  # nothing decided, outside CI or waived: "not measured" or "underpowered"
+        item.stash[END_KEY] = err.verdict
         pytest.skip(str(err))
 
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     gate_session = session.config.stash.get(SESSION_KEY, None)
     if gate_session is not None:
-        gate_session.finish(interrupted=exitstatus == pytest.ExitCode.INTERRUPTED)
+        gate_session.finish(interrupted=exitstatus == pytest.ExitCode.INTERRUPTED, exit_status=int(exitstatus))
 
 
 def pytest_terminal_summary(terminalreporter: Any, config: pytest.Config) -> None:
     gate_session = config.stash.get(SESSION_KEY, None)
     deselected = config.stash.get(DESELECTED_KEY, 0)
     if deselected:
-        terminalreporter.write_line(f"distillgates: {deselected} speed gate(s) deselected: speed gates measure live "
-                                    "and run only when selected, e.g. pytest -m speed --hw-profile=<key>")
+        terminalreporter.write_line(f"distillgates: {deselected} speed gate(s) deselected: {SPEED_DESELECTED}")
     if gate_session is None:
         return
     records = gate_session.context.records if "context" in gate_session.__dict__ else []
-    if records:
+    if records or gate_session.tests:
         from rich.console import Console
 
         from distillgates.gates.report import rich_table
@@ -199,8 +258,11 @@ def pytest_terminal_summary(terminalreporter: Any, config: pytest.Config) -> Non
         buffer = io.StringIO()
         # at least 132 columns: CI logs report 80, and the check names are long
         Console(file=buffer, width=max(config.get_terminal_writer().fullwidth, 132), force_terminal=False).print(
-            rich_table(records, gate_session.thresholds_source))
+            rich_table(records, gate_session.tests, gate_session.thresholds_source))
         terminalreporter.write(buffer.getvalue())
+    if gate_session.result is not None and gate_session.tests:
+        terminalreporter.write_line(f"distillgates gates: {counts_line(gate_session.result)}",
+                                    red=gate_session.result["verdict"] == "fail", bold=True)
     for message in gate_session.messages:
         terminalreporter.write_line(f"distillgates: {message}")
 
@@ -249,9 +311,4 @@ def pipeline_run(gate_session: GateSession, tmp_path_factory: pytest.TempPathFac
 @pytest.fixture
 def gate(request: pytest.FixtureRequest, gate_session: GateSession, record_property: Any) -> Gate:
     """Assertion helpers that record value, threshold, baseline, verdict and reason for this test."""
-    marker = next((m.name for m in request.node.iter_markers() if m.name in GATE_MARKERS), None)
-    group = marker or request.node.module.__name__.rsplit(".", 1)[-1].removeprefix("test_")
-    nodeid = request.node.nodeid
-    if not request.node.path.is_relative_to(request.config.rootpath):  # the installed checklist: name the file
-        nodeid = f"{request.node.path}::{nodeid.split('::', 1)[1]}"  # so that the bless command runs anywhere
-    return gate_session.gate(nodeid, group, record_property)
+    return gate_session.gate(_gate_nodeid(request.node), _gate_group(request.node), record_property)

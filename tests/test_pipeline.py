@@ -251,6 +251,54 @@ def test_each_step_is_keyed_by_its_own_config_fields(tmp_path: Path) -> None:
     assert {n for n in base if base[n] != retrained[n]} == {"teacher", "report"}  # the rest follow its outputs
 
 
+def test_fingerprints_cover_library_versions_and_the_measuring_machine(tmp_path: Path, monkeypatch) -> None:
+    """A library upgrade re-runs the steps whose output depends on it; another machine re-runs the export
+    (its figures) and speed, never training; the stale reason names what changed."""
+    from distillgates import pipeline as pipeline_module
+
+    cfg = load_config(tiny_config(tmp_path))
+    steps = {s.name: s for s in STEPS}
+    pipeline = Pipeline(cfg, tmp_path / "run")
+
+    def fingerprints() -> dict[str, str]:
+        return {name: pipeline.fingerprint(step) for name, step in steps.items()}
+
+    base = fingerprints()
+    versions = pipeline_module.library_versions()
+    for library, expected in [("torch", {"teacher", "kd", "student", "drafter", "export", "speed", "eval"}),
+                              ("coremltools", {"export", "speed"}),
+                              ("transformers", {"data", "teacher", "kd", "eval"}),
+                              ("tokenizers", {"data", "teacher", "kd", "student", "drafter", "speed", "eval"})]:
+        upgraded = {**versions, library: "99.0"}
+        monkeypatch.setattr(pipeline_module, "library_versions",
+                            lambda names=pipeline_module.LIBRARIES, v=upgraded: {n: v[n] for n in names})
+        changed = fingerprints()
+        assert {n for n in base if base[n] != changed[n]} == expected, library
+    monkeypatch.undo()
+    other = {**pipeline_module.machine_identity(), "soc": "Apple M9 Max", "os": "macOS 99.0"}
+    monkeypatch.setattr(pipeline_module, "machine_identity", lambda: other)
+    changed = fingerprints()
+    assert {n for n in base if base[n] != changed[n]} == {"export", "speed"}
+    inputs = pipeline.inputs(steps["export"])
+    pipeline.manifest["export"] = {"fingerprint": base["export"],
+                                   "inputs": {**inputs, "env": {**inputs["env"], "machine": {}}}}
+    assert pipeline.stale_reason(steps["export"]) == "inputs changed: env machine"
+
+
+def test_ci_templates_key_their_cache_by_the_environment() -> None:
+    from distillgates.pipeline import environment_key
+    from distillgates.scaffold import TEMPLATES
+
+    for name in ("quality-gates.yml", "macos-speed-gates.yml"):
+        text = (TEMPLATES / name).read_text()
+        step = next(line for line in text.splitlines() if "environment_key" in line)
+        code = step.split("python -c '", 1)[1].split("'", 1)[0]
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip()
+        assert out == environment_key() and len(out) == 16
+        cache_key = next(line for line in text.splitlines() if "key: distillgates-run" in line)
+        assert "${{ steps.env.outputs.key }}" in cache_key
+
+
 # --------------------------------------------------------------------------------------
 # The user's own OpenAI-format data
 

@@ -101,6 +101,23 @@ def test_thresholds_looser_than_the_embedded_ones_are_named(tmp_path: Path) -> N
                                        "(embedded 0.05)")
 
 
+def test_hardware_profiles_loosening_the_speed_gate_are_named(tmp_path: Path) -> None:
+    """A project's hardware profile tolerating a larger speed regression than the embedded profile of its key (or,
+    for a key of its own, than speed_regression_max) is flagged LOOSER like a loosened threshold."""
+    text = EMBEDDED_PROFILES.read_text().replace("key: m1-max-64g\n    soc_regex: '^Apple M1 Max$'\n    min_ram_gb: "
+                                                 "64\n    gating: {max_regression: 0.05", "key: m1-max-64g\n    "
+                                                 "soc_regex: '^Apple M1 Max$'\n    min_ram_gb: 64\n    gating: "
+                                                 "{max_regression: 0.2", 1)
+    text += "\n  - key: my-box\n    soc_regex: '^Box$'\n    min_ram_gb: 8\n    gating: {max_regression: 0.08}\n"
+    (tmp_path / "profiles.yaml").write_text(text)
+    (tmp_path / "distillgates.yaml").write_text("hardware_profiles: profiles.yaml\n")
+    thresholds = Project.load(tmp_path).thresholds()
+    assert thresholds.loosened() == {"hardware_profiles[m1-max-64g].gating.max_regression": (0.2, 0.05),
+                                     "hardware_profiles[my-box].gating.max_regression": (0.08, 0.05)}
+    assert "LOOSER than the embedded defaults: hardware_profiles[m1-max-64g].gating.max_regression 0.2 (embedded " \
+           "0.05)" in thresholds.label()
+
+
 def test_a_bad_threshold_names_its_file_line_and_field(tmp_path: Path) -> None:
     (tmp_path / "gates.yaml").write_text("gates:\n  f1_lax_min: 0.95\n  json_validity_min: high\n")
     (tmp_path / "distillgates.yaml").write_text("thresholds: gates.yaml\n")

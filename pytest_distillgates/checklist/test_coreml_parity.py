@@ -27,17 +27,24 @@ def parity(report) -> dict[str, Any]:
     if measured is None and sys.platform != "darwin":
         pytest.skip(f"Core ML parity is measured only by {COREML_SOURCE} (macOS); this run was exported on "
                     f"{report.header.get('hardware', {}).get('os')} and has no Core ML figure")
+    report.run.verify_packages()  # figures of the packages in export/ only: else an error naming each package
     return measured or {}
 
 
+def measured_here(gate, report, parity) -> None:
+    gate.measured_on("coreml.hardware_profile_key", report.measured_on(parity), "Core ML parity")
+
+
 @pytest.mark.coreml_parity
-def test_coreml_parity(gate, parity, thresholds, shape):
+def test_coreml_parity(gate, report, parity, thresholds, shape):
+    measured_here(gate, report, parity)
     gate.at_least(f"coreml.cosine[shape={shape}]", parity.get("cosine_by_shape", {}).get(shape),
                   thresholds.coreml_cosine_min, DEFINITION)
 
 
 @pytest.mark.coreml_parity
-def test_coreml_decode_parity(gate, parity, thresholds):
+def test_coreml_decode_parity(gate, report, parity, thresholds):
+    measured_here(gate, report, parity)
     decode = parity.get("decode_cosine") or [None]
     gate.at_least("coreml.decode_cosine_min", None if None in decode else min(decode), thresholds.coreml_cosine_min,
                   "worst cosine(Core ML decode logits, PyTorch logits) over the stateful decode steps after a prefill")

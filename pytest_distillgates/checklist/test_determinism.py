@@ -8,6 +8,7 @@ from distillgates.data.chat import prompt_wrapper_sha256
 from distillgates.data.fingerprints import dataset_sha256
 from distillgates.data.registry import tool_registry_sha256
 from distillgates.eval.fingerprints import FINGERPRINT_KEYS
+from distillgates.eval.sharding import outputs_sha256, read_outputs
 
 SHARDING = [  # (gate_inputs.determinism key, expected, definition)
     ("coverage", 1.0, "share of eval items present in the union of shards"),
@@ -26,16 +27,22 @@ def test_sharded_equals_unsharded(gate, report, key, expected, definition):
 
 @pytest.mark.determinism
 def test_shards_were_compared_with_the_reported_run(gate, report):
-    """The unsharded arm of the check is the evaluation whose quality the report gives (evaluated once)."""
+    """The unsharded arm of the check is the evaluation whose quality the report gives (evaluated once): the
+    sha256 of ``eval/outputs.jsonl``, computed now, equals the report's and the one the shards were compared with."""
+    path = report.run.require(report.run.eval_outputs)
+    measured = outputs_sha256(read_outputs(path))
+    gate.equals("determinism.outputs_are_reported", measured, report.get("quality.student.outputs_sha256"),
+                f"sha256 of {path} (measured now) equals quality.student.outputs_sha256 of the report")
     gate.equals("determinism.unsharded_is_reported", report.get("gate_inputs.determinism.unsharded_sha256"),
-                report.get("quality.student.outputs_sha256"),
-                "sha256 of the unsharded arm's outputs equals that of the reported eval's outputs")
+                measured, f"the unsharded arm the shards were compared with is {path} (its sha256)")
 
 
 @pytest.mark.determinism
 def test_more_than_one_shard(gate, report):
-    gate.at_least("determinism.n_shards", report.get("gate_inputs.determinism.n_shards"), 2,
-                  "a sharded run must actually split the eval set")
+    per_shard = report.get("gate_inputs.determinism.items_per_shard")
+    gate.at_least("determinism.shards_with_items", sum(1 for n in per_shard or [] if n > 0), 2,
+                  f"shards that scored at least one eval item (items per shard: {per_shard}): a sharded run must "
+                  "actually split the eval set")
 
 
 @pytest.mark.determinism

@@ -80,6 +80,18 @@ def sha256_file(path: str | Path) -> str:
     return h.hexdigest()
 
 
+def tree_sha256(path: str | Path) -> str:
+    """Deterministic sha256 of a folder (an ``.mlpackage``): over every file in it, in sorted order, its
+    path relative to ``path`` and its content's sha256. A plain file: its sha256."""
+    root = Path(path)
+    if root.is_file():
+        return sha256_file(root)
+    h = hashlib.sha256()
+    for file in sorted(p for p in root.rglob("*") if p.is_file()):
+        h.update(f"{file.relative_to(root).as_posix()}\0{sha256_file(file)}\n".encode())
+    return h.hexdigest()
+
+
 def save_checksummed(obj: Any, path: str | Path) -> str:
     """``torch.save`` atomically with a ``<path>.sha256`` sidecar; returns the digest.
 

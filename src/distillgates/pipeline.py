@@ -6,7 +6,12 @@ Every step is cached. Its fingerprint covers exactly what can change its output:
 - the code it runs: the step function and the package modules it imports, transitively
   (:mod:`distillgates.codeversion`; docstrings and comments do not count);
 - the checksums of the outputs of the steps it depends on (content, not their inputs: a
-  re-run upstream that writes the same bytes leaves it cached).
+  re-run upstream that writes the same bytes leaves it cached);
+- its environment (``Step.libraries``, ``Step.machine``): the installed versions of the libraries its
+  output depends on (torch for training, eval and speed, coremltools for export, transformers and
+  tokenizers for data, teacher and KD) and, for the export's figures and speed, the machine
+  (:func:`machine_identity`): after an upgrade, or on another machine restoring a CI cache, old
+  figures are never reused as current.
 
 A re-run skips a step whose fingerprint is unchanged **and** whose outputs still have the
 checksums recorded when it finished: a corrupted or hand-edited artifact is detected and the
@@ -19,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import functools
 import json
 import shutil
@@ -54,11 +60,53 @@ class Step:
     # the step builds its outputs aside and swaps them in itself: a failed run keeps the previous ones
     replaces_outputs: bool = False
     files: Callable[[Config], tuple[Path, ...]] | None = None  # input files outside the run (content hashed)
+    libraries: tuple[str, ...] = ()  # distributions whose installed version changes the output
+    machine: bool = False  # the output is a measurement of this machine (export figures, speed)
 
     @functools.cached_property
     def code(self) -> dict[str, str]:
         """``{module or module:function: sha256}`` of the code the step runs (:func:`codeversion.step_code`)."""
         return step_code(self.run.__module__, self.run.__name__)
+
+
+LIBRARIES = ("torch", "coremltools", "transformers", "tokenizers")  # every Step.libraries name is one of these
+
+
+def library_versions(names: tuple[str, ...] = LIBRARIES) -> dict[str, str | None]:
+    """``{distribution: installed version}`` (None: not installed)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    versions: dict[str, str | None] = {}
+    for name in names:
+        try:
+            versions[name] = version(name)
+        except PackageNotFoundError:
+            versions[name] = None
+    return versions
+
+
+@functools.cache
+def machine_identity() -> dict[str, Any]:
+    """What a measurement on this machine depends on: system, architecture, SoC/CPU, OS (and its version), RAM
+    and logical cores (:func:`distillgates.hardware.detect_hardware`)."""
+    from distillgates.hardware import detect_hardware
+
+    return dataclasses.asdict(detect_hardware())
+
+
+def step_environment(step: Step) -> dict[str, Any]:
+    """The environment part of ``step``'s inputs: its libraries' versions and, for a measurement, the machine."""
+    env: dict[str, Any] = dict(library_versions(step.libraries))
+    if step.machine:
+        env["machine"] = machine_identity()
+    return env
+
+
+def environment_key() -> str:
+    """A short digest of every library the steps depend on and this machine: the shipped CI workflows add it
+    to their run-cache key, so no cache of another environment is restored (the steps' fingerprints cover
+    it too)."""
+    return sha256_json({"libraries": library_versions(), "machine": machine_identity()})[:16]
 
 
 def config_value(cfg: Config, dotted: str) -> Any:
@@ -105,6 +153,8 @@ class Pipeline:
         inputs = {"step": step.name, "config": config, "seed": self.cfg.seed, "code": step.code, "upstream": upstream}
         if files := (step.files(self.cfg) if step.files else ()):  # absent otherwise: the toy keeps its fingerprints
             inputs["files"] = {str(p): sha256_file(p) if Path(p).is_file() else None for p in files}
+        if step.libraries or step.machine:
+            inputs["env"] = step_environment(step)
         return inputs
 
     def fingerprint(self, step: Step) -> str:
@@ -117,7 +167,7 @@ class Pipeline:
             return "not run yet"
         if entry.get("fingerprint") != self.fingerprint(step):
             before, current = entry.get("inputs", {}), self.inputs(step)
-            changed = [f"{kind} {name}" for kind in ("config", "code", "upstream", "files")
+            changed = [f"{kind} {name}" for kind in ("config", "code", "upstream", "files", "env")
                        for name in sorted(set(before.get(kind, {})) | set(current.get(kind, {})))
                        if before.get(kind, {}).get(name) != current.get(kind, {}).get(name)]  # fmt: skip
             return "inputs changed: " + (", ".join(changed[:6]) + (" ..." if len(changed) > 6 else "") or "seed")
@@ -530,28 +580,31 @@ def _teacher_outputs(cfg: Config, run: RunDir) -> tuple[Path, ...]:
 
 STEPS: list[Step] = [
     Step("data", "generate the toy dataset (or read your own) and train the tokenizer", ("data", "tokenizer", "shapes"),
-         (), step_data, lambda cfg, run: (run.data_dir,), replaces_outputs=True, files=_data_files),
+         (), step_data, lambda cfg, run: (run.data_dir,), replaces_outputs=True, files=_data_files,
+         libraries=("tokenizers", "transformers")),
     Step("teacher", "train the toy teacher (LlamaForCausalLM)",
          ("teacher.kind", "teacher.path", "teacher.model", "teacher.train"), ("data",), step_teacher,
-         _teacher_outputs),
+         _teacher_outputs, libraries=("torch", "transformers", "tokenizers")),
     Step("kd", "query the teacher for the training prompts and write the KD set",
          ("teacher.kind", "teacher.api", "teacher.chat_template", "kd"), ("data", "teacher"), step_kd,
-         lambda cfg, run: (run.kd_dir,), resumable=True),
+         lambda cfg, run: (run.kd_dir,), resumable=True, libraries=("torch", "transformers", "tokenizers")),
     Step("student", "distill the student (KD + latency-aware losses, enumerated shapes, late QAT)",
          ("student", "train", "shapes", "speed.n_prompts"), ("data", "teacher", "kd"), step_student,
-         lambda cfg, run: (run.model_dir("student"),), resumable=True, files=lambda cfg: _checkpoint_files(cfg.train)),
+         lambda cfg, run: (run.model_dir("student"),), resumable=True, files=lambda cfg: _checkpoint_files(cfg.train),
+         libraries=("torch", "tokenizers")),
     Step("drafter", "distill the drafter for speculative decoding",
          ("drafter", "drafter_train", "train", "shapes", "speed.n_prompts"), ("data", "teacher", "kd"), step_drafter,
          lambda cfg, run: (run.model_dir("drafter"),), resumable=True,
-         files=lambda cfg: _checkpoint_files(cfg.drafter_train or cfg.train)),
+         files=lambda cfg: _checkpoint_files(cfg.drafter_train or cfg.train), libraries=("torch", "tokenizers")),
     Step("export", "export the student to Core ML (prefill + stateful decode), lint, parity",
-         ("export", "shapes", "gates"), ("data", "student"), step_export, lambda cfg, run: (run.export_dir,)),
+         ("export", "shapes", "gates"), ("data", "student"), step_export, lambda cfg, run: (run.export_dir,),
+         libraries=("torch", "coremltools"), machine=True),
     Step("speed", "measure TTFT/TPS/TTFA, prompt cache and speculative decoding", ("speed",),
-         ("data", "student", "drafter"), step_speed, lambda cfg, run: (run.speed_report,)),
+         ("data", "student", "drafter"), step_speed, lambda cfg, run: (run.speed_report,),
+         libraries=("torch", "coremltools", "tokenizers"), machine=True),
     Step("eval", "evaluate student and teacher on held-out items; sharded determinism",
          ("shapes", "eval", "teacher.kind", "teacher.api", "teacher.chat_template"), ("data", "teacher", "student"),
-         step_eval,
-         lambda cfg, run: (run.eval_dir,)),
+         step_eval, lambda cfg, run: (run.eval_dir,), libraries=("torch", "transformers", "tokenizers")),
     Step("report", "write the validated report", ("*",), ("eval", "speed", "export", "kd", "student"), step_report,
          lambda cfg, run: (run.report,)),
 ]

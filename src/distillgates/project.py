@@ -49,20 +49,27 @@ class Thresholds:
     values: GatesConfig
     sources: dict[str, str]  # GatesConfig field -> file
     embedded: GatesConfig = field(default_factory=GatesConfig)  # the embedded values the project's replace
+    # the project's hardware profiles' speed policies looser than the embedded ones: name -> (value, embedded)
+    profiles_loosened: dict[str, tuple[Any, Any]] = field(default_factory=dict)
 
     def loosened(self) -> dict[str, tuple[Any, Any]]:
         """The thresholds set looser than the embedded ones, ``name -> (value, embedded value)``: a ``*_min``
-        below it, a ``*_max`` above it, a smaller ``significance_alpha`` (fewer regressions called)."""
+        below it, a ``*_max`` above it, a smaller ``significance_alpha`` (fewer regressions called), a gate
+        waived that the embedded ones do not waive, a hardware profile of the project's tolerating a larger speed
+        regression (``gating.max_regression``) than the embedded profile of its key (a new key: than
+        ``speed_regression_max``)."""
         looser = {}
         for name, value in dataclasses.asdict(self.values).items():
             default = getattr(self.embedded, name)
-            if name.endswith("_min") or name == "significance_alpha":
+            if name == "waive":  # a waived gate no longer fails unmeasured under CI
+                relaxed = bool(set(value) - set(default))
+            elif name.endswith("_min") or name == "significance_alpha":
                 relaxed = value < default
             else:
                 relaxed = name.endswith("_max") and value > default
             if relaxed:
                 looser[name] = (value, default)
-        return looser
+        return looser | self.profiles_loosened
 
     def label(self) -> str:
         """``<file> (k1, k2); the rest: <embedded file>`` — which file each threshold came from, in one line,
@@ -158,7 +165,18 @@ class Project:
             section = _gates_section(own, partial=True)
             for key in section:
                 values[key], sources[key] = section[key], str(own)
-        return Thresholds(GatesConfig(**values), sources, embedded)
+        return Thresholds(GatesConfig(**values), sources, embedded, self._profiles_loosened(embedded))
+
+    def _profiles_loosened(self, embedded: GatesConfig) -> dict[str, tuple[Any, Any]]:
+        own = self._own("hardware_profiles")
+        if own is None:
+            return {}
+        from distillgates.hardware import load_profiles
+
+        base = {p.key: p.gating.max_regression for p in load_profiles(EMBEDDED_PROFILES)}
+        return {f"hardware_profiles[{p.key}].gating.max_regression": (p.gating.max_regression, allowed)
+                for p in load_profiles(own)
+                if p.gating.max_regression > (allowed := base.get(p.key, embedded.speed_regression_max))}
 
 
 def _pyproject_table(path: Path) -> dict[str, Any] | None:

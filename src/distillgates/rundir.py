@@ -121,6 +121,32 @@ class RunDir:
     def contract(self) -> Path:
         return self.export_dir / "contract.json"
 
+    def package_digests(self) -> tuple[dict[str, str | None], Any]:
+        """(the sha256 (:func:`distillgates.io.tree_sha256`) of every package the export recorded and of every
+        ``*.mlpackage`` in ``export/``, None where one is missing; the ``package_sha256`` the export recorded
+        in ``contract.json``)."""
+        from distillgates.io import tree_sha256
+
+        recorded = self.read_json(self.contract).get("package_sha256")
+        names = set(recorded) if isinstance(recorded, dict) else set()
+        names |= {p.name for p in self.export_dir.glob("*.mlpackage")}
+        return {n: tree_sha256(self.export_dir / n) if (self.export_dir / n).exists() else None
+                for n in sorted(names)}, recorded
+
+    def verify_packages(self) -> dict[str, str]:
+        """The exported packages' digests when they are the ones the export recorded, else a
+        :class:`RunArtifactError` naming each missing, changed or unrecorded package."""
+        current, recorded = self.package_digests()
+        if not isinstance(recorded, dict) or not recorded:
+            raise RunArtifactError(f"{self.contract}: no package_sha256 recorded (exported before package digests, "
+                                   "or no package): re-run the export step")
+        wrong = [f"{name}: sha256 {str(current[name])[:12]} (None: missing), the export recorded "
+                 f"{str(recorded.get(name))[:12]} (None: not recorded)" for name in current
+                 if current[name] != recorded.get(name)]
+        if wrong:
+            raise RunArtifactError(f"{self.export_dir}: not the packages the export wrote: " + "; ".join(wrong))
+        return current  # type: ignore[return-value]  # every digest equals a recorded string
+
     @property
     def export_gate_inputs(self) -> Path:
         return self.export_dir / "gate_inputs.json"

@@ -34,7 +34,8 @@ def test_determinism_check_counts_duplicates_missing_mismatches() -> None:
     same = [_out(i, f"answer  {i} ") for i in reversed(ids)]  # whitespace-normalized equal
     assert determinism_check(ids, same, unsharded, 2) | {"mismatched_ids": []} == {
         "coverage": 1.0, "duplicates": 0, "missing": 0, "mismatches": 0, "sharded_equal": True, "n_shards": 2,
-        "mismatched_ids": [], "unsharded_sha256": outputs_sha256(same),  # whitespace-normalized, order-free
+        "items_per_shard": None, "mismatched_ids": [],
+        "unsharded_sha256": outputs_sha256(same),  # whitespace-normalized, order-free
     }  # fmt: skip
     broken = [_out("a", "answer a"), _out("a", "answer a"), _out("b", "other"), _out("c", "answer c")]
     result = determinism_check(ids, broken, unsharded, 2)
@@ -56,7 +57,7 @@ def test_sharded_equals_unsharded_with_real_processes(tiny_run: dict[str, Any]) 
     result = sharded_determinism(spec, world_size=2, work_dir=tiny_run["root"])
     assert result["sharded_equal"] is True, result
     assert result["coverage"] == 1.0 and result["duplicates"] == 0 and result["missing"] == 0
-    assert result["n_shards"] == 2
+    assert result["n_shards"] == 2 and sorted(result["items_per_shard"]) == [4, 8]  # 12 items, split by id hash
 
 
 def test_evaluate_with_engine_produces_a_valid_report(tiny_run: dict[str, Any]) -> None:

@@ -24,6 +24,7 @@ from distillgates.export.convert import ExportError, convert_program, export_pro
 from distillgates.export.layout import ANETransformer, build_layout, head_widths, logits_names
 from distillgates.export.lint import ANE_MAX_DIM, ane_op_lint, lint_int64_attention, lint_mil_ops, lint_shapes
 from distillgates.export.wrappers import PrefillModule
+from distillgates.io import tree_sha256
 from distillgates.model import Transformer, load_model, model_fingerprint, save_model
 
 from ..conftest import tiny_model_config
@@ -69,6 +70,8 @@ def test_standard_export_contract_read_back(standard_export, tiny_ckpt, export_l
     assert [s["name"] for s in prefill["states"]] == kv["state_names"]
     assert all(s["shape"] == [1, 2, 48, 8] and s["dtype"] == "FLOAT16" for s in prefill["states"])
     assert contract["kv"]["bytes"] == 2 * cfg.n_layers * cfg.n_kv_heads * cfg.head_dim * cfg.max_seq_len * 2
+    # every package as saved, for the identity gate
+    assert contract["package_sha256"] == {p.name: tree_sha256(p) for p in standard_export.packages.values()}
 
 
 @pytest.mark.integration

@@ -316,3 +316,11 @@ def test_paired_no_regression_fails_a_baseline_without_items(tmp_path):
     gate, _ = make_gate(tmp_path)
     with pytest.raises(GateFailure, match=r"has no per-item scores.*re-bless it"):
         gate.paired_no_regression("f1", {"a": 0.9}, tolerance=0.01, alpha=0.05, definition="d")
+
+
+def test_ci_variable_counts_only_true_values():
+    from distillgates.gates.session import ci_variable
+
+    assert ci_variable({"CI": "false"}) is None and ci_variable({"CI": "0"}) is None and ci_variable({}) is None
+    assert ci_variable({"CI": "true"}) == "CI=true" and ci_variable({"GITLAB_CI": "TRUE"}) == "GITLAB_CI=TRUE"
+    assert ci_variable({"CI": "no", "TF_BUILD": "True"}) == "TF_BUILD=True"

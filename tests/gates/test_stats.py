@@ -256,3 +256,18 @@ def test_mean_interval_is_a_t_interval():
     assert interval.low == pytest.approx(0.75 - 3.1824 * 0.25, abs=1e-3)
     assert interval.high == pytest.approx(0.75 + 3.1824 * 0.25, abs=1e-3)
     assert mean_interval([0.5]) == Interval(1, 0.5, 0.5) and mean_interval([]) is None
+
+
+def test_detectable_drop_and_underpowered_slices():
+    from distillgates.gates.stats import POWER_FACTOR, compare_paired, detectable_drop, items_for_tolerance
+
+    assert detectable_drop([1.0], [0.0], tolerance=0.01, alpha=0.05) == (float("inf"), 0.0)  # one item never fails
+    four = {str(i): 1.0 for i in range(4)}
+    two_lost = compare_paired(four, {**four, "0": 0.0, "1": 0.0}, tolerance=0.01, alpha=0.05)
+    assert two_lost.verdict == "pass" and round(two_lost.p_value, 3) == 0.094 and two_lost.underpowered
+    assert two_lost.detectable_drop > POWER_FACTOR * 0.01 and "UNDERPOWERED" in two_lost.reason
+    n = items_for_tolerance(0.2, 0.01)
+    spread_02 = [0.0, 0.4] * (n // 2) + [0.2] * (n % 2)  # population SD 0.2: sample SD just above it
+    assert detectable_drop([0.2] * (n - 1), [0.0] * (n - 1), tolerance=0.01, alpha=0.05)[0] <= 0.03  # floor only
+    assert detectable_drop(spread_02[:n - 40], [0.0] * (n - 40), tolerance=0.01, alpha=0.05)[0] > 0.03
+    assert n == 273

@@ -22,7 +22,9 @@ from distillgates.config import load_config, to_dict
 from distillgates.data.chat import prompt_wrapper_sha256
 from distillgates.data.fingerprints import dataset_sha256
 from distillgates.data.registry import tool_registry_sha256
+from distillgates.eval.sharding import outputs_sha256, write_outputs
 from distillgates.gates.session import resolve_hardware
+from distillgates.io import tree_sha256
 from distillgates.model import Transformer, model_fingerprint, save_model
 from distillgates.project import EMBEDDED_CONFIG
 from distillgates.rundir import RunDir
@@ -37,6 +39,7 @@ from ..conftest import tiny_model_config
 SHAPES = ("128", "192", "256")
 TOKENIZER_FP = "tok-" + "a" * 60
 GOOD_DATASET_SHA256 = "d" * 64  # write_run puts the sha256 of the eval set it writes in its place
+GOOD_OUTPUTS_SHA256 = "o" * 64  # write_run puts the sha256 of the eval outputs it writes in its place
 
 
 def metrics(**overrides: Any) -> dict[str, Any]:
@@ -46,6 +49,7 @@ def metrics(**overrides: Any) -> dict[str, Any]:
         "privacy_ok_rate": 1.0, "controls_with_integration": 0, "fixture_hit_rate": 1.0,
         "median_tokens_out": 20.0, "median_tokens_out_tool_items": 22.0, "false_tool_calls_tool_absent": 0,
         "ttfa_tokens_p50": 12.0, "ttfa_tokens_p95": 18.0, "failure_reasons": {},
+        "items_with_pii": 20, "control_items": 30, "tool_absent_items": 40, "ttfa_items": 150,
     }
     flat.update(overrides)
     return flat
@@ -55,6 +59,12 @@ def metrics(**overrides: Any) -> dict[str, Any]:
 def tiny_student() -> Transformer:
     """The fabricated runs' student (one per test session: its fingerprint is in the good report)."""
     return Transformer(tiny_model_config()).eval()
+
+
+@functools.cache
+def this_profile() -> str:
+    """This machine's hardware profile key (detected)."""
+    return resolve_hardware(None)[0]
 
 
 def run_config() -> dict[str, Any]:
@@ -80,7 +90,7 @@ def good_report() -> dict[str, Any]:
             "config_sha256": "c" * 64, "git_sha": "0" * 40, "created_at": "2026-01-01T00:00:00+00:00",
             "config": run_config(),
         },
-        "quality": {"student": {**metrics(), "slices": slices, "outputs_sha256": "o" * 64},
+        "quality": {"student": {**metrics(), "slices": slices, "outputs_sha256": GOOD_OUTPUTS_SHA256},
                     "teacher": {**metrics(median_tokens_out=30.0), "slices": copy.deepcopy(slices)}},
         "speed": {
             "backend": "torch", "export": False, "hardware_profile_key": "test",
@@ -91,7 +101,7 @@ def good_report() -> dict[str, Any]:
         },
         "gate_inputs": {
             "determinism": {"coverage": 1.0, "duplicates": 0, "missing": 0, "mismatches": 0, "sharded_equal": True,
-                            "n_shards": 2, "unsharded_sha256": "o" * 64},
+                            "n_shards": 2, "items_per_shard": [60, 60], "unsharded_sha256": GOOD_OUTPUTS_SHA256},
             "qat": {"probe_cosine_min": 0.9995, "probe_cosine": {"layer0_attn": 0.9995, "layer0_mlp": 0.9999},
                     "has_nan": False},
             "export": {"cosine_by_shape": {s: 0.9999 for s in SHAPES}, "decode_cosine": [0.9999, 0.9998],
@@ -100,10 +110,13 @@ def good_report() -> dict[str, Any]:
             "ane_lint": {"source": "op-eligibility lint (static MIL)", "ineligible_ops": [], "over_limits": [],
                          "limits": {"max_rank": 5, "max_dim": 16384}, "op_eligible_share": 0.99, "by_op_type": {}},
             # as a Mac's export records it (off macOS a run has none, and the residency gates skip)
-            "ane_residency": {"source": "MLComputePlan", "residency": 0.95, "by_op_type": {}},
-            "ane_residency_decode": {"source": "MLComputePlan", "residency": 0.93, "by_op_type": {}},
+            # measured on this machine: the gates bind them to the session's hardware profile
+            "ane_residency": {"source": "MLComputePlan", "residency": 0.95, "by_op_type": {},
+                              "hardware_profile_key": this_profile()},
+            "ane_residency_decode": {"source": "MLComputePlan", "residency": 0.93, "by_op_type": {},
+                                     "hardware_profile_key": this_profile()},
             "coreml_parity": {"source": "MLModel.predict", "cosine_by_shape": {s: 0.9999 for s in SHAPES},
-                              "decode_cosine": [0.9999, 0.9998]},
+                              "decode_cosine": [0.9999, 0.9998], "hardware_profile_key": this_profile()},
             "prompt_cache": {"ttft_cold_ms": [10.0, 11.0, 10.5], "ttft_hit_ms": [4.0, 4.2, 4.1], "hit_rate": 1.0},
             "speculative": {"identical": True, "speedup": 1.6, "acceptance_rate": 0.7, "tokens_per_worker_step": 2.1},
             "teacher": {"kind": "openai", "determinism": True, "retries": 0, "cache_hits": 0, "records": 10,
@@ -112,12 +125,13 @@ def good_report() -> dict[str, Any]:
     }
 
 
-ITEMS_PER_SHAPE = 40
+ITEMS_PER_SHAPE = 120  # enough for the drift gates to be powered (docs/gates.md): 40 are not
+PACKAGES = ("prefill.mlpackage", "decode.mlpackage")
 
 
 def good_item_scores() -> list[dict[str, Any]]:
-    """``eval/item_scores.json`` rows of the good run: per shape, 40 eligible items, 2 of them with F1 lax 0 and 4
-    with F1 strict 0.5 (means 0.95 and 0.95, the report's f1_lax_macro)."""
+    """``eval/item_scores.json`` rows of the good run: per shape, 120 eligible items, 2 of them with F1 lax 0 and 4
+    with F1 strict 0.5 (means 0.983 and 0.983)."""
     return [{"id": f"{shape}-{i}", "shape": shape, "f1_lax": 0.0 if i < 2 else 1.0, "f1_strict": 0.5 if i < 4 else 1.0,
              "selection_ok": True, "privacy_ok": True, "calls_emitted": 1, "calls_valid": 1, "fixture_calls": 1,
              "fixture_hits": 1}
@@ -129,8 +143,8 @@ def write_run(
     item_scores: list[dict[str, Any]] | None = None,
 ) -> Path:
     """A run dir: ``report``, the student's per-item scores (default :func:`good_item_scores`), the eval set's header
-    (``eval_set`` overrides its fields), ``model`` (default: the tiny student) as the student checkpoint, and an
-    export contract recording the checkpoint's fingerprint."""
+    (``eval_set`` overrides its fields), ``model`` (default: the tiny student) as the student checkpoint, stand-ins
+    of the exported packages, and an export contract recording the checkpoint's fingerprint and their digests."""
     run = RunDir(root)
     for folder in (run.reports_dir, run.data_dir, run.model_dir("student"), run.export_dir, run.eval_dir):
         folder.mkdir(parents=True, exist_ok=True)
@@ -141,12 +155,20 @@ def write_run(
     if fingerprints.get("dataset_sha256") == GOOD_DATASET_SHA256:  # the good report: evaluated on this eval set
         report = copy.deepcopy(report)
         report["header"]["fingerprints"]["dataset_sha256"] = dataset_sha256(run.dataset("eval"))
+    outputs = [{"id": f"{shape}-{i}", "turns": [], "calls": [], "answer": "ok", "tokens_out": 20, "ttfa_tokens": None}
+               for shape in SHAPES for i in range(ITEMS_PER_SHAPE)]
+    write_outputs(run.eval_outputs, outputs)
+    report = json.loads(json.dumps(report).replace(GOOD_OUTPUTS_SHA256, outputs_sha256(outputs)))
     run.report.write_text(json.dumps(report))
     rows = good_item_scores() if item_scores is None else item_scores
     run.item_scores.write_text(json.dumps({"role": "student", "items": rows}))
     model = model or tiny_student()
     save_model(run.model_path(), model)
-    run.contract.write_text(json.dumps({"model_fingerprint": model_fingerprint(model)}))
+    for name in PACKAGES:  # stand-ins for the exported packages: the identity gate checks their digests
+        (run.export_dir / name / "Data").mkdir(parents=True, exist_ok=True)
+        (run.export_dir / name / "Data" / "weight.bin").write_bytes(name.encode())
+    run.contract.write_text(json.dumps({"model_fingerprint": model_fingerprint(model), "package_sha256": {
+        name: tree_sha256(run.export_dir / name) for name in PACKAGES}}))
     return root
 
 
@@ -241,7 +263,7 @@ def speed_reference_record():
 
 @pytest.fixture(scope="session")
 def own_profile() -> str:
-    return resolve_hardware(None)[0]
+    return this_profile()
 
 
 @pytest.fixture

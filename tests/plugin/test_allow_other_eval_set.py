@@ -3,12 +3,16 @@ records no fingerprints (an old baseline) is refused and must be re-blessed."""
 
 from __future__ import annotations
 
+import copy
 import json
 
 import pytest
 
 from distillgates.gates.baselines import EVAL_SET_KEYS
+from distillgates.model import model_fingerprint, save_model
 from distillgates.rundir import RunDir
+
+from .conftest import tiny_student
 
 F1_DRIFT = "gates/test_f1_drift.py"
 
@@ -37,8 +41,11 @@ def test_another_model_is_what_a_baseline_compares(pytester, gates_project, make
     """The model and runner fingerprints are not part of the eval set: a new student is compared."""
     gates_project()
     args = bless(pytester, make_run, own_profile)
-    run = make_run("retrained", **{"header.fingerprints.model_fingerprint": "f" * 64,
+    other = copy.deepcopy(tiny_student())
+    other.embed.weight.data.mul_(1.01)  # a retrained student: its report describes it
+    run = make_run("retrained", **{"header.fingerprints.model_fingerprint": model_fingerprint(other),
                                    "header.fingerprints.runner_fingerprint": "f" * 64})
+    save_model(RunDir(run).model_path(), other)
     pytester.runpytest(*args, f"--run-dir={run}").assert_outcomes(passed=2)
 
 

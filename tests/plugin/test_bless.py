@@ -34,7 +34,7 @@ def test_bless_then_normal_run_passes(pytester, gates_project, make_run, own_pro
     blessed.stdout.fnmatch_lines(["*blessed baselines written: *baselines/common/f1_drift.json"])
     data = json.loads((pytester.path / "baselines" / "common" / "f1_drift.json").read_text())
     entry = data["entries"]["f1_lax_macro"]
-    assert entry["value"] == 0.95 and "integration F1 lax" in entry["definition"]
+    assert entry["value"] == 118 / 120 and "integration F1 lax" in entry["definition"]
     assert entry["fingerprints"] == json.loads(RunDir(run).report.read_text())["header"]["fingerprints"]  # all six
     assert entry["fingerprints"]["model_fingerprint"] == model_fingerprint(tiny_student())
     provenance = entry["provenance"]

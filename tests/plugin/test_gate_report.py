@@ -29,8 +29,8 @@ def test_json_report_lists_every_check(pytester, gates_project, make_run, own_pr
     assert failed["name"] == "privacy_ok_rate" and failed["measured"] == 0.99 and failed["threshold"] == 1.0
     assert failed["group"] == "privacy" and failed["nodeid"] == "gates/test_privacy.py::test_privacy_ok_rate"
     assert "violates >= 1" in failed["reason"]
-    # 120 items, all privacy-ok in the fabricated per-item outcomes: the Wilson interval of 120/120
-    assert failed["n"] == 120 and failed["ci"][1] == 1.0 and 0.96 < failed["ci"][0] < 0.97
+    # 360 items, all privacy-ok in the fabricated per-item outcomes: the Wilson interval of 360/360
+    assert failed["n"] == 360 and failed["ci"][1] == 1.0 and 0.989 < failed["ci"][0] < 0.99
 
 
 def test_report_names_the_file_of_each_threshold(pytester, gates_project, make_run, own_profile):

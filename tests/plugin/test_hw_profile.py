@@ -6,6 +6,8 @@ import json
 
 import pytest
 
+from .conftest import DELETE
+
 ANE = "gates/test_ane_residency.py"  # the good run carries an MLComputePlan residency, which depends on the device
 
 
@@ -28,8 +30,12 @@ def test_selected_profile_that_is_not_this_machine_is_refused(pytester, gates_pr
     other = other_profile(own_profile)
     pytester.runpytest(ANE, f"--run-dir={run}", f"--hw-profile={other}", "--bless", "--allow-cross-hw")
     result = pytester.runpytest(ANE, f"--run-dir={run}", f"--hw-profile={other}")
-    result.assert_outcomes(passed=2, failed=2)  # the absolute residency gates are hardware-free; the drop gates not
-    result.stdout.fnmatch_lines([f"*--hw-profile '{other}' does not match this machine*--allow-cross-hw*"])
+    result.assert_outcomes(failed=4)  # the figures were measured here, not on the selected profile's machine
+    result.stdout.fnmatch_lines([f"*measured on hardware profile '{own_profile}', this session gates hardware "
+                                 f"profile '{other}'*--allow-cross-hw*"])
+    # allowed across hardware: the absolute gates pass, the drop gates compare with the other profile's baselines
+    result = pytester.runpytest(ANE, f"--run-dir={run}", f"--hw-profile={other}", "--allow-cross-hw")
+    result.assert_outcomes(passed=4)
 
 
 def test_hardware_free_gates_ignore_the_profile(pytester, gates_project, make_run, own_profile):
@@ -51,6 +57,30 @@ def test_bless_under_another_machines_profile_is_refused(pytester, gates_project
     gates_project()
     other = other_profile(own_profile)
     result = pytester.runpytest(ANE, f"--run-dir={make_run()}", f"--hw-profile={other}", "--bless")
+    result.assert_outcomes(failed=4)
+    result.stdout.fnmatch_lines([f"*measured on hardware profile '{own_profile}', this session gates*'{other}'*"])
+    assert not (pytester.path / "baselines" / other).exists()
+    # figures of the selected profile's machine, blessed on this one: still refused
+    run = make_run("other", **{f"gate_inputs.{key}.hardware_profile_key": other
+                               for key in ("ane_residency", "ane_residency_decode")})
+    result = pytester.runpytest(ANE, f"--run-dir={run}", f"--hw-profile={other}", "--bless")
     result.assert_outcomes(passed=2, failed=2)
     result.stdout.fnmatch_lines(["*refusing to bless*does not match this machine*"])
     assert not (pytester.path / "baselines" / other).exists()
+
+
+@pytest.mark.parametrize("recorded", ["figure", "header"])
+def test_core_ml_figures_of_another_machine_are_refused(pytester, gates_project, make_run, own_profile, recorded):
+    """A run exported (parity, residency measured) on one Mac is not gated under another profile: each figure's
+    own hardware_profile_key, else the report header's, must be the session's."""
+    gates_project()
+    other = other_profile(own_profile)
+    keys = ("ane_residency", "ane_residency_decode", "coreml_parity")
+    changes = ({f"gate_inputs.{k}.hardware_profile_key": other for k in keys} if recorded == "figure" else
+               {**{f"gate_inputs.{k}.hardware_profile_key": DELETE for k in keys},
+                "header.hardware.hardware_profile_key": other})
+    result = pytester.runpytest(ANE, "gates/test_coreml_parity.py", "-k", "not no_drop",
+                                f"--run-dir={make_run(**changes)}", f"--hw-profile={own_profile}")
+    result.assert_outcomes(failed=6, deselected=2)  # 2 residency, 3 shapes + decode parity
+    result.stdout.fnmatch_lines([f"*Core ML parity was measured on hardware profile '{other}', this session gates "
+                                 f"hardware profile '{own_profile}'*"])

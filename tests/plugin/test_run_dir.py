@@ -12,13 +12,13 @@ import pytest
 from distillgates.model import model_fingerprint, save_model
 from distillgates.rundir import RunDir
 
-from .conftest import DELETE, SHAPES, good_item_scores, tiny_student
+from .conftest import DELETE, SHAPES, good_item_scores, project_file, tiny_student
 
 NAN = float("nan")
 
 
 def lose_f1(field: str, shapes: list[str] | tuple[str, ...], n_per_shape: int = 8) -> list[dict]:
-    """The good item scores with ``n_per_shape`` items of each of ``shapes`` (of 40, all at 1.0) dropped to 0."""
+    """The good item scores with ``n_per_shape`` items of each of ``shapes`` (of 120, at 1.0) dropped to 0."""
     rows = good_item_scores()
     for shape in shapes:
         for row in [r for r in rows if r["shape"] == shape and r[field] == 1.0][:n_per_shape]:
@@ -38,11 +38,11 @@ VIOLATIONS = [
     ("invalid_json", {"quality.student.json_validity": 0.97}, "quality", ["test_quality[json_validity]"], "0.97"),
     ("fixture_misses", {"quality.student.fixture_hit_rate": 0.9}, "quality", ["test_quality[fixture_hit_rate]"],
      "0.9"),
-    # 20% of the items lose their F1 (8 of 40 per shape): mean change -0.2, significant
+    # 6.7% of the items lose their F1 (8 of 120 per shape): mean change -0.0667, significant
     ("f1_lax_drift", {"item_scores": lose_f1("f1_lax", SHAPES)}, "f1_drift", ["test_f1_drift[lax]"],
-     "n=120 items (24 changed), mean change -0.2000"),
+     "n=360 items (24 changed), mean change -0.0667"),
     ("f1_strict_drift", {"item_scores": lose_f1("f1_strict", SHAPES)}, "f1_drift", ["test_f1_drift[strict]"],
-     "mean change -0.2000"),
+     "mean change -0.0667"),
     ("leaked_pii", {"quality.student.privacy_ok_rate": 0.99}, "privacy", ["test_privacy_ok_rate"], "0.99 >= "),
     ("control_calls_tool", {"quality.student.controls_with_integration": 1}, "privacy",
      ["test_controls_with_integration"], "measured 1 <= threshold 0"),
@@ -55,15 +55,18 @@ VIOLATIONS = [
       "test_sharded_equals_unsharded[missing]"], "coverage"),
     ("shards_compared_with_another_run", {"gate_inputs.determinism.unsharded_sha256": "x" * 64}, "determinism",
      ["test_shards_were_compared_with_the_reported_run"], "unsharded_is_reported"),
-    ("single_shard", {"gate_inputs.determinism.n_shards": 1}, "determinism", ["test_more_than_one_shard"], "n_shards"),
+    ("single_shard", {"gate_inputs.determinism.items_per_shard": [360, 0]}, "determinism",
+     ["test_more_than_one_shard"], "shards_with_items"),
+    ("outputs_not_reported", {"quality.student.outputs_sha256": "x" * 64}, "determinism",
+     ["test_shards_were_compared_with_the_reported_run"], "outputs_are_reported"),
     ("api_teacher_retried", {"gate_inputs.teacher.retries": 2}, "determinism",
      ["test_api_teacher_made_no_retries"], "measured 2 == threshold 0"),
     ("api_teacher_not_deterministic", {"gate_inputs.teacher.determinism": False}, "determinism",
      ["test_api_teacher_made_no_retries"], "teacher.api.determinism: true"),
     ("missing_teacher_inputs", {"gate_inputs.teacher": DELETE}, "determinism",
      ["test_api_teacher_made_no_retries"], "missing key 'gate_inputs.teacher.kind'"),
-    ("missing_fingerprint", {"header.fingerprints.model_fingerprint": DELETE}, "determinism",
-     ["test_fingerprint_present[model_fingerprint]"], "found None"),
+    ("missing_fingerprint", {"header.fingerprints.runner_fingerprint": DELETE}, "determinism",
+     ["test_fingerprint_present[runner_fingerprint]"], "found None"),
     ("null_fingerprint", {"header.fingerprints.runner_fingerprint": None}, "determinism",
      ["test_fingerprint_present[runner_fingerprint]"], "runner_fingerprint"),
     ("registry_of_other_code", {"header.fingerprints.tool_registry_sha256": "0" * 64,
@@ -87,7 +90,7 @@ VIOLATIONS = [
     ("late_first_tool_call", {"quality.student.ttfa_tokens_p95": 30.0}, "latency_loss", ["test_ttfa_p95"],
      "ttfa_tokens_p95 FAILED: measured 30 <= threshold 25"),
     ("shape_drift", {"item_scores": lose_f1("f1_lax", ["256"])}, "shape_drift",
-     ["test_shape_drift[256]"], "f1_lax_macro[shape=256]: significant drop beyond tolerance: n=40 items"),
+     ["test_shape_drift[256]"], "f1_lax_macro[shape=256]: significant drop beyond tolerance: n=120 items"),
     ("shape_without_eval_items", {"item_scores": [r for r in good_item_scores() if r["shape"] != "256"]},
      "shape_drift", ["test_shape_drift[256]"], "f1_lax_macro[shape=256] FAILED: measured None"),
     ("enumerated_shape_not_exported", {"header.config.shapes.lengths": [128, 192, 256, 320]}, "export",
@@ -154,7 +157,7 @@ def test_good_run_passes_every_gate(pytester, gates_project, make_run, own_profi
     common = [f"--run-dir={run}", f"--hw-profile={own_profile}"]
     pytester.runpytest(*BASELINED, *common, "--bless").assert_outcomes(passed=9)
     result = pytester.runpytest("gates", *common, "-rA")
-    result.assert_outcomes(passed=59, deselected=4)
+    result.assert_outcomes(passed=60, deselected=4)
     for name in GATE_FILES:
         assert f"PASSED gates/test_{name}.py::" in result.stdout.str(), name
 
@@ -176,23 +179,55 @@ def test_violation_fails_its_gate(pytester, gates_project, make_run, own_profile
 
 
 def test_drift_within_noise_passes(pytester, gates_project, make_run, own_profile):
-    """One item of the 40 in the 256 slice loses its F1 lax (1.0 -> 0): the slice mean drops by 0.025, beyond the
-    0.01 tolerance, so the old raw-mean gate failed; paired, the drop is not significantly beyond the tolerance
-    (one-sided t-test p=0.28) and the gate passes. Over all 120 items the same change is -0.0083, within tolerance."""
+    """Two items of the 120 in the 256 slice lose their F1 lax (1.0 -> 0): the slice mean drops by 0.0167, beyond
+    the 0.01 tolerance, so a raw-mean gate fails; paired, the drop is not significantly beyond the tolerance and the
+    gate passes, powered (it would call a drop of 0.0295, under 3x the tolerance). Over all 360 items the same
+    change is -0.0056, within tolerance."""
     gates_project()
     common = [f"--hw-profile={own_profile}"]
     files = ["gates/test_f1_drift.py", "gates/test_shape_drift.py"]
     pytester.runpytest(*files, f"--run-dir={make_run('good')}", *common, "--bless").assert_outcomes(passed=5)
-    result = pytester.runpytest(*files, f"--run-dir={make_run('one', item_scores=lose_f1('f1_lax', ['256'], 1))}",
+    result = pytester.runpytest(*files, f"--run-dir={make_run('two', item_scores=lose_f1('f1_lax', ['256'], 2))}",
                                 *common, "--gate-report=gates.json")
     result.assert_outcomes(passed=5)
     checks = {g["name"]: g for g in json.loads((pytester.path / "gates.json").read_text())["gates"]}
     shape = checks["f1_lax_macro[shape=256]"]
-    assert shape["measured"] == 0.925 and shape["baseline"] == 0.95  # raw means: -0.025 < -0.01
-    assert ("drop beyond tolerance but within noise (not significant): n=40 items (1 changed), mean change -0.0250, "
-            "90% CI [-0.0671, +0.0171], p=0.276 (one-sided paired t-test of mean change >= -0.01, alpha 0.05)"
-            ) in shape["reason"]
-    assert shape["details"]["n"] == 40 and shape["details"]["p_value"] > 0.05
+    assert shape["measured"] == 116 / 120 and shape["baseline"] == 118 / 120  # raw means: -0.0167 < -0.01
+    assert "drop beyond tolerance but within noise (not significant): n=120 items (2 changed), mean change -0.0167" \
+        in shape["reason"]
+    assert "detectable drop 0.0295 at n=120, spread 0.129" in shape["reason"] and "UNDERPOWERED" not in shape["reason"]
+    assert shape["details"]["n"] == 120 and shape["details"]["p_value"] > 0.05 and not shape["details"]["underpowered"]
+
+
+@pytest.mark.parametrize("per_shape", [4, 1])
+def test_a_drift_gate_that_cannot_fail_is_underpowered(pytester, gates_project, make_run, own_profile, monkeypatch,
+                                                       per_shape):
+    """The toy's 4-item slice passed two of its items dropping to 0 (p = 0.094), a 1-item slice can never fail:
+    each is "underpowered" (skipped with the detectable drop locally, a fail under CI unless waived), never a pass."""
+    for name in ("CI", "GITHUB_ACTIONS", "GITLAB_CI", "BUILDKITE", "CIRCLECI", "TF_BUILD"):
+        monkeypatch.delenv(name, raising=False)
+    gates_project()
+    rows = [r for r in good_item_scores() if r["shape"] != "128" or int(r["id"].split("-")[1]) < per_shape]
+    for row in rows:
+        if row["shape"] == "128":
+            row["f1_lax"] = 1.0
+    dropped = [dict(r, f1_lax=0.0) if r["id"] in ("128-0", "128-1") else r for r in rows]
+    common = ["gates/test_shape_drift.py", f"--hw-profile={own_profile}", "-k", "128"]
+    pytester.runpytest(*common, f"--run-dir={make_run('good', item_scores=rows)}", "--bless").assert_outcomes(
+        passed=1, deselected=2)
+    run = make_run("dropped", item_scores=dropped)
+    result = pytester.runpytest(*common, f"--run-dir={run}", "--gate-report=gates.json", "-rs")
+    result.assert_outcomes(skipped=1, deselected=2)
+    result.stdout.fnmatch_lines([f"*f1_lax_macro?shape=128?: underpowered: *detectable drop * at n={per_shape}*"])
+    report = json.loads((pytester.path / "gates.json").read_text())
+    assert report["summary"] == {"underpowered": 1, "deselected": 2}
+    assert report["gates"][0]["verdict"] == "underpowered" and report["gates"][0]["details"]["underpowered"]
+    monkeypatch.setenv("CI", "true")
+    result = pytester.runpytest(*common, f"--run-dir={run}")
+    result.assert_outcomes(failed=1, deselected=2)
+    result.stdout.fnmatch_lines(["*fails under CI (CI=true) unless gates.waive names 'f1_lax_macro?shape=128?'*"])
+    project_file(pytester.path, "thresholds", "configs/gates.yaml", "gates:\n  waive: ['f1_lax_macro[shape=128]']\n")
+    pytester.runpytest(*common, f"--run-dir={run}").assert_outcomes(skipped=1, deselected=2)
 
 
 def test_shapes_come_from_the_run_config(pytester, gates_project, make_run, own_profile):
@@ -219,7 +254,8 @@ def test_another_model_fails_the_identity_gates(pytester, gates_project, make_ru
     if swap == "checkpoint":
         save_model(run.model_path(), other)
     else:
-        run.contract.write_text(json.dumps({"model_fingerprint": model_fingerprint(other)}))
+        contract = run.read_json(run.contract)
+        run.contract.write_text(json.dumps({**contract, "model_fingerprint": model_fingerprint(other)}))
     result = pytester.runpytest("gates/test_identity.py", f"--run-dir={run.root}", f"--hw-profile={own_profile}")
     assert failed_tests(result) == expected, result.stdout.str()
     out = result.stdout.str()
@@ -227,6 +263,24 @@ def test_another_model_fails_the_identity_gates(pytester, gates_project, make_ru
                           else (model_fingerprint(tiny_student()), model_fingerprint(other)))
     for fragment in (shipped, described, str(run.model_path()), str(run.contract if swap == "export" else run.report)):
         assert fragment in out, fragment
+
+
+@pytest.mark.parametrize("select", [["-m", "quality"], ["gates/test_privacy.py"]])
+def test_a_report_of_another_model_is_refused_in_every_session(pytester, gates_project, make_run, own_profile,
+                                                               select):
+    """-m quality alone (no identity gate selected) still checks that the report describes student/model.pt."""
+    gates_project()
+    run = RunDir(make_run())
+    other = copy.deepcopy(tiny_student())
+    other.embed.weight.data.mul_(1.01)
+    save_model(run.model_path(), other)
+    args = select if select[0] == "-m" else [*select]
+    result = pytester.runpytest(*(["gates"] if select[0] == "-m" else []), *args, f"--run-dir={run.root}",
+                                f"--hw-profile={own_profile}")
+    outcomes = result.parseoutcomes()
+    assert outcomes.get("errors") == (4 if select[0] == "-m" else 2) and "passed" not in outcomes, outcomes
+    result.stdout.fnmatch_lines([f"*model_fingerprint '{model_fingerprint(tiny_student())}' is not the "
+                                 f"model_fingerprint '{model_fingerprint(other)}'*the report describes another model*"])
 
 
 def test_qat_gates_skip_a_run_trained_without_qat(pytester, gates_project, make_run, own_profile):

@@ -14,7 +14,7 @@ import pytest
 
 from distillgates.config import load_config
 from distillgates.data.build import build_data
-from distillgates.model import Transformer, save_model
+from distillgates.model import Transformer, model_fingerprint, save_model
 from distillgates.project import EMBEDDED_CONFIG
 from distillgates.rundir import RunDir
 from distillgates.runtime.torch_engine import SLOWDOWN_ENV
@@ -27,11 +27,11 @@ pytestmark = pytest.mark.integration  # pytester sessions starting speed workers
 
 @pytest.fixture
 def live_run(make_run):
-    run = make_run("live")
     cfg = load_config(EMBEDDED_CONFIG)
+    student = Transformer(tiny_model_config(vocab_size=cfg.tokenizer.vocab_size, max_seq_len=512))
+    run = make_run("live", **{"header.fingerprints.model_fingerprint": model_fingerprint(student)})  # its report
     build_data(cfg, run / "data")
-    tiny = tiny_model_config(vocab_size=cfg.tokenizer.vocab_size, max_seq_len=512)
-    save_model(run / "student" / "model.pt", Transformer(tiny))
+    save_model(run / "student" / "model.pt", student)
     RunDir(run).contract.unlink()  # not exported: the workers measure the PyTorch engine on every platform
     return run
 

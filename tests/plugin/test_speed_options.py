@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import json
 
+from distillgates.gates.session import CI_VARIABLES
+
 from .conftest import project_file
 
 SPEED = "gates/test_speed.py"
@@ -67,7 +69,8 @@ def test_inconclusive_skips_locally_and_fails_under_ci(pytester, gates_project, 
     gates_project(slowdown=1.0, processes=(0.9, 1.5))
     args = [SPEED, "-m", "speed", f"--run-dir={run}", f"--hw-profile={own_profile}", "--speed-samples=16",
             "--speed-workers=2", "--speed-max-rounds=1", "-rs", "-k", "ttft_ms-p50"]
-    monkeypatch.delenv("CI", raising=False)
+    for name in CI_VARIABLES:
+        monkeypatch.delenv(name, raising=False)
     result = pytester.runpytest(*args)
     result.assert_outcomes(skipped=1, deselected=3)
     result.stdout.fnmatch_lines(["*INCONCLUSIVE*not significant*look 2 of at most 2*the bound of rounds is reached*"])
@@ -75,6 +78,8 @@ def test_inconclusive_skips_locally_and_fails_under_ci(pytester, gates_project, 
     monkeypatch.setenv("CI", "true")
     pytester.runpytest(*args).assert_outcomes(failed=1, deselected=3)
     pytester.runpytest(*args, "--speed-inconclusive=skip").assert_outcomes(skipped=1, deselected=3)
+    monkeypatch.setenv("CI", "false")  # only a true value is CI
+    pytester.runpytest(*args).assert_outcomes(skipped=1, deselected=3)
 
 
 def test_stored_mode_compares_with_the_blessed_samples(pytester, gates_project, make_run, own_profile):

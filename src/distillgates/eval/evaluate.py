@@ -24,7 +24,7 @@ from distillgates.eval.scorer import ItemScore, score_items, summarize
 from distillgates.eval.sharding import (
     determinism_check,
     launch_shards,
-    merge_shards,
+    read_outputs,
     shard_items,
 )
 from distillgates.tokenizer import tokenizer_fingerprint
@@ -225,5 +225,7 @@ def sharded_determinism(
     with tempfile.TemporaryDirectory(dir=work_dir) as tmp:
         spec_path = Path(tmp) / "spec.json"
         spec_path.write_text(json.dumps(dict(spec)))
-        sharded = merge_shards(launch_shards(spec_path, tmp, world_size))
-    return determinism_check([str(i["id"]) for i in items], sharded, list(unsharded), world_size)
+        shards = [read_outputs(path) for path in sorted(map(str, launch_shards(spec_path, tmp, world_size)))]
+    sharded = [output for shard in shards for output in shard]  # duplicates kept: the check counts them
+    return determinism_check([str(i["id"]) for i in items], sharded, list(unsharded), world_size,
+                             [len(shard) for shard in shards])

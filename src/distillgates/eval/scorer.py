@@ -40,6 +40,9 @@ Definitions (DESIGN.md "Quality metrics"; keys fixed in the contract's METRICS):
   answered with the mock result (``eval.missing_fixture: mock``). **median_tokens_out** (all items and
   tool items), **false_tool_calls_tool_absent** (tool-absent items with any call attempt),
   **ttfa_tokens_p50/p95** over items with a valid call (``None`` when no item has one).
+- The slices those figures are over, counted: **items_with_pii** (prompts holding PII),
+  **control_items** (``control``/``decline``), **tool_absent_items**, **ttfa_items** (items with a valid
+  call). A gate over an empty slice is "not measured (0 items)", never a pass.
 
 A rate whose denominator is empty is ``None`` (undefined: gates treat it as missing and fail);
 a rate of 0.0 is the float 0.0. Every metric is also computed per slice: kind, enumerated
@@ -130,6 +133,7 @@ class ItemScore:
     grounded_lax: int = 0
     eligible: bool = False
     privacy_ok: bool = True
+    has_pii: bool = False  # the prompt holds PII (the privacy figure has something to measure)
     control_integration: bool = False
     fixture_hits: int = 0
     fixture_calls: int = 0
@@ -267,7 +271,9 @@ def score_item(
         score.grounded_strict = sum(span_grounded(s, grounded, False, locale) for s in spans)
         score.grounded_lax = sum(span_grounded(s, grounded, True, locale) for s in spans)
     generated = " ".join([*(checked_call_text(c, privacy.allow) for c in calls), answer])
-    score.privacy_ok = not any(pii_leaked(p, generated) for p in prompt_pii(item, privacy))
+    pii = prompt_pii(item, privacy)
+    score.has_pii = bool(pii)
+    score.privacy_ok = not any(pii_leaked(p, generated) for p in pii)
     if control:
         score.control_integration = bool(calls) or bool(find_spans_named(answer, result_vocab))
     return score
@@ -382,6 +388,11 @@ def aggregate(scores: Sequence[ItemScore]) -> dict[str, Any]:
         "false_tool_calls_tool_absent": sum(1 for s in scores if not s.tool_item and s.calls_emitted > 0),
         "ttfa_tokens_p50": _percentile(ttfa, 50),
         "ttfa_tokens_p95": _percentile(ttfa, 95),
+        # the slices the privacy and latency-loss figures are over (0: the gate has nothing to measure)
+        "items_with_pii": sum(s.has_pii for s in scores),
+        "control_items": sum(s.control for s in scores),
+        "tool_absent_items": sum(not s.tool_item for s in scores),
+        "ttfa_items": len(ttfa),
         "failure_reasons": dict(sorted(Counter(r for s in scores for r in s.reasons).items())),
     }
 

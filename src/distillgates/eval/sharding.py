@@ -4,9 +4,9 @@ Items go to rank ``int(sha256(id)[:16], 16) % world_size`` — stable across pro
 machines and Python versions (never ``hash()``, which is salted per process). Each rank is a
 separate process (``python -m distillgates.eval.shard_worker`` launched N times, or the same
 module under ``torchrun``, which sets ``RANK``/``WORLD_SIZE``), writes its outputs to
-``shard-<rank>-of-<n>.jsonl`` atomically, and :func:`merge_shards` joins them. The check
-compares every item's output with the unsharded run after normalization and reports coverage,
-duplicates, missing items and mismatches as ``gate_inputs.determinism``.
+``shard-<rank>-of-<n>.jsonl`` atomically. The check compares every item's output with the
+unsharded run after normalization and reports coverage, duplicates, missing items, mismatches and
+the items each shard scored as ``gate_inputs.determinism``.
 """
 
 from __future__ import annotations
@@ -54,11 +54,6 @@ def read_outputs(path: str | Path) -> list[dict[str, Any]]:
     return outputs
 
 
-def merge_shards(paths: Iterable[str | Path]) -> list[dict[str, Any]]:
-    """All shard outputs (duplicates kept, so the determinism check can count them)."""
-    return [output for path in sorted(map(str, paths)) for output in read_outputs(path)]
-
-
 def normalize_output(output: Mapping[str, Any]) -> str:
     """What must be equal between runs: turns, calls, answer and token counts (whitespace-collapsed)."""
 
@@ -86,8 +81,10 @@ def determinism_check(
     sharded: Sequence[Mapping[str, Any]],
     unsharded: Sequence[Mapping[str, Any]],
     n_shards: int,
+    items_per_shard: Sequence[int] | None = None,
 ) -> dict[str, Any]:
-    """``gate_inputs.determinism``: per-example equality of sharded vs unsharded outputs."""
+    """``gate_inputs.determinism``: per-example equality of sharded vs unsharded outputs; ``items_per_shard``:
+    the outputs each shard wrote (the gate counts the shards that scored anything)."""
     expected = set(map(str, item_ids))
     counts = Counter(str(o["id"]) for o in sharded)
     duplicates = sum(c - 1 for c in counts.values() if c > 1)
@@ -105,6 +102,7 @@ def determinism_check(
         "mismatches": len(mismatched),
         "sharded_equal": not mismatched and not missing and not duplicates and covered == len(expected) > 0,
         "n_shards": n_shards,
+        "items_per_shard": list(items_per_shard) if items_per_shard is not None else None,
         "mismatched_ids": mismatched[:20],
         "unsharded_sha256": outputs_sha256(unsharded),  # the reported eval's outputs (eval/outputs.jsonl)
     }

@@ -41,7 +41,7 @@ from distillgates.export.lint import ane_op_lint, run_lints
 from distillgates.export.parity import program_parity
 from distillgates.export.roundtrip import SOURCE, roundtrip_module
 from distillgates.export.wrappers import DecodeModule, PrefillModule
-from distillgates.io import atomic_write_json
+from distillgates.io import atomic_write_json, tree_sha256
 from distillgates.model import Transformer, load_model, model_fingerprint
 
 KINDS = ("prefill", "decode")
@@ -149,6 +149,8 @@ def export_transformer(
         "export": to_dict(export_cfg),
         "qat_exact_weights": qat_exact,
         "versions": {"coremltools": ct.__version__, "torch": torch.__version__},
+        # every package as saved (every file in it): the identity gate and the Core ML speed worker check them
+        "package_sha256": {path.name: tree_sha256(path) for path in packages.values()},
     }
     contract_errors = verify_contract(contract, cfg, lengths)
     contract["ok"] = not contract_errors
@@ -157,11 +159,13 @@ def export_transformer(
     if sys.platform == "darwin":  # residency (the compute plan) and Core ML's own logits exist only on the machine
         from distillgates.export.compute_plan import COREML_SOURCE, RESIDENCY_KEYS, ane_residency
         from distillgates.export.parity import coreml_parity
+        from distillgates.hardware import hardware_header
 
+        measured_on = {"hardware_profile_key": hardware_header()["hardware_profile_key"]}  # the gates bind to it
         for kind, key in RESIDENCY_KEYS.items():
-            ane[key] = ane_residency(packages[kind], export_cfg.compute_units)
+            ane[key] = {**ane_residency(packages[kind], export_cfg.compute_units), **measured_on}
             atomic_write_json(out / f"{key}.json", ane[key])
-        ane["coreml_parity"] = {"source": COREML_SOURCE,
+        ane["coreml_parity"] = {"source": COREML_SOURCE, **measured_on,
                                 **coreml_parity(packages["prefill"], packages["decode"], model, lengths)}  # fmt: skip
         atomic_write_json(out / "coreml_parity.json", ane["coreml_parity"])
     atomic_write_json(contract_path, contract)

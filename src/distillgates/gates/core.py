@@ -40,6 +40,15 @@ class GateStopped(Exception):
     """A speed gate was not decided because another gate of the session failed first (a skip, never a pass)."""
 
 
+class GateNotMeasured(Exception):
+    """A gate had nothing to decide on (an empty slice, an underpowered drift gate) outside CI, or waived: a skip
+    with the reason, never a pass. ``verdict``: "not measured" or "underpowered"."""
+
+    def __init__(self, message: str, verdict: str = "not measured") -> None:
+        super().__init__(message)
+        self.verdict = verdict
+
+
 @dataclass
 class GateRecord:
     """One check of one gate, as it appears in JUnit properties and the gate reports."""
@@ -51,7 +60,7 @@ class GateRecord:
     threshold: Any = None
     comparison: str = ""  # ">=", "<=", "==", "no_regression", "speed_no_regression"
     baseline: Any = None
-    verdict: str = "pass"  # pass | fail | inconclusive | stopped | blessed | error
+    verdict: str = "pass"  # pass | fail | inconclusive | stopped | blessed | not measured | underpowered
     reason: str = ""
     details: dict[str, Any] = field(default_factory=dict)
     n: int | None = None  # sample size behind ``measured`` (items, calls), when it is an estimate
@@ -91,6 +100,9 @@ class GateContext:
     speed: SpeedSettings = field(default_factory=SpeedSettings)
     bless_command: Callable[[str], str] = lambda nodeid: f"pytest --bless '{nodeid}'"
     records: list[GateRecord] = field(default_factory=list)
+    ci: str | None = None  # the CI variable set true (e.g. "CI=true"): an unmeasured gate fails unless waived
+    # check name -> the thresholds file that waives it (called when a gate measured nothing: thresholds load lazily)
+    waived: Callable[[], dict[str, str]] = dict
 
 
 def _fmt(value: Any) -> str:
@@ -132,40 +144,85 @@ class Gate:
             )
         if rec.verdict == "inconclusive":
             raise GateInconclusive(f"gate {self.group}/{rec.name} INCONCLUSIVE: {rec.reason}")
+        if rec.verdict in ("not measured", "underpowered"):
+            raise GateNotMeasured(f"gate {self.group}/{rec.name}: {rec.reason}", rec.verdict)
         if rec.verdict == "stopped":
             raise GateStopped(f"gate {self.group}/{rec.name} NOT DECIDED: {rec.reason}; run it alone to decide it: "
                               f"pytest '{self.nodeid}' -m speed")
         return rec
 
+    def unmeasured(self, name: str, why: str, value: Any = None, threshold: Any = None, comparison: str = "",
+                   n: int | None = None, details: dict[str, Any] | None = None, *, label: str = "not measured",
+                   baseline: Any = None, ci: list[float] | None = None) -> GateRecord:
+        """``name`` decides nothing (``why``: e.g. "not measured (0 items)"; ``label``: "not measured" or
+        "underpowered"): under CI a fail unless the thresholds' ``waive`` names it, else (or waived) reported as
+        ``label`` and skipped. Never a pass."""
+        __tracebackhide__ = True
+        waived = self.context.waived()
+        if name in waived:
+            verdict, why = label, f"{why}; waived by {waived[name]} (gates.waive)"
+        elif self.context.ci:
+            verdict, why = "fail", f"{why}; fails under CI ({self.context.ci}) unless gates.waive names {name!r}"
+        else:
+            verdict, why = label, f"{why}; fails under CI unless gates.waive names {name!r}"
+        return self._finish(GateRecord(self.nodeid, self.group, name, value, threshold, comparison, baseline, verdict,
+                                       why, details or {}, n=n, ci=ci))
+
+    def over(self, name: str, n: int | None, what: str) -> None:
+        """Before gating ``name``: it is over ``n`` eval items ``what`` (e.g. "holding PII"); 0 is "not measured
+        (0 items)" (:meth:`unmeasured`), never a pass over nothing. None (a report without the count) fails."""
+        __tracebackhide__ = True
+        if n is None:
+            self._finish(GateRecord(self.nodeid, self.group, name, None, None, "", None, "fail",
+                                    f"the report does not count the eval items {what} (written before slice "
+                                    "counts; re-run the eval and report steps)"))
+        if n == 0:
+            self.unmeasured(name, f"not measured (0 items): no eval item {what}", n=0)
+
+    def measured_on(self, name: str, key: str | None, what: str) -> None:
+        """Before gating a figure one machine measured (Core ML parity, ANE residency): fail, naming both, when its
+        hardware profile ``key`` is not the session's (``--hw-profile`` or detected), unless ``--allow-cross-hw``."""
+        __tracebackhide__ = True
+        profile = self.context.store.profile
+        if key == profile or self.context.allow_cross_hw:
+            return
+        self._finish(GateRecord(self.nodeid, self.group, name, key, profile, "==", None, "fail",
+                                f"{what} was measured on hardware profile {key!r}, this session gates hardware profile "
+                                f"{profile!r}: a figure is bound to the machine that measured it (export on a "
+                                f"{profile} machine, or pass --allow-cross-hw)"))
+
     def _check(self, name: str, value: Any, threshold: Any, comparison: str, ok: bool, definition: str,
-               interval: Interval | None = None) -> GateRecord:
+               interval: Interval | None = None, n: int | None = None) -> GateRecord:
         __tracebackhide__ = True
         if value is None or (isinstance(value, numbers.Real) and not math.isfinite(value)):
             ok = False  # missing, NaN or ±inf never satisfies a gate: a broken model must not pass by a quirk
         why = f"{name} = {_fmt(value)} {'satisfies' if ok else 'violates'} {comparison} {_fmt(threshold)}"
         if interval is not None:
             why += f" (n={interval.n}, 95% CI [{interval.low:.4g}, {interval.high:.4g}])"
+        if interval is None and n is not None:
+            why += f" (n={n})"
         rec = GateRecord(self.nodeid, self.group, name, value, threshold, comparison, None,
                          "pass" if ok else "fail", why + (f" ({definition})" if definition else ""),
-                         **_interval_fields(interval))
+                         **(_interval_fields(interval) if interval is not None else {"n": n}))
         return self._finish(rec)
 
     # -- absolute checks ----------------------------------------------------------------
 
     def at_least(self, name: str, value: float, threshold: float, definition: str = "",
-                 interval: Interval | None = None) -> GateRecord:
+                 interval: Interval | None = None, n: int | None = None) -> GateRecord:
         """Pass when ``value >= threshold``; a NaN or infinite threshold passes nothing (it bounds nothing).
-        ``interval`` (n and confidence interval of an estimated ``value``) is recorded and shown, not gated on."""
+        ``interval`` (n and confidence interval of an estimated ``value``), or ``n`` (the items a count or a
+        median is over), is recorded and shown, not gated on."""
         __tracebackhide__ = True
         ok = _is_finite_number(threshold) and value is not None and value >= threshold
-        return self._check(name, value, threshold, ">=", ok, definition, interval)
+        return self._check(name, value, threshold, ">=", ok, definition, interval, n)
 
     def at_most(self, name: str, value: float, threshold: float, definition: str = "",
-                interval: Interval | None = None) -> GateRecord:
+                interval: Interval | None = None, n: int | None = None) -> GateRecord:
         """Pass when ``value <= threshold``; a NaN or infinite threshold passes nothing (it bounds nothing)."""
         __tracebackhide__ = True
         ok = _is_finite_number(threshold) and value is not None and value <= threshold
-        return self._check(name, value, threshold, "<=", ok, definition, interval)
+        return self._check(name, value, threshold, "<=", ok, definition, interval, n)
 
     def equals(self, name: str, value: Any, expected: Any, definition: str = "") -> GateRecord:
         __tracebackhide__ = True
@@ -268,6 +325,10 @@ class Gate:
         except ValueError as err:
             return self._finish(GateRecord(self.nodeid, self.group, name, value, tolerance, "paired_no_regression",
                                            base.value, "fail", f"{name} vs {base.path}: entries.{key}: {err}"))
+        if result.verdict == "pass" and result.underpowered:  # a pass it could not have failed: never a pass
+            return self.unmeasured(name, f"underpowered: {result.reason} ({definition})", value, tolerance,
+                                   "paired_no_regression", label="underpowered", baseline=base.value,
+                                   details=result.to_dict(), **interval)
         return self._finish(GateRecord(self.nodeid, self.group, name, value, tolerance, "paired_no_regression",
                                        base.value, result.verdict, f"{name}: {result.reason} ({definition})",
                                        result.to_dict(), **interval))

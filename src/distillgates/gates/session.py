@@ -9,6 +9,7 @@ from __future__ import annotations
 import datetime as dt
 import shlex
 import subprocess
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
@@ -17,6 +18,7 @@ from typing import Any
 from distillgates.config import GatesConfig
 from distillgates.gates.baselines import BaselineStore
 from distillgates.gates.core import Gate, GateContext, SpeedSettings
+from distillgates.gates.outcomes import TestLog, TestOutcome, session_result, summarize_tests
 from distillgates.gates.report import write_json_report, write_markdown_summary
 from distillgates.project import Project, Thresholds
 from distillgates.rundir import RunArtifactError, RunDir
@@ -36,6 +38,7 @@ class GateOptions:
     gate_summary: Path | None = None
     speed: SpeedSettings = field(default_factory=SpeedSettings)
     speed_inconclusive: str = "skip"  # "skip" or "fail"
+    ci: str | None = None  # the CI variable set true (:func:`ci_variable`), None: not CI
 
 
 class RunArtifacts:
@@ -62,6 +65,11 @@ class RunArtifacts:
     @property
     def header(self) -> dict[str, Any]:
         return self.report.get("header", {})
+
+    def measured_on(self, figure: dict[str, Any] | None) -> str | None:
+        """The hardware profile that measured a figure of the export (Core ML parity, ANE residency): the one
+        recorded with it, else the report header's."""
+        return (figure or {}).get("hardware_profile_key") or self.header.get("hardware", {}).get("hardware_profile_key")
 
 
 def resolve_hardware(
@@ -90,6 +98,18 @@ def resolve_hardware(
     return key, mismatch, hardware.hardware_header(profile_key=key)
 
 
+# the CI systems' variables that say a job runs in CI; only a true value counts (CI=false is no CI)
+CI_VARIABLES = ("CI", "GITHUB_ACTIONS", "GITLAB_CI", "BUILDKITE", "CIRCLECI", "TF_BUILD")
+TRUE_VALUES = ("1", "true", "yes", "on")
+
+
+def ci_variable(environ: Mapping[str, str]) -> str | None:
+    """``NAME=value`` of the first of :data:`CI_VARIABLES` set to a true value (1, true, yes, on; any case), else
+    None: under CI an inconclusive speed gate, a gate that measured nothing and an underpowered drift gate fail."""
+    return next((f"{name}={environ[name]}" for name in CI_VARIABLES
+                 if environ.get(name, "").strip().lower() in TRUE_VALUES), None)
+
+
 def git_sha(cwd: Path) -> str | None:
     try:
         out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=cwd, capture_output=True, text=True, timeout=10)
@@ -109,6 +129,9 @@ class GateSession:
         self.messages: list[str] = []  # shown in the terminal summary
         # the gates' thresholds and the file each came from, shown in every report; None: no gate asked
         self.thresholds_used: Thresholds | None = None
+        self.test_log = TestLog()  # every collected gate test's outcome (the plugin reports each phase)
+        self.tests: list[TestOutcome] = []  # the log's tests with their final outcomes, set by finish()
+        self.result: dict[str, Any] | None = None  # verdict, reason and counts of the session, set by finish()
 
     def thresholds(self) -> GatesConfig:
         """The gate thresholds (:meth:`Project.thresholds`), recorded for the reports."""
@@ -175,18 +198,30 @@ class GateSession:
             allow_cross_hw=self.options.allow_cross_hw, allow_other_eval_set=self.options.allow_other_eval_set,
             hardware_mismatch=mismatch, run_fingerprints=self.run.header.get("fingerprints") if self.run else None,
             provenance=provenance,
-            speed=self.options.speed, bless_command=self.bless_command,
+            speed=self.options.speed, bless_command=self.bless_command, ci=self.options.ci,
+            waived=self._waived,
         )
+
+    def _waived(self) -> dict[str, str]:
+        """Check name -> the thresholds file whose ``waive`` names it."""
+        waive = self.thresholds().waive
+        assert self.thresholds_used is not None
+        return {name: self.thresholds_used.sources.get("waive", "") for name in waive}
 
     def gate(self, nodeid: str, group: str, record: Any) -> Gate:
         return Gate(self.context, nodeid, group, record)
 
-    def finish(self, interrupted: bool) -> None:
+    def finish(self, interrupted: bool, exit_status: int = 0) -> None:
         """Commit blessed baselines (never after an interrupt) and write the reports."""
-        if "context" not in self.__dict__ and not (self.options.gate_report or self.options.gate_summary):
+        if ("context" not in self.__dict__ and not self.test_log.tests
+                and not (self.options.gate_report or self.options.gate_summary)):
             return  # no gate ran and no report asked for: plain unit-test sessions pay nothing
         context = self.context
+        self.tests = self.test_log.finish({r.nodeid for r in context.records if r.verdict == "blessed"})
+        verdict, why = session_result(self.tests, exit_status)
+        self.result = {"verdict": verdict, "reason": why, "tests": summarize_tests(self.tests)}
         session: dict[str, Any] = {
+            "result": self.result,
             "hardware_profile_key": self.profile, "bless": self.options.bless, "hardware": self.hardware[2],
             "hardware_mismatch": self.hardware[1], "run_dir": str(self.run.path) if self.run else None,
             "thresholds_source": self.thresholds_source,
@@ -201,8 +236,8 @@ class GateSession:
             self.messages += [f"blessed baselines written: {p}" for p in session["written_baselines"]]
             self.messages += [f"baseline not used by any gate: {u}" for u in session["unused_baselines"]]
         if self.options.gate_report:
-            write_json_report(self.options.gate_report, context.records, session)
+            write_json_report(self.options.gate_report, context.records, self.tests, session)
             self.messages.append(f"gate report written: {self.options.gate_report}")
         if self.options.gate_summary:
-            write_markdown_summary(self.options.gate_summary, context.records, session)
+            write_markdown_summary(self.options.gate_summary, context.records, self.tests, session)
             self.messages.append(f"gate summary written: {self.options.gate_summary}")

@@ -212,12 +212,15 @@ class WorkerArms:
         handshake."""
         model = self.run.require(self.run.model_path())
         export = self.run.require(self.run.export_dir) if self.coreml else None
+        if self.coreml:  # Core ML measures only the packages the export wrote (and the gates vouch for)
+            self.run.verify_packages()
         return self._start(_Lazy("candidate", PACKAGE_DIR.parent, _worker_args(self.run, model, export), cpu=self.cpu))
 
     def record(self) -> dict[str, Any]:
         """At bless: store the measured artifacts and the code identity; the record for the baselines."""
         artifacts = {"model": self.store.put(self.run.require(self.run.model_path()))}
         if self.coreml:
+            self.run.verify_packages()
             artifacts["export"] = self.store.put(self.run.require(self.run.export_dir))
         return {"code": code_identity(self.store).to_json(), "artifacts": artifacts, "backend":
                 "coreml" if self.coreml else "torch"}

@@ -37,6 +37,7 @@ fails is at most ``alpha``.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, replace
 from typing import Any
@@ -241,9 +242,45 @@ class PairedChange:
     tolerance: float  # tolerated drop of the mean (absolute)
     alpha: float
     reason: str
+    detectable_drop: float = math.inf  # smallest mean drop the test calls at this n and spread (inf: none)
+    spread: float = 0.0  # the per-item spread detectable_drop assumes
+    underpowered: bool = False  # the gate cannot detect a drop of POWER_FACTOR x the tolerance
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+
+POWER_FACTOR = 3.0  # a drift gate that cannot detect a drop of 3x its tolerance is underpowered
+
+
+def detectable_drop(blessed: Sequence[float], change: Sequence[float], *, tolerance: float,
+                    alpha: float) -> tuple[float, float]:
+    """(the smallest mean drop the one-sided paired t-test of :func:`compare_paired` calls, the spread it assumes).
+
+    The drop at which the test statistic reaches its critical value, ``tolerance + t(1 - alpha, n - 1) * s / sqrt(n)``
+    (a true drop of that size is called about half the time; the test has no power below it). ``s``, the spread of
+    the per-item changes a regression would bring, is the largest of: the observed changes' standard deviation,
+    the blessed per-item scores' (a regression moves items by amounts of the order of their spread), and
+    ``1 / sqrt(n)`` (one item of n losing a score of 1 entirely). One item: no spread to test against, inf.
+    """
+    n = len(change)
+    if n < 2:
+        return math.inf, 0.0
+    spread = max(float(np.std(change, ddof=1)), float(np.std(blessed, ddof=1)), 1.0 / math.sqrt(n))
+    return tolerance + float(stats.t.ppf(1.0 - alpha, n - 1)) * spread / math.sqrt(n), spread
+
+
+def items_for_tolerance(spread: float, tolerance: float, alpha: float = 0.05, factor: float = POWER_FACTOR) -> int:
+    """The smallest n at which a drift gate of ``tolerance`` detects a drop of ``factor`` x the tolerance
+    (:func:`detectable_drop`), for per-item scores of standard deviation ``spread`` (docs/gates.md: sizing an
+    eval set)."""
+    if tolerance <= 0 or factor <= 1:
+        raise ValueError(f"need tolerance > 0 and factor > 1; got {tolerance}, {factor}")
+    n = 2
+    while tolerance + float(stats.t.ppf(1.0 - alpha, n - 1)) * max(spread, 1.0 / math.sqrt(n)) / math.sqrt(n) > \
+            factor * tolerance:
+        n += 1
+    return n
 
 
 def compare_paired(blessed: Mapping[str, float], current: Mapping[str, float], *, tolerance: float,
@@ -288,13 +325,19 @@ def compare_paired(blessed: Mapping[str, float], current: Mapping[str, float], *
     numbers = (f"n={change.size} items ({n_changed} changed), mean change {mean:+.4f}, "
                f"{100 * (1 - 2 * alpha):g}% CI [{ci_low:+.4f}, {ci_high:+.4f}], p={p_value:.3g} (one-sided paired "
                f"t-test of mean change >= -{tolerance:g}, alpha {alpha})")
+    drop, spread = detectable_drop([blessed[i] for i in ids], change.tolist(), tolerance=tolerance, alpha=alpha)
+    underpowered = not drop <= POWER_FACTOR * tolerance
+    numbers += (f"; detectable drop {drop:.4f} at n={change.size}, spread {spread:.3f}"
+                + (f" (UNDERPOWERED: cannot detect {POWER_FACTOR:g}x the tolerance, {POWER_FACTOR * tolerance:g})"
+                   if underpowered else ""))
     if p_value < alpha:
         verdict, why = "fail", f"significant drop beyond tolerance: {numbers}"
     elif mean < -tolerance:
         verdict, why = "pass", f"drop beyond tolerance but within noise (not significant): {numbers}"
     else:
         verdict, why = "pass", f"within tolerance: {numbers}"
-    return PairedChange(verdict, change.size, n_changed, mean, ci_low, ci_high, p_value, tolerance, alpha, why)
+    return PairedChange(verdict, change.size, n_changed, mean, ci_low, ci_high, p_value, tolerance, alpha, why,
+                        drop, spread, underpowered)
 
 
 # -- n and confidence interval of a measured quality figure ------------------------------------
