@@ -11,7 +11,14 @@ Design choices:
   weight of a grid with another scale (e.g. the ``max|w| / 127.5`` of a symmetric qint8
   observer). Weights not on a grid are post-training quantized with ``linear_quantize_weights``
   (int8, symmetric, per output channel).
+- int4 weights are post-training quantized per block (``OpLinearQuantizerConfig(dtype="int4",
+  granularity="per_block", block_size=export.int4_block_size)``, symmetric: one fp16 scale per
+  ``block_size`` input channels of each output channel), the format Apple's LLM guide and ANEMLL
+  ship (``constexpr_blockwise_shift_scale``, macOS 15). QAT trains an int8 per-channel grid only
+  (:mod:`distillgates.train.qat`), so an int4 export re-quantizes those weights.
 - Palettization (4/6/8 bit) uses ``palettize_weights`` on linear/conv weights.
+- Every op config is keyed by const name, and the same weights give the same codes in every
+  function, so the multifunction package's const deduplication stores them once.
 """
 
 from __future__ import annotations
@@ -64,7 +71,9 @@ def _target(name: str) -> Any:
 
 def input_types(kind: str, lengths: list[int]) -> list[ct.TensorType]:
     if kind == "prefill":
-        shapes = ct.EnumeratedShapes(shapes=[(1, n) for n in lengths], default=(1, max(lengths)))
+        shapes: Any = (1, lengths[0])
+        if len(lengths) > 1:
+            shapes = ct.EnumeratedShapes(shapes=[(1, n) for n in lengths], default=(1, max(lengths)))
         return [
             ct.TensorType(name="input_ids", shape=shapes, dtype=np.int32),
             ct.TensorType(name="length", shape=(1,), dtype=np.int32),
@@ -158,10 +167,11 @@ def attach_qat_grids(module: nn.Module) -> list[str]:
     return exact
 
 
-def compress(mlmodel: ct.models.MLModel, quantize: str, palettize_mode: str) -> ct.models.MLModel:
-    """Post-training compression of linear/conv weights still stored as plain constants."""
+def compress(mlmodel: ct.models.MLModel, cfg: ExportConfig) -> ct.models.MLModel:
+    """Post-training compression (``cfg.quantize``) of linear/conv weights still stored as plain constants."""
     from coremltools.optimize import coreml as cto
 
+    quantize = cfg.quantize
     if quantize == "none":
         return mlmodel
     op_cfg: Any
@@ -169,9 +179,15 @@ def compress(mlmodel: ct.models.MLModel, quantize: str, palettize_mode: str) -> 
         op_cfg = cto.OpLinearQuantizerConfig(
             mode="linear_symmetric", dtype="int8", granularity="per_channel", weight_threshold=1
         )
+    elif quantize == "int4":
+        op_cfg = cto.OpLinearQuantizerConfig(
+            mode="linear_symmetric", dtype="int4", granularity="per_block", block_size=cfg.int4_block_size,
+            weight_threshold=1,
+        )  # fmt: skip
     else:
         nbits = int(quantize.removeprefix("palettize"))
-        op_cfg = cto.OpPalettizerConfig(mode=palettize_mode, nbits=nbits, granularity="per_tensor", weight_threshold=1)
+        op_cfg = cto.OpPalettizerConfig(mode=cfg.palettize_mode, nbits=nbits, granularity="per_tensor",
+                                        weight_threshold=1)  # fmt: skip
     # by const name, not op type: a tied embedding feeds a gather and the LM head linear (an op-type
     # config conflicts there), and RoPE tables / masks must stay fp16
     names = {
@@ -181,6 +197,6 @@ def compress(mlmodel: ct.models.MLModel, quantize: str, palettize_mode: str) -> 
         if op.op_type in COMPRESSED_OP_TYPES and op.inputs["weight"].op.op_type == "const"
     }
     config = cto.OptimizationConfig(op_name_configs=dict.fromkeys(sorted(names), op_cfg))
-    if quantize == "int8":
+    if quantize in ("int8", "int4"):
         return cto.linear_quantize_weights(mlmodel, config=config)
     return cto.palettize_weights(mlmodel, config=config)
