@@ -16,10 +16,11 @@ def other_profile(own: str) -> str:
 def test_default_is_the_detected_profile(pytester, gates_project, make_run, own_profile):
     gates_project()
     result = pytester.runpytest(ANE, f"--run-dir={make_run()}", "--bless")
-    result.assert_outcomes(passed=4)
+    result.assert_outcomes(passed=8)  # per function: prefill_128/192/256, decode
     data = json.loads((pytester.path / "baselines" / own_profile / "ane_residency.json").read_text())
     assert data["hardware_profile_key"] == own_profile
-    assert {"residency.mlcomputeplan", "residency.mlcomputeplan.decode"} <= set(data["entries"])
+    functions = ("prefill_128", "prefill_192", "prefill_256", "decode")
+    assert set(data["entries"]) == {f"residency.mlcomputeplan.{f}" for f in functions}
 
 
 def test_selected_profile_that_is_not_this_machine_is_refused(pytester, gates_project, make_run, own_profile):
@@ -28,7 +29,7 @@ def test_selected_profile_that_is_not_this_machine_is_refused(pytester, gates_pr
     other = other_profile(own_profile)
     pytester.runpytest(ANE, f"--run-dir={run}", f"--hw-profile={other}", "--bless", "--allow-cross-hw")
     result = pytester.runpytest(ANE, f"--run-dir={run}", f"--hw-profile={other}")
-    result.assert_outcomes(passed=2, failed=2)  # the absolute residency gates are hardware-free; the drop gates not
+    result.assert_outcomes(passed=4, failed=4)  # the absolute residency gates are hardware-free; the drop gates not
     result.stdout.fnmatch_lines([f"*--hw-profile '{other}' does not match this machine*--allow-cross-hw*"])
 
 
@@ -51,6 +52,6 @@ def test_bless_under_another_machines_profile_is_refused(pytester, gates_project
     gates_project()
     other = other_profile(own_profile)
     result = pytester.runpytest(ANE, f"--run-dir={make_run()}", f"--hw-profile={other}", "--bless")
-    result.assert_outcomes(passed=2, failed=2)
+    result.assert_outcomes(passed=4, failed=4)
     result.stdout.fnmatch_lines(["*refusing to bless*does not match this machine*"])
     assert not (pytester.path / "baselines" / other).exists()

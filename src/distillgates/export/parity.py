@@ -62,13 +62,15 @@ def program_parity(
     model = model.eval()
     cfg = model.config
     by_shape: dict[str, float] = {}
+    agree: list[bool] = []  # top-1 of the program == top-1 of eager, every case (information, not gated)
     for length in lengths:
         ids = _tokens(cfg.vocab_size, length, seed + length)
         scores = []
         for n in parity_cases(length):
             padded, real = _pad(ids[:, :n], length), torch.tensor([n], dtype=torch.int32)
-            got = _joined(prefill[length](padded, real))  # (1, V)
-            scores.append(cosine(got, model(ids[:, :n])[:, -1]))
+            got, want = _joined(prefill[length](padded, real)), model(ids[:, :n])[:, -1]  # (1, V) each
+            scores.append(cosine(got, want))
+            agree.append(bool(got.argmax() == want.argmax()))
         by_shape[str(length)] = min(scores)
     # decode: prefill a padded prompt, hand the state over, then step token by token
     n = max(1, min(lengths[0] // 2, cfg.max_seq_len - decode_steps))
@@ -79,8 +81,10 @@ def program_parity(
     decode_scores = []
     for t in range(n, n + steps):
         got = _joined(decode(ids[:, t : t + 1].int(), torch.tensor([t], dtype=torch.int32)))  # (1, V)
-        decode_scores.append(cosine(got, model(ids[:, : t + 1])[:, -1]))
-    return {"cosine_by_shape": by_shape, "decode_cosine": decode_scores}
+        want = model(ids[:, : t + 1])[:, -1]  # (1, V)
+        decode_scores.append(cosine(got, want))
+        agree.append(bool(got.argmax() == want.argmax()))
+    return {"cosine_by_shape": by_shape, "decode_cosine": decode_scores, "top1_agreement": sum(agree) / len(agree)}
 
 
 @torch.no_grad()
