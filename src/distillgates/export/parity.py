@@ -102,7 +102,7 @@ def coreml_parity(
     """
     import coremltools as ct
 
-    from distillgates.export.contract import DECODE, prefill_function
+    from distillgates.export.functions import DECODE, prefill_function
     from distillgates.export.layout import logits_names
     from distillgates.runtime.coreml_engine import join_logits
 

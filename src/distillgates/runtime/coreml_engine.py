@@ -149,7 +149,8 @@ class CoreMLEngine(EngineBase):
     """
 
     def __init__(self, prefill: Mapping[int, PackageRunner], decode: PackageRunner, contract: dict[str, Any]) -> None:
-        from distillgates.export.contract import DECODE, find_function, prefill_function
+        from distillgates.export.contract import find_function
+        from distillgates.export.functions import DECODE, prefill_function
 
         for key in ("enumerated_lengths", "kv", "model_config", "packages"):
             if key not in contract:
@@ -177,7 +178,8 @@ class CoreMLEngine(EngineBase):
     @classmethod
     def from_export_dir(cls, export_dir: str | Path, compute_units: str = "ALL") -> CoreMLEngine:
         """Load each function ``contract.json`` lists (``MLModel(path, function_name=...)``; macOS)."""
-        from distillgates.export.contract import DECODE, find_function, prefill_function
+        from distillgates.export.contract import find_function
+        from distillgates.export.functions import DECODE, prefill_function
 
         export_dir = Path(export_dir)
         contract_path = export_dir / "contract.json"
@@ -277,8 +279,9 @@ def stand_in_engine(
     """A :class:`CoreMLEngine` whose runners are :class:`ExportedProgramStandIn` over the export
     engineer's prefill/decode wrappers of ``model`` (Linux tests and parity checks), with a contract
     shaped as the export writes it (``shared_state``: one state for all functions, else copied)."""
-    from distillgates.export.contract import DECODE, PACKAGE, expected_io, kv_layout, prefill_function
+    from distillgates.export.contract import expected_io, kv_layout
     from distillgates.export.convert import export_program
+    from distillgates.export.functions import DECODE, PACKAGE, prefill_function
     from distillgates.export.layout import build_layout
     from distillgates.export.wrappers import DecodeModule, PrefillModule
 
