@@ -221,10 +221,11 @@ def test_mapping_refuses_a_parameter_without_a_const(int8_export, tiny_ckpt, exp
     package = int8_export.packages["model"]
     ep = _prefill_program(tiny_ckpt, export_lengths)
     weights = package_weights(package)["prefill_32"]
-    del weights["p_core_model_layers_0_attn_q_proj_weight_to_fp16_quantized"]
+    q_proj = "p_core_model_layers_0_attn_q_proj_weight_cast_fp16"  # quantized at conversion (compression-info buffers)
+    del weights[q_proj]
     missing = "no weight const for parameters ['core.model.layers.0.attn.q_proj.weight']"
     with pytest.raises(RoundTripError, match=re.escape(missing)):
         map_to_parameters(weights, ep, package)
-    weights["p_core_model_layers_0_attn_q_proj_weight_to_fp16_quantized"] = np.zeros((32, 16), np.float16)
+    weights[q_proj] = np.zeros((32, 16), np.float16)
     with pytest.raises(RoundTripError, match=r"has shape \[32, 16\], parameter core.model.layers.0.attn.q_proj.weight"):
         map_to_parameters(weights, ep, package)

@@ -207,8 +207,8 @@ def _ane_rows(report: dict[str, Any]) -> list[list[str]]:
         rows.append([f"ANE op-eligible share [{lint['source']}]", _fmt(lint["op_eligible_share"])])
         rows.append([f"ANE lint findings [{lint['source']}]",
                      f"{len(lint['ineligible_ops'])} ineligible ops, {len(lint['over_limits'])} over limits"])
-    plan = inputs.get("ane_residency")  # per function of the package (prefill_<L>, decode)
-    for function, measured in (plan or {}).get("functions", {}).items():
+    plan = inputs.get("ane_residency") or {}  # per function of the package (prefill_<L>, decode)
+    for function, measured in plan.get("functions", {}).items():
         rows.append([f"ANE residency, {function} [{plan['source']}]", _fmt(measured["residency"])])
     return rows
 

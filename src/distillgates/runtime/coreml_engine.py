@@ -164,11 +164,12 @@ class CoreMLEngine(EngineBase):
         self.shared_state = bool(contract["kv"].get("shared_state", False))
         self.max_seq_len = int(contract["model_config"]["max_seq_len"])
         self.logits_names: dict[int | str, list[str]] = {}  # enumerated length (its prefill) or "decode" -> names
-        for key, function in [*((n, prefill_function(n)) for n in self.lengths), (DECODE, DECODE)]:
+        functions: list[tuple[int | str, str]] = [(n, prefill_function(n)) for n in self.lengths] + [(DECODE, DECODE)]
+        for slot, function in functions:
             found = find_function(contract, function)
             if found is None:
                 raise ValueError(f"contract.json: no package lists the function {function!r}")
-            self.logits_names[key] = [o["name"] for o in found[1]["outputs"]]
+            self.logits_names[slot] = [o["name"] for o in found[1]["outputs"]]
         self.state = decode.new_state()
         self._token = np.zeros((1, 1), dtype=np.int32)  # (1, 1) decode input, filled in place
         self._position = np.zeros((1,), dtype=np.int32)  # (1,)
