@@ -14,7 +14,7 @@ Contract (``export/contract.json``, written by :mod:`distillgates.export`):
   decode function, is passed to every function (macOS 15: a state fits any function of the model
   whose state description matches; ANEMLL runs its prefill and infer functions on one state the
   same way), and nothing is copied. Without ``kv.shared_state`` prefill gets its own state and the
-  KV is copied over (``MLState.read_state``/``write_state``, macOS 15.2+ in coremltools).
+  KV is copied over (coremltools' ``MLState.read_state``/``write_state``, macOS 15).
 
 Design choices:
 - The engine talks to a small backend (:class:`PackageRunner`): ``MLPackageRunner`` wraps
