@@ -82,12 +82,21 @@ def smollm2(max_seq_len: int) -> Transformer:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--checkpoint", default="random", choices=["random", "smollm2"],
-                        help="random weights of the SmolLM-135M shape, or the real SmolLM2-135M-Instruct")
+    parser.add_argument(
+        "--checkpoint",
+        default="random",
+        choices=["random", "smollm2"],
+        help="random weights of the SmolLM-135M shape, or the real SmolLM2-135M-Instruct",
+    )
     parser.add_argument("--layout", default="standard", choices=["standard", "ane"])
     parser.add_argument("--quantize", default="int8", help="export.quantize (the toy config's is int8)")
-    parser.add_argument("--shape", type=int, action="append", default=None,
-                        help="enumerated prefill length (repeat for several; default 128 192 256, the toy's)")
+    parser.add_argument(
+        "--shape",
+        type=int,
+        action="append",
+        default=None,
+        help="enumerated prefill length (repeat for several; default 128 192 256, the toy's)",
+    )
     parser.add_argument("--layers", type=int, default=SMOLLM_135M["n_layers"], help="fewer than 30: a cut-down run")
     parser.add_argument("--max-seq-len", type=int, default=2048, help="KV cache length (SmolLM-135M: 2048)")
     parser.add_argument("--out", type=Path, default=None, help="JSON path (default benchmarks/results/...)")

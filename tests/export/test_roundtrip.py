@@ -119,8 +119,10 @@ def test_weights_are_stored_once_and_read_back_the_same_from_every_function(int8
     assert list(int8_export.packages) == ["model"] and package.name == "model.mlpackage"
     stored = package_weights(package)
     assert sorted(stored) == ["decode", "prefill_16", "prefill_32"]
-    eps = {"prefill": _prefill_program(tiny_ckpt, [16, 32]),
-           "decode": export_program(DecodeModule(build_layout(load_model(tiny_ckpt), "standard")), "decode", [16])}
+    eps = {
+        "prefill": _prefill_program(tiny_ckpt, [16, 32]),
+        "decode": export_program(DecodeModule(build_layout(load_model(tiny_ckpt), "standard")), "decode", [16]),
+    }
     mapped = {name: map_to_parameters(stored[name], eps["decode" if name == "decode" else "prefill"], package)
               for name in ("prefill_16", "prefill_32", "decode")}  # fmt: skip
     assert weight_sharing_errors(mapped) == [] and len(mapped["decode"]) >= 14
