@@ -244,6 +244,16 @@ def test_shape_lint_fires_outside_enumerated_set(standard_export, export_lengths
     assert any("outside the KV cache" in e for e in lint_shapes(spec, [16, 32, 64], 48))
 
 
+@pytest.mark.integration  # a Core ML conversion per function (~20 s)
+def test_export_removes_the_packages_of_an_earlier_layout(tiny_ckpt, tmp_path) -> None:
+    """A re-export into a run's export/ leaves only model.mlpackage (not the prefill/decode pair of before)."""
+    for stale in ("prefill.mlpackage", "decode.mlpackage"):
+        (tmp_path / stale / "Data").mkdir(parents=True)
+    result = export_transformer(load_model(tiny_ckpt), ExportConfig(), [16], tmp_path, "tok")
+    assert sorted(p.name for p in tmp_path.glob("*.mlpackage")) == ["model.mlpackage"]
+    assert result.packages == {"model": tmp_path / "model.mlpackage"}
+
+
 def test_export_refuses_lengths_beyond_the_cache(tiny_ckpt, tmp_path) -> None:
     with pytest.raises(ExportError, match=r"\[64\] exceed the model's max_seq_len 48"):
         export_transformer(load_model(tiny_ckpt), ExportConfig(), [16, 64], tmp_path, "tok")

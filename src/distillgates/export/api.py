@@ -62,8 +62,8 @@ from distillgates.model import Transformer, load_model, model_fingerprint
 
 KINDS = ("prefill", "decode")
 # ExportResult.seconds: our int8/int4 grids, torch.export, coremltools.convert, coremltools compression of what is
-# left, saving the functions and joining them
-# (save_multifunction), reading the package back (spec + dequantized weights), the parity runs, the lints
+# left, saving the functions and joining them (save_multifunction), reading the package back (spec + dequantized
+# weights), the parity runs, the lints
 PHASES = ("weight_grids", "torch_export", "convert", "compress", "save_multifunction", "read_back", "parity", "lint")
 
 
@@ -185,6 +185,8 @@ def export_transformer(
     with _timed(seconds, "save_multifunction"):
         save_functions(models, package)
     packages = {PACKAGE: package}
+    for stale in set(out.glob("*.mlpackage")) - set(packages.values()):  # an earlier layout's (prefill/decode)
+        shutil.rmtree(stale)
     with _timed(seconds, "read_back"):
         described = describe_package(package)  # read back from disk
         stored = package_weights(package)  # function -> dequantized weights, read back from disk
