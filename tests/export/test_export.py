@@ -38,8 +38,9 @@ def _program_from_disk(path: Path) -> Any:
     return _convert_model_spec_to_pymil_prog(model, model.get_spec().specificationVersion, milproto_load)
 
 
-def _op_types(prog: Any) -> set[str]:
-    return {op.op_type for f in prog.functions.values() for op in f.operations}
+def _op_types(prog: Any, function: str | None = None) -> set[str]:
+    functions = [prog.functions[function]] if function else prog.functions.values()
+    return {op.op_type for f in functions for op in f.operations}
 
 
 # --------------------------------------------------------------------------------------
@@ -55,18 +56,25 @@ def test_standard_export_contract_read_back(standard_export, tiny_ckpt, export_l
     assert contract["tokenizer_fingerprint"] == "tok-fingerprint-test"
     assert contract["enumerated_lengths"] == export_lengths
     assert contract["ok"] is True and verify_contract(contract, cfg, export_lengths) == []
-    prefill, decode = contract["packages"]["prefill"], contract["packages"]["decode"]
-    assert [(f["name"], f["dtype"]) for f in prefill["inputs"]] == [("input_ids", "INT32"), ("length", "INT32")]
+    assert contract["contract_version"] == 2 and list(contract["packages"]) == ["model"]
+    package = contract["packages"]["model"]
+    assert package["path"] == "model.mlpackage" and package["default_function"] == "decode"
+    assert sorted(package["functions"]) == ["decode", "prefill_16", "prefill_32"]
+    prefill, decode = package["functions"]["prefill_16"], package["functions"]["decode"]
+    assert [(f["name"], f["dtype"], f["shape"]) for f in prefill["inputs"]] == [
+        ("input_ids", "INT32", [1, 16]), ("length", "INT32", [1])]  # fmt: skip
+    assert package["functions"]["prefill_32"]["inputs"][0]["shape"] == [1, 32]  # one static function per length
     assert [(f["name"], f["dtype"]) for f in decode["inputs"]] == [("input_ids", "INT32"), ("position", "INT32")]
-    assert prefill["enumerated_lengths"] == export_lengths and decode["enumerated_lengths"] is None
-    # output names really set: read the saved package from disk
-    for kind in ("prefill", "decode"):
-        spec = ct.models.MLModel(str(standard_export.packages[kind]), skip_model_load=True).get_spec()
-        assert [o.name for o in spec.description.output] == ["logits"]
-        assert list(spec.description.output[0].type.multiArrayType.shape) == [1, cfg.vocab_size]
-        assert spec.specificationVersion >= 9  # macOS 15 (stateful models)
+    assert prefill["kind"] == "prefill" and decode["kind"] == "decode"
+    # output names really set: read the saved package from disk, each function
+    spec = ct.models.MLModel(str(standard_export.packages["model"]), skip_model_load=True).get_spec()
+    assert spec.specificationVersion >= 9  # macOS 15 (stateful models, multifunction)
+    assert [f.name for f in spec.description.functions] == ["prefill_16", "prefill_32", "decode"]
+    for function in spec.description.functions:
+        assert [o.name for o in function.output] == ["logits"]
+        assert list(function.output[0].type.multiArrayType.shape) == [1, cfg.vocab_size]
     kv = kv_layout(cfg)
-    assert prefill["states"] == decode["states"]  # one state layout for both packages
+    assert prefill["states"] == decode["states"] and contract["kv"]["shared_state"] is True  # one MLState for all
     assert [s["name"] for s in prefill["states"]] == kv["state_names"]
     assert all(s["shape"] == [1, 2, 48, 8] and s["dtype"] == "FLOAT16" for s in prefill["states"])
     assert contract["kv"]["bytes"] == 2 * cfg.n_layers * cfg.n_kv_heads * cfg.head_dim * cfg.max_seq_len * 2
@@ -77,13 +85,22 @@ def test_standard_export_contract_read_back(standard_export, tiny_ckpt, export_l
 @pytest.mark.integration
 def test_verify_contract_catches_tampering(standard_export, tiny_ckpt, export_lengths) -> None:
     contract = json.loads(standard_export.contract_path.read_text())
-    contract["packages"]["decode"]["outputs"][0]["name"] = "var_123"
-    contract["packages"]["prefill"]["enumerated_lengths"] = [16]
+    functions = contract["packages"]["model"]["functions"]
+    functions["decode"]["outputs"][0]["name"] = "var_123"
+    functions["prefill_16"]["inputs"][0]["shape"] = [1, 32]
+    functions["prefill_32"]["states"][0]["shape"] = [1, 2, 40, 8]
+    del functions["decode"]["states"][-1]
     contract["tokenizer_fingerprint"] = ""
     errors = verify_contract(contract, load_model(tiny_ckpt).config, export_lengths)
     assert any("decode: outputs are ['var_123']" in e for e in errors)
-    assert any("enumerated lengths [16]" in e for e in errors)
+    assert any("prefill_16: input_ids shape [1, 32], expected [1, 16]" in e for e in errors)
+    assert any("prefill_32: state k_cache_0 has shape [1, 2, 40, 8]" in e for e in errors)
+    assert any("decode: states" in e for e in errors)
+    assert any("kv.shared_state is True, but the functions' states say False" in e for e in errors)
     assert any("tokenizer_fingerprint" in e for e in errors)
+    del functions["prefill_32"]
+    errors = verify_contract(contract, load_model(tiny_ckpt).config, export_lengths)
+    assert any("prefill_32: function missing from the contract" in e for e in errors)
 
 
 @pytest.mark.integration
@@ -99,7 +116,7 @@ def test_exported_parity_per_shape_and_decode(standard_export, export_lengths) -
 
 @pytest.mark.integration
 def test_stateful_decode_program(standard_export) -> None:
-    ops = _op_types(_program_from_disk(standard_export.packages["decode"]))
+    ops = _op_types(_program_from_disk(standard_export.packages["model"]), "decode")
     assert {"read_state", "coreml_update_state", "scaled_dot_product_attention"} <= ops
     assert not ops & {"shape", "fill", "band_part", "scatter_nd"}
 
@@ -110,8 +127,8 @@ def test_qat_int8_exports_without_drift(qat_int8_export, qat_ckpt) -> None:
     model = load_model(path)
     linears = {n: m for n, m in model.named_modules() if isinstance(m, nn.Linear) and n != "lm_head"}
     assert sorted(qat_int8_export.qat_exact) == sorted(f"model.{n}.weight" for n in linears)
-    prog = _program_from_disk(qat_int8_export.packages["decode"])
-    quantized = [op for f in prog.functions.values() for op in f.operations if op.op_type.startswith("constexpr_")]
+    prog = _program_from_disk(qat_int8_export.packages["model"])
+    quantized = [op for op in prog.functions["decode"].operations if op.op_type.startswith("constexpr_")]
     by_name = {op.name: op for op in quantized}
     for name, module in linears.items():
         op = by_name[f"p_core_model_{name.replace('.', '_')}_weight_cast_fp16"]
@@ -142,7 +159,7 @@ def test_int8_grid_scale_detects_grids(fake_quant) -> None:
 
 @pytest.mark.integration  # a palettized Core ML conversion (~9 s)
 def test_ane_layout_palettized_export(ane_palettized_export, export_lengths) -> None:
-    prog = _program_from_disk(ane_palettized_export.packages["prefill"])
+    prog = _program_from_disk(ane_palettized_export.packages["model"])
     ops = _op_types(prog)
     assert "conv" in ops and "linear" not in ops  # 1x1 convs in the ANE layout
     assert "constexpr_lut_to_dense" in ops  # palettized weights
@@ -223,11 +240,21 @@ def test_cpu_forcing_op_lint_fires() -> None:
 
 @pytest.mark.integration
 def test_shape_lint_fires_outside_enumerated_set(standard_export, export_lengths) -> None:
-    spec = ct.utils.load_spec(str(standard_export.packages["prefill"]))
+    spec = ct.utils.load_spec(str(standard_export.packages["model"]))
     assert lint_shapes(spec, export_lengths, 48) == []
     assert any("outside the set: [32]" in e for e in lint_shapes(spec, [16], 48))
     assert any("differ from the enumerated set [16, 24, 32]" in e for e in lint_shapes(spec, [16, 24, 32], 48))
     assert any("outside the KV cache" in e for e in lint_shapes(spec, [16, 32, 64], 48))
+
+
+@pytest.mark.integration  # a Core ML conversion per function (~20 s)
+def test_export_removes_the_packages_of_an_earlier_layout(tiny_ckpt, tmp_path) -> None:
+    """A re-export into a run's export/ leaves only model.mlpackage (not the prefill/decode pair of before)."""
+    for stale in ("prefill.mlpackage", "decode.mlpackage"):
+        (tmp_path / stale / "Data").mkdir(parents=True)
+    result = export_transformer(load_model(tiny_ckpt), ExportConfig(), [16], tmp_path, "tok")
+    assert sorted(p.name for p in tmp_path.glob("*.mlpackage")) == ["model.mlpackage"]
+    assert result.packages == {"model": tmp_path / "model.mlpackage"}
 
 
 def test_export_refuses_lengths_beyond_the_cache(tiny_ckpt, tmp_path) -> None:
@@ -268,18 +295,20 @@ def test_a_vocabulary_above_the_ane_limit_exports_split_heads(layout: str, quant
     lint = result.gate_inputs["ane_lint"]
     assert lint["over_limits"] == [] and lint["ineligible_ops"] == []
     head_op = "linear" if layout == "standard" else "conv"
-    for kind in ("prefill", "decode"):
-        spec = ct.models.MLModel(str(result.packages[kind]), skip_model_load=True).get_spec()  # read back from disk
-        outputs = [(o.name, list(o.type.multiArrayType.shape)) for o in spec.description.output]
+    spec = ct.models.MLModel(str(result.packages["model"]), skip_model_load=True).get_spec()  # read back from disk
+    program = _program_from_disk(result.packages["model"])
+    for function in spec.description.functions:
+        outputs = [(o.name, list(o.type.multiArrayType.shape)) for o in function.output]
         assert outputs == [("logits_0", [1, vocab // 2]), ("logits_1", [1, vocab // 2])]
-        heads = [op for f in _program_from_disk(result.packages[kind]).functions.values() for op in f.operations
+        heads = [op for op in program.functions[function.name].operations
                  if op.op_type == head_op and vocab // 2 in op.outputs[0].shape]  # fmt: skip
         assert len(heads) == 2  # two head chunks, no op as wide as the vocabulary
-        assert result.contract["packages"][kind]["logits"].endswith("concatenate them in this order")
+        described = result.contract["packages"]["model"]["functions"][function.name]
+        assert described["logits"].endswith("concatenate them in this order")
     gate = result.gate_inputs["export"]
     assert min(gate["cosine_by_shape"].values()) >= 0.999 and min(gate["decode_cosine"]) >= 0.999
     tampered = json.loads(result.contract_path.read_text())
-    tampered["packages"]["decode"]["outputs"][1]["shape"] = [1, vocab // 2 - 1]
+    tampered["packages"]["model"]["functions"]["decode"]["outputs"][1]["shape"] = [1, vocab // 2 - 1]
     assert any("decode: logits last dims [8200, 8199], expected [8200, 8200]" in e
                for e in verify_contract(tampered, model.config, [16, 32]))  # fmt: skip
 
@@ -372,7 +401,7 @@ def test_shapes_beyond_max_seq_len_are_an_export_error(tiny_ckpt, tmp_path) -> N
     config.write_text("shapes:\n  lengths: [16, 64]\n  mix: [0.5, 0.5]\nexport:\n  quantize: none\n")
     with pytest.raises(ExportError, match="exceed the model's max_seq_len 48"):
         export_model(tiny_ckpt, load_config(config), tmp_path / "out", "t")
-    assert not (tmp_path / "out" / "prefill.mlpackage").exists()
+    assert not (tmp_path / "out" / "model.mlpackage").exists()
 
 
 # --------------------------------------------------------------------------------------
@@ -384,13 +413,12 @@ def test_shapes_beyond_max_seq_len_are_an_export_error(tiny_ckpt, tmp_path) -> N
 def test_coreml_parity_per_shape_and_16_decode_steps(standard_export, tiny_ckpt, export_lengths) -> None:
     from distillgates.export.parity import coreml_parity
 
-    parity = coreml_parity(
-        standard_export.packages["prefill"], standard_export.packages["decode"], load_model(tiny_ckpt),
-        export_lengths, decode_steps=16,
-    )  # fmt: skip
-    assert sorted(parity["cosine_by_shape"]) == sorted(str(n) for n in export_lengths)
-    assert all(c >= 0.999 for c in parity["cosine_by_shape"].values()), parity
-    assert len(parity["decode_cosine"]) == 16 and min(parity["decode_cosine"]) >= 0.999, parity
+    for shared in (True, False):  # one MLState for prefill and decode, and the copied state
+        parity = coreml_parity(standard_export.packages["model"], load_model(tiny_ckpt), export_lengths, shared,
+                               decode_steps=16)  # fmt: skip
+        assert sorted(parity["cosine_by_shape"]) == sorted(str(n) for n in export_lengths)
+        assert all(c >= 0.999 for c in parity["cosine_by_shape"].values()), parity
+        assert len(parity["decode_cosine"]) == 16 and min(parity["decode_cosine"]) >= 0.999, parity
     recorded = standard_export.gate_inputs["coreml_parity"]  # what the coreml_parity gates read
     assert recorded["source"] == "MLModel.predict" and recorded["cosine_by_shape"] == parity["cosine_by_shape"]
 
@@ -400,13 +428,14 @@ def test_coreml_parity_per_shape_and_16_decode_steps(standard_export, tiny_ckpt,
 def test_mlcomputeplan_residency(standard_export) -> None:
     from distillgates.export.compute_plan import ane_residency
 
-    report = ane_residency(standard_export.packages["prefill"])
-    assert report["source"] == "MLComputePlan"
-    assert 0.0 <= report["residency"] <= 1.0
-    assert "linear" in report["by_op_type"]
-    for key in ("ane_residency", "ane_residency_decode"):  # recorded by the export, per package
-        assert standard_export.gate_inputs[key]["source"] == "MLComputePlan"
-        assert 0.0 <= standard_export.gate_inputs[key]["residency"] <= 1.0
+    report = ane_residency(standard_export.packages["model"], ["prefill_16", "decode"])
+    assert report["source"] == "MLComputePlan" and sorted(report["functions"]) == ["decode", "prefill_16"]
+    assert all(0.0 <= f["residency"] <= 1.0 and "linear" in f["by_op_type"] for f in report["functions"].values())
+    recorded = standard_export.gate_inputs["ane_residency"]  # recorded by the export, per function
+    assert recorded["source"] == "MLComputePlan"
+    assert sorted(recorded["functions"]) == ["decode", "prefill_16", "prefill_32"]
+    with pytest.raises(ValueError, match=r"no functions \['prefill_64'\]"):
+        ane_residency(standard_export.packages["model"], ["prefill_64"])
 
 
 def test_an_op_coremltools_cannot_convert_is_an_export_error():

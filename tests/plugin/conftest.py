@@ -111,10 +111,9 @@ def good_report() -> dict[str, Any]:
                          "limits": {"max_rank": 5, "max_dim": 16384}, "op_eligible_share": 0.99, "by_op_type": {}},
             # as a Mac's export records it (off macOS a run has none, and the residency gates skip)
             # measured on this machine: the gates bind them to the session's hardware profile
-            "ane_residency": {"source": "MLComputePlan", "residency": 0.95, "by_op_type": {},
-                              "hardware_profile_key": this_profile()},
-            "ane_residency_decode": {"source": "MLComputePlan", "residency": 0.93, "by_op_type": {},
-                                     "hardware_profile_key": this_profile()},
+            "ane_residency": {"source": "MLComputePlan", "compute_units": "ALL", "functions": {
+                **{f"prefill_{s}": {"residency": 0.95, "by_op_type": {}} for s in SHAPES},
+                "decode": {"residency": 0.93, "by_op_type": {}}}, "hardware_profile_key": this_profile()},
             "coreml_parity": {"source": "MLModel.predict", "cosine_by_shape": {s: 0.9999 for s in SHAPES},
                               "decode_cosine": [0.9999, 0.9998], "hardware_profile_key": this_profile()},
             "prompt_cache": {"ttft_cold_ms": [10.0, 11.0, 10.5], "ttft_hit_ms": [4.0, 4.2, 4.1], "hit_rate": 1.0},

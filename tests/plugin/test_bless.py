@@ -79,10 +79,10 @@ def test_bless_reports_unused_baselines(pytester, gates_project, make_run, own_p
 
 def test_bless_still_applies_absolute_thresholds(pytester, gates_project, make_run, own_profile):
     gates_project()
-    run = make_run(**{"gate_inputs.ane_residency.residency": 0.5})
+    run = make_run(**{"gate_inputs.ane_residency.functions.decode.residency": 0.5})
     result = pytester.runpytest("gates/test_ane_residency.py", f"--run-dir={run}", f"--hw-profile={own_profile}",
                                 "--bless")
-    result.assert_outcomes(passed=3, failed=1)  # the prefill residency gate fails; the drop baselines are (re)blessed
+    result.assert_outcomes(passed=7, failed=1)  # the decode residency gate fails; the drop baselines are (re)blessed
 
 
 def test_interrupted_bless_leaves_old_baselines_intact(pytester, gates_project, make_run, own_profile):

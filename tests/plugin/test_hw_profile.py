@@ -18,10 +18,11 @@ def other_profile(own: str) -> str:
 def test_default_is_the_detected_profile(pytester, gates_project, make_run, own_profile):
     gates_project()
     result = pytester.runpytest(ANE, f"--run-dir={make_run()}", "--bless")
-    result.assert_outcomes(passed=4)
+    result.assert_outcomes(passed=8)  # per function: prefill_128/192/256, decode
     data = json.loads((pytester.path / "baselines" / own_profile / "ane_residency.json").read_text())
     assert data["hardware_profile_key"] == own_profile
-    assert {"residency.mlcomputeplan", "residency.mlcomputeplan.decode"} <= set(data["entries"])
+    functions = ("prefill_128", "prefill_192", "prefill_256", "decode")
+    assert set(data["entries"]) == {f"residency.mlcomputeplan.{f}" for f in functions}
 
 
 def test_selected_profile_that_is_not_this_machine_is_refused(pytester, gates_project, make_run, own_profile):
@@ -30,12 +31,12 @@ def test_selected_profile_that_is_not_this_machine_is_refused(pytester, gates_pr
     other = other_profile(own_profile)
     pytester.runpytest(ANE, f"--run-dir={run}", f"--hw-profile={other}", "--bless", "--allow-cross-hw")
     result = pytester.runpytest(ANE, f"--run-dir={run}", f"--hw-profile={other}")
-    result.assert_outcomes(failed=4)  # the figures were measured here, not on the selected profile's machine
+    result.assert_outcomes(failed=8)  # the figures were measured here, not on the selected profile's machine
     result.stdout.fnmatch_lines([f"*measured on hardware profile '{own_profile}', this session gates hardware "
                                  f"profile '{other}'*--allow-cross-hw*"])
     # allowed across hardware: the absolute gates pass, the drop gates compare with the other profile's baselines
     result = pytester.runpytest(ANE, f"--run-dir={run}", f"--hw-profile={other}", "--allow-cross-hw")
-    result.assert_outcomes(passed=4)
+    result.assert_outcomes(passed=8)
 
 
 def test_hardware_free_gates_ignore_the_profile(pytester, gates_project, make_run, own_profile):
@@ -57,14 +58,13 @@ def test_bless_under_another_machines_profile_is_refused(pytester, gates_project
     gates_project()
     other = other_profile(own_profile)
     result = pytester.runpytest(ANE, f"--run-dir={make_run()}", f"--hw-profile={other}", "--bless")
-    result.assert_outcomes(failed=4)
+    result.assert_outcomes(failed=8)
     result.stdout.fnmatch_lines([f"*measured on hardware profile '{own_profile}', this session gates*'{other}'*"])
     assert not (pytester.path / "baselines" / other).exists()
     # figures of the selected profile's machine, blessed on this one: still refused
-    run = make_run("other", **{f"gate_inputs.{key}.hardware_profile_key": other
-                               for key in ("ane_residency", "ane_residency_decode")})
+    run = make_run("other", **{"gate_inputs.ane_residency.hardware_profile_key": other})
     result = pytester.runpytest(ANE, f"--run-dir={run}", f"--hw-profile={other}", "--bless")
-    result.assert_outcomes(passed=2, failed=2)
+    result.assert_outcomes(passed=4, failed=4)
     result.stdout.fnmatch_lines(["*refusing to bless*does not match this machine*"])
     assert not (pytester.path / "baselines" / other).exists()
 
@@ -75,7 +75,7 @@ def test_core_ml_figures_of_another_machine_are_refused(pytester, gates_project,
     own hardware_profile_key, else the report header's, must be the session's."""
     gates_project()
     other = other_profile(own_profile)
-    keys = ("ane_residency", "ane_residency_decode", "coreml_parity")
+    keys = ("ane_residency", "coreml_parity")
     changes = ({f"gate_inputs.{k}.hardware_profile_key": other for k in keys} if recorded == "figure" else
                {**{f"gate_inputs.{k}.hardware_profile_key": DELETE for k in keys},
                 "header.hardware.hardware_profile_key": other})

@@ -120,15 +120,18 @@ VIOLATIONS = [
     ("ane_dimension_over_limit", {"gate_inputs.ane_lint.over_limits": [
         "prefill: linear (lm_head): dimension > 16384 in [1, 256, 32000]"]}, "export",
      ["test_ane_within_limits"], "dimension > 16384 in [1, 256, 32000]"),
-    ("ane_low_residency", {"gate_inputs.ane_residency.residency": 0.7}, "ane_residency",
-     ["test_ane_residency[prefill]", "test_ane_residency_no_drop[prefill]"],
-     "ane.residency[MLComputePlan] FAILED: measured 0.7 >= "),
-    ("ane_residency_drop", {"gate_inputs.ane_residency.residency": 0.83}, "ane_residency",
-     ["test_ane_residency_no_drop[prefill]"], "change -0.12"),
-    ("ane_low_decode_residency", {"gate_inputs.ane_residency_decode.residency": 0.7}, "ane_residency",
+    ("ane_low_residency", {"gate_inputs.ane_residency.functions.prefill_192.residency": 0.7}, "ane_residency",
+     ["test_ane_residency[prefill_192]", "test_ane_residency_no_drop[prefill_192]"],
+     "ane.residency[MLComputePlan].prefill_192 FAILED: measured 0.7 >= "),
+    ("ane_residency_drop", {"gate_inputs.ane_residency.functions.prefill_128.residency": 0.83}, "ane_residency",
+     ["test_ane_residency_no_drop[prefill_128]"], "change -0.12"),
+    ("ane_residency_function_missing", {"gate_inputs.ane_residency.functions.prefill_256": DELETE}, "ane_residency",
+     ["test_ane_residency[prefill_256]", "test_ane_residency_no_drop[prefill_256]"],
+     "ane.residency[MLComputePlan].prefill_256 FAILED: measured None"),
+    ("ane_low_decode_residency", {"gate_inputs.ane_residency.functions.decode.residency": 0.7}, "ane_residency",
      ["test_ane_residency[decode]", "test_ane_residency_no_drop[decode]"],
      "ane.residency[MLComputePlan].decode FAILED: measured 0.7 >= "),
-    ("ane_decode_residency_drop", {"gate_inputs.ane_residency_decode.residency": 0.81}, "ane_residency",
+    ("ane_decode_residency_drop", {"gate_inputs.ane_residency.functions.decode.residency": 0.81}, "ane_residency",
      ["test_ane_residency_no_drop[decode]"], "change -0.12"),
     ("coreml_mismatch", {"gate_inputs.coreml_parity.cosine_by_shape.192": 0.99}, "coreml_parity",
      ["test_coreml_parity[192]"], "coreml.cosine[shape=192] FAILED: measured 0.99 >= "),
@@ -171,7 +174,7 @@ def test_violation_fails_its_gate(pytester, gates_project, make_run, own_profile
     path = f"gates/test_{gate_file}.py"
     if path in BASELINED:
         pytester.runpytest(path, f"--run-dir={make_run('good')}", *common, "--bless").assert_outcomes(
-            passed={"f1_drift": 2, "shape_drift": 3, "ane_residency": 4}[gate_file])
+            passed={"f1_drift": 2, "shape_drift": 3, "ane_residency": 8}[gate_file])
     result = pytester.runpytest(path, f"--run-dir={make_run('bad', **changes)}", *common)
     assert failed_tests(result) == sorted(expected), result.stdout.str()
     assert fragment in result.stdout.str()
@@ -296,15 +299,16 @@ def test_residency_gates_need_mlcomputeplan(pytester, gates_project, make_run, o
     """A run exported off macOS has no residency figure: the gates skip naming MLComputePlan (on a Mac they
     fail, since there the export step always records it); the static lint never stands in for it."""
     gates_project()
-    run = make_run("linux_export", **{f"gate_inputs.{k}": DELETE for k in ("ane_residency", "ane_residency_decode")})
+    run = make_run("linux_export", **{"gate_inputs.ane_residency": DELETE})
     result = pytester.runpytest("gates/test_ane_residency.py", f"--run-dir={run}", f"--hw-profile={own_profile}",
                                 "-rs")
     if sys.platform == "darwin":
-        failed = [f"test_ane_residency{name}[{p}]" for name in ("", "_no_drop") for p in ("decode", "prefill")]
+        functions = ["decode", *(f"prefill_{s}" for s in SHAPES)]
+        failed = sorted(f"test_ane_residency{name}[{f}]" for name in ("", "_no_drop") for f in functions)
         assert failed_tests(result) == failed, result.stdout.str()
         assert "exported off macOS" in result.stdout.str()
     else:
-        result.assert_outcomes(skipped=4)
+        result.assert_outcomes(skipped=8)
         assert "ANE residency is measured only by MLComputePlan (macOS 14.4+)" in result.stdout.str()
 
 

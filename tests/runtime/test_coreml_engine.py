@@ -24,7 +24,8 @@ def pair(make_model):
 @pytest.mark.integration  # torch.export of both wrappers (~4 s)
 def test_stand_in_is_what_the_engine_runs(pair):
     _, engine = pair
-    assert isinstance(engine.prefill_runner, ExportedProgramStandIn)
+    assert sorted(engine.prefill_runners) == LENGTHS
+    assert all(isinstance(r, ExportedProgramStandIn) for r in engine.prefill_runners.values())
     state = engine.decode_runner.new_state()
     assert sorted(state) == sorted(f"{k}_cache_{i}" for i in range(2) for k in "kv")
     assert all(a.dtype == np.float16 and a.shape == (1, 2, 32, 8) for a in state.values())
@@ -68,6 +69,29 @@ def test_prompt_cache_over_coreml_state(pair):
     assert cached.cache.stats.hits == 1
 
 
+def _with_shared_state(engine: CoreMLEngine, shared: bool) -> CoreMLEngine:
+    contract = {**engine.contract, "kv": {**engine.contract["kv"], "shared_state": shared}}
+    return CoreMLEngine(engine.prefill_runners, engine.decode_runner, contract)
+
+
+@pytest.mark.integration
+def test_shared_state_prefill_writes_the_decode_state_without_a_copy(pair, monkeypatch):
+    """kv.shared_state: the prefill function runs on the decode state itself (one MLState), nothing is copied;
+    without it the prompt's KV is copied over, with the same tokens either way."""
+    model, engine = pair
+    prompt = [(5 * i + 1) % 48 for i in range(11)]
+    expected = list(TorchEngine(model).generate(prompt, max_new_tokens=8))
+    copies: list[str] = []
+    for runner in {id(r): r for r in [*engine.prefill_runners.values(), engine.decode_runner]}.values():
+        monkeypatch.setattr(runner, "write_state", lambda state, name, value: copies.append(name))
+        monkeypatch.setattr(runner, "read_state", lambda state, name: copies.append(name))
+    shared = _with_shared_state(engine, True)
+    assert list(shared.generate(prompt, max_new_tokens=8)) == expected and copies == []
+    assert np.abs(shared.state["k_cache_0"][0, :, : len(prompt)]).max() > 0  # the prompt's keys, in the decode state
+    monkeypatch.undo()
+    assert list(_with_shared_state(engine, False).generate(prompt, max_new_tokens=8)) == expected
+
+
 @pytest.mark.integration
 def test_prompt_longer_than_enumerated_shapes_is_refused(pair):
     _, engine = pair
@@ -79,7 +103,13 @@ def test_contract_fields_are_required():
     with pytest.raises(ValueError, match="enumerated_lengths"):
         CoreMLEngine(None, None, {"kv": {}, "model_config": {}, "packages": {}})  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="packages"):
-        CoreMLEngine(None, None, {"enumerated_lengths": [8], "kv": {}, "model_config": {}})  # type: ignore[arg-type]
+        CoreMLEngine({}, None, {"enumerated_lengths": [8], "kv": {}, "model_config": {}})  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=r"prefill runners for lengths \[\], contract.json enumerates \[8\]"):
+        CoreMLEngine({}, None, {"enumerated_lengths": [8], "kv": {}, "model_config": {}, "packages": {}})  # type: ignore[arg-type]
+    contract = {"enumerated_lengths": [8], "kv": {"state_names": []}, "model_config": {"max_seq_len": 8},
+                "packages": {"model": {"functions": {"decode": {"outputs": []}}}}}  # fmt: skip
+    with pytest.raises(ValueError, match="no package lists the function 'prefill_8'"):
+        CoreMLEngine({8: None}, None, contract)  # type: ignore[dict-item,arg-type]
 
 
 def test_join_logits_concatenates_chunks_in_contract_order():
@@ -96,7 +126,8 @@ def test_split_lm_head_engine_matches_torch_engine(make_model):
     """A vocabulary above the ANE limit: the programs return head chunks, the engine joins them."""
     model = make_model(0, vocab_size=ANE_MAX_DIM + 16, max_seq_len=32)
     engine = stand_in_engine(model, LENGTHS)
-    assert engine.logits_names == {"prefill": ["logits_0", "logits_1"], "decode": ["logits_0", "logits_1"]}
+    assert engine.logits_names == {8: ["logits_0", "logits_1"], 16: ["logits_0", "logits_1"],
+                                   "decode": ["logits_0", "logits_1"]}  # fmt: skip
     torch_engine = TorchEngine(model)
     prompt = [5, 9000, 16390, 3, 12000]
     assert list(engine.generate(prompt, max_new_tokens=6)) == list(torch_engine.generate(prompt, max_new_tokens=6))
@@ -107,14 +138,17 @@ def test_split_lm_head_engine_matches_torch_engine(make_model):
 @pytest.mark.requires_macos
 @pytest.mark.parametrize("vocab_size", [48, ANE_MAX_DIM + 16], ids=["one-head", "split-head"])
 def test_coreml_greedy_identical_to_torch_engine(make_model, tmp_path, vocab_size):
-    """Real Core ML: export a tiny model, load both packages, compare greedy tokens (a vocabulary above
-    the ANE limit: the packages output head chunks that the engine concatenates)."""
+    """Real Core ML: export a tiny model, load each function of the multifunction package, compare greedy tokens
+    (a vocabulary above the ANE limit: the functions output head chunks that the engine concatenates), with
+    one shared MLState (the contract says the functions share it) and with the state copied."""
     from distillgates.config import ExportConfig
     from distillgates.export.api import export_transformer
 
     model = make_model(0, vocab_size=vocab_size, max_seq_len=32)
     result = export_transformer(model, ExportConfig(quantize="none"), LENGTHS, tmp_path, tokenizer_fingerprint="t")
     engine = CoreMLEngine.from_export_dir(result.out_dir)
+    assert engine.shared_state and result.contract["kv"]["shared_state"]
     for prompt in ([1, 2, 3], list(range(3, 15))):
         expected = list(TorchEngine(model).generate(prompt, max_new_tokens=10))
         assert list(engine.generate(prompt, max_new_tokens=10)) == expected
+        assert list(_with_shared_state(engine, False).generate(prompt, max_new_tokens=10)) == expected

@@ -207,10 +207,9 @@ def _ane_rows(report: dict[str, Any]) -> list[list[str]]:
         rows.append([f"ANE op-eligible share [{lint['source']}]", _fmt(lint["op_eligible_share"])])
         rows.append([f"ANE lint findings [{lint['source']}]",
                      f"{len(lint['ineligible_ops'])} ineligible ops, {len(lint['over_limits'])} over limits"])
-    for key, package in (("ane_residency", "prefill"), ("ane_residency_decode", "decode")):
-        if key in inputs:
-            plan = inputs[key]
-            rows.append([f"ANE residency, {package} [{plan['source']}]", _fmt(plan["residency"])])
+    plan = inputs.get("ane_residency") or {}  # per function of the package (prefill_<L>, decode)
+    for function, measured in plan.get("functions", {}).items():
+        rows.append([f"ANE residency, {function} [{plan['source']}]", _fmt(measured["residency"])])
     return rows
 
 

@@ -1,18 +1,23 @@
-"""``export_model``: checkpoint -> prefill/decode ``.mlpackage`` + contract, lints, ANE op lint, parity.
+"""``export_model``: checkpoint -> one multifunction ``.mlpackage`` + contract, lints, ANE op lint, parity.
 
-Run-directory layout (contract.md): ``export/prefill.mlpackage``, ``export/decode.mlpackage``,
-``export/contract.json`` (one contract for both packages, which share one KV state layout) and
-``export/ane_lint.json`` (the ANE op-eligibility lint), plus on macOS ``export/ane_residency.json`` and
-``export/ane_residency_decode.json`` (``MLComputePlan``, per package) and ``export/coreml_parity.json``
-(Core ML's own logits vs PyTorch, ``MLModel.predict``).
+Run-directory layout (contract.md): ``export/model.mlpackage`` (functions ``prefill_<L>`` per
+enumerated length and ``decode``, weights stored once), ``export/contract.json`` and
+``export/ane_lint.json`` (the ANE op-eligibility lint), plus on macOS ``export/ane_residency.json``
+(``MLComputePlan``, per function) and ``export/coreml_parity.json`` (Core ML's own logits vs
+PyTorch, ``MLModel.predict``).
 
-The parity gate runs after the packages are saved: the exported programs with the weights read
-back from the saved packages (dequantized int8/palettized constants) against eager PyTorch, so it
-measures the weights that ship (:mod:`distillgates.export.roundtrip`).
+One package, as Apple's LLM guide and ANEMLL ship them: each function is converted (and
+compressed) on its own, saved to a scratch package, and ``save_multifunction`` joins them; its const
+deduplication stores weights that are equal in every function once, so the package weighs one
+model's weights, not one per function. Prefill is one static function per length (not one
+``EnumeratedShapes`` model): a static function is what the ANE compiles best, and a runtime picks
+the function by the padded length. All functions declare the same states, so on macOS 15 one
+``MLState`` serves prefill and decode and no KV state is copied (``kv.shared_state``).
 
-Two packages, not one multifunction package: each is a plain stateful model a runtime loads
-on its own; the decode model continues from a prefill by copying the state buffers
-(``MLState.read_state``/``write_state``, same names and shapes in both).
+The parity gate runs after the package is saved: the exported programs with the weights read back
+from each function of the saved package (dequantized int8/int4/palettized constants) against
+eager PyTorch, so it measures the weights that ship (:mod:`distillgates.export.roundtrip`); the
+weights read back must be the same in every function.
 """
 
 from __future__ import annotations
@@ -21,6 +26,9 @@ import dataclasses
 import shutil
 import sys
 import tempfile
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -33,18 +41,30 @@ from distillgates.export.contract import (
     describe_package,
     kv_layout,
     logits_semantics,
+    shared_state,
     verify_contract,
 )
-from distillgates.export.convert import ExportError, attach_qat_grids, compress, convert_program, export_program
+from distillgates.export.convert import ExportError, attach_weight_grids, compress, convert_program, export_program
+from distillgates.export.functions import DECODE, PACKAGE, function_kind, function_names, prefill_function
 from distillgates.export.layout import build_layout, logits_names
 from distillgates.export.lint import ane_op_lint, run_lints
 from distillgates.export.parity import program_parity
-from distillgates.export.roundtrip import SOURCE, roundtrip_module
+from distillgates.export.roundtrip import (
+    SOURCE,
+    map_to_parameters,
+    package_weights,
+    roundtrip_module,
+    weight_sharing_errors,
+)
 from distillgates.export.wrappers import DecodeModule, PrefillModule
 from distillgates.io import atomic_write_json, tree_sha256
 from distillgates.model import Transformer, load_model, model_fingerprint
 
 KINDS = ("prefill", "decode")
+# ExportResult.seconds: our int8/int4 grids, torch.export, coremltools.convert, coremltools compression of what is
+# left, saving the functions and joining them (save_multifunction), reading the package back (spec + dequantized
+# weights), the parity runs, the lints
+PHASES = ("weight_grids", "torch_export", "convert", "compress", "save_multifunction", "read_back", "parity", "lint")
 
 
 @dataclasses.dataclass
@@ -52,20 +72,21 @@ class ExportResult:
     """Everything the pipeline and the gates need from one export."""
 
     out_dir: Path
-    packages: dict[str, Path]  # "prefill"/"decode" -> .mlpackage
+    packages: dict[str, Path]  # package name -> .mlpackage ({"model": export/model.mlpackage})
     contract_path: Path
     ane_lint_path: Path
     contract: dict[str, Any]
     lint: dict[str, list[str]]  # lint name -> messages (all empty: clean)
-    ane: dict[str, Any]  # gate_inputs.ane_lint; on macOS also .ane_residency(_decode) and .coreml_parity
+    ane: dict[str, Any]  # gate_inputs.ane_lint; on macOS also .ane_residency (per function) and .coreml_parity
     parity: dict[str, Any]  # shipped weights vs eager (source, cosine_by_shape, decode_cosine)
     qat_exact: list[str]  # weights exported on their own int8 grid (no re-quantization)
-    errors: list[str]  # every reason the export fails (lints, parity, contract)
+    errors: list[str]  # every reason the export fails (lints, parity, contract, weights not shared)
+    seconds: dict[str, float]  # wall seconds per phase (PHASES; the macOS-only measurements under "macos")
 
     @property
     def gate_inputs(self) -> dict[str, Any]:
-        """``gate_inputs.export``, ``gate_inputs.ane_lint`` (and on macOS ``ane_residency``,
-        ``ane_residency_decode``, ``coreml_parity``) of report.json."""
+        """``gate_inputs.export``, ``gate_inputs.ane_lint`` (and on macOS ``ane_residency``, ``coreml_parity``)
+        of report.json."""
         return {
             "export": {
                 "source": self.parity["source"],
@@ -79,16 +100,38 @@ class ExportResult:
         }
 
 
-def _save_package(mlmodel: ct.models.MLModel, path: Path) -> None:
-    """Save next to ``path`` then swap in: a reader never sees half a package."""
+def _save_package(save: Callable[[str], None], path: Path) -> None:
+    """``save(tmp_path)`` next to ``path`` then swap in: a reader never sees half a package."""
     tmp = Path(tempfile.mkdtemp(dir=path.parent, prefix=f".{path.name}."))
     try:
-        mlmodel.save(str(tmp / path.name))
+        save(str(tmp / path.name))
         if path.exists():
             shutil.rmtree(path)
         (tmp / path.name).rename(path)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+@contextmanager
+def _timed(seconds: dict[str, float], phase: str) -> Iterator[None]:
+    start = time.perf_counter()
+    try:
+        yield
+    finally:
+        seconds[phase] = seconds.get(phase, 0.0) + time.perf_counter() - start
+
+
+def save_functions(models: dict[str, ct.models.MLModel], path: Path, default: str = DECODE) -> None:
+    """One multifunction package at ``path`` holding ``models`` (function name -> single-function model),
+    equal weights stored once (``save_multifunction`` deduplicates consts across functions)."""
+    with tempfile.TemporaryDirectory(dir=path.parent, prefix=".functions.") as scratch:
+        desc = ct.utils.MultiFunctionDescriptor()
+        for name, mlmodel in models.items():
+            source = str(Path(scratch) / f"{name}.mlpackage")
+            mlmodel.save(source)
+            desc.add_function(source, src_function_name="main", target_function_name=name)
+        desc.default_function_name = default
+        _save_package(lambda target: ct.utils.save_multifunction(desc, target), path)
 
 
 def export_transformer(
@@ -117,30 +160,52 @@ def export_transformer(
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     model = model.eval()
+    seconds: dict[str, float] = {}
     fingerprint = model_fingerprint(model)  # before compression-info buffers are attached
     core = build_layout(model, export_cfg.layout).eval()
-    qat_exact = attach_qat_grids(core) if export_cfg.quantize == "int8" else []
+    qat_exact: list[str] = []
+    if export_cfg.quantize in ("int8", "int4"):  # quantized by the converter, from our grids
+        with _timed(seconds, "weight_grids"):
+            qat_exact = attach_weight_grids(core, export_cfg.quantize, export_cfg.int4_block_size)
     modules = {"prefill": PrefillModule(core), "decode": DecodeModule(core)}
-    eps = {kind: export_program(modules[kind], kind, lengths) for kind in KINDS}
-    packages: dict[str, Path] = {}
+    with _timed(seconds, "torch_export"):
+        eps = {kind: export_program(modules[kind], kind, lengths) for kind in KINDS}
+    functions = function_names(lengths)
+    shapes = {**{prefill_function(n): [n] for n in lengths}, DECODE: lengths}  # function -> its input lengths
+    models: dict[str, ct.models.MLModel] = {}
     programs: dict[str, Any] = {}
-    for kind in KINDS:
-        mlmodel = convert_program(eps[kind], kind, lengths, export_cfg, logits_names(cfg.vocab_size))
-        mlmodel = compress(mlmodel, export_cfg.quantize, export_cfg.palettize_mode)
-        mlmodel.short_description = f"distillgates {kind} ({export_cfg.layout} layout, {export_cfg.quantize})"
-        programs[kind] = mlmodel._mil_program
-        packages[kind] = out / f"{kind}.mlpackage"
-        _save_package(mlmodel, packages[kind])
-    described = {kind: describe_package(path) for kind, path in packages.items()}  # read back from disk
-    shipped = {kind: roundtrip_module(eps[kind], packages[kind]) for kind in KINDS}  # weights read back from disk
-    parity = {"source": SOURCE, **program_parity(shipped, model, lengths)}
-    lint = run_lints(eps, programs, ct.utils.load_spec(str(packages["prefill"])), lengths, cfg.max_seq_len)
+    for name in functions:
+        kind, shape = function_kind(name), shapes[name]
+        with _timed(seconds, "convert"):
+            mlmodel = convert_program(eps[kind], kind, shape, export_cfg, logits_names(cfg.vocab_size))
+        with _timed(seconds, "compress"):
+            models[name] = compress(mlmodel, export_cfg)
+        programs[name] = models[name]._mil_program
+    package = out / f"{PACKAGE}.mlpackage"
+    with _timed(seconds, "save_multifunction"):
+        save_functions(models, package)
+    packages = {PACKAGE: package}
+    for stale in set(out.glob("*.mlpackage")) - set(packages.values()):  # an earlier layout's (prefill/decode)
+        shutil.rmtree(stale)
+    with _timed(seconds, "read_back"):
+        described = describe_package(package)  # read back from disk
+        stored = package_weights(package)  # function -> dequantized weights, read back from disk
+        shipped = {name: map_to_parameters(stored[name], eps[function_kind(name)], f"{package}:{name}")
+                   for name in functions}  # fmt: skip
+    sharing_errors = weight_sharing_errors(shipped)
+    with _timed(seconds, "parity"):
+        prefill = {n: roundtrip_module(eps["prefill"], shipped[prefill_function(n)]) for n in lengths}
+        parity = {"source": SOURCE, **program_parity(prefill, roundtrip_module(eps["decode"], shipped[DECODE]),
+                                                     model, lengths)}  # fmt: skip
+    with _timed(seconds, "lint"):
+        lint = run_lints(eps, programs, ct.utils.load_spec(str(package)), lengths, cfg.max_seq_len)
+        ane = {"ane_lint": ane_op_lint(programs, symbol_size=max(lengths))}
+    for name, fn in described["functions"].items():
+        fn["kind"] = function_kind(name)
+        fn["logits"] = logits_semantics(function_kind(name), cfg.vocab_size)
     contract: dict[str, Any] = {
         "contract_version": CONTRACT_VERSION,
-        "packages": {
-            kind: {"path": path.name, **described[kind], "logits": logits_semantics(kind, cfg.vocab_size)}
-            for kind, path in packages.items()
-        },
+        "packages": {PACKAGE: {"path": package.name, **described}},
         "enumerated_lengths": lengths,
         "kv": kv_layout(cfg),
         "model_config": to_dict(cfg),
@@ -152,32 +217,34 @@ def export_transformer(
         # every package as saved (every file in it): the identity gate and the Core ML speed worker check them
         "package_sha256": {path.name: tree_sha256(path) for path in packages.values()},
     }
+    contract["kv"]["shared_state"] = shared_state(contract["packages"])
     contract_errors = verify_contract(contract, cfg, lengths)
     contract["ok"] = not contract_errors
-    ane = {"ane_lint": ane_op_lint(programs, symbol_size=max(lengths))}
     contract_path, ane_path = out / "contract.json", out / "ane_lint.json"
     if sys.platform == "darwin":  # residency (the compute plan) and Core ML's own logits exist only on the machine
-        from distillgates.export.compute_plan import COREML_SOURCE, RESIDENCY_KEYS, ane_residency
+        from distillgates.export.compute_plan import COREML_SOURCE, RESIDENCY_KEY, ane_residency
         from distillgates.export.parity import coreml_parity
         from distillgates.hardware import hardware_header
 
         measured_on = {"hardware_profile_key": hardware_header()["hardware_profile_key"]}  # the gates bind to it
-        for kind, key in RESIDENCY_KEYS.items():
-            ane[key] = {**ane_residency(packages[kind], export_cfg.compute_units), **measured_on}
-            atomic_write_json(out / f"{key}.json", ane[key])
-        ane["coreml_parity"] = {"source": COREML_SOURCE, **measured_on,
-                                **coreml_parity(packages["prefill"], packages["decode"], model, lengths)}  # fmt: skip
-        atomic_write_json(out / "coreml_parity.json", ane["coreml_parity"])
+        with _timed(seconds, "macos"):
+            ane[RESIDENCY_KEY] = {**ane_residency(package, functions, export_cfg.compute_units), **measured_on}
+            atomic_write_json(out / f"{RESIDENCY_KEY}.json", ane[RESIDENCY_KEY])
+            ane["coreml_parity"] = {"source": COREML_SOURCE, **measured_on, **coreml_parity(
+                package, model, lengths, contract["kv"]["shared_state"], export_cfg.compute_units)}  # fmt: skip
+            atomic_write_json(out / "coreml_parity.json", ane["coreml_parity"])
     atomic_write_json(contract_path, contract)
     atomic_write_json(ane_path, ane["ane_lint"])
     low = {shape: c for shape, c in parity["cosine_by_shape"].items() if c < cosine_min}
     errors = [m for msgs in lint.values() for m in msgs] + [f"contract: {m}" for m in contract_errors]
+    errors += [f"{package.name}: {m} (weights are stored once for all functions)" for m in sharing_errors]
     if low:
-        errors.append(f"prefill.mlpackage weights ({SOURCE}) vs eager cosine below {cosine_min} for shapes {low}")
+        errors.append(f"{package.name} prefill weights ({SOURCE}) vs eager cosine below {cosine_min} for shapes {low}")
     if min(parity["decode_cosine"], default=1.0) < cosine_min:
         worst = min(parity["decode_cosine"])
-        errors.append(f"decode.mlpackage weights ({SOURCE}) vs eager cosine below {cosine_min}: {worst:.6f}")
-    result = ExportResult(out, packages, contract_path, ane_path, contract, lint, ane, parity, qat_exact, errors)
+        errors.append(f"{package.name} decode weights ({SOURCE}) vs eager cosine below {cosine_min}: {worst:.6f}")
+    result = ExportResult(out, packages, contract_path, ane_path, contract, lint, ane, parity, qat_exact, errors,
+                          seconds)  # fmt: skip
     if errors and raise_on_error:
         raise ExportError("export failed:\n  " + "\n  ".join(errors))
     return result

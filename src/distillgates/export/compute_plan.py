@@ -15,54 +15,64 @@ from pathlib import Path
 from typing import Any
 
 PLAN_SOURCE = "MLComputePlan"  # how reports label its figures (vs "op-eligibility lint (static MIL)")
-# package -> the gate_inputs key of its residency (macOS), written by the export step, read by the gates
-RESIDENCY_KEYS = {"prefill": "ane_residency", "decode": "ane_residency_decode"}
+# the gate_inputs key of the residency (macOS): one entry per function of the package, written by the export
+# step, read by the gates (baseline key residency.mlcomputeplan.<function>)
+RESIDENCY_KEY = "ane_residency"
 # how reports label Core ML's own logits (gate_inputs.coreml_parity, export.parity.coreml_parity): the other
 # figure only a Mac measures at export; this light module is what the checklist imports
 COREML_SOURCE = "MLModel.predict"
 
 
-def ane_residency(package: str | Path, compute_units: str = "ALL") -> dict[str, Any]:
-    """``gate_inputs.ane_residency`` measured by ``MLComputePlan`` for a saved ``.mlpackage``.
+def ane_residency(package: str | Path, functions: list[str], compute_units: str = "ALL") -> dict[str, Any]:
+    """``gate_inputs.ane_residency`` measured by ``MLComputePlan`` for ``functions`` of a saved ``.mlpackage``.
 
-    Returns ``source``, ``residency`` (share of the plan's estimated cost preferring the ANE),
-    ``compute_units`` and ``by_op_type`` (per op type: whether every op prefers the ANE, the
-    plan's relative cost, and the part of it on the ANE).
+    Returns ``source``, ``compute_units`` and ``functions``: per function, ``residency`` (share of
+    the plan's estimated cost preferring the ANE) and ``by_op_type`` (per op type: whether every op
+    prefers the ANE, the plan's relative cost, and the part of it on the ANE).
 
     Raises:
         RuntimeError: off macOS (Core ML is not available).
+        ValueError: the package is not an ML program or lacks one of ``functions``.
     """
     if sys.platform != "darwin":
-        raise RuntimeError("MLComputePlan needs macOS 14.4+ (Core ML framework); no ANE residency can be measured "
-                           f"on {sys.platform}")
+        raise RuntimeError(
+            f"MLComputePlan needs macOS 14.4+ (Core ML framework); no ANE residency can be measured on {sys.platform}"
+        )
     import coremltools as ct
-    from coremltools.models.compute_device import MLNeuralEngineComputeDevice
     from coremltools.models.compute_plan import MLComputePlan
 
-    model = ct.models.MLModel(str(package), compute_units=getattr(ct.ComputeUnit, compute_units))
+    units = getattr(ct.ComputeUnit, compute_units)
+    model = ct.models.MLModel(str(package), compute_units=units, function_name=functions[0])  # compiles the package
     plan = MLComputePlan.load_from_path(model.get_compiled_model_path(), compute_units=model.compute_unit)
     program = plan.model_structure.program
     if program is None:
         raise ValueError(f"{package}: not an ML program")
-    by_op: dict[str, dict[str, Any]] = {}
-    ane_cost = total_cost = 0.0
-    for function in program.functions.values():
-        for op in function.block.operations:
-            if op.operator_name == "const":
-                continue
-            usage = plan.get_compute_device_usage_for_mlprogram_operation(op)
-            cost = plan.get_estimated_cost_for_mlprogram_operation(op)
-            weight = cost.weight if cost is not None else 0.0
-            on_ane = usage is not None and isinstance(usage.preferred_compute_device, MLNeuralEngineComputeDevice)
-            entry = by_op.setdefault(op.operator_name, {"on_ane": True, "cost": 0.0, "ane_cost": 0.0})
-            entry["on_ane"] = entry["on_ane"] and on_ane
-            entry["cost"] += weight
-            entry["ane_cost"] += weight if on_ane else 0.0
-            total_cost += weight
-            ane_cost += weight if on_ane else 0.0
+    missing = [f for f in functions if f not in program.functions]
+    if missing:
+        raise ValueError(f"{package}: no functions {missing} in the compute plan (has {sorted(program.functions)})")
     return {
         "source": PLAN_SOURCE,
-        "residency": ane_cost / total_cost if total_cost else 0.0,
         "compute_units": compute_units,
-        "by_op_type": dict(sorted(by_op.items())),
+        "functions": {name: _function_residency(plan, program.functions[name]) for name in functions},
     }
+
+
+def _function_residency(plan: Any, function: Any) -> dict[str, Any]:
+    from coremltools.models.compute_device import MLNeuralEngineComputeDevice
+
+    by_op: dict[str, dict[str, Any]] = {}
+    ane_cost = total_cost = 0.0
+    for op in function.block.operations:
+        if op.operator_name == "const":
+            continue
+        usage = plan.get_compute_device_usage_for_mlprogram_operation(op)
+        cost = plan.get_estimated_cost_for_mlprogram_operation(op)
+        weight = cost.weight if cost is not None else 0.0
+        on_ane = usage is not None and isinstance(usage.preferred_compute_device, MLNeuralEngineComputeDevice)
+        entry = by_op.setdefault(op.operator_name, {"on_ane": True, "cost": 0.0, "ane_cost": 0.0})
+        entry["on_ane"] = entry["on_ane"] and on_ane
+        entry["cost"] += weight
+        entry["ane_cost"] += weight if on_ane else 0.0
+        total_cost += weight
+        ane_cost += weight if on_ane else 0.0
+    return {"residency": ane_cost / total_cost if total_cost else 0.0, "by_op_type": dict(sorted(by_op.items()))}

@@ -1,7 +1,13 @@
-"""``contract.json``: what a runtime may rely on, read back from the saved ``.mlpackage`` files.
+"""``contract.json``: what a runtime may rely on, read back from the saved ``.mlpackage``.
 
 Everything in the contract comes from the spec loaded from disk (``ct.utils.load_spec``), not from
 the in-memory model, so a name that was not really set shows up here as the converter's default.
+
+The export writes one multifunction package (``packages.model``): a function ``prefill_<L>`` per
+enumerated prompt length ``L`` (static shape ``(1, L)``) and ``decode`` (``(1, 1)``), sharing one
+copy of the weights. ``packages`` maps names to packages generically (a runtime looks a function up
+in whichever package lists it); ``kv.shared_state`` says whether every function declares the same
+states, so that one ``MLState`` serves them all.
 """
 
 from __future__ import annotations
@@ -13,11 +19,11 @@ import coremltools as ct
 from coremltools.proto import FeatureTypes_pb2
 
 from distillgates.config import ModelConfig
+from distillgates.export.functions import function_kind, function_names
 from distillgates.export.layout import head_widths, logits_names
-from distillgates.export.lint import enumerated_lengths
 from distillgates.export.wrappers import state_names
 
-CONTRACT_VERSION = 1
+CONTRACT_VERSION = 2  # 2: one multifunction package, functions prefill_<L> and decode
 INPUTS = {"prefill": ["input_ids", "length"], "decode": ["input_ids", "position"]}
 LOGITS_SEMANTICS = {
     "prefill": "logits (1, V) of the last real token (index length-1); input_ids right-padded to an enumerated length",
@@ -48,17 +54,39 @@ def _array(arr: Any) -> dict[str, Any]:
     }
 
 
-def describe_package(path: str | Path) -> dict[str, Any]:
-    """Inputs, outputs, states (names, dtypes, shapes) and enumerated lengths of a saved package."""
-    spec = ct.utils.load_spec(str(path))
-    desc = spec.description
+def _describe_function(desc: Any) -> dict[str, Any]:
     return {
         "inputs": [{"name": f.name, **_array(f.type.multiArrayType)} for f in desc.input],
         "outputs": [{"name": f.name, **_array(f.type.multiArrayType)} for f in desc.output],
         "states": [{"name": f.name, **_array(f.type.stateType.arrayType)} for f in desc.state],
-        "enumerated_lengths": enumerated_lengths(spec),
+    }
+
+
+def describe_package(path: str | Path) -> dict[str, Any]:
+    """Functions (inputs, outputs, states: names, dtypes, shapes), default function and spec version
+    of a saved package; a single-function package is described as one function ``main``."""
+    spec = ct.utils.load_spec(str(path))
+    desc = spec.description
+    functions = {f.name: _describe_function(f) for f in desc.functions} or {"main": _describe_function(desc)}
+    return {
+        "functions": functions,
+        "default_function": desc.defaultFunctionName or "main",
         "specification_version": int(spec.specificationVersion),
     }
+
+
+def shared_state(packages: dict[str, Any]) -> bool:
+    """Whether every function of every package in the contract declares the same states (one ``MLState``)."""
+    states = [f["states"] for pkg in packages.values() for f in pkg["functions"].values()]
+    return bool(states) and all(s == states[0] for s in states)
+
+
+def find_function(contract: dict[str, Any], name: str) -> tuple[str, dict[str, Any]] | None:
+    """``(package name, function description)`` of the function ``name`` in the contract, or None."""
+    for package, pkg in contract["packages"].items():
+        if name in pkg.get("functions", {}):
+            return package, pkg["functions"][name]
+    return None
 
 
 def kv_layout(cfg: ModelConfig, bytes_per_elem: int = 2) -> dict[str, Any]:
@@ -79,30 +107,41 @@ def verify_contract(contract: dict[str, Any], cfg: ModelConfig, lengths: list[in
     """Mismatches between a contract and what the model config and shapes require (empty: ok)."""
     errors = []
     kv = kv_layout(cfg)
-    for kind in INPUTS:
-        expected = expected_io(kind, cfg.vocab_size)
-        pkg = contract["packages"].get(kind)
-        if pkg is None:
-            errors.append(f"{kind}: package missing from the contract")
+    wanted = function_names(lengths)
+    listed = [name for pkg in contract["packages"].values() for name in pkg.get("functions", {})]
+    if sorted(listed) != sorted(wanted):
+        errors.append(f"functions {sorted(listed)} != {sorted(wanted)} (one prefill_<L> per enumerated length, decode)")
+    for name in wanted:
+        found = find_function(contract, name)
+        if found is None:
+            errors.append(f"{name}: function missing from the contract")
             continue
+        fn, kind = found[1], function_kind(name)
+        expected = expected_io(kind, cfg.vocab_size)
         for side in ("inputs", "outputs"):
-            names = [f["name"] for f in pkg[side]]
+            names = [f["name"] for f in fn[side]]
             if names != expected[side]:
-                errors.append(f"{kind}: {side} are {names}, expected {expected[side]}")
-        errors += [f"{kind}: input {f['name']} is {f['dtype']}, expected INT32" for f in pkg["inputs"]
+                errors.append(f"{name}: {side} are {names}, expected {expected[side]}")
+        errors += [f"{name}: input {f['name']} is {f['dtype']}, expected INT32" for f in fn["inputs"]
                    if f["dtype"] != "INT32"]  # fmt: skip
-        states = {s["name"]: s for s in pkg["states"]}
+        ids_shape = next((f["shape"] for f in fn["inputs"] if f["name"] == "input_ids"), None)
+        want_shape = [1, 1] if kind == "decode" else [1, int(name.removeprefix("prefill_"))]
+        if ids_shape != want_shape:
+            errors.append(f"{name}: input_ids shape {ids_shape}, expected {want_shape}")
+        states = {s["name"]: s for s in fn["states"]}
         if sorted(states) != sorted(kv["state_names"]):
-            errors.append(f"{kind}: states {sorted(states)} != {sorted(kv['state_names'])}")
-        errors += [f"{kind}: state {n} has shape {s['shape']}, expected {kv['state_shape']}"
+            errors.append(f"{name}: states {sorted(states)} != {sorted(kv['state_names'])}")
+        errors += [f"{name}: state {n} has shape {s['shape']}, expected {kv['state_shape']}"
                    for n, s in states.items() if s["shape"] != kv["state_shape"]]  # fmt: skip
-        widths = [f["shape"][-1] for f in pkg["outputs"]]
+        widths = [f["shape"][-1] for f in fn["outputs"]]
         if widths != head_widths(cfg.vocab_size) or sum(widths) != cfg.vocab_size:
-            errors.append(f"{kind}: logits last dims {widths}, expected {head_widths(cfg.vocab_size)} "
+            errors.append(f"{name}: logits last dims {widths}, expected {head_widths(cfg.vocab_size)} "
                           f"(summing to the vocabulary, {cfg.vocab_size})")  # fmt: skip
-    prefill = contract["packages"].get("prefill")
-    if prefill is not None and prefill["enumerated_lengths"] != sorted(lengths):
-        errors.append(f"prefill: enumerated lengths {prefill['enumerated_lengths']} != {sorted(lengths)}")
+    if contract.get("enumerated_lengths") != sorted(lengths):
+        errors.append(f"enumerated lengths {contract.get('enumerated_lengths')} != {sorted(lengths)}")
+    if contract["kv"].get("shared_state") != shared_state(contract["packages"]):
+        errors.append(f"kv.shared_state is {contract['kv'].get('shared_state')}, but the functions' states say "
+                      f"{shared_state(contract['packages'])}")  # fmt: skip
     for key in ("model_fingerprint", "tokenizer_fingerprint"):
         if not contract.get(key):
             errors.append(f"{key} is missing")

@@ -4,14 +4,27 @@ Design choices:
 - Prefill is exported once with a dynamic length and converted with ``ct.EnumeratedShapes`` over
   the configured lengths (enumerated, not ranged: the ANE compiles enumerated shapes, a range
   forces a dynamic program). Decode is static ``(1, 1)``.
-- int8 weights: a weight already on an int8 per-channel grid (QAT-trained) is exported with its
-  own grid through coremltools' compression-info buffers (``<module>._COREML_/weight/...``), so
-  the stored int8 codes are exactly the QAT codes. Re-quantizing with
-  ``linear_quantize_weights`` would pick ``scale = max|w| / 127`` per channel and move every
-  weight of a grid with another scale (e.g. the ``max|w| / 127.5`` of a symmetric qint8
-  observer). Weights not on a grid are post-training quantized with ``linear_quantize_weights``
-  (int8, symmetric, per output channel).
+- int8 and int4 weights are quantized on our side, before conversion: every linear/conv weight gets
+  coremltools' compression-info buffers (``<module>._COREML_/weight/quantization_{n_bits,scale}``)
+  and the converter writes the codes straight into ``constexpr_blockwise_shift_scale`` ops. That
+  skips coremltools' separate ``linear_quantize_weights`` pass, which re-serializes the whole
+  model (a third of the 135M export's CPU time in conversion and compression, see
+  benchmarks.md), and keeps the fp32 weights out of the converter's fp16 cast.
+- int8: a weight already on an int8 per-channel grid (QAT-trained) keeps its own grid, so the
+  stored codes are exactly the QAT codes. Re-quantizing with ``scale = max|w| / 127`` per channel
+  would move every weight of a grid with another scale (e.g. the ``max|w| / 127.5`` of a
+  symmetric qint8 observer). Other weights get that post-training grid (symmetric, per output
+  channel, codes in [-127, 127], as ``linear_quantize_weights(mode="linear_symmetric")``).
+- int4 is post-training and per block (symmetric, ``scale = max|block| / 7``, one fp16 scale per
+  ``export.int4_block_size`` input channels of each output channel; codes in [-7, 7]): what
+  ``OpLinearQuantizerConfig(dtype="int4", granularity="per_block")`` computes, the format Apple's
+  LLM guide and ANEMLL ship (macOS 15). QAT trains an int8 per-channel grid only
+  (:mod:`distillgates.train.qat`), so an int4 export re-quantizes those weights.
+- A weight that is not a module's own parameter (a tied LM head is the embedding table) is left to
+  :func:`compress`, which runs coremltools' pass on the consts still stored plain.
 - Palettization (4/6/8 bit) uses ``palettize_weights`` on linear/conv weights.
+- Every op config is keyed by const name, and the same weights give the same codes in every
+  function, so the multifunction package's const deduplication stores them once.
 """
 
 from __future__ import annotations
@@ -64,7 +77,9 @@ def _target(name: str) -> Any:
 
 def input_types(kind: str, lengths: list[int]) -> list[ct.TensorType]:
     if kind == "prefill":
-        shapes = ct.EnumeratedShapes(shapes=[(1, n) for n in lengths], default=(1, max(lengths)))
+        shapes: Any = (1, lengths[0])
+        if len(lengths) > 1:
+            shapes = ct.EnumeratedShapes(shapes=[(1, n) for n in lengths], default=(1, max(lengths)))
         return [
             ct.TensorType(name="input_ids", shape=shapes, dtype=np.int32),
             ct.TensorType(name="length", shape=(1,), dtype=np.int32),
@@ -112,10 +127,13 @@ def int8_grid_scale(weight: Tensor) -> Tensor | None:
     (and then both grids give the same values).
     """
     w = weight.detach().float().reshape(weight.shape[0], -1)  # (out, in)
-    chunks = [_grid_scale_rows(rows) for rows in w.split(max(1, (1 << 22) // (128 * w.shape[1])))]
-    if any(c is None for c in chunks):
-        return None
-    chosen = torch.cat([c for c in chunks if c is not None])  # (out, 1)
+    chunks = []
+    for rows in w.split(max(1, (1 << 22) // (128 * w.shape[1]))):
+        chunk = _grid_scale_rows(rows)
+        if chunk is None:
+            return None  # off grid: a trained weight fails on its first rows, so the search stops there
+        chunks.append(chunk)
+    chosen = torch.cat(chunks)  # (out, 1)
     return chosen.reshape(weight.shape[0], *([1] * (weight.dim() - 1)))
 
 
@@ -135,33 +153,53 @@ def _grid_scale_rows(w: Tensor) -> Tensor | None:
     return torch.where(amax > 0, chosen, torch.ones_like(chosen))
 
 
-def attach_qat_grids(module: nn.Module) -> list[str]:
-    """Register coremltools compression-info buffers for every weight on an int8 grid.
+def ptq_scale(weight: Tensor, n_bits: int, block_size: int | None = None) -> Tensor:
+    """Symmetric post-training scale ``(out, 1)`` per output channel, or ``(out, in / block_size)`` per block:
+    ``max|w| / (2^(n_bits-1) - 1)`` (1 for an all-zero row or block)."""
+    w = weight.detach().float().reshape(weight.shape[0], -1)  # (out, in)
+    if block_size is not None:
+        if w.shape[1] % block_size:
+            raise ExportError(f"int4 per-block: {w.shape[1]} input channels are not a multiple of "
+                              f"export.int4_block_size {block_size}")  # fmt: skip
+        amax = w.reshape(w.shape[0], -1, block_size).abs().amax(-1)  # (out, in / block)
+    else:
+        amax = w.abs().amax(1, keepdim=True)  # (out, 1)
+    scale = amax / (2 ** (n_bits - 1) - 1)
+    return torch.where(scale > 0, scale, torch.ones_like(scale))
 
-    Returns the parameter names that carry an exact grid (the rest are PTQ'd later).
+
+def attach_weight_grids(module: nn.Module, quantize: str, int4_block_size: int) -> list[str]:
+    """Register coremltools compression-info buffers for every linear/conv weight (``quantize`` int8 or int4).
+
+    int8: a weight on an int8 grid keeps it (returned: the QAT-exact weights), the rest get the
+    post-training per-channel grid; int4: the post-training per-block grid. Embedding tables are
+    left alone (a gather table; a tied LM head is handled as the embedding, by :func:`compress`).
     """
     owners = dict(module.named_modules())
     exact = []
+    n_bits, block = (8, None) if quantize == "int8" else (4, int4_block_size)
     for name, param in module.named_parameters():  # tied weights appear once, under their first name
-        if param.dim() not in (2, 4) or not name.endswith(".weight"):
-            continue
-        if isinstance(owners[name.rsplit(".", 1)[0]], nn.Embedding):
-            continue  # a gather table, not a linear weight (a tied LM head is handled as the embedding)
-        scale = int8_grid_scale(param)
-        if scale is None:
-            continue
         owner = owners[name.rsplit(".", 1)[0]]
-        owner.register_buffer("_COREML_/weight/quantization_n_bits", torch.tensor(8))
-        owner.register_buffer("_COREML_/weight/quantization_scale", scale.reshape(scale.shape[0], 1).clone())
+        if param.dim() not in (2, 4) or not name.endswith(".weight") or isinstance(owner, nn.Embedding):
+            continue
+        scale = int8_grid_scale(param) if quantize == "int8" else None
+        if scale is not None:
+            exact.append(name)
+            scale = scale.reshape(scale.shape[0], 1)
+        else:
+            scale = ptq_scale(param, n_bits, block)
+        owner.register_buffer("_COREML_/weight/quantization_n_bits", torch.tensor(n_bits))
+        owner.register_buffer("_COREML_/weight/quantization_scale", scale.clone())
         owner.register_buffer("_COREML_/weight/compression_type", torch.tensor([3]))  # 3 = QUANTIZATION
-        exact.append(name)
     return exact
 
 
-def compress(mlmodel: ct.models.MLModel, quantize: str, palettize_mode: str) -> ct.models.MLModel:
-    """Post-training compression of linear/conv weights still stored as plain constants."""
+def compress(mlmodel: ct.models.MLModel, cfg: ExportConfig) -> ct.models.MLModel:
+    """Post-training compression (``cfg.quantize``) of linear/conv weights still stored as plain constants
+    (for int8/int4 only those :func:`attach_weight_grids` could not reach, such as a tied LM head)."""
     from coremltools.optimize import coreml as cto
 
+    quantize = cfg.quantize
     if quantize == "none":
         return mlmodel
     op_cfg: Any
@@ -169,9 +207,15 @@ def compress(mlmodel: ct.models.MLModel, quantize: str, palettize_mode: str) -> 
         op_cfg = cto.OpLinearQuantizerConfig(
             mode="linear_symmetric", dtype="int8", granularity="per_channel", weight_threshold=1
         )
+    elif quantize == "int4":
+        op_cfg = cto.OpLinearQuantizerConfig(
+            mode="linear_symmetric", dtype="int4", granularity="per_block", block_size=cfg.int4_block_size,
+            weight_threshold=1,
+        )  # fmt: skip
     else:
         nbits = int(quantize.removeprefix("palettize"))
-        op_cfg = cto.OpPalettizerConfig(mode=palettize_mode, nbits=nbits, granularity="per_tensor", weight_threshold=1)
+        op_cfg = cto.OpPalettizerConfig(mode=cfg.palettize_mode, nbits=nbits, granularity="per_tensor",
+                                        weight_threshold=1)  # fmt: skip
     # by const name, not op type: a tied embedding feeds a gather and the LM head linear (an op-type
     # config conflicts there), and RoPE tables / masks must stay fp16
     names = {
@@ -180,7 +224,9 @@ def compress(mlmodel: ct.models.MLModel, quantize: str, palettize_mode: str) -> 
         for op in function.operations
         if op.op_type in COMPRESSED_OP_TYPES and op.inputs["weight"].op.op_type == "const"
     }
+    if not names:  # every weight was quantized at conversion (attach_weight_grids): nothing left to compress
+        return mlmodel
     config = cto.OptimizationConfig(op_name_configs=dict.fromkeys(sorted(names), op_cfg))
-    if quantize == "int8":
+    if quantize in ("int8", "int4"):
         return cto.linear_quantize_weights(mlmodel, config=config)
     return cto.palettize_weights(mlmodel, config=config)

@@ -120,25 +120,27 @@ def lint_mil_ops(prog: Any) -> list[str]:
     return errors
 
 
-def enumerated_lengths(spec: Any, input_name: str = "input_ids") -> list[int] | None:
-    """Sequence lengths of ``input_name`` in a saved spec (None: a fixed shape)."""
-    for feature in spec.description.input:
-        if feature.name == input_name:
-            arr = feature.type.multiArrayType
-            if arr.WhichOneof("ShapeFlexibility") == "shapeRange":
-                return [-1]  # a range, not an enumeration
-            if arr.WhichOneof("ShapeFlexibility") == "enumeratedShapes":
-                return sorted(int(s.shape[-1]) for s in arr.enumeratedShapes.shapes)
-            return None
-    raise ValueError(f"spec has no input named {input_name!r}")
+def prefill_lengths(spec: Any, input_name: str = "input_ids") -> list[int]:
+    """Prompt lengths of the ``prefill_*`` functions of a saved multifunction spec: the last dimension
+    of each one's ``input_ids`` (-1 for a flexible shape: a prefill function must be static)."""
+    lengths = []
+    for function in spec.description.functions:
+        if not function.name.startswith("prefill_"):
+            continue
+        feature = next((f for f in function.input if f.name == input_name), None)
+        if feature is None:
+            raise ValueError(f"function {function.name} has no input named {input_name!r}")
+        arr = feature.type.multiArrayType
+        lengths.append(-1 if arr.WhichOneof("ShapeFlexibility") else int(arr.shape[-1]))
+    return sorted(lengths)
 
 
 def lint_shapes(spec: Any, lengths: list[int], max_seq_len: int) -> list[str]:
-    """The prefill model accepts exactly the configured lengths, each within the KV cache."""
+    """The package has one static prefill function per configured length, each within the KV cache."""
     errors = [f"length {n} is outside the KV cache (max_seq_len {max_seq_len})" for n in lengths if n > max_seq_len]
-    found = enumerated_lengths(spec)
+    found = prefill_lengths(spec)
     if found != sorted(lengths):
-        extra = sorted(set(found or []) - set(lengths))
+        extra = sorted(set(found) - set(lengths))
         errors.append(
             f"prefill shapes {found} differ from the enumerated set {sorted(lengths)}"
             + (f" (outside the set: {extra})" if extra else "")
@@ -287,11 +289,11 @@ def ane_op_lint(programs: dict[str, Any], symbol_size: int) -> dict[str, Any]:
 
 
 def run_lints(
-    eps: dict[str, ExportedProgram], programs: dict[str, Any], prefill_spec: Any, lengths: list[int], max_seq_len: int
+    eps: dict[str, ExportedProgram], programs: dict[str, Any], package_spec: Any, lengths: list[int], max_seq_len: int
 ) -> dict[str, list[str]]:
-    """All lints, by name; each a list of messages naming the model and the offending op."""
+    """All lints, by name; each a list of messages naming the program (or function) and the offending op."""
     return {
         "int64_on_attention": [f"{name}: {msg}" for name, ep in eps.items() for msg in lint_int64_attention(ep)],
         "mil_ops": [f"{name}: {msg}" for name, prog in programs.items() for msg in lint_mil_ops(prog)],
-        "shapes": [f"prefill: {msg}" for msg in lint_shapes(prefill_spec, lengths, max_seq_len)],
+        "shapes": [f"prefill: {msg}" for msg in lint_shapes(package_spec, lengths, max_seq_len)],
     }

@@ -1,7 +1,9 @@
 """The weights a saved ``.mlpackage`` ships, read back into the exported program (no Core ML runtime).
 
-The export parity gate measures what ships: the compressed weights (int8 / palettized) of the
-saved package, not the fp32 program they were converted from.
+The export parity gate measures what ships: the compressed weights (int8 / int4 / palettized) of
+the saved package, not the fp32 program they were converted from. Each function of the
+multifunction package is read back on its own, so the check also shows that every function ships
+the same weights (:func:`weight_sharing_errors`).
 
 Design choices:
 - The MIL program is rebuilt from the files on disk (``milproto.load`` of the saved spec and its
@@ -43,8 +45,9 @@ class RoundTripError(ExportError):
     """A saved package's weights cannot be mapped back onto the exported program."""
 
 
-def package_weights(package: str | Path) -> dict[str, np.ndarray]:
-    """Weight-like constants of a saved package, dequantized, in program order: value name -> value.
+def package_weights(package: str | Path) -> dict[str, dict[str, np.ndarray]]:
+    """Weight-like constants of each function of a saved package, dequantized, in program order:
+    function name -> value name -> value (a single-function package has one function, ``main``).
 
     That is every compressed weight (the outermost ``constexpr_*`` op of each) and every float
     ``const`` with more than one element that is not a buffer (``b_...``, RoPE tables) and not an
@@ -56,8 +59,9 @@ def package_weights(package: str | Path) -> dict[str, np.ndarray]:
     mlmodel = ct.models.MLModel(str(package), skip_model_load=True)
     spec = mlmodel.get_spec()
     program = milproto_load(spec, spec.specificationVersion, file_weights_dir=mlmodel.weights_dir)
-    weights: dict[str, np.ndarray] = {}
-    for function in program.functions.values():
+    by_function: dict[str, dict[str, np.ndarray]] = {}
+    for function_name, function in program.functions.items():
+        weights = by_function.setdefault(function_name, {})
         for op in function.operations:
             if _feeds_constexpr(op):
                 continue  # codes/scale/palette of a compressed weight, or an inner stage of a nested one
@@ -68,7 +72,7 @@ def package_weights(package: str | Path) -> dict[str, np.ndarray]:
                 value = op.outputs[0].val
                 if isinstance(value, np.ndarray) and value.size > 1 and np.issubdtype(value.dtype, np.floating):
                     weights[name] = value
-    return weights
+    return by_function
 
 
 def _feeds_constexpr(op: Any) -> bool:
@@ -90,7 +94,8 @@ def _squeezed(shape: tuple[int, ...]) -> tuple[int, ...]:
 def map_to_parameters(
     weights: dict[str, np.ndarray], ep: ExportedProgram, package: str | Path
 ) -> dict[str, torch.Tensor]:
-    """``package_weights`` -> ``{parameter FQN: fp32 tensor}`` for every parameter of ``ep`` that ships.
+    """One function's ``package_weights`` -> ``{parameter FQN: fp32 tensor}`` for every parameter of ``ep``
+    that ships (``package`` names the package and function in messages).
 
     By name first: a compressed or ``p_``-named const must name a parameter (tied parameters,
     one tensor under two names, take the same const). Parameters left over are matched by shape
@@ -153,10 +158,30 @@ def map_to_parameters(
     return mapped
 
 
-def roundtrip_module(ep: ExportedProgram, package: str | Path) -> nn.Module:
-    """``ep``'s module with every parameter replaced by the dequantized weight the package stores."""
-    module = copy.deepcopy(ep.module())  # its own tensors: the eager model is not touched
-    for fqn, value in map_to_parameters(package_weights(package), ep, package).items():
+def weight_sharing_errors(mapped: dict[str, dict[str, torch.Tensor]]) -> list[str]:
+    """Parameters whose weight read back differs between functions (``function -> FQN -> tensor``; empty: one
+    set of weights serves every function, as the multifunction package stores it once)."""
+    (first, reference), *others = mapped.items()
+    errors = []
+    for function, weights in others:
+        if sorted(weights) != sorted(reference):
+            errors.append(f"functions {first} and {function} ship different parameters: "
+                          f"{sorted(set(weights) ^ set(reference))}")  # fmt: skip
+            continue
+        differ = [fqn for fqn, value in weights.items() if not torch.equal(value, reference[fqn])]
+        if differ:
+            errors.append(f"functions {first} and {function} ship different weights for {differ}")
+    return errors
+
+
+def roundtrip_module(ep: ExportedProgram, weights: dict[str, torch.Tensor]) -> nn.Module:
+    """``ep``'s module with every parameter replaced by ``weights`` (``map_to_parameters``: the dequantized
+    weights a package function stores)."""
+    source = ep.module()
+    # its own buffers (the KV state), not the parameters it replaces: a deep copy of the 135M parameters
+    # that are swapped out next cost ~0.5 GB and seconds per function
+    module = copy.deepcopy(source, memo={id(source.get_parameter(fqn)): None for fqn in weights})
+    for fqn, value in weights.items():
         owner, _, leaf = fqn.rpartition(".")
         setattr(module.get_submodule(owner), leaf, nn.Parameter(value, requires_grad=False))
     return module.eval()

@@ -1,15 +1,20 @@
-"""Core ML engine: the exported prefill + stateful decode ``.mlpackage`` pair behind the engine protocol.
+"""Core ML engine: the exported multifunction ``.mlpackage`` (``prefill_<L>`` functions + stateful
+``decode``) behind the engine protocol.
 
 Contract (``export/contract.json``, written by :mod:`distillgates.export`):
-- prefill: ``input_ids (1, L) int32`` right-padded to an enumerated ``L``, ``length (1,) int32``
+- ``prefill_<L>``: ``input_ids (1, L) int32`` right-padded to the enumerated ``L``, ``length (1,) int32``
   -> ``logits (1, V)`` of the last real token; writes KV slots ``0..L-1`` of its state.
 - decode: ``input_ids (1, 1) int32``, ``position (1,) int32`` -> ``logits (1, V)``; writes slot
   ``position`` and attends slots ``<= position``.
 - A vocabulary above the ANE's dimension limit comes as chunks ``logits_0 .. logits_{n-1}``
-  ``(1, V_i)`` instead of ``logits``; the contract lists each package's outputs in vocabulary order
-  (``packages.<kind>.outputs``) and :func:`join_logits` concatenates them.
-- Both packages declare the same states ``k_cache_i``/``v_cache_i`` ``(1, n_kv, S_max, hd)``; the
-  decode state continues a prefill by copying them (``MLState.read_state``/``write_state``).
+  ``(1, V_i)`` instead of ``logits``; the contract lists each function's outputs in vocabulary order
+  (``packages.<name>.functions.<function>.outputs``) and :func:`join_logits` concatenates them.
+- Every function declares the same states ``k_cache_i``/``v_cache_i`` ``(1, n_kv, S_max, hd)``
+  (``kv.shared_state``). Then prefill writes the decode state itself: one ``MLState``, made by the
+  decode function, is passed to every function (macOS 15: a state fits any function of the model
+  whose state description matches; ANEMLL runs its prefill and infer functions on one state the
+  same way), and nothing is copied. Without ``kv.shared_state`` prefill gets its own state and the
+  KV is copied over (coremltools' ``MLState.read_state``/``write_state``, macOS 15).
 
 Design choices:
 - The engine talks to a small backend (:class:`PackageRunner`): ``MLPackageRunner`` wraps
@@ -66,15 +71,17 @@ class PackageRunner(Protocol):
 
 
 class MLPackageRunner:
-    """A saved ``.mlpackage`` run by Core ML (macOS 15+: stateful prediction)."""
+    """One function of a saved ``.mlpackage`` run by Core ML (macOS 15+: stateful prediction)."""
 
-    def __init__(self, path: str | Path, compute_units: str = "ALL") -> None:
+    def __init__(self, path: str | Path, function_name: str, compute_units: str = "ALL") -> None:
         import coremltools as ct
 
         if sys.platform != "darwin":
             raise RuntimeError(f"Core ML prediction needs macOS; cannot run {path} on {sys.platform}")
-        self.path = Path(path)
-        self.model: Any = ct.models.MLModel(str(path), compute_units=getattr(ct.ComputeUnit, compute_units))
+        self.path, self.function_name = Path(path), function_name
+        self.model: Any = ct.models.MLModel(
+            str(path), compute_units=getattr(ct.ComputeUnit, compute_units), function_name=function_name
+        )
 
     def new_state(self) -> Any:
         return self.model.make_state()
@@ -131,26 +138,38 @@ class ExportedProgramStandIn:
 
 
 class CoreMLEngine(EngineBase):
-    """Engine over a prefill runner and a decode runner sharing one KV state layout.
+    """Engine over one prefill runner per enumerated length and a decode runner, sharing one KV state layout.
 
     Args:
-        prefill: runner of the prefill package.
-        decode: runner of the decode package.
+        prefill: enumerated length -> runner of its ``prefill_<L>`` function.
+        decode: runner of the ``decode`` function.
         contract: the parsed ``contract.json`` (``enumerated_lengths``, ``kv.state_names``,
-            ``model_config.max_seq_len``, ``packages.<kind>.outputs``: the logits' names in order).
+            ``kv.shared_state``, ``model_config.max_seq_len``, ``packages``: each function's
+            logits names in order).
     """
 
-    def __init__(self, prefill: PackageRunner, decode: PackageRunner, contract: dict[str, Any]) -> None:
+    def __init__(self, prefill: Mapping[int, PackageRunner], decode: PackageRunner, contract: dict[str, Any]) -> None:
+        from distillgates.export.contract import find_function
+        from distillgates.export.functions import DECODE, prefill_function
+
         for key in ("enumerated_lengths", "kv", "model_config", "packages"):
             if key not in contract:
                 raise ValueError(f"contract.json: missing field {key!r}")
-        self.prefill_runner, self.decode_runner = prefill, decode
-        self.contract = contract
         self.lengths = sorted(int(n) for n in contract["enumerated_lengths"])
+        if sorted(prefill) != self.lengths:
+            raise ValueError(f"prefill runners for lengths {sorted(prefill)}, contract.json enumerates {self.lengths}")
+        self.prefill_runners, self.decode_runner = dict(prefill), decode
+        self.contract = contract
         self.state_names = list(contract["kv"]["state_names"])
+        self.shared_state = bool(contract["kv"].get("shared_state", False))
         self.max_seq_len = int(contract["model_config"]["max_seq_len"])
-        packages = contract["packages"]
-        self.logits_names = {kind: [o["name"] for o in packages[kind]["outputs"]] for kind in ("prefill", "decode")}
+        self.logits_names: dict[int | str, list[str]] = {}  # enumerated length (its prefill) or "decode" -> names
+        functions: list[tuple[int | str, str]] = [(n, prefill_function(n)) for n in self.lengths] + [(DECODE, DECODE)]
+        for slot, function in functions:
+            found = find_function(contract, function)
+            if found is None:
+                raise ValueError(f"contract.json: no package lists the function {function!r}")
+            self.logits_names[slot] = [o["name"] for o in found[1]["outputs"]]
         self.state = decode.new_state()
         self._token = np.zeros((1, 1), dtype=np.int32)  # (1, 1) decode input, filled in place
         self._position = np.zeros((1,), dtype=np.int32)  # (1,)
@@ -159,19 +178,24 @@ class CoreMLEngine(EngineBase):
 
     @classmethod
     def from_export_dir(cls, export_dir: str | Path, compute_units: str = "ALL") -> CoreMLEngine:
-        """Load ``prefill.mlpackage``/``decode.mlpackage`` as named by ``contract.json`` (macOS)."""
+        """Load each function ``contract.json`` lists (``MLModel(path, function_name=...)``; macOS)."""
+        from distillgates.export.contract import find_function
+        from distillgates.export.functions import DECODE, prefill_function
+
         export_dir = Path(export_dir)
         contract_path = export_dir / "contract.json"
         contract = json.loads(contract_path.read_text(encoding="utf-8"))
-        packages = contract.get("packages", {})
-        for kind in ("prefill", "decode"):
-            if kind not in packages or "path" not in packages[kind]:
-                raise ValueError(f"{contract_path}: packages.{kind}.path is missing")
-        return cls(
-            MLPackageRunner(export_dir / packages["prefill"]["path"], compute_units),
-            MLPackageRunner(export_dir / packages["decode"]["path"], compute_units),
-            contract,
-        )
+        if "packages" not in contract or "enumerated_lengths" not in contract:
+            raise ValueError(f"{contract_path}: packages/enumerated_lengths missing (contract_version 2 expected)")
+
+        def runner(function: str) -> MLPackageRunner:
+            found = find_function(contract, function)
+            if found is None or "path" not in contract["packages"][found[0]]:
+                raise ValueError(f"{contract_path}: no package with a path lists the function {function!r}")
+            return MLPackageRunner(export_dir / contract["packages"][found[0]]["path"], function, compute_units)
+
+        lengths = sorted(int(n) for n in contract["enumerated_lengths"])
+        return cls({n: runner(prefill_function(n)) for n in lengths}, runner(DECODE), contract)
 
     @property
     def position(self) -> int:
@@ -191,15 +215,18 @@ class CoreMLEngine(EngineBase):
         length = self.padded_length(n)
         input_ids = np.zeros((1, length), dtype=np.int32)  # (1, L) right-padded; pad keys are masked
         input_ids[0, :n] = np.asarray(prompt_ids, dtype=np.int32)
-        prefill_state = self.prefill_runner.new_state()
-        out = self.prefill_runner.predict(
-            {"input_ids": input_ids, "length": np.array([n], dtype=np.int32)}, prefill_state
-        )
-        for name in self.state_names:  # hand the prompt's KV over to the decode model's state
-            self.decode_runner.write_state(self.state, name, self.prefill_runner.read_state(prefill_state, name))
+        runner = self.prefill_runners[length]
+        feed = {"input_ids": input_ids, "length": np.array([n], dtype=np.int32)}
+        if self.shared_state:  # prefill writes the decode state: slots past the prompt are masked until decoded
+            out = runner.predict(feed, self.state)
+        else:
+            prefill_state = runner.new_state()
+            out = runner.predict(feed, prefill_state)
+            for name in self.state_names:  # hand the prompt's KV over to the decode function's state
+                self.decode_runner.write_state(self.state, name, runner.read_state(prefill_state, name))
         self.tokens = [int(t) for t in prompt_ids]
         self.pending = None
-        return join_logits(out, self.logits_names["prefill"])  # (V,)
+        return join_logits(out, self.logits_names[length])  # (V,)
 
     def decode_step(self, token: int) -> Tensor:
         if self.pending is not None and token != self.pending:
@@ -247,27 +274,32 @@ class CoreMLEngine(EngineBase):
         self.pending = None
 
 
-def stand_in_engine(model: Any, lengths: Sequence[int], layout: str = "standard") -> CoreMLEngine:
+def stand_in_engine(
+    model: Any, lengths: Sequence[int], layout: str = "standard", shared_state: bool = True
+) -> CoreMLEngine:
     """A :class:`CoreMLEngine` whose runners are :class:`ExportedProgramStandIn` over the export
-    engineer's prefill/decode wrappers of ``model`` (Linux tests and parity checks)."""
+    engineer's prefill/decode wrappers of ``model`` (Linux tests and parity checks), with a contract
+    shaped as the export writes it (``shared_state``: one state for all functions, else copied)."""
     from distillgates.export.contract import expected_io, kv_layout
     from distillgates.export.convert import export_program
+    from distillgates.export.functions import DECODE, PACKAGE, prefill_function
     from distillgates.export.layout import build_layout
     from distillgates.export.wrappers import DecodeModule, PrefillModule
 
     lengths = sorted(int(n) for n in lengths)
     core = build_layout(model.eval(), layout).eval()
-    kv = kv_layout(model.config)
-    runners, packages = {}, {}
+    kv = {**kv_layout(model.config), "shared_state": shared_state}
+    runners, functions = {}, {}
     for kind, module in (("prefill", PrefillModule(core)), ("decode", DecodeModule(core))):
         program = export_program(module, kind, lengths)
         io = expected_io(kind, model.config.vocab_size)
         runners[kind] = ExportedProgramStandIn(program, io["inputs"], io["outputs"], kv["state_names"])
-        packages[kind] = {"outputs": [{"name": name} for name in io["outputs"]]}
+        names = [prefill_function(n) for n in lengths] if kind == "prefill" else [DECODE]
+        functions.update({name: {"outputs": [{"name": o} for o in io["outputs"]]} for name in names})
     contract = {
         "enumerated_lengths": lengths,
         "kv": kv,
         "model_config": {"max_seq_len": model.config.max_seq_len},
-        "packages": packages,
+        "packages": {PACKAGE: {"functions": functions}},
     }
-    return CoreMLEngine(runners["prefill"], runners["decode"], contract)
+    return CoreMLEngine(dict.fromkeys(lengths, runners["prefill"]), runners["decode"], contract)
