@@ -94,7 +94,7 @@ def _set_arguments(message: int, text: str):
         (2, _edit(lambda r: r["messages"].pop(3)), "messages[1].tool_calls[1].id"),
         (1, _edit(lambda r: r["messages"].pop()), "messages"),
         (1, _edit(lambda r: r["tools"][0]["function"]["parameters"]["properties"].__setitem__("x", {"type": "strin"})),
-         "tools[0].parameters"),
+         "tools[0].parameters.properties.x.type"),
         (4, _edit(lambda r: r.__setitem__("labels", ["control"])), "labels"),
         (3, _edit(lambda r: r["messages"][5].__setitem__("role", "robot")), "messages[5].role"),
         (2, _edit(lambda r: r.__setitem__("argument_alternatives", {"zz": {"query": ["a"]}})),
