@@ -15,7 +15,8 @@ A row (one JSON object per line)::
         {"role": "assistant", "content": "Ticket T-7 is open; the runbook is ops/runbook.md."}],
      "tools": [{"type": "function", "function": {"name": "create_ticket", "parameters": {...}}}, ...],
      "id": "...", "kind": "control", "pii": ["..."], "locale": "en",                       # all optional
-     "argument_alternatives": {"c2": {"query": ["runbook", "login runbook"]}}}
+     "argument_alternatives": {"c2": {"query": ["runbook", "login runbook"]}},
+     "optional_arguments": {"c2": ["max_results"]}}                                       # may be given or left out
 
 Conversion (:func:`row_to_item`):
 
@@ -30,13 +31,17 @@ Conversion (:func:`row_to_item`):
 - the row's system message becomes the item's ``instructions`` (the system prompt then lists the
   row's tools after it); ``tools`` accepts the OpenAI ``{"type": "function", "function": {...}}``
   wrapper or the flat ``{"name", "description", "parameters"}`` form, or a JSON string of either.
+- the row's tools are checked first (each ``parameters`` a valid JSON Schema of type object), before any
+  call is read; ``map_types`` (``data.map_schema_types``) first maps the :data:`NONSTANDARD_TYPES` of
+  real-world function schemas (``dict``, ``float``, ``tuple``, ``any``) to JSON Schema.
 - labels: ``kind`` ``control`` (needs no tool) or ``decline`` (must refuse) feed the control/decline
   metrics; unlabeled rows are ``single`` / ``multi`` / ``no_tool`` by their number of calls, and
   are never counted as controls. ``pii`` lists strings the output must not repeat.
 
 Every problem raises :class:`~distillgates.data.dataset.DatasetError` naming ``file:line`` and the
-field (``messages[3].tool_calls[0].function.arguments``). Nothing is written here: the data
-step writes the converted splits atomically (:mod:`distillgates.data.build`).
+field (``messages[3].tool_calls[0].function.arguments``); :func:`read_items` can instead skip such
+rows and list them (``data.invalid_rows: skip``). Nothing is written here: the data step writes the
+converted splits atomically (:mod:`distillgates.data.build`).
 """
 
 from __future__ import annotations
