@@ -252,6 +252,10 @@ def test_7_a_schema_with_non_json_schema_types_names_its_field_or_is_mapped_when
     assert properties["tags"] == {"type": "array", "items": {}}
     assert validate_call({"name": "create_ticket", "arguments": {"title": "x", "priority": "low", "effort": 2}},
                          item_tools(item)) == []  # fmt: skip
+    from distillgates.data.openai_format import map_schema_types
+
+    assert map_schema_types({"type": ["dict", "null"], "properties": {"a": {"type": ["any", "string"]}}}) == {
+        "type": ["object", "null"], "properties": {"a": {}}}  # fmt: skip
     with pytest.raises(ValueError, match="invalid_rows must be error/skip"):
         DataConfig(invalid_rows="ignore")
 
