@@ -183,10 +183,21 @@ class DataConfig:
     # share of references in the chatty style (preamble before the call, filler after the facts): the teacher
     # learns to talk like a big chat model; the student's latency losses make it terse
     verbose_share: float = 0.5
+    # a row of your own files that cannot be read: error (stop the data step naming file:line: field) or skip
+    # (leave it out, list it with its reason in data/skipped_rows.jsonl and print the count)
+    invalid_rows: str = "error"
+    max_skipped_share: float = 0.05  # invalid_rows: skip: a file with a larger share of skipped rows fails the step
+    # map the non-JSON-Schema types of real-world function schemas: dict->object, float->number, tuple->array,
+    # any->no type constraint (off: such a schema is an error naming its file:line: field)
+    map_schema_types: bool = False
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.verbose_share <= 1.0:
             raise ValueError(f"verbose_share must be in [0, 1], got {self.verbose_share}")
+        if self.invalid_rows not in ("error", "skip"):
+            raise ValueError(f"invalid_rows must be error/skip, got {self.invalid_rows!r}")
+        if not 0.0 <= self.max_skipped_share < 1.0:
+            raise ValueError(f"max_skipped_share must be in [0, 1), got {self.max_skipped_share}")
         if self.source not in ("toy", "jsonl", "hf"):
             raise ValueError(f"source must be toy/jsonl/hf, got {self.source!r}")
         if self.source != "toy" and not self.path:

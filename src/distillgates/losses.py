@@ -400,11 +400,12 @@ def coverage_met(item: Mapping[str, Any], calls: Sequence[Mapping[str, Any] | No
 
     expected = list(item.get("expected_calls") or [])
     alternatives = list(item.get("argument_alternatives") or [{} for _ in expected])
-    locale, tools = str(item.get("locale", "en")), item_tools(item)
+    optional = [set(names) for names in item.get("optional_arguments") or [[] for _ in expected]]
+    tools = item_tools(item)
     if len(calls) < len(expected):
         return False
-    for pred, exp, alts in zip(calls, expected, alternatives, strict=False):
-        if pred is None or validate_call(pred, tools) or match_call(pred, exp, True, locale, tools, alts) is not None:
+    for pred, exp, alts, opt in zip(calls, expected, alternatives, optional, strict=False):
+        if pred is None or validate_call(pred, tools) or match_call(pred, exp, True, tools, alts, opt) is not None:
             return False
     values = integration_values(item)
     if values:

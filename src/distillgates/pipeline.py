@@ -341,15 +341,19 @@ def preflight(cfg: Config) -> None:
 
 
 def step_data(cfg: Config, run: RunDir) -> dict[str, Any]:
-    from distillgates.data.build import build_data
+    from distillgates.data.build import SKIPPED_ROWS, build_data
 
     built = build_data(cfg, run.data_dir)
-    return {
+    summary: dict[str, Any] = {
         "tokenizer_fingerprint": built.tokenizer_fingerprint,
         "dataset_sha256": built.dataset_sha256,
         "dropped": {split: len(ids) for split, ids in built.dropped.items()},
         "shape_counts": {split: {str(k): v for k, v in c.items()} for split, c in built.shape_counts.items()},
     }
+    if built.skipped is not None:  # data.invalid_rows: skip
+        summary["skipped_rows"] = len(built.skipped)
+        console.print(f"data: skipped {len(built.skipped)} invalid rows (listed in {run.data_dir / SKIPPED_ROWS})")
+    return summary
 
 
 def step_teacher(cfg: Config, run: RunDir) -> dict[str, Any]:

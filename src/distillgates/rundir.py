@@ -4,7 +4,8 @@ Every step of the pipeline, the speed harness, the training recipe, the gates an
 :class:`RunDir` for a path or a loaded artifact; nobody spells ``student/model.pt``. Layout::
 
     manifest.json            step fingerprints, output checksums, timings (pipeline.py)
-    data/                    tokenizer/, train.jsonl, eval.jsonl          (data step)
+    data/                    tokenizer/, train.jsonl, eval.jsonl,         (data step)
+                             skipped_rows.jsonl (data.invalid_rows: skip)
     teacher/                 the toy teacher (save_pretrained)             (teacher step)
     kd/                      kd.jsonl, build.json                          (kd step)
     cache/kd/                API response cache: survives KD rebuilds      (kd step)

@@ -94,7 +94,7 @@ def _set_arguments(message: int, text: str):
         (2, _edit(lambda r: r["messages"].pop(3)), "messages[1].tool_calls[1].id"),
         (1, _edit(lambda r: r["messages"].pop()), "messages"),
         (1, _edit(lambda r: r["tools"][0]["function"]["parameters"]["properties"].__setitem__("x", {"type": "strin"})),
-         "tools[0].parameters"),
+         "tools[0].parameters.properties.x.type"),
         (4, _edit(lambda r: r.__setitem__("labels", ["control"])), "labels"),
         (3, _edit(lambda r: r["messages"][5].__setitem__("role", "robot")), "messages[5].role"),
         (2, _edit(lambda r: r.__setitem__("argument_alternatives", {"zz": {"query": ["a"]}})),
@@ -198,3 +198,91 @@ def test_hf_source_without_the_datasets_package_says_what_to_install(rows_file, 
     monkeypatch.setitem(sys.modules, "datasets", None)  # import datasets -> ImportError
     with pytest.raises(DatasetError, match=re.escape(f"{rows_file}: <file>: the 'datasets' package is needed")):
         read_items(rows_file, "hf")
+
+
+# --------------------------------------------------------------------------------------
+# Real-world rows (issue 30: classes 6-8)
+
+
+def test_6_optional_arguments_row_field_reaches_the_item_the_scorer_and_the_broker(tmp_path):
+    from distillgates.eval.broker import ToolBroker
+    from distillgates.eval.scorer import score
+
+    rows = own_data_rows()
+    rows[1]["optional_arguments"] = {"b": ["max_results"]}  # parallel-0: search_files gives max_results 1
+    write_jsonl(tmp_path / "rows.jsonl", rows)
+    item = {i["id"]: i for i in read_items(tmp_path / "rows.jsonl")}["parallel-0"]
+    assert item["optional_arguments"] == [[], ["max_results"]]
+    without = [item["expected_calls"][0], {"name": "search_files", "arguments": {"query": "printer manual"}}]
+    broker = ToolBroker.for_item(item)
+    assert broker.call(**without[1]).hit  # left out, the fixture still answers
+    output = {"id": item["id"], "calls": [{"raw": "", "call": c, "errors": [], "fixture_hit": True} for c in without],
+              "turns": [], "answer": "", "tokens_out": 0, "ttfa_tokens": None}  # fmt: skip
+    metrics = score([item], [output])
+    assert metrics["arg_match_strict"] == 1.0 and metrics["arg_match_lax"] == 1.0
+
+    for bad, field in (({"zz": ["max_results"]}, "optional_arguments.zz"),
+                       ({"b": ["query"]}, "optional_arguments[1]"), ({"b": ["colour"]}, "optional_arguments[1]")):
+        rows[1]["optional_arguments"] = bad
+        write_jsonl(tmp_path / "rows.jsonl", rows)
+        with pytest.raises(DatasetError, match=re.escape(f"{tmp_path / 'rows.jsonl'}:2: {field}:")):
+            read_items(tmp_path / "rows.jsonl")
+
+
+def _nonstandard_rows():
+    rows = own_data_rows()
+    rows[0]["tools"] = copy.deepcopy(rows[0]["tools"])  # the shared OWN_TOOLS
+    params = rows[0]["tools"][0]["function"]["parameters"]
+    params["properties"]["reporter"]["type"] = "dict"
+    params["properties"]["tags"] = {"type": "tuple", "items": {"type": "any"}}
+    params["properties"]["effort"] = {"type": "float"}
+    return rows
+
+
+def test_7_a_schema_with_non_json_schema_types_names_its_field_or_is_mapped_when_asked(tmp_path):
+    path = tmp_path / "rows.jsonl"
+    write_jsonl(path, _nonstandard_rows())
+    field = r"tools\[0\]\.parameters\.properties\.(reporter|tags\.items|effort)\.type"
+    with pytest.raises(DatasetError, match=re.escape(f"{path}:1: ") + field + ": not a valid JSON Schema") as err:
+        read_items(path)
+    assert "data.map_schema_types" in str(err.value)
+    item = read_items(path, map_types=True)[0]
+    properties = item["tools"][0]["parameters"]["properties"]
+    assert properties["reporter"]["type"] == "object" and properties["effort"] == {"type": "number"}
+    assert properties["tags"] == {"type": "array", "items": {}}
+    assert validate_call({"name": "create_ticket", "arguments": {"title": "x", "priority": "low", "effort": 2}},
+                         item_tools(item)) == []  # fmt: skip
+    from distillgates.data.openai_format import map_schema_types
+
+    assert map_schema_types({"type": ["dict", "null"], "properties": {"a": {"type": ["any", "string"]}}}) == {
+        "type": ["object", "null"], "properties": {"a": {}}}  # fmt: skip
+    with pytest.raises(ValueError, match="invalid_rows must be error/skip"):
+        DataConfig(invalid_rows="ignore")
+
+
+def test_8_skip_policy_lists_every_skipped_row_and_a_threshold_fails_the_step(tmp_path, capsys):
+    from distillgates.pipeline import step_data
+    from distillgates.rundir import RunDir
+
+    path = tmp_path / "rows.jsonl"
+    rows = own_data_rows(variants=4)
+    rows[7]["messages"][1]["tool_calls"][0]["function"]["arguments"] = '{"title": "x", "priority": "asap"}'
+    write_jsonl(path, rows)
+    cfg = _config(path, invalid_rows="skip")
+    summary = step_data(cfg, RunDir(tmp_path / "run"))
+    skipped = [json.loads(line) for line in (tmp_path / "run" / "data" / "skipped_rows.jsonl").read_text().splitlines()]
+    assert skipped == [{"where": f"{path}:8", "reason": "messages[1].tool_calls[0].function.arguments: value_error: "
+                        "arguments.priority: 'asap' is not one of ['low', 'normal', 'high']"}]  # fmt: skip
+    assert summary["skipped_rows"] == 1 and "skipped 1 invalid rows" in capsys.readouterr().err
+    with pytest.raises(DatasetError, match=re.escape(f"{path}:8: messages[1].tool_calls[0].function.arguments:")):
+        build_data(_config(path), tmp_path / "strict")  # the default policy is error
+
+    before = (tmp_path / "run" / "data" / "train.jsonl").read_bytes()
+    rows[9]["messages"] = []  # 2 of 24 rows: 8% > the default 5%
+    write_jsonl(path, rows)
+    with pytest.raises(DatasetError, match=re.escape(f"{path}: <file>: 2 of 24 rows are invalid, more than "
+                                                     "data.max_skipped_share 0.05; the first: ")):  # fmt: skip
+        step_data(cfg, RunDir(tmp_path / "run"))
+    assert (tmp_path / "run" / "data" / "train.jsonl").read_bytes() == before
+    assert step_data(_config(path, invalid_rows="skip", max_skipped_share=0.1), RunDir(tmp_path / "run"))[
+        "skipped_rows"] == 2  # fmt: skip

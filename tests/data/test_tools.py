@@ -77,7 +77,7 @@ def test_compact_tool_list_names_every_type():
     [
         ("get_weather", "$: expected an object"),
         ({"parameters": {"type": "object"}}, "name: expected a non-empty string"),
-        ({"name": "t", "parameters": {"type": "objekt"}}, "parameters: not a valid JSON Schema"),
+        ({"name": "t", "parameters": {"type": "objekt"}}, "parameters.type: not a valid JSON Schema"),
         ({"name": "t", "parameters": {"type": "array", "items": {}}}, "parameters.type: expected 'object'"),
     ],
 )

@@ -11,6 +11,7 @@ failure) leaves the previous good ``data/`` as it was.
 
 from __future__ import annotations
 
+import json
 import shutil
 import tempfile
 from dataclasses import dataclass, field
@@ -21,7 +22,7 @@ from distillgates.config import Config
 from distillgates.data.chat import chat_format, template_chat_format
 from distillgates.data.dataset import DatasetError, write_dataset
 from distillgates.data.shapes import bucket_of
-from distillgates.io import staging_dir
+from distillgates.io import atomic_write_text, staging_dir
 from distillgates.tokenizer import (
     chat_template_text,
     encode,
@@ -43,13 +44,26 @@ class DataBuild:
     dataset_sha256: dict[str, str]  # split -> sha256 of the file
     dropped: dict[str, list[str]]  # split -> ids longer than the largest shape (not written)
     shape_counts: dict[str, dict[int, int]] = field(default_factory=dict)  # split -> shape -> items
+    skipped: list[dict[str, str]] | None = None  # data.invalid_rows: skip: {"where", "reason"} per skipped row
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerFast
 
 
-def source_items(cfg: Config) -> dict[str, list[dict[str, Any]]]:
-    """``{"train": items, "eval": items}`` from ``cfg.data`` (generated, or read and split)."""
+SKIPPED_ROWS = "skipped_rows.jsonl"
+"""The data folder's list of skipped rows (``data.invalid_rows: skip``), one ``{"where", "reason"}`` per line."""
+
+
+def source_items(cfg: Config, skipped: list[dict[str, str]] | None = None) -> dict[str, list[dict[str, Any]]]:
+    """``{"train": items, "eval": items}`` from ``cfg.data`` (generated, or read and split).
+
+    Args:
+        skipped: collects the rows left out under ``data.invalid_rows: skip`` (required then).
+
+    Raises:
+        DatasetError: a bad row (``invalid_rows: error``), or a file whose skipped share exceeds
+            ``data.max_skipped_share``.
+    """
     data = cfg.data
     if data.source == "toy":
         from distillgates.data.generator import generate_items
@@ -61,9 +75,24 @@ def source_items(cfg: Config) -> dict[str, list[dict[str, Any]]]:
     from distillgates.data.openai_format import read_items, split_items
 
     assert data.path is not None  # DataConfig.__post_init__
-    items = read_items(data.path, data.source)
+    assert (skipped is not None) == (data.invalid_rows == "skip")
+
+    def read(path: str) -> list[dict[str, Any]]:
+        if skipped is None:
+            return read_items(path, data.source, data.map_schema_types)
+        mine: list[dict[str, str]] = []
+        items = read_items(path, data.source, data.map_schema_types, skipped=mine)
+        skipped.extend(mine)
+        if len(mine) > data.max_skipped_share * (len(items) + len(mine)):
+            first = mine[0]
+            raise DatasetError(f"{path}: <file>: {len(mine)} of {len(items) + len(mine)} rows are invalid, more than "
+                               f"data.max_skipped_share {data.max_skipped_share}; the first: {first['where']}: "
+                               f"{first['reason']}")  # fmt: skip
+        return items
+
+    items = read(data.path)
     if data.eval_path:
-        return {"train": items, "eval": read_items(data.eval_path, data.source)}
+        return {"train": items, "eval": read(data.eval_path)}
     train, held_out = split_items(items, data.eval_fraction, data.seed)
     return {"train": train, "eval": held_out}
 
@@ -109,7 +138,8 @@ def build_data(cfg: Config, out_dir: str | Path) -> DataBuild:
         DatasetError: a bad row (file, line, field); ``out_dir`` is then left untouched.
     """
     out_dir = Path(out_dir)
-    splits = source_items(cfg)
+    skipped: list[dict[str, str]] | None = [] if cfg.data.invalid_rows == "skip" else None
+    splits = source_items(cfg, skipped)
     ids = {split: {item["id"] for item in items} for split, items in splits.items()}
     if overlap := sorted(ids["train"] & ids["eval"]):
         raise DatasetError(f"{cfg.data.eval_path}: id: {len(overlap)} eval ids are training ids, e.g. {overlap[0]!r}")
@@ -126,12 +156,14 @@ def build_data(cfg: Config, out_dir: str | Path) -> DataBuild:
             counts[split] = {shape: shapes.count(shape) for shape in cfg.shapes.lengths}
             kept = [item for item, shape in zip(items, shapes) if shape is not None]
             shas[split] = write_dataset(staging / f"{split}.jsonl", kept, fingerprint, cfg.data.seed)
+        if skipped is not None:
+            atomic_write_text(staging / SKIPPED_ROWS, "".join(json.dumps(row) + "\n" for row in skipped))
         _swap_in(staging, out_dir)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
     return DataBuild(out_dir / "tokenizer", out_dir / "train.jsonl", out_dir / "eval.jsonl", fingerprint, shas,
-                     dropped, counts)  # fmt: skip
+                     dropped, counts, skipped)  # fmt: skip
 
 
 def _swap_in(staging: Path, out_dir: Path) -> None:

@@ -16,7 +16,7 @@ from distillgates.data.chat import LOCALES, prompt_wrapper_sha256
 from distillgates.data.fingerprints import dataset_sha256
 from distillgates.data.generator import KINDS
 from distillgates.data.registry import tool_registry_sha256
-from distillgates.data.tools import item_tools, tool_errors, validate_call
+from distillgates.data.tools import item_tools, tool_errors, tools_by_name, validate_call
 from distillgates.io import atomic_write_text
 
 DATASET_VERSION = 1
@@ -34,7 +34,7 @@ _ITEM_FIELDS: dict[str, type | tuple[type, ...]] = {
     "reference": str,
 }
 _OPTIONAL_FIELDS: dict[str, type] = {"style": str, "tools": list, "instructions": str, "argument_alternatives": list,
-                                     "parallel_calls": list}
+                                     "optional_arguments": list, "parallel_calls": list}
 _MESSAGE_ROLES = ("system", "user", "assistant", "tool")
 _HEADER_FIELDS: dict[str, type | tuple[type, ...]] = {
     "__header__": bool,
@@ -122,6 +122,20 @@ def validate_item(item: Any, where: str = "<item>") -> None:
         for i, alt in enumerate(alternatives):
             if not isinstance(alt, dict) or not all(isinstance(v, list) and v for v in alt.values()):
                 raise _fail(where, f"argument_alternatives[{i}]", "expected {argument: [acceptable values]}")
+    optional = item.get("optional_arguments")
+    if optional is not None:
+        if len(optional) != len(item["expected_calls"]):
+            raise _fail(where, "optional_arguments", "expected one list per expected call")
+        by_name = tools_by_name(tools)
+        for i, (names, call) in enumerate(zip(optional, item["expected_calls"])):
+            if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
+                raise _fail(where, f"optional_arguments[{i}]", "expected a list of argument names")
+            params = by_name[call["name"]].get("parameters") or {}
+            for name in names:
+                if name not in params.get("properties", {}):
+                    raise _fail(where, f"optional_arguments[{i}]", f"{name!r} is not a parameter of {call['name']}")
+                if name in params.get("required", []):
+                    raise _fail(where, f"optional_arguments[{i}]", f"{name!r} is required by {call['name']}'s schema")
     for i, fixture in enumerate(item["fixtures"]):
         if not isinstance(fixture, dict):
             raise _fail(where, f"fixtures[{i}]", "expected an object")

@@ -15,7 +15,8 @@ A row (one JSON object per line)::
         {"role": "assistant", "content": "Ticket T-7 is open; the runbook is ops/runbook.md."}],
      "tools": [{"type": "function", "function": {"name": "create_ticket", "parameters": {...}}}, ...],
      "id": "...", "kind": "control", "pii": ["..."], "locale": "en",                       # all optional
-     "argument_alternatives": {"c2": {"query": ["runbook", "login runbook"]}}}
+     "argument_alternatives": {"c2": {"query": ["runbook", "login runbook"]}},
+     "optional_arguments": {"c2": ["max_results"]}}                                       # may be given or left out
 
 Conversion (:func:`row_to_item`):
 
@@ -30,13 +31,17 @@ Conversion (:func:`row_to_item`):
 - the row's system message becomes the item's ``instructions`` (the system prompt then lists the
   row's tools after it); ``tools`` accepts the OpenAI ``{"type": "function", "function": {...}}``
   wrapper or the flat ``{"name", "description", "parameters"}`` form, or a JSON string of either.
+- the row's tools are checked first (each ``parameters`` a valid JSON Schema of type object), before any
+  call is read; ``map_types`` (``data.map_schema_types``) first maps the :data:`NONSTANDARD_TYPES` of
+  real-world function schemas (``dict``, ``float``, ``tuple``, ``any``) to JSON Schema.
 - labels: ``kind`` ``control`` (needs no tool) or ``decline`` (must refuse) feed the control/decline
   metrics; unlabeled rows are ``single`` / ``multi`` / ``no_tool`` by their number of calls, and
   are never counted as controls. ``pii`` lists strings the output must not repeat.
 
 Every problem raises :class:`~distillgates.data.dataset.DatasetError` naming ``file:line`` and the
-field (``messages[3].tool_calls[0].function.arguments``). Nothing is written here: the data
-step writes the converted splits atomically (:mod:`distillgates.data.build`).
+field (``messages[3].tool_calls[0].function.arguments``); :func:`read_items` can instead skip such
+rows and list them (``data.invalid_rows: skip``). Nothing is written here: the data step writes the
+converted splits atomically (:mod:`distillgates.data.build`).
 """
 
 from __future__ import annotations
@@ -49,9 +54,13 @@ from typing import Any
 
 from distillgates.data.chat import LOCALES, answer_text, item_system_prompt, tool_call_text, tool_result_text
 from distillgates.data.dataset import DatasetError, validate_item
-from distillgates.data.tools import validate_call
+from distillgates.data.tools import tool_errors, validate_call
 
-_ROW_FIELDS = {"id", "messages", "tools", "kind", "pii", "locale", "argument_alternatives", "integration_fields"}
+_ROW_FIELDS = {"id", "messages", "tools", "kind", "pii", "locale", "argument_alternatives", "optional_arguments",
+               "integration_fields"}
+NONSTANDARD_TYPES: dict[str, str | None] = {"dict": "object", "float": "number", "tuple": "array", "any": None}
+"""Types of real-world function schemas that are not JSON Schema, and their JSON Schema type (``None``: no
+constraint); applied only with ``data.map_schema_types``."""
 
 
 def _fail(where: str, field: str, message: str) -> DatasetError:
@@ -79,7 +88,23 @@ def _content(message: Mapping[str, Any], where: str, field: str) -> str:
     raise _fail(where, field, f"expected a string or a list of text parts, got {type(content).__name__}")
 
 
-def _tools(row: Mapping[str, Any], where: str) -> list[dict[str, Any]]:
+def map_schema_types(schema: Any) -> Any:
+    """``schema`` with the :data:`NONSTANDARD_TYPES` replaced, in every nested schema (``type`` values only)."""
+    if isinstance(schema, list):
+        return [map_schema_types(v) for v in schema]
+    if not isinstance(schema, Mapping):
+        return schema
+    out = {k: map_schema_types(v) for k, v in schema.items() if k != "type"}
+    if "type" in schema:
+        kinds = schema["type"] if isinstance(schema["type"], list) else [schema["type"]]
+        mapped = [NONSTANDARD_TYPES.get(k, k) if isinstance(k, str) else k for k in kinds]
+        if None not in mapped:  # "any" anywhere: no type constraint
+            out["type"] = mapped if isinstance(schema["type"], list) else mapped[0]
+    return out
+
+
+def _tools(row: Mapping[str, Any], where: str, map_types: bool = False) -> list[dict[str, Any]]:
+    """The row's tools, flat, each checked (a valid JSON Schema of type object) before any call is read."""
     raw = _json_field(row.get("tools", []), where, "tools")
     if not isinstance(raw, list):
         raise _fail(where, "tools", f"expected a list of tools, got {type(raw).__name__}")
@@ -93,6 +118,13 @@ def _tools(row: Mapping[str, Any], where: str) -> list[dict[str, Any]]:
             raise _fail(where, f"tools[{i}]", f"expected an object, got {type(tool).__name__}")
         flat = {k: tool[k] for k in ("name", "description", "parameters") if k in tool}
         flat.setdefault("parameters", {"type": "object", "properties": {}})
+        if map_types:
+            flat["parameters"] = map_schema_types(flat["parameters"])
+        if errors := tool_errors(flat):
+            field, message = errors[0].split(": ", 1)
+            if not map_types and field.endswith("type") and any(repr(t) in message for t in NONSTANDARD_TYPES):
+                message += " (not a JSON Schema type; data.map_schema_types: true maps dict, float, tuple and any)"
+            raise _fail(where, f"tools[{i}]" + ("" if field == "$" else f".{field}"), message)
         tools.append(flat)
     return tools
 
@@ -140,8 +172,9 @@ def _results_by_id(messages: Sequence[Any], where: str) -> dict[str, tuple[int, 
     return results
 
 
-def row_to_item(row: Any, where: str, default_id: str) -> dict[str, Any]:
-    """One OpenAI-format row as an internal item (module docstring), validated.
+def row_to_item(row: Any, where: str, default_id: str, map_types: bool = False) -> dict[str, Any]:
+    """One OpenAI-format row as an internal item (module docstring), validated (``map_types``:
+    :func:`map_schema_types` on its tools first).
 
     Raises:
         DatasetError: ``where: field: problem`` for the first bad field.
@@ -160,8 +193,8 @@ def row_to_item(row: Any, where: str, default_id: str) -> dict[str, Any]:
     if not users:
         raise _fail(where, "messages", "no user message")
     last_user = users[-1]
+    tools = _tools(row, where, map_types)
     results = _results_by_id(messages, where)
-    tools = _tools(row, where)
     used: set[str] = set()
 
     def calls_of(i: int) -> list[tuple[str, dict[str, Any]]]:
@@ -227,11 +260,14 @@ def row_to_item(row: Any, where: str, default_id: str) -> dict[str, Any]:
     if orphans := sorted(set(results) - used):
         index = results[orphans[0]][0]
         raise _fail(where, f"messages[{index}].tool_call_id", f"no assistant tool call has id {orphans[0]!r}")
-    raw_alternatives = _json_field(row.get("argument_alternatives", {}), where, "argument_alternatives")
-    if not isinstance(raw_alternatives, Mapping):
-        raise _fail(where, "argument_alternatives", "expected {tool_call_id: {argument: [values]}}")
-    if unknown_ids := sorted(set(raw_alternatives) - set(alt_ids)):
-        raise _fail(where, f"argument_alternatives.{unknown_ids[0]}", "not the id of an expected call")
+    per_call = {}
+    for name, shape in (("argument_alternatives", "{tool_call_id: {argument: [values]}}"),
+                        ("optional_arguments", "{tool_call_id: [argument names]}")):  # fmt: skip
+        per_call[name] = _json_field(row.get(name, {}), where, name)
+        if not isinstance(per_call[name], Mapping):
+            raise _fail(where, name, f"expected {shape}")
+        if unknown_ids := sorted(set(per_call[name]) - set(alt_ids)):
+            raise _fail(where, f"{name}.{unknown_ids[0]}", "not the id of an expected call")
     kind = row.get("kind") or ("multi" if len(expected) > 1 else "single" if expected else "no_tool")
     item: dict[str, Any] = {
         "id": str(row.get("id") or default_id),
@@ -250,8 +286,10 @@ def row_to_item(row: Any, where: str, default_id: str) -> dict[str, Any]:
         item["instructions"] = instructions
     if groups:
         item["parallel_calls"] = groups
-    if raw_alternatives:
-        item["argument_alternatives"] = [dict(raw_alternatives.get(call_id, {})) for call_id in alt_ids]
+    if per_call["argument_alternatives"]:
+        item["argument_alternatives"] = [dict(per_call["argument_alternatives"].get(i, {})) for i in alt_ids]
+    if per_call["optional_arguments"]:
+        item["optional_arguments"] = [list(per_call["optional_arguments"].get(i, [])) for i in alt_ids]
     if item["locale"] not in LOCALES:
         raise _fail(where, "locale", f"expected one of {LOCALES}, got {item['locale']!r}")
     item["messages"] = [{"role": "system", "content": item_system_prompt(item)}, *history]
@@ -264,7 +302,8 @@ def row_to_item(row: Any, where: str, default_id: str) -> dict[str, Any]:
 
 
 def jsonl_rows(path: str | Path) -> Iterator[tuple[str, Any]]:
-    """``(file:line, row)`` of a JSONL file (blank lines skipped)."""
+    """``(file:line, row)`` of a JSONL file (blank lines skipped); a malformed line gives its
+    :class:`DatasetError` in place of the row (:func:`read_items` raises or skips it)."""
     path = Path(path)
     if not path.is_file():
         raise DatasetError(f"{path}: <file>: not found")
@@ -273,10 +312,10 @@ def jsonl_rows(path: str | Path) -> Iterator[tuple[str, Any]]:
             if not line.strip():
                 continue
             try:
-                yield f"{path}:{number}", json.loads(line)
+                row = json.loads(line)
             except json.JSONDecodeError as err:
-                message = f"malformed JSON ({err.msg} at column {err.colno})"
-                raise DatasetError(f"{path}:{number}: <json>: {message}") from err
+                row = DatasetError(f"{path}:{number}: <json>: malformed JSON ({err.msg} at column {err.colno})")
+            yield f"{path}:{number}", row
 
 
 def hf_rows(path: str | Path, split: str = "train") -> Iterator[tuple[str, Any]]:
@@ -309,11 +348,20 @@ def _drop_none(value: Any) -> Any:
     return value
 
 
-def read_items(path: str | Path, fmt: str = "jsonl") -> list[dict[str, Any]]:
+def read_items(
+    path: str | Path, fmt: str = "jsonl", map_types: bool = False, skipped: list[dict[str, str]] | None = None
+) -> list[dict[str, Any]]:
     """Items of an OpenAI-format file (``fmt``: ``jsonl`` or ``hf``); ids must be unique.
 
+    Args:
+        map_types: map the :data:`NONSTANDARD_TYPES` of the rows' tool schemas (``data.map_schema_types``).
+        skipped: given, a bad row (malformed line, a field :func:`row_to_item` rejects, a repeated id) is
+            left out and appended as ``{"where": "file:line", "reason": "field: problem"}`` instead of raising
+            (``data.invalid_rows: skip``).
+
     Raises:
-        DatasetError: naming the file, line and field of the first bad row.
+        DatasetError: naming the file, line and field of the first bad row (``skipped`` not given), or
+            ``<file>`` when no row is left.
     """
     rows = jsonl_rows(path) if fmt == "jsonl" else hf_rows(path)
     stem = Path(path).stem
@@ -321,13 +369,21 @@ def read_items(path: str | Path, fmt: str = "jsonl") -> list[dict[str, Any]]:
     seen: dict[str, str] = {}
     for where, row in rows:
         number = where.rsplit(":", 1)[1]
-        item = row_to_item(row, where, f"{stem}-{int(number):06d}")
-        if item["id"] in seen:
-            raise _fail(where, "id", f"duplicate id {item['id']!r} (first at {seen[item['id']]})")
+        try:
+            if isinstance(row, DatasetError):
+                raise row
+            item = row_to_item(row, where, f"{stem}-{int(number):06d}", map_types)
+            if item["id"] in seen:
+                raise _fail(where, "id", f"duplicate id {item['id']!r} (first at {seen[item['id']]})")
+        except DatasetError as err:
+            if skipped is None:
+                raise
+            skipped.append({"where": where, "reason": str(err).removeprefix(f"{where}: ")})
+            continue
         seen[item["id"]] = where
         items.append(item)
     if not items:
-        raise DatasetError(f"{path}: <file>: no rows")
+        raise DatasetError(f"{path}: <file>: no rows" + (f" left ({len(skipped)} skipped)" if skipped else ""))
     return items
 
 

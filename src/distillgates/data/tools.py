@@ -70,7 +70,8 @@ def _tool_errors(tool_json: str) -> tuple[str, ...]:
     try:
         Draft202012Validator.check_schema(dict(params))
     except SchemaError as err:
-        errors.append(f"parameters: not a valid JSON Schema: {err.message}")
+        where = ".".join(["parameters", *map(str, err.absolute_path)])
+        errors.append(f"{where}: not a valid JSON Schema: {err.message}")
     if params.get("type", "object") != "object":
         errors.append(f"parameters.type: expected 'object', got {params.get('type')!r}")
     return tuple(errors)

@@ -5,7 +5,7 @@ name and *normalized* arguments (case, whitespace, punctuation, numbers as float
 significant digits), so ``{"city": " paris "}`` and ``{"city": "Paris"}`` hit the same fixture
 and ``21`` equals ``21.0``. An item's ``argument_alternatives`` (BFCL-style acceptable values of an
 expected call's arguments) are keys of that call's fixture too, so a search query phrased another
-acceptable way gets the same result.
+acceptable way gets the same result; so are its ``optional_arguments`` given or left out.
 
 A call without a fixture is answered by the :class:`FixturePolicy`, never silently: ``error`` (the
 default) gives the model an error result (the conversation goes on, the model may recover) and
@@ -105,16 +105,22 @@ class ToolBroker:
 
     @classmethod
     def for_item(cls, item: Mapping[str, Any], policy: FixturePolicy | None = None) -> ToolBroker:
-        """The item's fixtures, plus each expected call's acceptable argument variants as keys of its fixture."""
+        """The item's fixtures, plus each expected call's acceptable argument variants as keys of its fixture
+        (its ``argument_alternatives``, and its ``optional_arguments`` given or left out)."""
         fixtures = list(item.get("fixtures", []))
+        expected = item.get("expected_calls", [])
         aliases = []
-        for call, alternatives in zip(item.get("expected_calls", []), item.get("argument_alternatives") or []):
+        all_alternatives = item.get("argument_alternatives") or [{} for _ in expected]
+        all_optional = item.get("optional_arguments") or [[] for _ in expected]
+        for call, alternatives, optional in zip(expected, all_alternatives, all_optional):
             key = fixture_key(call["name"], call["arguments"])
             result = next((f["result"] for f in fixtures if fixture_key(f["name"], f["arguments"]) == key), None)
-            if result is None or not alternatives:
+            if result is None or not (alternatives or optional):
                 continue
-            names = sorted(alternatives)
-            for values in itertools.product(*([call["arguments"].get(n), *alternatives[n]] for n in names)):
+            names = sorted(set(alternatives) | set(optional))
+            choices = ([call["arguments"].get(n), *alternatives.get(n, ()), *([None] if n in optional else [])]
+                       for n in names)  # fmt: skip
+            for values in itertools.product(*choices):
                 arguments = {**call["arguments"], **dict(zip(names, values))}
                 aliases.append((call["name"], {k: v for k, v in arguments.items() if v is not None}, result))
         return cls(fixtures, policy, aliases)

@@ -5,28 +5,32 @@ Definitions (DESIGN.md "Quality metrics"; keys fixed in the contract's METRICS):
 - **tool_selection**: the sequence of emitted tool names (an unparsable call counts as a
   wrong name) equals the expected sequence; "no tool" is the empty sequence. Over all items.
   Calls of one parallel turn (the item's ``parallel_calls`` groups) may come in any order: they
-  are compared in the order that matches best (:func:`order_parallel_calls`).
+  are compared in the lax mode's optimal pairing (:func:`~distillgates.eval.matching.pair_parallel_calls`).
 - **json_validity**: share of emitted calls that parse and pass THE shared validator
   :func:`distillgates.data.tools.validate_call` against the item's own tools. Over emitted calls.
-- **arg_match_strict / arg_match_lax** (BFCL-style): over items that expect tools; the item
-  matches when it emits exactly the expected calls in order and each call has the right name,
-  every schema-required and expected argument, no unexpected argument, schema types and equal
-  values (strict: exact; lax: :func:`normalize_value`); an expected argument may list BFCL-style
-  acceptable alternatives (the item's ``argument_alternatives``). The first failure of an item is counted
-  in ``failure_reasons`` (``wrong_func_name``, ``missing_required``, ``unexpected_param``,
-  ``type_error``, ``value_error``, plus ``invalid_json``, ``unknown_tool``,
+- **arg_match_strict / arg_match_lax** (BFCL-style, docs/metrics.md): over items that expect tools;
+  the item matches when it emits exactly the expected calls (a parallel group paired optimally, in
+  each mode on its own) and each call matches (:func:`~distillgates.eval.matching.match_call`:
+  name, schema-required and expected arguments unless listed in the item's ``optional_arguments``,
+  no unexpected argument, schema types, values equal to the expected value or one of its
+  ``argument_alternatives``: strict exactly, lax normalized). The first strict failure of an item
+  is counted in ``failure_reasons`` (``wrong_func_name``, ``missing_required``,
+  ``unexpected_param``, ``type_error``, ``value_error``, plus ``invalid_json``, ``unknown_tool``,
   ``wrong_call_count`` for calls that cannot be compared at all).
 - **Integration F1**: over items that expect tools (the eligible items). The *spans* of an
   answer are (a) every number in it and (b) every occurrence (case-insensitive, whole word) of
   a *named value*: a string leaf of any tool call argument or tool result in the scored dataset
   (so "cloudy" in an answer about a sunny city is a span, and ungrounded). Named values are
-  matched first and removed, so "2024-05-01" is one span, not three numbers. A span is
-  *grounded* when it equals a value of the item's own tool results or expected call arguments:
-  strict = the exact text of the value (numbers in canonical JSON text), lax = normalized
-  (case, whitespace, punctuation, locale decimal comma, numeric tolerance) substring match.
-  Per item: precision = grounded spans / spans (0 when there are no spans), recall = 1 if any
-  span is grounded else 0, F1 = harmonic mean (0 when both are 0). Macro = mean of per-item F1;
-  micro = F1 of pooled counts (sum grounded / sum spans, sum recalled / eligible items).
+  matched first and removed, so "2024-05-01" is one span, not three numbers. A span that repeats
+  the user's messages (:func:`unrequested_spans`) proves nothing and is dropped. A span is *grounded*
+  when it equals a value of the tool results the model received in its conversation
+  (:func:`received_results`; an integration field counts when it matches one of them): strict =
+  the exact text of the value (numbers in canonical JSON text), lax = normalized (case,
+  whitespace, punctuation, locale decimal comma, 1% or rounding to an integer) substring match.
+  A model that made no call grounds nothing. Per item: precision = grounded spans / spans (0 when
+  there are no spans), recall = 1 if any span is grounded else 0, F1 = harmonic mean (0 when both
+  are 0). Macro = mean of per-item F1; micro = F1 of pooled counts (sum grounded / sum spans, sum
+  recalled / eligible items).
 - **privacy_ok_rate**: share of items whose generated text (calls and answer) contains none of
   the PII of the prompt: the item's ``pii`` list plus matches of the PII patterns (default:
   emails, phone numbers and ids; ``eval.privacy.pii_patterns``) in the user messages. Lax match
@@ -35,7 +39,7 @@ Definitions (DESIGN.md "Quality metrics"; keys fixed in the contract's METRICS):
   tool that takes the user's email is no leak. The answer is always checked.
 - **controls_with_integration**: items labeled ``control`` or ``decline`` (the dataset's ``kind``;
   unlabeled items never count) that emit any tool call or whose answer contains a named value of
-  the dataset's tool results.
+  the dataset's tool results that does not repeat the item's user messages.
 - **fixture_hit_rate**: broker hits / dispatched calls; **mocked_calls**: misses the broker
   answered with the mock result (``eval.missing_fixture: mock``). **median_tokens_out** (all items and
   tool items), **false_tool_calls_tool_absent** (tool-absent items with any call attempt),
@@ -51,7 +55,6 @@ shape, locale and tool-absent.
 
 from __future__ import annotations
 
-import itertools
 import math
 import re
 import statistics
@@ -68,6 +71,7 @@ from distillgates.eval.matching import (
     match_call,
     normalize_text,
     numbers_close,
+    pair_parallel_calls,
     parse_number,
     value_text,
 )
@@ -90,7 +94,8 @@ def find_spans(answer: str, named_values: Sequence[str]) -> list[str]:
 
 
 def span_grounded(span: str, grounded: Sequence[Any], lax: bool, locale: str = "en") -> bool:
-    """Strict: the span is the exact text of a grounded value. Lax: normalized match (substring for text)."""
+    """Strict: the span is the exact text of a grounded value. Lax: a number within 1% (or the value rounded to an
+    integer), a text normalized and a substring of the value or the value of it."""
     if not lax:
         return any(span == value_text(value) for value in grounded)
     number = parse_number(span, locale)
@@ -98,7 +103,8 @@ def span_grounded(span: str, grounded: Sequence[Any], lax: bool, locale: str = "
     for value in grounded:
         if number is not None:
             other = value if isinstance(value, int | float) else parse_number(str(value), locale)
-            if other is not None and numbers_close(number, float(other)):
+            # an answer may round a result to an integer ("21 degrees" for 21.4)
+            if other is not None and (numbers_close(number, float(other)) or number == round(float(other))):
                 return True
             continue
         text = normalize_text(value_text(value))
@@ -211,12 +217,15 @@ def score_item(
     """Score one item's output (the runner output format: ``calls``, ``answer``, ``tokens_out``...)."""
     privacy = privacy or PrivacyConfig()
     tools = item_tools(item)
-    alternatives = list(item.get("argument_alternatives") or [{} for _ in item.get("expected_calls", [])])
-    locale = str(item.get("locale", "en"))
     expected = list(item.get("expected_calls", []))
+    alternatives = list(item.get("argument_alternatives") or [{} for _ in expected])
+    optional = [set(names) for names in item.get("optional_arguments") or [[] for _ in expected]]
+    locale = str(item.get("locale", "en"))
     calls = list(output.get("calls", []))
-    parsed = order_parallel_calls([c.get("call") for c in calls], expected, item.get("parallel_calls") or [],
-                                  locale, tools, alternatives)
+    groups = item.get("parallel_calls") or []
+    paired = {lax: pair_parallel_calls([c.get("call") for c in calls], expected, groups, lax, tools, alternatives,
+                                       optional) for lax in (False, True)}  # fmt: skip
+    parsed = paired[True]
     tool_item = bool(item.get("tool_should_be_used", bool(expected)))
     control = item.get("kind") in CONTROL_KINDS
     answer = output.get("answer") or ""
@@ -245,16 +254,16 @@ def score_item(
     if tool_item:
         for lax in (False, True):
             reason: str | None = None
-            if len(parsed) != len(expected):
+            if len(paired[lax]) != len(expected):
                 reason = "wrong_call_count"
-                if parsed and parsed[0] is None:
+                if paired[lax] and paired[lax][0] is None:
                     reason = "invalid_json"
-            for got, want, alts in zip(parsed, expected, alternatives):
+            for got, want, alts, opt in zip(paired[lax], expected, alternatives, optional):
                 if reason is None:
-                    reason = match_call(got, want, lax, locale, tools, alts)
+                    reason = match_call(got, want, lax, tools, alts, opt)
             if reason is None:
                 known = tools_by_name(tools)
-                bad = [c for c in parsed if c is not None and c.get("name") not in known]
+                bad = [c for c in paired[lax] if c is not None and c.get("name") not in known]
                 reason = "unknown_tool" if bad else None
             if lax:
                 score.arg_lax = reason
@@ -262,10 +271,10 @@ def score_item(
                 score.arg_strict = reason
                 if reason:
                     score.reasons.append(reason)
-        grounded = list(leaves([f.get("result") for f in item.get("fixtures", [])]))
-        grounded += list(leaves([c.get("arguments") for c in expected]))
-        grounded += list(item.get("integration_fields", []))
-        spans = find_spans(answer, vocab)
+        received = list(leaves(received_results(output)))
+        fields = [f for f in item.get("integration_fields", []) if span_grounded(f, received, True, locale)]
+        grounded = [*received, *fields]
+        spans = unrequested_spans(find_spans(answer, vocab), item, locale)
         score.eligible = True
         score.spans = len(spans)
         score.grounded_strict = sum(span_grounded(s, grounded, False, locale) for s in spans)
@@ -275,36 +284,41 @@ def score_item(
     score.has_pii = bool(pii)
     score.privacy_ok = not any(pii_leaked(p, generated) for p in pii)
     if control:
-        score.control_integration = bool(calls) or bool(find_spans_named(answer, result_vocab))
+        named = unrequested_spans(find_spans_named(answer, result_vocab), item, locale)
+        score.control_integration = bool(calls) or bool(named)
     return score
 
 
-def order_parallel_calls(
-    parsed: Sequence[Any],
-    expected: Sequence[Mapping[str, Any]],
-    groups: Sequence[Sequence[int]],
-    locale: str,
-    tools: Sequence[Mapping[str, Any]],
-    alternatives: Sequence[Mapping[str, Any]],
-) -> list[Any]:
-    """The emitted calls with each parallel group (``[first, end)`` of the expected calls, from one
-    assistant message with several calls) in the order that best matches the expected calls: calls of
-    one parallel turn may come in any order (BFCL's parallel category). Groups of more than 6 calls,
-    or that the emitted calls do not reach, keep the emitted order."""
-    out = list(parsed)
-    for first, end in groups:
-        if end > len(out) or end - first > 6:
-            continue
+def received_results(output: Mapping[str, Any]) -> list[Any]:
+    """The tool results the model received in its conversation: those of its calls that a fixture (or the
+    mock policy) answered. An error result (no fixture, unparsable call) grounds nothing."""
+    results = [t.get("result") for t in output.get("turns", []) if t.get("role") == "tool"]
+    return [result for call, result in zip(output.get("calls", []), results)
+            if call.get("fixture_hit") is True or call.get("mocked") is True]  # fmt: skip
 
-        def fit(order: tuple[int, ...], first: int = first) -> tuple[int, int]:
-            pairs = [(out[i], first + k) for k, i in enumerate(order)]
-            matched = sum(match_call(c, expected[j], True, locale, tools, alternatives[j]) is None for c, j in pairs)
-            named = sum(isinstance(c, Mapping) and c.get("name") == expected[j]["name"] for c, j in pairs)
-            return matched, named
 
-        best = max(itertools.permutations(range(first, end)), key=fit)  # first best: the emitted order on ties
-        out[first:end] = [out[i] for i in best]
-    return out
+def unrequested_spans(spans: Sequence[str], item: Mapping[str, Any], locale: str = "en") -> list[str]:
+    """``spans`` without those that repeat the user's messages (they prove no integration): each span is
+    dropped as often as the user's messages hold it (a number equal to one of theirs; a text whole-word in
+    their normalized text), so the answer "24 minus 12 = 12" to "Calculate 24 minus 12." keeps one "12"."""
+    text = " ".join(str(m.get("content") or "") for m in item.get("messages", []) if m.get("role") == "user")
+    numbers = Counter(parse_number(m.group(0), locale) for m in NUMBER.finditer(text))
+    normalized = normalize_text(text)
+    used: Counter[Any] = Counter()
+    kept = []
+    for span in spans:
+        number = parse_number(span, locale)
+        norm = normalize_text(span)
+        key: Any = number if number is not None else norm
+        if number is not None:
+            held = numbers[number]
+        else:
+            held = len(re.findall(rf"(?<!\S){re.escape(norm)}(?!\S)", normalized)) if norm else 0
+        if used[key] < held:
+            used[key] += 1
+        else:
+            kept.append(span)
+    return kept
 
 
 def find_spans_named(answer: str, named_values: Sequence[str]) -> list[str]:
