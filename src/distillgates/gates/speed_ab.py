@@ -56,6 +56,24 @@ ArmFactory = Callable[[], Arm]  # starts a fresh worker process of an arm
 ReferenceFactory = Callable[[dict[str, Any], str], ArmFactory]  # (blessed reference record, re-bless command)
 
 
+def measure_interleaved(arms: list[Arm], samples: int) -> list[dict[str, list[float]]]:
+    """``samples`` samples per metric of each arm, after one unrecorded warm-up block each (the first decode of
+    a process compiles), asked in alternating blocks of :data:`BLOCK` in ABBA BAAB order."""
+    for arm in arms:
+        arm.measure(BLOCK)
+    got: list[dict[str, list[float]]] = [{m: [] for m in METRICS} for _ in arms]
+    left, block = samples, 0
+    while left > 0:
+        n = min(BLOCK, left)
+        order = range(len(arms)) if block % 4 in (0, 3) else reversed(range(len(arms)))  # ABBA BAAB ...
+        for i in order:
+            for metric, values in arms[i].measure(n).items():
+                got[i][metric].extend(values)
+        left -= n
+        block += 1
+    return got
+
+
 class SpeedRounds:
     """Samples of the session per worker process, grown one round (``workers`` processes per arm) at a time,
     up to ``looks`` rounds.
@@ -120,18 +138,7 @@ class SpeedRounds:
         self.stopped = self.stopped or why
 
     def _measure_pair(self, arms: list[tuple[Arm, dict[str, list[list[float]]]]]) -> None:
-        for arm, _ in arms:  # warm-up block, not recorded
-            arm.measure(BLOCK)
-        got: list[dict[str, list[float]]] = [{m: [] for m in METRICS} for _ in arms]
-        left, block = self.samples, 0
-        while left > 0:
-            n = min(BLOCK, left)
-            order = range(len(arms)) if block % 4 in (0, 3) else reversed(range(len(arms)))  # ABBA BAAB ...
-            for i in order:
-                for metric, values in arms[i][0].measure(n).items():
-                    got[i][metric].extend(values)
-            left -= n
-            block += 1
+        got = measure_interleaved([arm for arm, _ in arms], self.samples)
         for (_, into), samples in zip(arms, got, strict=True):
             for metric in METRICS:
                 into[metric].append(samples[metric])
@@ -259,7 +266,7 @@ class _Lazy(SpeedWorker):
         self.rebless = rebless
         self.ready = False
 
-    def measure(self, n: int) -> dict[str, list[float]]:
+    def measure(self, n: int, speculative: bool = False) -> dict[str, list[float]]:
         if not self.ready:
             try:
                 self.handshake()
@@ -269,4 +276,56 @@ class _Lazy(SpeedWorker):
                 raise StaleReference(f"the blessed code cannot serve speed measurements: {err}; re-bless: "
                                      f"{self.rebless}") from err
             self.ready = True
-        return super().measure(n)
+        return super().measure(n, speculative)
+
+
+# -- the pipeline's speed step: measured in speed workers, as the gates measure -----------------------
+
+
+def report_speed(run: RunDir, speed_config: dict[str, Any], export_dir: Path | None = None) -> dict[str, Any]:
+    """The speed report's ``speed`` section (``SpeedConfig`` fields ``speed_config``), measured in one fresh speed
+    worker process: one torch thread, the first decode's compilation in the untimed warm-up, and
+    ``peak_memory_bytes`` of a process that holds only the model, the tokenizer and the engine."""
+    args = _worker_args(run, run.require(run.model_path()), export_dir)
+    worker = SpeedWorker("speed report", PACKAGE_DIR.parent, args)
+    try:
+        worker.handshake()
+        return worker.report(speed_config)
+    finally:
+        worker.close()
+
+
+class _Decoding:
+    """One decoding mode (plain or speculative) of a speed worker process, as an :class:`Arm`."""
+
+    def __init__(self, worker: SpeedWorker, speculative: bool) -> None:
+        self.worker, self.speculative = worker, speculative
+
+    def measure(self, n: int) -> dict[str, list[float]]:
+        return self.worker.measure(n, self.speculative)
+
+    def close(self) -> None:  # the process has one owner: speculative_speedup
+        pass
+
+
+def speculative_speedup(run: RunDir, *, workers: int, samples: int) -> dict[str, list[list[float]]]:
+    """TPS samples of plain and of speculative decoding of the run's student (with the run's drafter), per fresh
+    speed worker process. Each process measures both modes interleaved (:func:`measure_interleaved`, after a
+    warm-up block of each), so its lasting speed offset cancels in its ratio; the processes are the replicates
+    of :func:`distillgates.gates.stats.compare_speedup`. They load in parallel and are measured one at a time."""
+    model, drafter = run.require(run.model_path()), run.require(run.model_path("drafter"))
+    args = [*_worker_args(run, model, None), "--drafter", str(drafter.absolute())]
+    cpu = max(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None
+    processes = [_Lazy("speculative", PACKAGE_DIR.parent, args, cpu=cpu) for _ in range(workers)]
+    plain: list[list[float]] = []
+    speculative: list[list[float]] = []
+    try:
+        for worker in processes:
+            got = measure_interleaved([_Decoding(worker, False), _Decoding(worker, True)], samples)
+            plain.append(got[0]["tps"])
+            speculative.append(got[1]["tps"])
+            worker.close()
+    finally:
+        for worker in processes:
+            worker.close()
+    return {"tps_plain": plain, "tps_speculative": speculative}
