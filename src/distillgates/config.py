@@ -530,9 +530,6 @@ class GatesConfig:
     speculative_speedup_min: float = 1.0
     speculative_acceptance_min: float = 0.3
     significance_alpha: float = 0.05  # drift gates: one-sided test level; speed: the session's false-alarm bound
-    # speed: folder of the blessed speed references (content-addressed checkpoints / exports and code patches),
-    # relative to the project root; None: ``references/`` inside the baselines folder (--baselines-dir)
-    speed_reference_store: str | None = None
 
 
 @dataclass

@@ -205,8 +205,8 @@ def compare_speedup(baseline: Sequence[Sequence[float]], treated: Sequence[Seque
         ValueError: fewer than :data:`MIN_GROUPS` processes or :data:`MIN_SAMPLES` samples per process, unequal
             process counts, non-positive samples, or impossible settings.
     """
-    if not 0.0 < test_alpha < 0.5 or not minimum > 0 or not 0.0 < quantile < 1.0:
-        raise ValueError(f"need 0 < test_alpha < 0.5, minimum > 0, 0 < quantile < 1; got {test_alpha}, {minimum}, "
+    if not 0.0 < test_alpha < 0.5 or not minimum >= 0 or not 0.0 < quantile < 1.0:
+        raise ValueError(f"need 0 < test_alpha < 0.5, minimum >= 0, 0 < quantile < 1; got {test_alpha}, {minimum}, "
                          f"{quantile}")
     if len(baseline) != len(treated):
         raise ValueError(f"{len(baseline)} baseline and {len(treated)} treated processes: each process measures "
