@@ -410,7 +410,7 @@ class SpeedConfig:
     """Speed harness settings."""
 
     n_prompts: int = 8
-    # untimed generations first: the first decode of a process compiles (~58 s at SmolLM2-135M) and warms caches
+    # untimed generations first: the first decode of a process compiles (a minute or more at SmolLM2-135M on 2 cores) and warms caches
     warmup: int = 2
     repeats: int = 3
     max_new_tokens: int = 48
@@ -427,7 +427,7 @@ class SpeedConfig:
             raise ValueError(f"n_prompts and repeats must be >= 1, got {self.n_prompts} and {self.repeats}")
         if self.warmup < 1:
             raise ValueError(f"warmup: {self.warmup} would time the first generation, whose first decode compiles "
-                             "(~58 s at SmolLM2-135M); need >= 1")
+                             "(a minute or more at SmolLM2-135M on 2 cores); need >= 1")
         if self.max_new_tokens < 2:
             raise ValueError(f"max_new_tokens: {self.max_new_tokens} gives no TPS sample (TPS excludes the first "
                              "token); need >= 2")

@@ -11,7 +11,7 @@ Definitions (DESIGN.md "Speed metrics"), per prompt at batch 1 after warm-up:
   per-token timestamps, so the check does not slow the timed decode loop. Absent when no call.
 - Percentiles p50/p90/p95 over prompts x repeats; the raw samples are kept for the gates'
   significance tests. ``warmup`` generations run first, untimed: the first decode of a process
-  compiles (the fused decoder's one-row step for models over 16 MiB: ~58 s at SmolLM2-135M).
+  compiles (the fused decoder's one-row step for models over 16 MiB: a minute or more at SmolLM2-135M on 2 cores).
 - ``peak_memory_bytes``: the measuring process's peak resident set size, ``resource.getrusage(
   RUSAGE_SELF).ru_maxrss`` (KiB on Linux, bytes on macOS), model and framework included. The
   pipeline measures in a speed worker process of its own (:func:`distillgates.gates.speed_ab.report_speed`),

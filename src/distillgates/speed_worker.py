@@ -103,8 +103,10 @@ def speed_sampler(run_dir: Path, model_path: Path, export_dir: Path | None = Non
                                model_config=model.config, backend=backend, export=backend == "coreml",
                                stop_ids=stop_ids, hardware_profile_key=hardware_header()["hardware_profile_key"],
                                tools=[item_tools(item) for item in items])
-        return {**result, "measured_in": "speed worker process (python -m distillgates.speed_worker): model, "
-                                         "tokenizer and engine only"}
+        return {**result, "measured_in": f"a speed worker process of its own (python -m distillgates.speed_worker, "
+                                         f"{result['threads']} torch thread): model, tokenizer and engine only; "
+                                         f"{cfg.warmup} untimed warm-up generation(s) first, which hold the "
+                                         "process's first decode and its compilation"}
 
     return sample, backend, report
 
