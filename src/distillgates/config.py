@@ -410,7 +410,7 @@ class SpeedConfig:
     """Speed harness settings."""
 
     n_prompts: int = 8
-    # untimed generations first: the first decode of a process compiles (a minute or more at SmolLM2-135M on 2 cores) and warms caches
+    # untimed generations first: a process's first decode compiles (a minute or more at SmolLM2-135M on 2 cores)
     warmup: int = 2
     repeats: int = 3
     max_new_tokens: int = 48
