@@ -180,7 +180,7 @@ class Gate:
                                            f"{name}: cannot decide from the recorded samples: {err} ({definition})"))
         return self._finish(GateRecord(self.nodeid, self.group, name, result.speedup, minimum, ">=", None,
                                        result.verdict, f"{name}: {result.reason} ({definition})", result.to_dict(),
-                                       n=result.groups, ci=[result.ci_low, result.ci_high]))
+                                       n=result.groups))  # its interval (level 1 - 2 alpha) is in the reason
 
     def equals(self, name: str, value: Any, expected: Any, definition: str = "") -> GateRecord:
         __tracebackhide__ = True
