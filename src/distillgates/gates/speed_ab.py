@@ -23,6 +23,11 @@ gates after it reuse (the statistics allow it: :func:`distillgates.gates.stats.s
 Once a gate fails, the session has failed: no further round is measured, and a gate that would need
 one ends undecided ("stopped", a skip naming the failed gate), so a regression fails in one round
 instead of running every look for the other gates. Run such a gate alone to decide it.
+
+The pipeline's speed step measures in speed workers too (the end of this module): the speed report's
+``speed`` section in one fresh worker (:func:`report_speed`), and the speculative speedup in fresh workers
+that each decode plainly and speculatively, interleaved with :func:`measure_interleaved` as a pair of arms
+is (:func:`speculative_speedup`).
 """
 
 from __future__ import annotations

@@ -33,6 +33,10 @@ and the ``looks`` of the sequential test (each look of each gate tests at
 ``alpha / (n_gates * looks)``; the union bound holds whatever the stopping rule). A fail needs
 significance at that level, so with no change the chance that *any* speed gate of the session
 fails is at most ``alpha``.
+
+A claimed gain (the speculative speedup, :func:`compare_speedup`) is decided the other way round:
+each process measured both arms, its log quantile ratio is the observation, and the gain passes
+only when the interval shows it, fails when the interval shows it short, else is inconclusive.
 """
 
 from __future__ import annotations
