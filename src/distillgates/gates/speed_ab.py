@@ -317,20 +317,19 @@ def speculative_speedup(run: RunDir, *, workers: int, samples: int) -> dict[str,
     """TPS samples of plain and of speculative decoding of the run's student (with the run's drafter), per fresh
     speed worker process. Each process measures both modes interleaved (:func:`measure_interleaved`, after a
     warm-up block of each), so its lasting speed offset cancels in its ratio; the processes are the replicates
-    of :func:`distillgates.gates.stats.compare_speedup`. They load in parallel and are measured one at a time."""
+    of :func:`distillgates.gates.stats.compare_speedup`. One process at a time, started when its turn comes: nothing
+    loads while one measures, and the memory is one process's, whatever the model's size and ``workers``."""
     model, drafter = run.require(run.model_path()), run.require(run.model_path("drafter"))
     args = [*_worker_args(run, model, None), "--drafter", str(drafter.absolute())]
     cpu = max(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None
-    processes = [_Lazy("speculative", PACKAGE_DIR.parent, args, cpu=cpu) for _ in range(workers)]
     plain: list[list[float]] = []
     speculative: list[list[float]] = []
-    try:
-        for worker in processes:
+    for _ in range(workers):
+        worker = _Lazy("speculative", PACKAGE_DIR.parent, args, cpu=cpu)
+        try:
             got = measure_interleaved([_Decoding(worker, False), _Decoding(worker, True)], samples)
-            plain.append(got[0]["tps"])
-            speculative.append(got[1]["tps"])
+        finally:
             worker.close()
-    finally:
-        for worker in processes:
-            worker.close()
+        plain.append(got[0]["tps"])
+        speculative.append(got[1]["tps"])
     return {"tps_plain": plain, "tps_speculative": speculative}
