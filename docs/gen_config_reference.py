@@ -79,7 +79,6 @@ MEANINGS = {
     "TrainConfig.fsdp": "under torchrun: FSDP2 fully_shard instead of DDP",
     "ExportConfig.compute_units": "Core ML compute units: ALL, CPU_ONLY, CPU_AND_GPU, CPU_AND_NE",
     "SpeedConfig.n_prompts": "eval prompts measured (the first N)",
-    "SpeedConfig.warmup": "untimed runs before measuring",
     "SpeedConfig.repeats": "timed passes over the prompts (samples = n_prompts x repeats)",
     "SpeedConfig.max_new_tokens": "generated tokens per run (stops earlier at <|end|>/<|eos|>)",
     "KDLossConfig.temperature": "softmax temperature of both sides (loss scaled by T^2)",

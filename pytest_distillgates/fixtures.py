@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable, Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -137,12 +136,10 @@ def teacher(report: RunArtifacts) -> dict[str, Any]:
 
 
 @pytest.fixture(scope="session")
-def speed_arms(report: RunArtifacts, gate_session: Any, thresholds: GatesConfig) -> Iterator[WorkerArms]:
+def speed_arms(report: RunArtifacts, gate_session: GateSession) -> Iterator[WorkerArms]:
     """The session's speed workers (real path): the candidate on the run's artifacts, the reference on the
-    blessed ones from the reference store (``gates.speed_reference_store``, default ``<baselines dir>/references``)."""
-    store = thresholds.speed_reference_store
-    root = Path(store) if store else gate_session.baselines_root() / "references"
-    arms = WorkerArms(report.run, ReferenceStore(root if root.is_absolute() else gate_session.rootdir / root))
+    blessed ones, fetched by digest from the reference store (:meth:`GateSession.reference_store`)."""
+    arms = WorkerArms(report.run, ReferenceStore(gate_session.reference_store()))
     yield arms
     arms.close()
 

@@ -100,6 +100,10 @@ def pytest_addoption(parser: pytest.Parser) -> None:
                     help="write a JSON gate report here")
     group.addoption("--gate-summary", dest="dg_gate_summary", type=Path, default=None, metavar="PATH",
                     help="write a Markdown gate summary here (fits a CI job summary)")
+    group.addoption("--reference-store", dest="dg_reference_store", default=None, metavar="PATH|URL",
+                    help="where the speed references' artifacts live: a folder or an fsspec URL (s3://..., gs://...); "
+                         "default: $DISTILLGATES_REFERENCE_STORE, else the project's `references` setting, else "
+                         "<baselines dir>/references")
     group.addoption("--speed-mode", dest="dg_speed_mode", choices=("ab", "stored"), default="ab",
                     help="ab (default): measure the blessed reference (its commit's code on its stored artifacts) and "
                          "the candidate in alternating rounds in this session; stored: compare with the samples "
@@ -126,7 +130,7 @@ def pytest_configure(config: pytest.Config) -> None:
         hw_profile=opt.dg_hw_profile, bless=opt.dg_bless, allow_cross_hw=opt.dg_allow_cross_hw,
         allow_other_eval_set=opt.dg_allow_other_eval_set,
         baselines_dir=opt.dg_baselines_dir, run_dir=opt.dg_run_dir, gate_report=opt.dg_gate_report,
-        gate_summary=opt.dg_gate_summary,
+        gate_summary=opt.dg_gate_summary, reference_store=opt.dg_reference_store,
         speed_inconclusive=opt.dg_speed_inconclusive or ("fail" if ci else "skip"), ci=ci,
         speed=SpeedSettings(samples=opt.dg_speed_samples, workers=opt.dg_speed_workers,
                             max_extra_rounds=opt.dg_speed_max_rounds,

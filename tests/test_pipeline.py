@@ -33,7 +33,8 @@ def tiny_config(path: Path) -> Path:
     cfg["teacher"]["train"].update(steps=4, batch_size=4)
     cfg["kd"].update(batch_size=16, max_new_tokens=24)
     cfg["train"].update(steps=6, batch_size=4, warmup_steps=1, ckpt_every=3, eval_every=6, log_every=1)
-    cfg["speed"].update(n_prompts=2, warmup=1, repeats=1, max_new_tokens=8)
+    cfg["speed"].update(n_prompts=2, warmup=1, repeats=1, max_new_tokens=8, speculative_workers=3,
+                        speculative_samples=8)
     out = path / "tiny.yaml"
     out.write_text(yaml.safe_dump(cfg))
     return out
@@ -57,6 +58,12 @@ def test_every_step_runs_and_the_report_validates(tiny_run: tuple[Path, Path]) -
     assert set(report["gate_inputs"]) >= {"determinism", "qat", "export", "ane_lint", "prompt_cache", "speculative"}
     assert report["gate_inputs"]["determinism"]["coverage"] == 1.0
     assert sorted(p.name for p in (run_dir / "export").glob("*.mlpackage")) == ["model.mlpackage"]  # one package
+    # timed in speed worker processes as the gates time (one thread, compilation in the warm-up), not in this one
+    assert "speed worker process" in report["speed"]["measured_in"] and report["speed"]["threads"] == 1
+    speculative = report["gate_inputs"]["speculative"]
+    assert [len(p) for p in speculative["tps_plain"]] == [len(p) for p in speculative["tps_speculative"]] == [8] * 3
+    low, high = speculative["speedup_ci"]
+    assert low <= speculative["speedup"] <= high
 
 
 @pytest.mark.integration

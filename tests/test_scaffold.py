@@ -46,6 +46,15 @@ def test_the_workflows_use_the_installed_package(tmp_path: Path) -> None:
     linux = (tmp_path / ".github" / "workflows" / "distillgates-quality.yml").read_text()
     assert "--index-url https://download.pytorch.org/whl/cpu" in linux  # never a CUDA torch on the Linux runner
     assert "runs-on: ubuntu-latest" in linux
+    # the speed references out of git: an ignored folder cached by the blessed digests (the speed.json files)
+    macos = yaml.safe_load((tmp_path / ".github" / "workflows" / "distillgates-macos-speed.yml").read_text())
+    job = next(iter(macos["jobs"].values()))
+    store = job["env"]["DISTILLGATES_REFERENCE_STORE"]
+    cache = {step["uses"].split("@")[0]: step["with"] for step in job["steps"]
+             if "actions/cache/" in step.get("uses", "")}
+    assert cache["actions/cache/restore"]["path"] == cache["actions/cache/save"]["path"] == store
+    assert cache["actions/cache/restore"]["key"] == cache["actions/cache/save"]["key"]
+    assert "hashFiles('baselines/*/speed.json')" in cache["actions/cache/save"]["key"]
 
 
 def test_init_refuses_to_overwrite_and_names_the_files(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -443,14 +443,34 @@ class SpeedConfig:
     """Speed harness settings."""
 
     n_prompts: int = 8
+    # untimed generations first: a process's first decode compiles (a minute or more at SmolLM2-135M on 2 cores)
     warmup: int = 2
     repeats: int = 3
     max_new_tokens: int = 48
     engine: str = "torch"  # "torch" or "coreml"
+    # speculative speedup: fresh speed worker processes, each measuring plain and speculative decoding interleaved;
+    # the speedup's interval is over these processes (K - 1 degrees of freedom)
+    speculative_workers: int = 6
+    speculative_samples: int = 16  # TPS samples per process and decoding mode (after a warm-up block of each)
 
     def __post_init__(self) -> None:
         if self.engine not in ("torch", "coreml"):
             raise ValueError(f"engine must be torch/coreml, got {self.engine!r}")
+        if self.n_prompts < 1 or self.repeats < 1:
+            raise ValueError(f"n_prompts and repeats must be >= 1, got {self.n_prompts} and {self.repeats}")
+        if self.warmup < 1:
+            raise ValueError(f"warmup: {self.warmup} would time the first generation, whose first decode compiles "
+                             "(a minute or more at SmolLM2-135M on 2 cores); need >= 1")
+        if self.max_new_tokens < 2:
+            raise ValueError(f"max_new_tokens: {self.max_new_tokens} gives no TPS sample (TPS excludes the first "
+                             "token); need >= 2")
+        if self.speculative_workers < 3:
+            raise ValueError(f"speculative_workers: {self.speculative_workers} processes cannot decide a speedup (its "
+                             "interval over processes has workers - 1 degrees of freedom: 1 df gives a t factor of "
+                             "6.3); need >= 3")
+        if self.speculative_samples < 8:
+            raise ValueError(f"speculative_samples: {self.speculative_samples} samples per process do not cover the "
+                             "speed worker's 8 prompts once; need >= 8")
 
 
 DEFAULT_PII_PATTERNS: dict[str, str] = {
@@ -543,9 +563,6 @@ class GatesConfig:
     speculative_speedup_min: float = 1.0
     speculative_acceptance_min: float = 0.3
     significance_alpha: float = 0.05  # drift gates: one-sided test level; speed: the session's false-alarm bound
-    # speed: folder of the blessed speed references (content-addressed checkpoints / exports and code patches),
-    # relative to the project root; None: ``references/`` inside the baselines folder (--baselines-dir)
-    speed_reference_store: str | None = None
     # gate checks (by name, e.g. privacy_ok_rate) that may be "not measured" (an empty slice) or "underpowered"
     # (a drift gate that cannot detect 3x its tolerance) under CI: waived, they skip with the reason instead of failing
     waive: list[str] = field(default_factory=list)

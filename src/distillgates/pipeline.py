@@ -431,35 +431,31 @@ def step_export(cfg: Config, run: RunDir) -> dict[str, Any]:
 
 def step_speed(cfg: Config, run: RunDir) -> dict[str, Any]:
     """The student's TTFT/TPS/TTFA (the Core ML export with ``speed.engine: coreml``), the prompt cache and
-    speculative decoding (when a drafter exists), written to ``reports/speed.json``."""
+    speculative decoding (when a drafter exists), written to ``reports/speed.json``.
+
+    The timed figures are measured as the speed gates measure, in speed worker processes
+    (:mod:`distillgates.gates.speed_ab`), never in this process (whose thread count, load and earlier steps
+    made its TPS 6x lower than the workers' at SmolLM2-135M): the ``speed`` section in one fresh worker, the
+    speculative speedup in ``speed.speculative_workers`` fresh workers, each decoding plainly and speculatively
+    interleaved. In this process: the prompt cache (one thread, alternating pairs) and the untimed speculative
+    figures (identical output, acceptance)."""
+    import dataclasses
 
     from distillgates.data.chat import chat_format
-    from distillgates.data.tools import item_tools
+    from distillgates.gates.speed_ab import report_speed, speculative_speedup
+    from distillgates.gates.stats import compare_speedup
     from distillgates.hardware import hardware_header
-    from distillgates.runtime.base import EngineBase
     from distillgates.runtime.prompt_cache import prefix_until
     from distillgates.runtime.torch_engine import TorchEngine
-    from distillgates.speed import measure_prompt_cache, measure_speculative, measure_speed, speed_report, write_report
+    from distillgates.speed import measure_prompt_cache, measure_speculative, speed_report, write_report
 
     backend, tokenizer = cfg.speed.engine, run.tokenizer()
     fmt = chat_format(tokenizer)
     prompts = [fmt.prompt(item) for item in run.items("eval")]
-    tools = [item_tools(item) for item in run.items("eval")]  # TTFA: a call valid against the item's tools
     stop_ids = tuple(fmt.stop_ids)
-    model = run.load_model()
-    if backend == "coreml":  # macOS: the Core ML runtime (the import pulls in the export code)
-        from distillgates.runtime.coreml_engine import CoreMLEngine
-
-        speed_engine: EngineBase = CoreMLEngine.from_export_dir(run.export_dir)
-    else:
-        speed_engine = TorchEngine(model)
     hardware = hardware_header(export_path=str(run.export_dir) if backend == "coreml" else None)
-    speed = measure_speed(
-        speed_engine, tokenizer, prompts, cfg.speed, model_config=model.config, backend=backend,
-        export=backend == "coreml", hardware_profile_key=hardware["hardware_profile_key"], stop_ids=stop_ids,
-        tools=tools,
-    )  # fmt: skip
-    torch_engine = speed_engine if isinstance(speed_engine, TorchEngine) else TorchEngine(model)
+    speed = report_speed(run, dataclasses.asdict(cfg.speed), run.export_dir if backend == "coreml" else None)
+    torch_engine = TorchEngine(run.load_model())
     ids = [tokenizer.encode(p, add_special_tokens=False) for p in prompts[: cfg.speed.n_prompts]]
     # milliseconds a sample: 10+ rounds steady the medians the gate compares
     repeats = max(cfg.speed.repeats, 10)
@@ -467,12 +463,16 @@ def step_speed(cfg: Config, run: RunDir) -> dict[str, Any]:
     speculative = None
     if run.has_model("drafter"):
         speculative = measure_speculative(torch_engine, TorchEngine(run.load_model("drafter")), ids,
-                                          max_new_tokens=cfg.speed.max_new_tokens, stop_ids=stop_ids,
-                                          repeats=cfg.speed.repeats)  # fmt: skip
+                                          max_new_tokens=cfg.speed.max_new_tokens, stop_ids=stop_ids)
+        tps = speculative_speedup(run, workers=cfg.speed.speculative_workers, samples=cfg.speed.speculative_samples)
+        interval = compare_speedup(tps["tps_plain"], tps["tps_speculative"], minimum=1.0)  # the gate decides
+        speculative.update(tps, speedup=interval.speedup, speedup_ci=[interval.ci_low, interval.ci_high],
+                           speedup_ci_level=1 - 2 * interval.test_alpha)
     report = speed_report(hardware, speed, prompt_cache, speculative)
     write_report(run.speed_report, report)
     speed = report["speed"]
-    return {"ttft_ms_p50": speed["ttft_ms"]["p50"], "tps_p50": speed["tps"]["p50"], "backend": speed["backend"]}
+    return {"ttft_ms_p50": speed["ttft_ms"]["p50"], "tps_p50": speed["tps"]["p50"], "backend": speed["backend"],
+            **({"speculative_speedup": speculative["speedup"]} if speculative else {})}
 
 
 def step_eval(cfg: Config, run: RunDir) -> dict[str, Any]:

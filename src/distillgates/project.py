@@ -7,6 +7,8 @@ A project names its files in ``distillgates.yaml`` or in ``[tool.distillgates]``
     thresholds: configs/gates.yaml                # a `gates:` section; each key it sets overrides the embedded one
     hardware_profiles: configs/hardware_profiles.yaml
     baselines: baselines                          # blessed baselines (default: baselines/)
+    references: s3://my-bucket/distillgates-refs  # speed reference store: a folder or an fsspec URL
+                                                  # (default: references/ in the baselines folder)
 
 Anything unset comes from ``distillgates/configs/`` inside the installed package (the embedded toy
 config, gate thresholds and hardware profiles), so the command and the checklist work in any folder.
@@ -40,6 +42,9 @@ class ProjectSettings:
     thresholds: str | None = None  # gate thresholds overriding the embedded ones key by key
     hardware_profiles: str | None = None  # hardware profiles replacing the embedded ones
     baselines: str = "baselines"  # blessed baselines folder
+    # the speed references' model files (content-addressed; the baselines keep their digests): a folder or an
+    # fsspec URL (s3://..., gs://...); None: references/ in the baselines folder
+    references: str | None = None
 
 
 @dataclass

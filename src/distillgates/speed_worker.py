@@ -1,16 +1,24 @@
-"""Speed worker: one process that measures one arm of a speed A/B comparison.
+"""Speed worker: one process that measures the student, for the speed gates and the pipeline's speed step.
 
 The speed gates (``pytest -m speed``) start two workers of this kind, the candidate (the current
 code on the current artifacts) and the reference (the blessed commit's code, from a checkout, on
 the blessed artifacts), and ask them in turn for samples, so both arms share the session's
 machine state. Both are separate processes of the same interpreter and environment: neither
 arm runs in the pytest process (symmetry), and each arm imports its own ``distillgates``.
+The pipeline's speed step measures in workers too (:mod:`distillgates.gates.speed_ab`): the
+speed report's figures and the speculative speedup, so that they are measured as the gates
+measure (one torch thread, the first decode's compilation in the warm-up, a process of its own).
 
 Protocol (line-based JSON on stdin/stdout, ``PROTOCOL_VERSION``): the worker first prints
 ``{"protocol": "distillgates-speed-worker", "version": 1, "backend": ...}``; then every request
 line ``measure N`` is answered by one line ``{"ttft_ms": [...], "tps": [...]}`` (N generations at
 batch 1 after the worker's warm-up, prompts rotating; a generation of fewer than two tokens has
 no TPS sample), and ``quit`` (or end of input) ends it. Errors are answered as ``{"error": ...}``.
+Requests the speed gates never send (so a blessed commit's worker need not know them):
+``measure-speculative N`` (a worker started with ``--drafter``: the same, decoding speculatively
+with that drafter) and ``report {SpeedConfig fields}`` (the speed report's ``speed`` section,
+:func:`distillgates.speed.measure_speed` on the run's eval prompts with their tools; its
+``peak_memory_bytes`` is this process's: model, tokenizer and engine, not the pipeline's).
 
     python -m distillgates.speed_worker --run-dir runs/toy --model runs/toy/student/model.pt
 """
@@ -35,26 +43,35 @@ METRICS = ("ttft_ms", "tps")
 N_PROMPTS = 8  # eval prompts measured, in rotation
 MAX_NEW_TOKENS = 32
 
-Sampler = Callable[[int], dict[str, list[float]]]  # n generations -> samples per metric
+Sampler = Callable[[int, bool], dict[str, list[float]]]  # (n generations, speculative) -> samples per metric
+Reporter = Callable[[dict[str, Any]], dict[str, Any]]  # SpeedConfig fields -> the speed report's speed section
 
 
-def speed_sampler(run_dir: Path, model_path: Path, export_dir: Path | None = None) -> tuple[Sampler, str]:
-    """``(sampler, backend)``: the speed harness (:func:`distillgates.speed.measure_speed`) on the run's
-    first eval prompts, with the PyTorch engine on ``model_path`` or (``export_dir``, macOS) Core ML."""
+def speed_sampler(run_dir: Path, model_path: Path, export_dir: Path | None = None,
+                  drafter_path: Path | None = None) -> tuple[Sampler, str, Reporter]:
+    """``(sampler, backend, reporter)``: the speed harness (:func:`distillgates.speed.measure_speed`) on the run's
+    eval prompts, with the PyTorch engine on ``model_path`` or (``export_dir``, macOS) Core ML; with
+    ``drafter_path`` the sampler also decodes speculatively (PyTorch only; the drafter loads at its first use)."""
     import torch
 
     from distillgates.config import SpeedConfig
     from distillgates.data.chat import chat_format
+    from distillgates.data.tools import item_tools
+    from distillgates.hardware import hardware_header
     from distillgates.model import load_model
     from distillgates.rundir import RunDir
+    from distillgates.runtime.speculative import SpeculativeDecoder
     from distillgates.runtime.torch_engine import TorchEngine
     from distillgates.speed import measure_speed
 
     torch.set_num_threads(1)  # shared CI cores: one thread gives the least noisy samples
+    if export_dir is not None and drafter_path is not None:
+        raise ValueError("speculative decoding is measured on the PyTorch engine: give --drafter or --export-dir")
     run = RunDir(run_dir)
     tokenizer = run.tokenizer()
     fmt = chat_format(tokenizer)
-    prompts = [fmt.prompt(item) for item in run.items("eval")[:N_PROMPTS]]
+    items = run.items("eval")
+    prompts = [fmt.prompt(item) for item in items[:N_PROMPTS]]
     model = load_model(model_path)
     engine: Any
     if export_dir is not None:  # macOS only: MLModel.predict cannot run elsewhere
@@ -65,31 +82,55 @@ def speed_sampler(run_dir: Path, model_path: Path, export_dir: Path | None = Non
         engine, backend = TorchEngine(model), "torch"
     stop_ids = fmt.stop_ids
     calls = [0]  # successive requests rotate the prompts, so small requests still cover them all
+    speculative: list[SpeculativeDecoder] = []  # built at the first speculative request
 
-    def sample(n: int) -> dict[str, list[float]]:
+    def sample(n: int, speculative_decoding: bool = False) -> dict[str, list[float]]:
+        if speculative_decoding and not speculative:
+            if drafter_path is None:
+                raise ValueError("no drafter: start the worker with --drafter to measure speculative decoding")
+            speculative.append(SpeculativeDecoder(engine, TorchEngine(load_model(drafter_path))))
         start = calls[0] % len(prompts)
         calls[0] += 1
         rotated = (prompts[start:] + prompts[:start]) * math.ceil(n / len(prompts))
         cfg = SpeedConfig(n_prompts=n, warmup=1, repeats=1, max_new_tokens=MAX_NEW_TOKENS)
-        result = measure_speed(engine, tokenizer, rotated[:n], cfg, model_config=model.config, stop_ids=stop_ids,
-                               backend=backend)
+        result = measure_speed(speculative[0] if speculative_decoding else engine, tokenizer, rotated[:n], cfg,
+                               model_config=model.config, stop_ids=stop_ids, backend=backend)
         return {metric: result[metric]["samples"] for metric in METRICS}
 
-    return sample, backend
+    def report(fields: dict[str, Any]) -> dict[str, Any]:
+        cfg = SpeedConfig(**fields)
+        result = measure_speed(engine, tokenizer, [fmt.prompt(item) for item in items], cfg,
+                               model_config=model.config, backend=backend, export=backend == "coreml",
+                               stop_ids=stop_ids, hardware_profile_key=hardware_header()["hardware_profile_key"],
+                               tools=[item_tools(item) for item in items])
+        return {**result, "measured_in": f"a speed worker process of its own (python -m distillgates.speed_worker, "
+                                         f"{result['threads']} torch thread): model, tokenizer and engine only; "
+                                         f"{cfg.warmup} untimed warm-up generation(s) first, which hold the "
+                                         "process's first decode and its compilation"}
+
+    return sample, backend, report
 
 
-def serve(sampler: Sampler, backend: str, stdin: IO[str], stdout: IO[str]) -> None:
-    """Answer ``measure N`` requests until ``quit`` or end of input (see the module docstring)."""
+def serve(sampler: Sampler, backend: str, stdin: IO[str], stdout: IO[str], reporter: Reporter | None = None) -> None:
+    """Answer ``measure N`` (``measure-speculative N``, ``report {...}``) requests until ``quit`` or end of input
+    (see the module docstring)."""
     print(json.dumps({"protocol": PROTOCOL, "version": PROTOCOL_VERSION, "backend": backend}), file=stdout,
           flush=True)
     for line in stdin:
-        words = line.split()
-        if words == ["quit"]:
-            return
-        if len(words) == 2 and words[0] == "measure" and words[1].isdigit() and int(words[1]) > 0:
-            answer: dict[str, Any] = sampler(int(words[1]))
-        else:
-            answer = {"error": f"unknown request {line.strip()!r} (expected 'measure N' or 'quit')"}
+        words = line.split(maxsplit=1)
+        answer: dict[str, Any]
+        try:
+            if words == ["quit"]:
+                return
+            if len(words) == 2 and words[0] in ("measure", "measure-speculative") and words[1].strip().isdigit() \
+                    and int(words[1]) > 0:
+                answer = sampler(int(words[1]), words[0] == "measure-speculative")
+            elif len(words) == 2 and words[0] == "report" and reporter is not None:
+                answer = reporter(json.loads(words[1]))
+            else:
+                answer = {"error": f"unknown request {line.strip()!r} (expected 'measure N' or 'quit')"}
+        except (ValueError, TypeError) as err:  # a bad request (no drafter, bad settings): answered, not fatal
+            answer = {"error": f"{line.strip()[:200]!r}: {type(err).__name__}: {err}"}
         print(json.dumps(answer), file=stdout, flush=True)
 
 
@@ -98,9 +139,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--run-dir", type=Path, required=True, help="run whose tokenizer and eval prompts are used")
     parser.add_argument("--model", type=Path, required=True, help="student checkpoint (model.pt) to measure")
     parser.add_argument("--export-dir", type=Path, default=None, help="Core ML export (contract.json) to measure")
+    parser.add_argument("--drafter", type=Path, default=None,
+                        help="drafter checkpoint: also answer 'measure-speculative N' (speculative decoding)")
     args = parser.parse_args(argv)
-    sampler, backend = speed_sampler(args.run_dir, args.model, args.export_dir)
-    serve(sampler, backend, sys.stdin, sys.stdout)
+    sampler, backend, reporter = speed_sampler(args.run_dir, args.model, args.export_dir, args.drafter)
+    serve(sampler, backend, sys.stdin, sys.stdout, reporter)
     return 0
 
 
@@ -172,14 +215,26 @@ class SpeedWorker:
             for thread in Path(f"/proc/{self.process.pid}/task").iterdir():  # every thread it has started
                 os.sched_setaffinity(int(thread.name), {self.cpu})
 
-    def measure(self, n: int) -> dict[str, list[float]]:
+    def _ask(self, request: str) -> dict[str, Any]:
         assert self.process.stdin is not None
-        self.process.stdin.write(f"measure {n}\n")
+        self.process.stdin.write(f"{request}\n")
         self.process.stdin.flush()
         answer = self._read()
-        if "error" in answer or any(not isinstance(answer.get(m), list) for m in METRICS):
-            raise WorkerError(f"{self.name} speed worker failed 'measure {n}': {answer!r}")
+        if "error" in answer:
+            raise WorkerError(f"{self.name} speed worker failed {request[:200]!r}: {answer['error']}")
+        return answer
+
+    def measure(self, n: int, speculative: bool = False) -> dict[str, list[float]]:
+        """``n`` samples per metric (decoding speculatively with the worker's ``--drafter``)."""
+        request = f"{'measure-speculative' if speculative else 'measure'} {n}"
+        answer = self._ask(request)
+        if any(not isinstance(answer.get(m), list) for m in METRICS):
+            raise WorkerError(f"{self.name} speed worker failed {request!r}: {answer!r}")
         return {metric: [float(s) for s in answer[metric]] for metric in METRICS}
+
+    def report(self, speed_config: dict[str, Any]) -> dict[str, Any]:
+        """The speed report's ``speed`` section, measured in this process with these ``SpeedConfig`` fields."""
+        return self._ask(f"report {json.dumps(speed_config)}")
 
     def close(self) -> None:
         if self.process.poll() is None:

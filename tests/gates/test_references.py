@@ -3,11 +3,20 @@
 from __future__ import annotations
 
 import subprocess
+import warnings
 from pathlib import Path
 
 import pytest
 
-from distillgates.gates.references import ReferenceStore, StaleReference, checkout_code, code_identity
+from distillgates.gates import references
+from distillgates.gates.references import (
+    LargeArtifactWarning,
+    ReferenceStore,
+    StaleReference,
+    checkout_code,
+    code_identity,
+)
+from distillgates.io import sha256_bytes
 
 REBLESS = "pytest gates/test_speed.py --bless -m speed"
 
@@ -115,3 +124,63 @@ def test_an_installed_package_is_its_version_and_source_digest(tmp_path):
     with pytest.raises(StaleReference, match=rf"blessed with distillgates .* installed is .*install the blessed "
                                              rf"version, or re-bless: {REBLESS}"):
         checkout_code(identity.to_json(), store, tmp_path / "code", REBLESS, package)
+
+
+def test_a_url_store_keeps_objects_by_digest_and_refuses_a_changed_one(tmp_path):
+    """An fsspec URL (memory:// here; s3://, gs://, ... alike): put, fetched back by digest, verified."""
+    import fsspec
+
+    store = ReferenceStore("memory://refs-test")
+    (tmp_path / "model.pt").write_bytes(b"weights")
+    artifact = store.put(tmp_path / "model.pt")
+    tree = tmp_path / "export"
+    (tree / "decode.mlpackage").mkdir(parents=True)
+    (tree / "decode.mlpackage" / "weights.bin").write_bytes(b"\x00\x01")
+    packaged = store.put(tree)
+    assert store.put_bytes(b"patch") == sha256_bytes(b"patch")
+    path = store.get(artifact, tmp_path / "out", REBLESS)
+    assert path.name == "model.pt" and path.read_bytes() == b"weights"
+    assert Path(f"{path}.sha256").read_text().strip() == artifact["sha256"]
+    assert (store.get(packaged, tmp_path / "out", REBLESS) / "decode.mlpackage" / "weights.bin").read_bytes() == \
+        b"\x00\x01"
+    fsspec.filesystem("memory").pipe_file(f"/refs-test/objects/{artifact['sha256']}", b"retrained")
+    with pytest.raises(StaleReference, match=rf"memory://refs-test/objects/{artifact['sha256']} has changed: "
+                                             rf"sha256 {sha256_bytes(b'retrained')}, blessed {artifact['sha256']}"):
+        store.get(artifact, tmp_path / "again", REBLESS)
+    fsspec.filesystem("memory").rm(f"/refs-test/objects/{artifact['sha256']}")
+    with pytest.raises(StaleReference, match=r"'model.pt' is missing: no memory://refs-test/objects/.* re-bless"):
+        store.get(artifact, tmp_path / "again", REBLESS)
+
+
+def test_a_large_artifact_in_the_git_work_tree_warns_naming_file_and_size(repo, tmp_path, monkeypatch):
+    monkeypatch.setattr(references, "LARGE_ARTIFACT_BYTES", 2**20)  # 1 MiB stands for 50 MiB
+    (tmp_path / "model.pt").write_bytes(b"\x01" * (3 * 2**20))
+    in_repo = ReferenceStore(repo / "baselines" / "references")
+    with pytest.warns(LargeArtifactWarning, match=r"baselines/references/objects/[0-9a-f]{64}: speed reference "
+                                                  r"artifact 'model.pt' is 3 MiB inside the git work tree .*repo"):
+        artifact = in_repo.put(tmp_path / "model.pt")
+    (tmp_path / "small.pt").write_bytes(b"\x01" * 1000)
+    (repo / ".gitignore").write_text("cache/\n")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # none of these warns
+        in_repo.put(tmp_path / "small.pt")  # small
+        ReferenceStore(repo / "cache" / "references").put(tmp_path / "model.pt")  # ignored by git
+        ReferenceStore(tmp_path / "outside").put(tmp_path / "model.pt")  # no repository
+    assert in_repo.get(artifact, tmp_path / "out", REBLESS).read_bytes() == b"\x01" * (3 * 2**20)
+
+
+def test_the_store_location_is_the_option_else_the_environment_else_the_project_else_the_baselines(
+        tmp_path, monkeypatch):
+    from distillgates.gates.session import REFERENCE_STORE_ENV, GateOptions, GateSession
+    from distillgates.project import Project
+
+    monkeypatch.delenv(REFERENCE_STORE_ENV, raising=False)
+    (tmp_path / "distillgates.yaml").write_text("baselines: blessed\n")
+    assert GateSession(GateOptions(), Project.load(tmp_path)).reference_store() == str(
+        tmp_path / "blessed" / "references")
+    (tmp_path / "distillgates.yaml").write_text("baselines: blessed\nreferences: ../refs\n")
+    assert GateSession(GateOptions(), Project.load(tmp_path)).reference_store() == str(tmp_path / "../refs")
+    monkeypatch.setenv(REFERENCE_STORE_ENV, "s3://bucket/refs")
+    assert GateSession(GateOptions(), Project.load(tmp_path)).reference_store() == "s3://bucket/refs"
+    options = GateOptions(reference_store="/abs/refs")
+    assert GateSession(options, Project.load(tmp_path)).reference_store() == "/abs/refs"

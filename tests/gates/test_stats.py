@@ -9,6 +9,7 @@ from distillgates.gates.stats import (
     Interval,
     compare_paired,
     compare_quantiles,
+    compare_speedup,
     mean_interval,
     sequential_speed_gate,
     session_test_alpha,
@@ -271,3 +272,53 @@ def test_detectable_drop_and_underpowered_slices():
     assert detectable_drop([0.2] * (n - 1), [0.0] * (n - 1), tolerance=0.01, alpha=0.05)[0] <= 0.03  # floor only
     assert detectable_drop(spread_02[:n - 40], [0.0] * (n - 40), tolerance=0.01, alpha=0.05)[0] > 0.03
     assert n == 273
+
+
+# -- a claimed gain (speculative speedup): shown, shown short, or undecided ------------------------------
+
+
+def both_modes(seed: int, gain: float, k: int = 6, offset: float = 0.07, noise: float = 0.03):
+    """``k`` processes, each measuring both modes: a lasting offset per process shared by its two modes."""
+    rng = np.random.default_rng(seed)
+    plain, treated = [], []
+    for _ in range(k):
+        factor = rng.lognormal(0.0, offset)
+        plain.append(list(100.0 * factor * rng.lognormal(0.0, noise, 16)))
+        treated.append(list(100.0 * gain * factor * rng.lognormal(0.0, noise, 16)))
+    return plain, treated
+
+
+def test_a_clear_speedup_is_shown_and_a_clear_slowdown_fails():
+    shown = compare_speedup(*both_modes(1, 1.3), minimum=1.0)
+    assert shown.verdict == "pass" and shown.ci_low >= 1.0 and shown.speedup == pytest.approx(1.3, rel=0.05)
+    short = compare_speedup(*both_modes(2, 0.35), minimum=1.0)  # 135M: re-measured 0.31-0.39
+    assert short.verdict == "fail" and short.ci_high < 1.0 and "below the minimum" in short.reason
+
+
+def test_a_speedup_short_of_a_minimum_above_one_fails():
+    result = compare_speedup(*both_modes(3, 1.1, noise=0.005), minimum=1.5)
+    assert result.verdict == "fail" and 1.0 < result.ci_high < 1.5
+
+
+def test_a_speedup_the_processes_cannot_tell_is_inconclusive():
+    plain, _ = both_modes(4, 1.0)
+    treated = [[x * (1.05 if k % 2 else 0.96) for x in group] for k, group in enumerate(plain)]
+    result = compare_speedup(plain, treated, minimum=1.0)
+    assert result.verdict == "inconclusive" and result.ci_low < 1.0 < result.ci_high
+    assert "cannot tell" in result.reason
+
+
+def test_the_process_offset_cancels_within_a_process():
+    """Offsets of 30% between processes would swamp a 10% gain between processes; within each it cancels."""
+    result = compare_speedup(*both_modes(5, 1.1, offset=0.3, noise=0.01), minimum=1.0)
+    assert result.verdict == "pass" and result.speedup == pytest.approx(1.1, rel=0.02)
+
+
+@pytest.mark.parametrize(("baseline", "treated", "message"), [
+    ([[100.0] * 16], [[150.0] * 16], "at least 2 worker processes"),  # one timing pair decides nothing
+    ([[100.0] * 16] * 3, [[150.0] * 16] * 2, "each process measures both arms"),
+    ([[100.0] * 3] * 3, [[150.0] * 3] * 3, "at least 5 samples"),
+])
+def test_speedup_bad_input_raises(baseline, treated, message):
+    with pytest.raises(ValueError, match=message):
+        compare_speedup(baseline, treated, minimum=1.0)

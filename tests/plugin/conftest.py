@@ -74,6 +74,13 @@ def run_config() -> dict[str, Any]:
     return config
 
 
+def tps_per_process(level: float, processes: int = 6, samples: int = 16, shift: int = 1) -> list[list[float]]:
+    """TPS samples of ``processes`` speed worker processes around ``level`` (a lasting offset per process, which
+    ``shift`` varies, and a spread within it; deterministic)."""
+    return [[level * (1 + 0.01 * ((k * shift) % 3 - 1)) * (1 + 0.02 * ((i * 7) % 5 - 2) / 2) for i in range(samples)]
+            for k in range(processes)]
+
+
 def good_report() -> dict[str, Any]:
     slices = {"shape": {s: metrics() for s in SHAPES}, "kind": {"single": metrics()}, "locale": {"en": metrics()},
               "tool_absent": {"true": metrics()}}
@@ -117,7 +124,8 @@ def good_report() -> dict[str, Any]:
             "coreml_parity": {"source": "MLModel.predict", "cosine_by_shape": {s: 0.9999 for s in SHAPES},
                               "decode_cosine": [0.9999, 0.9998], "hardware_profile_key": this_profile()},
             "prompt_cache": {"ttft_cold_ms": [10.0, 11.0, 10.5], "ttft_hit_ms": [4.0, 4.2, 4.1], "hit_rate": 1.0},
-            "speculative": {"identical": True, "speedup": 1.6, "acceptance_rate": 0.7, "tokens_per_worker_step": 2.1},
+            "speculative": {"identical": True, "speedup": 1.6, "acceptance_rate": 0.7, "tokens_per_worker_step": 2.1,
+                            "tps_plain": tps_per_process(100.0), "tps_speculative": tps_per_process(160.0, shift=2)},
             "teacher": {"kind": "openai", "determinism": True, "retries": 0, "cache_hits": 0, "records": 10,
                         "tokens": 1000, "kd_positions": 900, "kd_coverage": 0.97},
         },

@@ -16,6 +16,8 @@ def test_help_lists_options(pytester):
         "*--run-dir=DIR*",
         "*--gate-report=PATH*JSON*",
         "*--gate-summary=PATH*Markdown*",
+        "*--reference-store=PATH|URL*",
+        "*speed references' artifacts live: a folder or*",
         "*--speed-mode={ab,stored}*",
         "*--speed-samples=N*",
         "*--speed-max-rounds=N*",

@@ -94,3 +94,44 @@ def test_a_reference_that_cannot_be_rerun_fails_with_the_rebless_command(pyteste
         result.stdout.fnmatch_lines([expected + rebless])
         model.write_bytes(good_model)
         baseline.write_text(good_baseline)
+
+
+@pytest.mark.parametrize("where", ["folder", "url"])
+def test_references_live_outside_the_repository_fetched_and_verified_by_digest(
+        pytester, gates_project, live_run, own_profile, monkeypatch, tmp_path_factory, where):
+    """The reference store outside git (a folder named in distillgates.yaml, or an fsspec URL given with
+    --reference-store): the baselines keep only the digests; the gate fetches the model by digest and refuses one
+    whose content is not its digest."""
+    import fsspec
+
+    monkeypatch.delenv(SLOWDOWN_ENV, raising=False)
+    monkeypatch.delenv("CI", raising=False)
+    gates_project()
+    project_file(pytester.path, "thresholds", "configs/gates.yaml", "gates:\n  speed_regression_max: 0.5\n")
+    args = ["gates/test_speed.py", "-m", "speed", f"--run-dir={live_run}", f"--hw-profile={own_profile}",
+            "--speed-samples=16", "--speed-workers=3", "--speed-max-rounds=0"]
+    if where == "folder":
+        folder = tmp_path_factory.mktemp("reference-store")
+        with (pytester.path / "distillgates.yaml").open("a") as settings:
+            settings.write(f"references: {folder}\n")
+    else:
+        url = f"memory://distillgates-test-{own_profile}"
+        args.append(f"--reference-store={url}")
+    pytester.runpytest(*args, "--bless").assert_outcomes(passed=4)
+    assert not (pytester.path / "baselines" / "references").exists()  # only the digests are in baselines/
+    sha = reference_record(pytester, own_profile)["artifacts"]["model"]["sha256"]
+    if where == "folder":
+        stored, write = folder / "objects" / sha, (folder / "objects" / sha).write_bytes
+        good = stored.read_bytes()
+    else:
+        fs, stored = fsspec.filesystem("memory"), f"/distillgates-test-{own_profile}/objects/{sha}"
+        good = fs.cat_file(stored)
+
+        def write(data: bytes) -> None:
+            fs.pipe_file(stored, data)
+    outcomes = pytester.runpytest(*args).parseoutcomes()  # read back: an A/A session
+    assert outcomes.get("failed", 0) == 0 and outcomes.get("passed", 0) + outcomes.get("skipped", 0) == 4
+    write(good + b"retrained")
+    result = pytester.runpytest(*args)
+    result.assert_outcomes(failed=4)
+    result.stdout.fnmatch_lines([f"*artifact *{sha} has changed: sha256*blessed {sha}*re-bless*"])

@@ -21,7 +21,7 @@ import numpy as np
 from distillgates.eval.fingerprints import FingerprintError, check_fingerprints
 from distillgates.gates.baselines import BaselineEntry, BaselineError, BaselineStore
 from distillgates.gates.references import StaleReference
-from distillgates.gates.stats import Interval, compare_paired, mean_interval, sequential_speed_gate
+from distillgates.gates.stats import Interval, compare_paired, compare_speedup, mean_interval, sequential_speed_gate
 from distillgates.speed_worker import WorkerError
 
 if TYPE_CHECKING:
@@ -223,6 +223,21 @@ class Gate:
         __tracebackhide__ = True
         ok = _is_finite_number(threshold) and value is not None and value <= threshold
         return self._check(name, value, threshold, "<=", ok, definition, interval, n)
+
+    def speedup_at_least(self, name: str, baseline: list[list[float]], treated: list[list[float]], minimum: float, *,
+                         alpha: float, definition: str) -> GateRecord:
+        """Pass when the speedup of ``treated`` over ``baseline`` (TPS samples per worker process, each process
+        measured both) is shown to be at least ``minimum``; fail when it is shown below; else inconclusive
+        (:func:`distillgates.gates.stats.compare_speedup`, one-sided level ``alpha`` each way)."""
+        __tracebackhide__ = True
+        try:
+            result = compare_speedup(baseline, treated, minimum=minimum, test_alpha=alpha)
+        except (ValueError, TypeError) as err:
+            return self._finish(GateRecord(self.nodeid, self.group, name, None, minimum, ">=", None, "fail",
+                                           f"{name}: cannot decide from the recorded samples: {err} ({definition})"))
+        return self._finish(GateRecord(self.nodeid, self.group, name, result.speedup, minimum, ">=", None,
+                                       result.verdict, f"{name}: {result.reason} ({definition})", result.to_dict(),
+                                       n=result.groups))  # its interval (level 1 - 2 alpha) is in the reason
 
     def equals(self, name: str, value: Any, expected: Any, definition: str = "") -> GateRecord:
         __tracebackhide__ = True

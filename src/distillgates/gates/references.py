@@ -5,11 +5,17 @@ and *which code* measured it (the git commit of the ``distillgates`` source), so
 session can run the blessed code on the blessed artifacts next to the candidate (interleaved
 A/B, :mod:`distillgates.gates.speed_ab`). Design choices:
 
-- :class:`ReferenceStore` owns a folder (``gates.speed_reference_store`` in configs/gates.yaml,
-  default ``baselines/references``, outside any run dir so a rebuilt run cannot change it).
-  Files are stored once under their sha256 (``objects/<sha256>``); a directory (an
-  ``.mlpackage`` export) becomes a deterministic tar first. Writes are atomic; reads verify
-  the hash, so an edited or truncated object is refused, never measured.
+- :class:`ReferenceStore` owns a location: a local folder or an fsspec URL (``s3://bucket/refs``,
+  ``gs://...``, ``memory://...``), so that model files can live outside git while the baselines
+  record only their digests. Where it is: ``--reference-store``, else ``DISTILLGATES_REFERENCE_STORE``,
+  else the project's ``references`` setting, else ``references/`` in the baselines folder (see
+  :meth:`distillgates.gates.session.GateSession.reference_store`); never inside a run dir, which a
+  rebuild overwrites. Files are stored once under their sha256 (``objects/<sha256>``); a directory
+  (an ``.mlpackage`` export) becomes a deterministic tar first. Writes are atomic (a URL: a
+  temporary object, then a rename); reads verify the hash of the bytes that will be measured, so an
+  edited or truncated object is refused, never measured. An artifact of
+  :data:`LARGE_ARTIFACT_BYTES` or more stored inside a git work tree (not ignored) warns, naming
+  the file and its size: every clone would carry it.
 - The code identity is ``git rev-parse HEAD`` of the checkout ``distillgates`` is imported
   from. A package tree with uncommitted changes is not refused: its changes against HEAD
   (``git diff --binary`` plus untracked files, under ``src/distillgates`` only) are stored as a
@@ -26,8 +32,12 @@ from __future__ import annotations
 
 import io
 import os
+import shutil
 import subprocess
 import tarfile
+import tempfile
+import uuid
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -36,10 +46,20 @@ import distillgates
 from distillgates.io import atomic_write_bytes, sha256_bytes, sha256_file
 
 PACKAGE_DIR = Path(distillgates.__file__).resolve().parent  # .../src/distillgates
+LARGE_ARTIFACT_BYTES = 50 * 2**20  # GitHub warns at 50 MiB per file (and refuses 100 MiB)
 
 
 class StaleReference(AssertionError):
     """A blessed speed reference cannot be re-run (artifact missing or changed, commit unknown)."""
+
+
+class LargeArtifactWarning(UserWarning):
+    """A large reference artifact was stored inside a git work tree."""
+
+
+def is_url(location: str | Path) -> bool:
+    """Whether ``location`` is an fsspec URL (``protocol://...``) rather than a local path."""
+    return "://" in str(location)
 
 
 def _git(repo: Path, *args: str, check: bool = True) -> subprocess.CompletedProcess[bytes]:
@@ -49,10 +69,10 @@ def _git(repo: Path, *args: str, check: bool = True) -> subprocess.CompletedProc
     return result
 
 
-def _tree_archive(folder: Path) -> bytes:
-    """A deterministic tar of ``folder`` (sorted names, no owners or times): equal trees, equal bytes."""
-    buffer = io.BytesIO()
-    with tarfile.open(fileobj=buffer, mode="w", format=tarfile.PAX_FORMAT) as tar:
+def _tree_archive(folder: Path, out: Path) -> None:
+    """A deterministic tar of ``folder`` (sorted names, no owners or times) written to ``out``: equal trees, equal
+    bytes."""
+    with tarfile.open(out, mode="w", format=tarfile.PAX_FORMAT) as tar:
         for path in sorted([folder, *folder.rglob("*")]):
             info = tar.gettarinfo(str(path), arcname=str(Path(folder.name) / path.relative_to(folder)))
             info.uid = info.gid = 0
@@ -63,46 +83,125 @@ def _tree_archive(folder: Path) -> bytes:
                     tar.addfile(info, f)
             else:
                 tar.addfile(info)
-    return buffer.getvalue()
+
+
+def warn_if_large_in_repo(path: Path, name: str) -> None:
+    """Warn (:class:`LargeArtifactWarning`) when ``path`` is at least :data:`LARGE_ARTIFACT_BYTES` and lies in a git
+    work tree, not ignored: committed, every clone of the repository would carry it."""
+    size = path.stat().st_size
+    if size < LARGE_ARTIFACT_BYTES:
+        return
+    inside = _git(path.parent, "rev-parse", "--show-toplevel", check=False)
+    if inside.returncode != 0 or _git(path.parent, "check-ignore", "-q", str(path), check=False).returncode == 0:
+        return
+    warnings.warn(LargeArtifactWarning(
+        f"{path}: speed reference artifact {name!r} is {size / 2**20:.0f} MiB inside the git work tree "
+        f"{inside.stdout.decode().strip()} (over {LARGE_ARTIFACT_BYTES // 2**20} MiB): committed, every clone carries "
+        "it. Keep the reference store outside git (the baselines keep only its digest): `references: <folder or "
+        "fsspec URL>` in distillgates.yaml, --reference-store or DISTILLGATES_REFERENCE_STORE; see docs/gates.md "
+        "'Where the speed references live'"), stacklevel=2)
 
 
 class ReferenceStore:
-    """Content-addressed objects under ``root/objects/<sha256>``."""
+    """Content-addressed objects under ``<location>/objects/<sha256>``; ``location`` a folder or an fsspec URL."""
 
-    def __init__(self, root: str | Path) -> None:
-        self.root = Path(root)
+    def __init__(self, location: str | Path) -> None:
+        self.location = str(location)
+        self.root = Path(location) if not is_url(location) else None  # a local folder
+        if self.root is None:
+            import fsspec
+
+            self.fs, self._base = fsspec.core.url_to_fs(self.location)
 
     def object_path(self, sha256: str) -> Path:
+        """The object's file in a local store."""
+        assert self.root is not None, "a URL store has no local object path"
         return self.root / "objects" / sha256
+
+    def _url(self, sha256: str) -> str:
+        """The object's path on the store's filesystem (a URL store)."""
+        return f"{self._base.rstrip('/')}/objects/{sha256}"
+
+    def _where(self, sha256: str) -> str:
+        """The object's location in messages."""
+        if self.root is not None:
+            return str(self.object_path(sha256))
+        return f"{self.location.rstrip('/')}/objects/{sha256}"
+
+    def _store_file(self, source: Path, sha: str) -> None:
+        """Copy ``source`` (content ``sha``) in as ``objects/<sha>`` unless it is there, atomically."""
+        if self.root is not None:
+            target = self.object_path(sha)
+            if not target.is_file():
+                target.parent.mkdir(parents=True, exist_ok=True)
+                tmp = target.with_name(f".{sha}.{uuid.uuid4().hex}.tmp")  # created with the umask's mode
+                try:
+                    shutil.copyfile(source, tmp)
+                    os.replace(tmp, target)
+                finally:
+                    tmp.unlink(missing_ok=True)
+            warn_if_large_in_repo(target, source.name)
+        elif not self.fs.exists(self._url(sha)):
+            remote_tmp = f"{self._url(sha)}.{uuid.uuid4().hex}.tmp"
+            self.fs.makedirs(remote_tmp.rsplit("/", 1)[0], exist_ok=True)
+            self.fs.put_file(str(source), remote_tmp)
+            self.fs.mv(remote_tmp, self._url(sha))
 
     def put_bytes(self, data: bytes) -> str:
         sha = sha256_bytes(data)
-        if not self.object_path(sha).is_file():
-            atomic_write_bytes(self.object_path(sha), data)
+        if self.root is not None:
+            if not self.object_path(sha).is_file():
+                atomic_write_bytes(self.object_path(sha), data)
+        elif not self.fs.exists(self._url(sha)):
+            tmp = f"{self._url(sha)}.{uuid.uuid4().hex}.tmp"
+            self.fs.makedirs(tmp.rsplit("/", 1)[0], exist_ok=True)
+            self.fs.pipe_file(tmp, data)
+            self.fs.mv(tmp, self._url(sha))
         return sha
 
     def put(self, path: Path) -> dict[str, Any]:
-        """Store a file, or a directory as a deterministic tar; ``{"sha256", "name", "kind"}``."""
+        """Store a file, or a directory as a deterministic tar; ``{"sha256", "name", "kind"}`` (read in chunks: a
+        checkpoint is never held in memory whole)."""
         if path.is_dir():
-            return {"sha256": self.put_bytes(_tree_archive(path)), "name": path.name, "kind": "tree"}
-        return {"sha256": self.put_bytes(path.read_bytes()), "name": path.name, "kind": "file"}
+            with tempfile.TemporaryDirectory() as folder:
+                archive = Path(folder) / f"{path.name}.tar"
+                _tree_archive(path, archive)
+                sha = sha256_file(archive)
+                self._store_file(archive, sha)
+            return {"sha256": sha, "name": path.name, "kind": "tree"}
+        sha = sha256_file(path)
+        self._store_file(path, sha)
+        return {"sha256": sha, "name": path.name, "kind": "file"}
+
+    def _fetch(self, sha: str, into: Path, name: str, rebless: str) -> Path:
+        """The object's bytes on this machine (a local store: in place; a URL: downloaded under ``into``)."""
+        if self.root is not None:
+            path = self.object_path(sha)
+            if not path.is_file():
+                raise StaleReference(f"blessed speed reference artifact {name!r} is missing: no {path} (was the "
+                                     f"reference store {self.root} committed / fetched?); re-bless: {rebless}")
+            return path
+        if not self.fs.exists(self._url(sha)):
+            raise StaleReference(f"blessed speed reference artifact {name!r} is missing: no {self._where(sha)} in "
+                                 f"the reference store {self.location}; re-bless: {rebless}")
+        local = into / ".objects" / sha
+        local.parent.mkdir(parents=True, exist_ok=True)
+        self.fs.get_file(self._url(sha), str(local))
+        return local
 
     def get(self, artifact: dict[str, Any], into: Path, rebless: str) -> Path:
-        """The stored ``artifact`` (as recorded by :meth:`put`), hash verified, under ``into``: a file as a link
-        named as it was (with its ``.sha256`` sidecar), a tree extracted.
+        """The stored ``artifact`` (as recorded by :meth:`put`), fetched by its digest and hash verified, under
+        ``into``: a file as a link named as it was (with its ``.sha256`` sidecar), a tree extracted.
 
         Raises:
-            StaleReference: the object is missing or its content changed (names ``rebless``).
+            StaleReference: the object is missing or its content is not its digest (names ``rebless``).
         """
         sha = str(artifact.get("sha256"))
-        path = self.object_path(sha)
-        if not path.is_file():
-            raise StaleReference(f"blessed speed reference artifact {artifact.get('name')!r} is missing: no {path} "
-                                 f"(was the reference store {self.root} committed / fetched?); re-bless: {rebless}")
+        path = self._fetch(sha, into, str(artifact.get("name")), rebless)
         found = sha256_file(path)
         if found != sha:
-            raise StaleReference(f"blessed speed reference artifact {path} has changed: sha256 {found}, blessed "
-                                 f"{sha}; re-bless: {rebless}")
+            raise StaleReference(f"blessed speed reference artifact {self._where(sha)} has changed: sha256 {found}, "
+                                 f"blessed {sha}; re-bless: {rebless}")
         into.mkdir(parents=True, exist_ok=True)
         if artifact.get("kind") == "tree":
             with tarfile.open(path) as tar:

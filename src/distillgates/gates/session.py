@@ -7,6 +7,7 @@ The pytest plugin builds one :class:`GateSession` per pytest session (kept in
 from __future__ import annotations
 
 import datetime as dt
+import os
 import shlex
 import subprocess
 from collections.abc import Mapping
@@ -19,6 +20,7 @@ from distillgates.config import GatesConfig
 from distillgates.gates.baselines import BaselineStore
 from distillgates.gates.core import Gate, GateContext, SpeedSettings
 from distillgates.gates.outcomes import TestLog, TestOutcome, session_result, summarize_tests
+from distillgates.gates.references import is_url
 from distillgates.gates.report import write_json_report, write_markdown_summary
 from distillgates.project import Project, Thresholds
 from distillgates.rundir import RunArtifactError, RunDir
@@ -39,6 +41,10 @@ class GateOptions:
     speed: SpeedSettings = field(default_factory=SpeedSettings)
     speed_inconclusive: str = "skip"  # "skip" or "fail"
     ci: str | None = None  # the CI variable set true (:func:`ci_variable`), None: not CI
+    reference_store: str | None = None  # None: DISTILLGATES_REFERENCE_STORE, else the project's ``references``
+
+
+REFERENCE_STORE_ENV = "DISTILLGATES_REFERENCE_STORE"
 
 
 class RunArtifacts:
@@ -158,6 +164,16 @@ class GateSession:
             return self.project.baselines_dir
         return root if root.is_absolute() else self.rootdir / root
 
+    def reference_store(self) -> str:
+        """Where the speed references' artifacts live: ``--reference-store``, else ``$DISTILLGATES_REFERENCE_STORE``,
+        else the project's ``references`` setting, else ``references/`` in the baselines folder. A folder (relative:
+        to the project root) or an fsspec URL."""
+        location = self.options.reference_store or os.environ.get(REFERENCE_STORE_ENV) or \
+            self.project.settings.references
+        if not location:
+            return str(self.baselines_root() / "references")
+        return location if is_url(location) else str(self.rootdir / location)
+
     def bless_command(self, nodeid: str) -> str:
         speed = "[speed" in nodeid or "test_speed" in nodeid
         # the speed gates share one reference (artifacts, code): they are blessed together, by file
@@ -166,6 +182,8 @@ class GateSession:
             parts.append(f"--baselines-dir={self.options.baselines_dir}")
         if self.options.run_dir:
             parts.append(f"--run-dir={self.options.run_dir}")
+        if speed and self.options.reference_store:
+            parts.append(f"--reference-store={self.options.reference_store}")
         if speed:
             parts += ["-m", "speed"]
         return shlex.join(parts)

@@ -23,6 +23,11 @@ gates after it reuse (the statistics allow it: :func:`distillgates.gates.stats.s
 Once a gate fails, the session has failed: no further round is measured, and a gate that would need
 one ends undecided ("stopped", a skip naming the failed gate), so a regression fails in one round
 instead of running every look for the other gates. Run such a gate alone to decide it.
+
+The pipeline's speed step measures in speed workers too (the end of this module): the speed report's
+``speed`` section in one fresh worker (:func:`report_speed`), and the speculative speedup in fresh workers
+that each decode plainly and speculatively, interleaved with :func:`measure_interleaved` as a pair of arms
+is (:func:`speculative_speedup`).
 """
 
 from __future__ import annotations
@@ -54,6 +59,24 @@ class Arm(Protocol):
 
 ArmFactory = Callable[[], Arm]  # starts a fresh worker process of an arm
 ReferenceFactory = Callable[[dict[str, Any], str], ArmFactory]  # (blessed reference record, re-bless command)
+
+
+def measure_interleaved(arms: list[Arm], samples: int) -> list[dict[str, list[float]]]:
+    """``samples`` samples per metric of each arm, after one unrecorded warm-up block each (the first decode of
+    a process compiles), asked in alternating blocks of :data:`BLOCK` in ABBA BAAB order."""
+    for arm in arms:
+        arm.measure(BLOCK)
+    got: list[dict[str, list[float]]] = [{m: [] for m in METRICS} for _ in arms]
+    left, block = samples, 0
+    while left > 0:
+        n = min(BLOCK, left)
+        order = range(len(arms)) if block % 4 in (0, 3) else reversed(range(len(arms)))  # ABBA BAAB ...
+        for i in order:
+            for metric, values in arms[i].measure(n).items():
+                got[i][metric].extend(values)
+        left -= n
+        block += 1
+    return got
 
 
 class SpeedRounds:
@@ -120,18 +143,7 @@ class SpeedRounds:
         self.stopped = self.stopped or why
 
     def _measure_pair(self, arms: list[tuple[Arm, dict[str, list[list[float]]]]]) -> None:
-        for arm, _ in arms:  # warm-up block, not recorded
-            arm.measure(BLOCK)
-        got: list[dict[str, list[float]]] = [{m: [] for m in METRICS} for _ in arms]
-        left, block = self.samples, 0
-        while left > 0:
-            n = min(BLOCK, left)
-            order = range(len(arms)) if block % 4 in (0, 3) else reversed(range(len(arms)))  # ABBA BAAB ...
-            for i in order:
-                for metric, values in arms[i][0].measure(n).items():
-                    got[i][metric].extend(values)
-            left -= n
-            block += 1
+        got = measure_interleaved([arm for arm, _ in arms], self.samples)
         for (_, into), samples in zip(arms, got, strict=True):
             for metric in METRICS:
                 into[metric].append(samples[metric])
@@ -262,7 +274,7 @@ class _Lazy(SpeedWorker):
         self.rebless = rebless
         self.ready = False
 
-    def measure(self, n: int) -> dict[str, list[float]]:
+    def measure(self, n: int, speculative: bool = False) -> dict[str, list[float]]:
         if not self.ready:
             try:
                 self.handshake()
@@ -272,4 +284,55 @@ class _Lazy(SpeedWorker):
                 raise StaleReference(f"the blessed code cannot serve speed measurements: {err}; re-bless: "
                                      f"{self.rebless}") from err
             self.ready = True
-        return super().measure(n)
+        return super().measure(n, speculative)
+
+
+# -- the pipeline's speed step: measured in speed workers, as the gates measure -----------------------
+
+
+def report_speed(run: RunDir, speed_config: dict[str, Any], export_dir: Path | None = None) -> dict[str, Any]:
+    """The speed report's ``speed`` section (``SpeedConfig`` fields ``speed_config``), measured in one fresh speed
+    worker process: one torch thread, the first decode's compilation in the untimed warm-up, and
+    ``peak_memory_bytes`` of a process that holds only the model, the tokenizer and the engine."""
+    args = _worker_args(run, run.require(run.model_path()), export_dir)
+    worker = SpeedWorker("speed report", PACKAGE_DIR.parent, args)
+    try:
+        worker.handshake()
+        return worker.report(speed_config)
+    finally:
+        worker.close()
+
+
+class _Decoding:
+    """One decoding mode (plain or speculative) of a speed worker process, as an :class:`Arm`."""
+
+    def __init__(self, worker: SpeedWorker, speculative: bool) -> None:
+        self.worker, self.speculative = worker, speculative
+
+    def measure(self, n: int) -> dict[str, list[float]]:
+        return self.worker.measure(n, self.speculative)
+
+    def close(self) -> None:  # the process has one owner: speculative_speedup
+        pass
+
+
+def speculative_speedup(run: RunDir, *, workers: int, samples: int) -> dict[str, list[list[float]]]:
+    """TPS samples of plain and of speculative decoding of the run's student (with the run's drafter), per fresh
+    speed worker process. Each process measures both modes interleaved (:func:`measure_interleaved`, after a
+    warm-up block of each), so its lasting speed offset cancels in its ratio; the processes are the replicates
+    of :func:`distillgates.gates.stats.compare_speedup`. One process at a time, started when its turn comes: nothing
+    loads while one measures, and the memory is one process's, whatever the model's size and ``workers``."""
+    model, drafter = run.require(run.model_path()), run.require(run.model_path("drafter"))
+    args = [*_worker_args(run, model, None), "--drafter", str(drafter.absolute())]
+    cpu = max(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None
+    plain: list[list[float]] = []
+    speculative: list[list[float]] = []
+    for _ in range(workers):
+        worker = _Lazy("speculative", PACKAGE_DIR.parent, args, cpu=cpu)
+        try:
+            got = measure_interleaved([_Decoding(worker, False), _Decoding(worker, True)], samples)
+        finally:
+            worker.close()
+        plain.append(got[0]["tps"])
+        speculative.append(got[1]["tps"])
+    return {"tps_plain": plain, "tps_speculative": speculative}

@@ -33,6 +33,10 @@ and the ``looks`` of the sequential test (each look of each gate tests at
 ``alpha / (n_gates * looks)``; the union bound holds whatever the stopping rule). A fail needs
 significance at that level, so with no change the chance that *any* speed gate of the session
 fails is at most ``alpha``.
+
+A claimed gain (the speculative speedup, :func:`compare_speedup`) is decided the other way round:
+each process measured both arms, its log quantile ratio is the observation, and the gain passes
+only when the interval shows it, fails when the interval shows it short, else is inconclusive.
 """
 
 from __future__ import annotations
@@ -168,6 +172,66 @@ def compare_quantiles(
         verdict, why = "inconclusive", f"regression beyond threshold but not significant: {numbers}"
     return SpeedComparison(verdict, slowdown, ci_low, ci_high, p_value, threshold, quantile, test_alpha, n_ref,
                            n_cand, ref.size, cand.size, paired, 1, why)
+
+
+@dataclass(frozen=True)
+class SpeedupComparison:
+    """Outcome of a claimed gain (speculative decoding over plain decoding), measured per worker process."""
+
+    verdict: str  # "pass" | "fail" | "inconclusive"
+    speedup: float  # geometric mean over processes of quantile(treated) / quantile(baseline), > 1 is faster
+    ci_low: float  # t interval over processes, two-sided level 1 - 2 * test_alpha
+    ci_high: float
+    minimum: float  # the speedup the gate asks for
+    quantile: float
+    test_alpha: float  # one-sided level of each decision
+    groups: int  # worker processes
+    n_baseline: int  # samples
+    n_treated: int
+    reason: str
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def compare_speedup(baseline: Sequence[Sequence[float]], treated: Sequence[Sequence[float]], *, minimum: float,
+                    quantile: float = 0.5, test_alpha: float = 0.05) -> SpeedupComparison:
+    """Decide whether a rate (TPS) gains at least ``minimum`` x, from processes that measured both arms.
+
+    Process ``k`` measured the ``baseline`` and the ``treated`` arm interleaved (one process, so its speed
+    offset cancels in its ratio); the observations are the per-process log quantile ratios, as in the paired
+    speed gates (a t interval, ``K - 1`` degrees of freedom). A gain is a claim, so it must be shown:
+
+    - ``pass``: the interval's lower end is at least ``minimum`` (significant at ``test_alpha``);
+    - ``fail``: its upper end is below ``minimum`` (the shortfall is significant);
+    - ``inconclusive``: the interval holds ``minimum``: the samples cannot tell.
+
+    Raises:
+        ValueError: fewer than :data:`MIN_GROUPS` processes or :data:`MIN_SAMPLES` samples per process, unequal
+            process counts, non-positive samples, or impossible settings.
+    """
+    if not 0.0 < test_alpha < 0.5 or not minimum >= 0 or not 0.0 < quantile < 1.0:
+        raise ValueError(f"need 0 < test_alpha < 0.5, minimum >= 0, 0 < quantile < 1; got {test_alpha}, {minimum}, "
+                         f"{quantile}")
+    if len(baseline) != len(treated):
+        raise ValueError(f"{len(baseline)} baseline and {len(treated)} treated processes: each process measures "
+                         f"both arms")
+    base, gain = _log_quantiles("baseline", baseline, quantile), _log_quantiles("treated", treated, quantile)
+    ratios = gain - base  # (K,) log speedup of each process
+    interval = mean_interval(ratios.tolist(), alpha=2.0 * test_alpha)
+    assert interval is not None  # at least MIN_GROUPS processes
+    speedup, low, high = float(np.exp(ratios.mean())), float(np.exp(interval.low)), float(np.exp(interval.high))
+    numbers = (f"q{quantile:g} speedup {speedup:.4f} (geometric mean over {ratios.size} processes), "
+               f"{1 - 2 * test_alpha:.0%} CI [{low:.4f}, {high:.4f}], minimum {minimum:g}, "
+               f"n={sum(len(g) for g in baseline)}/{sum(len(g) for g in treated)} samples (baseline/treated)")
+    if low >= minimum:
+        verdict, why = "pass", f"speedup shown (the interval's lower end >= minimum): {numbers}"
+    elif high < minimum:
+        verdict, why = "fail", f"speedup below the minimum (the interval's upper end < minimum): {numbers}"
+    else:
+        verdict, why = "inconclusive", f"the samples cannot tell (the interval holds the minimum): {numbers}"
+    return SpeedupComparison(verdict, speedup, low, high, minimum, quantile, test_alpha, int(ratios.size),
+                             sum(len(g) for g in baseline), sum(len(g) for g in treated), why)
 
 
 class MeasurementStopped(Exception):
