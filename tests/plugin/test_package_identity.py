@@ -31,9 +31,9 @@ def test_identity_gate_fails_on_a_missing_or_changed_package(pytester, gates_pro
     run = make_run()
     export = run / "export"
     if damage == "missing":
-        shutil.rmtree(export / "decode.mlpackage")
+        shutil.rmtree(export / "model.mlpackage")
     elif damage == "junk":
-        (export / "prefill.mlpackage" / "Data" / "weight.bin").write_bytes(b"junk")
+        (export / "model.mlpackage" / "Data" / "weight.bin").write_bytes(b"junk")
     elif damage == "unrecorded":
         (export / "other.mlpackage").mkdir()
         (export / "other.mlpackage" / "x").write_text("x")
@@ -55,11 +55,11 @@ def test_core_ml_figures_of_a_changed_package_are_an_error(pytester, gates_proje
     """Parity and residency figures describe the packages the export measured: a changed package is an error."""
     gates_project()
     run = make_run()
-    (run / "export" / "decode.mlpackage" / "Data" / "weight.bin").write_bytes(b"junk")
+    (run / "export" / "model.mlpackage" / "Data" / "weight.bin").write_bytes(b"junk")
     result = pytester.runpytest("gates/test_coreml_parity.py", "gates/test_ane_residency.py", f"--run-dir={run}",
                                 f"--hw-profile={own_profile}")
-    result.assert_outcomes(errors=8)  # 3 shapes + decode parity, 2 x 2 residency
-    result.stdout.fnmatch_lines(["*not the packages the export wrote: decode.mlpackage: sha256*"])
+    result.assert_outcomes(errors=12)  # 3 shapes + decode parity, 4 functions x 2 residency
+    result.stdout.fnmatch_lines(["*not the packages the export wrote: model.mlpackage: sha256*"])
 
 
 def test_verify_packages_names_each_package(tmp_path):
@@ -80,11 +80,11 @@ def test_core_ml_speed_worker_refuses_a_changed_package(make_run, tmp_path):
     from distillgates.gates.speed_ab import WorkerArms
 
     run = RunDir(make_run())
-    (run.export_dir / "prefill.mlpackage" / "Data" / "weight.bin").write_bytes(b"junk")
+    (run.export_dir / "model.mlpackage" / "Data" / "weight.bin").write_bytes(b"junk")
     arms = WorkerArms(run, ReferenceStore(tmp_path / "store"))
     try:
         arms.coreml = True  # as on macOS with an export
-        with pytest.raises(RunArtifactError, match=r"not the packages the export wrote: prefill\.mlpackage"):
+        with pytest.raises(RunArtifactError, match=r"not the packages the export wrote: model\.mlpackage"):
             arms.candidate()
         with pytest.raises(RunArtifactError, match="not the packages the export wrote"):
             arms.record()

@@ -162,9 +162,9 @@ def test_good_run_passes_every_gate(pytester, gates_project, make_run, own_profi
     gates_project()
     run = make_run()
     common = [f"--run-dir={run}", f"--hw-profile={own_profile}"]
-    pytester.runpytest(*BASELINED, *common, "--bless").assert_outcomes(passed=9)
+    pytester.runpytest(*BASELINED, *common, "--bless").assert_outcomes(passed=13)
     result = pytester.runpytest("gates", *common, "-rA")
-    result.assert_outcomes(passed=60, deselected=4)
+    result.assert_outcomes(passed=64, deselected=4)
     for name in GATE_FILES:
         assert f"PASSED gates/test_{name}.py::" in result.stdout.str(), name
 
