@@ -114,7 +114,7 @@ def write_markdown_summary(path: str | Path, records: list[GateRecord], tests: l
 
 def rich_table(records: list[GateRecord], tests: list[TestOutcome], thresholds_source: str | None) -> Table:
     """Every check, and a row for every gate test whose outcome no check shows (its reason under the name)."""
-    table = Table(title="distillgates gates", caption=f"thresholds: {thresholds_source or 'none used'}",
+    table = Table(title="distillgates gates", caption=Text(f"thresholds: {thresholds_source or 'none used'}"),
                   show_lines=False)
     for column in ("verdict", "gate", "check"):
         table.add_column(column, overflow="fold")
