@@ -31,6 +31,7 @@ def tiny_config(path: Path) -> Path:
     cfg["drafter"].update(small)
     cfg["teacher"]["model"].update(small)
     cfg["teacher"]["train"].update(steps=4, batch_size=4)
+    cfg["teacher"]["check"] = {"items": 4, "min_call_rate": 0.0}  # a 4-step teacher calls no tool: checked, not refused
     cfg["kd"].update(batch_size=16, max_new_tokens=24)
     cfg["train"].update(steps=6, batch_size=4, warmup_steps=1, ckpt_every=3, eval_every=6, log_every=1)
     cfg["speed"].update(n_prompts=2, warmup=1, repeats=1, max_new_tokens=8, speculative_workers=3,
@@ -370,6 +371,23 @@ def test_own_data_runs_the_whole_pipeline(tmp_path: Path, chat_template: str) ->
         constrained = read_report(run_dir / "reports" / "report.json")["quality"]["student"]
         outputs = [json.loads(line) for line in (run_dir / "eval" / "outputs.jsonl").read_text().splitlines()]
         assert constrained["json_validity"] in (None, 1.0) and not any("unconstrained_reason" in o for o in outputs)
+
+
+def test_a_teacher_that_calls_no_tool_is_refused_before_kd_with_its_figures(tmp_path: Path) -> None:
+    from distillgates.teacher.check import TeacherRefused
+
+    data = yaml.safe_load(tiny_config(tmp_path).read_text())
+    data["teacher"]["check"] = {"items": 4, "min_call_rate": 0.5}
+    config = tmp_path / "refused.yaml"
+    config.write_text(yaml.safe_dump(data))
+    with pytest.raises(TeacherRefused, match=r"the toy teacher calls a tool on [01] of 4 held-out tool items \(call rate "
+                       r"0\.\d\d < teacher\.check\.min_call_rate 0\.5; tool selection .*train it longer"):
+        run_pipeline(config, tmp_path / "run")
+    check = json.loads((tmp_path / "run" / "teacher_check.json").read_text())
+    assert check["items"] == 4 and check["call_rate"] < 0.5 and check["passed"] is False
+    assert not (tmp_path / "run" / "kd").exists()  # refused before the KD step wrote anything
+    manifest = json.loads((tmp_path / "run" / "manifest.json").read_text())
+    assert manifest["teacher"]["summary"]["check"] == check and "kd" not in manifest
 
 
 def test_student_and_drafter_fingerprints_cover_the_init_checkpoint_files(tmp_path: Path) -> None:

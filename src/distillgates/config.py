@@ -228,6 +228,59 @@ class ToyTeacherTrainConfig:
 
 
 @dataclass
+class LoRAConfig:
+    """LoRA adapters of a teacher fine-tune (``teacher.finetune.lora``; peft's ``LoraConfig``), merged when saved."""
+
+    r: int = 16
+    alpha: int = 32
+    dropout: float = 0.0
+    target_modules: str | list[str] = "all-linear"  # peft's names: "all-linear" or module names (q_proj, ...)
+
+    def __post_init__(self) -> None:
+        if self.r <= 0 or self.alpha <= 0 or not 0.0 <= self.dropout < 1.0:
+            raise ValueError(f"r and alpha must be > 0 and dropout in [0, 1), got {self.r}, {self.alpha}, "
+                             f"{self.dropout}")
+
+
+@dataclass
+class FinetuneConfig:
+    """Supervised fine-tuning of a pretrained local teacher on the training rows before KD (``teacher.finetune``;
+    :mod:`distillgates.teacher.finetune`, on TRL's ``SFTTrainer``): loss on the assistant turns only."""
+
+    method: str = "lora"  # "lora" (peft adapters, merged into the saved weights) or "full"
+    steps: int = 100
+    batch_size: int = 8
+    grad_accum: int = 1
+    lr: float = 2e-4
+    warmup_steps: int = 10  # linear warmup, then cosine decay
+    weight_decay: float = 0.0
+    gradient_checkpointing: bool = False
+    lora: LoRAConfig = field(default_factory=LoRAConfig)
+
+    def __post_init__(self) -> None:
+        if self.method not in ("lora", "full"):
+            raise ValueError(f"method must be lora or full, got {self.method!r}")
+        if self.steps <= 0 or self.batch_size <= 0 or self.grad_accum <= 0 or self.lr <= 0:
+            raise ValueError("steps, batch_size, grad_accum and lr must be > 0")
+        if not 0 <= self.warmup_steps < self.steps:
+            raise ValueError(f"warmup_steps ({self.warmup_steps}) must be in [0, steps ({self.steps}))")
+
+
+@dataclass
+class TeacherCheckConfig:
+    """The check a local teacher passes before the KD step (``teacher.check``): it answers held-out tool items
+    (the eval split's first ``items`` that expect a call) and is refused, with its figures, when too few of its
+    replies call a tool."""
+
+    items: int = 32  # 0: no check
+    min_call_rate: float = 0.5  # share of those items whose reply makes a tool call
+
+    def __post_init__(self) -> None:
+        if self.items < 0 or not 0.0 <= self.min_call_rate <= 1.0:
+            raise ValueError(f"items must be >= 0 and min_call_rate in [0, 1], got {self.items}, {self.min_call_rate}")
+
+
+@dataclass
 class APIConfig:
     """An OpenAI-compatible chat-completions client (``teacher.api``; read by :mod:`distillgates.teacher.http`)."""
 
@@ -256,6 +309,8 @@ class TeacherConfig:
     chat_template: str | None = None
     model: ModelConfig | None = None  # local toy teacher architecture (trained from scratch)
     train: ToyTeacherTrainConfig = field(default_factory=ToyTeacherTrainConfig)  # the toy teacher's training
+    finetune: FinetuneConfig | None = None  # local teacher.path: fine-tune it on the training rows first
+    check: TeacherCheckConfig = field(default_factory=TeacherCheckConfig)  # local: refused before KD without calls
     api: APIConfig = field(default_factory=APIConfig)  # kind "openai": the client
 
     def __post_init__(self) -> None:
@@ -263,6 +318,8 @@ class TeacherConfig:
             raise ValueError(f"kind must be 'local' or 'openai', got {self.kind!r}")
         if self.kind == "openai" and not self.api.base_url:
             raise ValueError("api.base_url is required when kind is 'openai'")
+        if self.finetune is not None and not (self.kind == "local" and self.path):
+            raise ValueError("finetune needs a pretrained local teacher (kind: local and path)")
         if self.chat_template not in (None, "toy", "chatml") and not self.chat_template.endswith(".jinja"):
             raise ValueError(f"chat_template: expected toy, chatml or a .jinja file, got {self.chat_template!r}")
 
@@ -360,7 +417,9 @@ class TrainConfig:
     clip_grad: float = 1.0
     seed: int = 0
     deterministic: bool = True
-    mixed_precision: str = "no"  # "no", "bf16", "fp16" (where the device supports it)
+    # "auto": bf16 autocast where the device computes bf16 natively (distillgates.devices.autocast_dtype), else
+    # float32; "no"; "bf16"/"fp16": autocast on the device (fp16 is float32 on CPU)
+    mixed_precision: str = "auto"
     teacher_mode: str = "offline"  # "offline" (KD set) or "online" (teacher forward per batch)
     ce_weight: float = 1.0
     process_weight: float = 0.0
@@ -386,8 +445,8 @@ class TrainConfig:
         if self.init_from not in ("scratch", "teacher") and self.pretrained is None:
             raise ValueError(f"init_from must be scratch, teacher, hf:<checkpoint dir> or gguf:<file>, "
                              f"got {self.init_from!r}")
-        if self.mixed_precision not in ("no", "bf16", "fp16"):
-            raise ValueError(f"mixed_precision must be no/bf16/fp16, got {self.mixed_precision!r}")
+        if self.mixed_precision not in ("auto", "no", "bf16", "fp16"):
+            raise ValueError(f"mixed_precision must be auto/no/bf16/fp16, got {self.mixed_precision!r}")
         if self.teacher_mode not in ("offline", "online"):
             raise ValueError(f"teacher_mode must be offline/online, got {self.teacher_mode!r}")
         if self.warmup_steps >= self.steps:
@@ -575,6 +634,9 @@ class Config:
     name: str = "unnamed"
     seed: int = 0
     threads: int = 0  # torch intra-op threads for the pipeline; 0 = torch's default (all cores)
+    # where training, the local teacher (fine-tuning, KD, its eval) compute: auto (cuda, then mps, then cpu), cpu,
+    # cuda, cuda:<n> or mps. The student's eval, export and speed run on CPU whatever it says.
+    device: str = "auto"
     student: ModelConfig | None = None
     drafter: ModelConfig | None = None
     teacher: TeacherConfig | None = None
@@ -590,6 +652,8 @@ class Config:
     gates: GatesConfig = field(default_factory=GatesConfig)
 
     def __post_init__(self) -> None:
+        if self.device not in ("auto", "cpu", "mps") and not re.fullmatch(r"cuda(:\d+)?", self.device):
+            raise ValueError(f"device must be auto, cpu, cuda, cuda:<n> or mps, got {self.device!r}")
         for role in ("student", "drafter"):
             model = getattr(self, role)
             if model is not None and model.max_seq_len < max(self.shapes.lengths):

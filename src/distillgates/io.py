@@ -11,6 +11,7 @@ import hashlib
 import io
 import json
 import os
+import shutil
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -41,6 +42,17 @@ def staging_dir(target: str | Path, tag: str = "") -> Path:
     path = Path(tempfile.mkdtemp(dir=target.parent, prefix=f".{target.name}.{tag}"))
     path.chmod(0o777 & ~_umask())
     return path
+
+
+def swap_in_dir(staging: Path, out_dir: Path) -> None:
+    """Replace ``out_dir`` by the complete ``staging`` folder (two renames; the old one is removed last)."""
+    old = None
+    if out_dir.exists():
+        old = Path(tempfile.mkdtemp(dir=out_dir.parent, prefix=f".{out_dir.name}.old-"))
+        out_dir.rename(old / out_dir.name)
+    staging.rename(out_dir)
+    if old is not None:
+        shutil.rmtree(old)
 
 
 def atomic_write_bytes(path: str | Path, data: bytes) -> None:

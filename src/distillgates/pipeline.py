@@ -32,6 +32,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import UTC, datetime
+from importlib.util import find_spec
 from pathlib import Path
 from typing import Any
 
@@ -39,6 +40,7 @@ from rich.console import Console
 
 from distillgates.codeversion import step_code
 from distillgates.config import Config, TrainConfig, load_config, sha256_json, to_dict
+from distillgates.devices import resolve_device
 from distillgates.io import atomic_write_json, sha256_file
 from distillgates.project import Project
 from distillgates.rundir import RunDir
@@ -69,7 +71,8 @@ class Step:
         return step_code(self.run.__module__, self.run.__name__)
 
 
-LIBRARIES = ("torch", "coremltools", "transformers", "tokenizers")  # every Step.libraries name is one of these
+# every Step.libraries name is one of these
+LIBRARIES = ("torch", "coremltools", "transformers", "tokenizers", "trl", "peft")
 
 
 def library_versions(names: tuple[str, ...] = LIBRARIES) -> dict[str, str | None]:
@@ -314,6 +317,12 @@ def preflight(cfg: Config) -> None:
         folder = checkpoint_dir(cfg.teacher.path)
         if not (folder / "config.json").is_file():
             raise FileNotFoundError(f"teacher.path: no checkpoint at {cfg.teacher.path} (config.json or a .gguf file)")
+        if cfg.teacher.finetune is not None and not all(find_spec(name) for name in ("trl", "peft")):
+            raise ImportError("teacher.finetune needs TRL and peft: pip install 'distillgates[finetune]'")
+    try:
+        resolve_device(cfg.device)
+    except ValueError as err:
+        raise ValueError(f"device: {err}") from err
     for role, train in (("student", cfg.train), ("drafter", cfg.drafter_train or cfg.train)):
         if train.pretrained is None or (role == "drafter" and cfg.drafter is None):
             continue
@@ -361,19 +370,36 @@ def step_teacher(cfg: Config, run: RunDir) -> dict[str, Any]:
         raise ValueError("config has no teacher section")
     if cfg.teacher.kind == "openai":
         return {"kind": "openai", "base_url": cfg.teacher.api.base_url, "model": cfg.teacher.api.model_name}
-    if cfg.teacher.path:  # a given AutoModelForCausalLM directory: nothing to train (its files are checksummed)
-        return {"kind": "local", "path": cfg.teacher.path}
-    from distillgates.teacher.toy import train_toy_teacher
+    from distillgates.teacher.check import check_teacher
 
-    # its quality is measured once, by the eval step, on the held-out items with the student's scorer
-    stats = train_toy_teacher(cfg, run.tokenizer(), run.items("train"), run.teacher_dir, seed=cfg.seed)
-    return {key: stats[key] for key in ("steps", "final_loss", "n_params")}
+    summary: dict[str, Any] = {"kind": "local"}
+    if cfg.teacher.finetune is not None:  # teacher.path fine-tuned on the training rows into the run's teacher/
+        from distillgates.checkpoints import checkpoint_dir
+        from distillgates.teacher.finetune import finetune_teacher
+
+        summary["path"] = cfg.teacher.path
+        summary["finetune"] = finetune_teacher(cfg, checkpoint_dir(str(cfg.teacher.path)), run.tokenizer(),
+                                               run.items("train"), run.teacher_dir)  # fmt: skip
+    elif cfg.teacher.path:  # a given AutoModelForCausalLM directory: nothing to train (its files are checksummed)
+        summary["path"] = cfg.teacher.path
+    else:
+        from distillgates.teacher.toy import train_toy_teacher
+
+        stats = train_toy_teacher(cfg, run.tokenizer(), run.items("train"), run.teacher_dir, seed=cfg.seed)
+        summary.update({key: stats[key] for key in ("steps", "final_loss", "n_params")})
+    # its full quality is measured once, by the eval step; here, whether it calls tools at all (the KD step refuses
+    # one that does not)
+    if cfg.teacher.check.items:
+        summary["check"] = check_teacher(cfg, run)
+    return summary
 
 
 def step_kd(cfg: Config, run: RunDir) -> dict[str, Any]:
+    from distillgates.teacher.check import require_teacher
     from distillgates.teacher.kd import build_kd_set
 
     assert cfg.teacher is not None
+    require_teacher(cfg, run)
     if cfg.teacher.kind == "openai":
         from distillgates.teacher.http import HTTPTeacher
 
@@ -382,7 +408,8 @@ def step_kd(cfg: Config, run: RunDir) -> dict[str, Any]:
         from distillgates.teacher.local import local_teacher
 
         # on the student's tokens
-        teacher = local_teacher(run.teacher_model_dir(cfg), run.tokenizer(), cfg.teacher.chat_template)
+        teacher = local_teacher(run.teacher_model_dir(cfg), run.tokenizer(), cfg.teacher.chat_template,
+                                resolve_device(cfg.device))
     # resume is safe: the builder refuses a checkpoint of another build (different teacher/items); the
     # response cache lives outside kd/ so it survives a config change (keys are request hashes)
     result = build_kd_set(cfg, teacher, run.items("train"), run.kd_set, resume=True, cache_dir=run.kd_cache)
@@ -400,7 +427,7 @@ def step_kd(cfg: Config, run: RunDir) -> dict[str, Any]:
 def train_role(cfg: Config, run: RunDir, role: str) -> dict[str, Any]:
     from distillgates.train.recipe import train_student
 
-    path = train_student(cfg, role, run)
+    path = train_student(cfg, role, run, device=cfg.device)
     summary: dict[str, Any] = {"model": str(path)}
     probe = run.optional_json(run.qat_probe(role))
     if probe is not None:
@@ -484,26 +511,12 @@ def step_eval(cfg: Config, run: RunDir) -> dict[str, Any]:
     from distillgates.eval.scorer import item_rows
     from distillgates.eval.sharding import outputs_sha256, write_outputs
     from distillgates.hardware import torch_threads
-    from distillgates.hf import from_hf
     from distillgates.runtime.torch_engine import TorchEngine
+    from distillgates.teacher.check import teacher_runner
 
     tokenizer, items = run.tokenizer(), run.items("eval")
     eval_sha = dataset_sha256(run.dataset("eval"))
-    assert cfg.teacher is not None
-    if cfg.teacher.kind == "openai":
-        from distillgates.eval.runners import TeacherRunner
-        from distillgates.teacher.http import HTTPTeacher
-
-        teacher: Any = TeacherRunner(HTTPTeacher(cfg.teacher.api, tokenizer), cfg.eval.max_new_tokens)
-    else:  # a local teacher runs through the same engine and runner (identical weights via from_hf)
-        from distillgates.eval.runners import TeacherRunner
-        from distillgates.teacher.local import StudentTokensTeacher, local_teacher
-
-        local = local_teacher(run.teacher_model_dir(cfg), tokenizer, cfg.teacher.chat_template)
-        if isinstance(local, StudentTokensTeacher):  # another tokenizer: turns in the student's format, as an API's
-            teacher = TeacherRunner(local, cfg.eval.max_new_tokens)
-        else:
-            teacher = TorchEngine(from_hf(local.model).eval())
+    teacher = teacher_runner(cfg, run, tokenizer)
     policy = FixturePolicy(cfg.eval.missing_fixture, cfg.eval.mock_result)
     common: dict[str, Any] = {"lengths": cfg.shapes.lengths, "dataset_sha256": eval_sha, "progress": True,
                               "max_calls": cfg.eval.max_calls, "max_new_tokens": cfg.eval.max_new_tokens,
@@ -579,16 +592,18 @@ def _teacher_outputs(cfg: Config, run: RunDir) -> tuple[Path, ...]:
     if cfg.teacher is not None and cfg.teacher.kind == "openai":
         return ()
     # a given teacher.path is checksummed too (never cleared): a changed model there re-runs KD
-    return (run.teacher_model_dir(cfg),)
+    check = (run.teacher_check,) if cfg.teacher is not None and cfg.teacher.check.items else ()
+    return (run.teacher_model_dir(cfg), *check)
 
 
 STEPS: list[Step] = [
     Step("data", "generate the toy dataset (or read your own) and train the tokenizer", ("data", "tokenizer", "shapes"),
          (), step_data, lambda cfg, run: (run.data_dir,), replaces_outputs=True, files=_data_files,
          libraries=("tokenizers", "transformers")),
-    Step("teacher", "train the toy teacher (LlamaForCausalLM)",
-         ("teacher.kind", "teacher.path", "teacher.model", "teacher.train"), ("data",), step_teacher,
-         _teacher_outputs, libraries=("torch", "transformers", "tokenizers")),
+    Step("teacher", "train the toy teacher, or fine-tune teacher.path on the rows; check that it calls tools",
+         ("teacher.kind", "teacher.path", "teacher.model", "teacher.train", "teacher.finetune", "teacher.check",
+          "teacher.chat_template", "eval.max_new_tokens", "eval.max_calls", "eval.missing_fixture"), ("data",),
+         step_teacher, _teacher_outputs, libraries=("torch", "transformers", "tokenizers", "trl", "peft")),
     Step("kd", "query the teacher for the training prompts and write the KD set",
          ("teacher.kind", "teacher.api", "teacher.chat_template", "kd"), ("data", "teacher"), step_kd,
          lambda cfg, run: (run.kd_dir,), resumable=True, libraries=("torch", "transformers", "tokenizers")),

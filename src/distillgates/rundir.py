@@ -69,13 +69,19 @@ class RunDir:
 
     @property
     def teacher_dir(self) -> Path:
-        """The toy teacher this run trains (``teacher.path`` points elsewhere: :meth:`teacher_model_dir`)."""
+        """The teacher this run trains: the toy teacher, or ``teacher.path`` fine-tuned (:meth:`teacher_model_dir`)."""
         return self.root / "teacher"
+
+    @property
+    def teacher_check(self) -> Path:
+        """The local teacher's figures on held-out tool items (:mod:`distillgates.teacher.check`)."""
+        return self.root / "teacher_check.json"
 
     def teacher_model_dir(self, cfg: Config) -> Path:
         """The local teacher's model directory: ``teacher.path`` when given (a GGUF file: its converted checkpoint,
-        :func:`distillgates.checkpoints.checkpoint_dir`), else the trained toy teacher."""
-        if cfg.teacher is not None and cfg.teacher.path:
+        :func:`distillgates.checkpoints.checkpoint_dir`) and not fine-tuned, else the teacher this run trained (the
+        toy teacher, or ``teacher.path`` fine-tuned on the training rows)."""
+        if cfg.teacher is not None and cfg.teacher.path and cfg.teacher.finetune is None:
             from distillgates.checkpoints import checkpoint_dir
 
             return checkpoint_dir(cfg.teacher.path)

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -22,7 +21,7 @@ from distillgates.config import Config
 from distillgates.data.chat import chat_format, template_chat_format
 from distillgates.data.dataset import DatasetError, write_dataset
 from distillgates.data.shapes import bucket_of
-from distillgates.io import atomic_write_text, staging_dir
+from distillgates.io import atomic_write_text, staging_dir, swap_in_dir
 from distillgates.tokenizer import (
     chat_template_text,
     encode,
@@ -158,20 +157,9 @@ def build_data(cfg: Config, out_dir: str | Path) -> DataBuild:
             shas[split] = write_dataset(staging / f"{split}.jsonl", kept, fingerprint, cfg.data.seed)
         if skipped is not None:
             atomic_write_text(staging / SKIPPED_ROWS, "".join(json.dumps(row) + "\n" for row in skipped))
-        _swap_in(staging, out_dir)
+        swap_in_dir(staging, out_dir)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
     return DataBuild(out_dir / "tokenizer", out_dir / "train.jsonl", out_dir / "eval.jsonl", fingerprint, shas,
                      dropped, counts, skipped)  # fmt: skip
-
-
-def _swap_in(staging: Path, out_dir: Path) -> None:
-    """Replace ``out_dir`` by the complete ``staging`` folder (two renames; the old one is removed last)."""
-    old = None
-    if out_dir.exists():
-        old = Path(tempfile.mkdtemp(dir=out_dir.parent, prefix=f".{out_dir.name}.old-"))
-        out_dir.rename(old / out_dir.name)
-    staging.rename(out_dir)
-    if old is not None:
-        shutil.rmtree(old)

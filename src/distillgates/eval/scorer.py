@@ -202,6 +202,11 @@ def named_value_vocabulary(items: Iterable[Mapping[str, Any]], results_only: boo
     return sorted(vocab, key=lambda v: (-len(v), v))
 
 
+def is_tool_item(item: Mapping[str, Any]) -> bool:
+    """Whether ``item`` expects a tool call (its ``tool_should_be_used``, else whether it has expected calls)."""
+    return bool(item.get("tool_should_be_used", bool(item.get("expected_calls"))))
+
+
 def score_item(
     item: Mapping[str, Any],
     output: Mapping[str, Any],
@@ -222,7 +227,7 @@ def score_item(
     paired = {lax: pair_parallel_calls([c.get("call") for c in calls], expected, groups, lax, tools, alternatives,
                                        optional) for lax in (False, True)}  # fmt: skip
     parsed = paired[True]
-    tool_item = bool(item.get("tool_should_be_used", bool(expected)))
+    tool_item = is_tool_item(item)
     control = item.get("kind") in CONTROL_KINDS
     answer = output.get("answer") or ""
     names = [c.get("name") if isinstance(c, Mapping) else None for c in parsed]

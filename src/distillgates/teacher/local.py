@@ -235,14 +235,11 @@ def _maybe(t: Tensor | None, device: torch.device) -> Tensor | None:
 # A teacher with another tokenizer
 
 
-def local_teacher(path: str | Path, tokenizer: Any, chat_template: str | None = None
-                  ) -> LocalTeacher | StudentTokensTeacher:  # fmt: skip
-    """The local teacher at ``path`` for a student with ``tokenizer``: the teacher itself when its tokenizer
-    is the student's (same :func:`~distillgates.tokenizer.tokenizer_fingerprint`), else the teacher seen on
-    the student's tokens and in its chat format (:class:`StudentTokensTeacher`).
+def teacher_tokenizer(path: str | Path, tokenizer: Any, chat_template: str | None = None) -> Any:
+    """The tokenizer the local teacher at ``path`` renders and parses with, for a run with ``tokenizer``.
 
     Its template: ``chat_template`` (``teacher.chat_template``: a built-in name or a ``.jinja`` file) when
-    given; else a teacher with the student's vocabulary renders with the student's template (the run's
+    given; else a teacher with the run's vocabulary renders with the run's template (the run's
     ``tokenizer.chat_template``, which may replace the checkpoint's own); else its own.
     """
     own = load_tokenizer(path)
@@ -250,7 +247,17 @@ def local_teacher(path: str | Path, tokenizer: Any, chat_template: str | None = 
         own.chat_template = chat_template_text(chat_template, "teacher.chat_template")
     elif own.get_vocab() == tokenizer.get_vocab():
         own = tokenizer
-    teacher = LocalTeacher(path, tokenizer=own)
+    return own
+
+
+def local_teacher(path: str | Path, tokenizer: Any, chat_template: str | None = None, device: str = "cpu"
+                  ) -> LocalTeacher | StudentTokensTeacher:  # fmt: skip
+    """The local teacher at ``path`` (on ``device``) for a student with ``tokenizer``: the teacher itself when
+    its tokenizer is the student's (same :func:`~distillgates.tokenizer.tokenizer_fingerprint`), else the
+    teacher seen on the student's tokens and in its chat format (:class:`StudentTokensTeacher`); its template
+    as :func:`teacher_tokenizer` picks it.
+    """
+    teacher = LocalTeacher(path, device=device, tokenizer=teacher_tokenizer(path, tokenizer, chat_template))
     if tokenizer_fingerprint(teacher.tokenizer) == tokenizer_fingerprint(tokenizer):
         return teacher
     return StudentTokensTeacher(teacher, tokenizer)

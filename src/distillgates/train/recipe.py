@@ -44,6 +44,7 @@ from distillgates import losses
 from distillgates.config import Config, ModelConfig, ShapesConfig, SpeedConfig, TrainConfig, load_config, to_dict
 from distillgates.data.chat import chat_format
 from distillgates.data.shapes import ShapeSampler
+from distillgates.devices import autocast_dtype, resolve_device
 from distillgates.hf import save_hf
 from distillgates.io import atomic_write_json, atomic_write_text, load_checksummed, save_checksummed
 from distillgates.model import Transformer, save_model
@@ -141,7 +142,7 @@ class Recipe:
         init_teacher: the teacher as a :class:`Transformer` (``init_from: teacher``).
         init_model: the pretrained model itself (``init_from: hf:<dir>``), trained in place; its
             config must be ``model_cfg``.
-        device: ``cpu``/``cuda``/``auto``.
+        device: ``auto``/``cpu``/``cuda``/``cuda:<n>``/``mps`` (:func:`distillgates.devices.resolve_device`).
         max_steps: stop early after this many steps (tests, time-boxed runs); the schedule still
             follows ``train_cfg.steps``.
         progress: show a ``rich`` progress bar (rank 0).
@@ -169,7 +170,7 @@ class Recipe:
         self.tokenizer, self.train_items, self.eval_items = tokenizer, train_items, eval_items
         self.out_dir = Path(out_dir)
         self.kd_records, self.teacher = kd_records, teacher
-        self.device = ("cuda" if torch.cuda.is_available() else "cpu") if device == "auto" else device
+        self.device = resolve_device(device)
         self.max_steps = max_steps
         self.progress = progress
         self.speed_prompts = speed_prompts
@@ -343,12 +344,10 @@ class Recipe:
     # ------------------------------------------------------------------ losses
 
     def _forward(self, input_ids: Tensor) -> Tensor:
-        amp = self.cfg.mixed_precision
-        dev = "cuda" if self.device.startswith("cuda") else "cpu"
-        if amp == "no" or (amp == "fp16" and dev == "cpu"):
+        dtype = autocast_dtype(self.device, self.cfg.mixed_precision)
+        if dtype is None:
             return self.forward_module(input_ids)
-        dtype = torch.bfloat16 if amp == "bf16" else torch.float16
-        with torch.autocast(dev, dtype=dtype):
+        with torch.autocast(torch.device(self.device).type, dtype=dtype):
             return self.forward_module(input_ids)
 
     def _needs_length_penalty(self, logits: Tensor, batch: Batch) -> Tensor:
