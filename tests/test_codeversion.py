@@ -42,16 +42,17 @@ def test_a_docstring_or_comment_edit_in_the_scorer_reruns_nothing(package_copy: 
     assert changed_steps(package_copy, "eval/scorer.py", first_line, first_line + " Edited.\n# a new comment") == set()
 
 
-def test_a_code_edit_in_the_scorer_reruns_only_eval(package_copy: Path) -> None:
-    """The scorer's metrics are computed by the eval step alone (the report step then follows its
-    outputs' checksums); what training and the KD set share with it lives in ``eval/matching.py``."""
-    assert changed_steps(package_copy, "eval/scorer.py", "", "\nEDITED = 1\n") == {"eval"}
+def test_a_code_edit_in_the_scorer_reruns_only_eval_and_the_teacher_check(package_copy: Path) -> None:
+    """The scorer's metrics are computed by the eval step and the teacher check (the steps after them follow their
+    outputs' checksums: the same figures re-run nothing); what training and the KD set share with it lives in
+    ``eval/matching.py``. The teacher's training never re-runs."""
+    assert changed_steps(package_copy, "eval/scorer.py", "", "\nEDITED = 1\n") == {"check", "eval"}
 
 
 def test_a_code_edit_in_value_matching_reruns_what_matches_values(package_copy: Path) -> None:
     """Fixture lookup (the KD set's conversations) and the latency loss match values: they re-run."""
     changed = changed_steps(package_copy, "eval/matching.py", "", "\nEDITED = 1\n")
-    assert changed == {"kd", "student", "drafter", "eval"}
+    assert changed == {"check", "kd", "student", "drafter", "eval"}
 
 
 def test_a_code_edit_in_report_rendering_reruns_only_the_report(package_copy: Path) -> None:

@@ -272,10 +272,11 @@ def test_fingerprints_cover_library_versions_and_the_measuring_machine(tmp_path:
 
     base = fingerprints()
     versions = pipeline_module.library_versions()
-    for library, expected in [("torch", {"teacher", "kd", "student", "drafter", "export", "speed", "eval"}),
+    for library, expected in [("torch", {"teacher", "check", "kd", "student", "drafter", "export", "speed", "eval"}),
                               ("coremltools", {"export", "speed"}),
-                              ("transformers", {"data", "teacher", "kd", "eval"}),
-                              ("tokenizers", {"data", "teacher", "kd", "student", "drafter", "speed", "eval"})]:
+                              ("transformers", {"data", "teacher", "check", "kd", "eval"}),
+                              ("tokenizers", {"data", "teacher", "check", "kd", "student", "drafter", "speed", "eval"}),
+                              ("trl", {"teacher"}), ("peft", {"teacher"})]:
         upgraded = {**versions, library: "99.0"}
         monkeypatch.setattr(pipeline_module, "library_versions",
                             lambda names=pipeline_module.LIBRARIES, v=upgraded: {n: v[n] for n in names})
@@ -387,7 +388,7 @@ def test_a_teacher_that_calls_no_tool_is_refused_before_kd_with_its_figures(tmp_
     assert check["items"] == 4 and check["call_rate"] < 0.5 and check["passed"] is False
     assert not (tmp_path / "run" / "kd").exists()  # refused before the KD step wrote anything
     manifest = json.loads((tmp_path / "run" / "manifest.json").read_text())
-    assert manifest["teacher"]["summary"]["check"] == check and "kd" not in manifest
+    assert "teacher" in manifest and "check" not in manifest and "kd" not in manifest  # a refusal is never cached
 
 
 def test_student_and_drafter_fingerprints_cover_the_init_checkpoint_files(tmp_path: Path) -> None:

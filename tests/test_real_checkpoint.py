@@ -163,3 +163,52 @@ def test_config_errors_come_before_the_first_step_and_name_their_section(smollm2
     with pytest.raises(ValueError, match=r"^student: train\.init_from 'gguf:.*': the model section sets ffn_hidden"):
         run_pipeline(contradicting, tmp_path / "run2")
     assert not (tmp_path / "run2" / "data").exists()
+
+
+def test_the_shipped_instruct_model_is_refused_before_kd_and_a_lora_finetune_is_an_ordinary_checkpoint(
+    smollm2_gguf, smollm2_dir, tmp_path
+):
+    """SmolLM2-135M-Instruct as it ships makes no tool call on the helpdesk items: the KD step refuses it, naming its
+    figures and the fix. Fine-tuned with LoRA (two steps here), the run's teacher is the same architecture with
+    merged weights and the run's template, loadable by ``from_pretrained``."""
+    pytest.importorskip("trl", reason="teacher fine-tuning needs the finetune extra (TRL, peft)")
+    from safetensors.torch import load_file
+
+    from distillgates.config import load_config
+    from distillgates.pipeline import Pipeline
+    from distillgates.teacher.check import TeacherRefused
+
+    write_jsonl(tmp_path / "rows.jsonl", own_data_rows(2))
+
+    def config(teacher: str) -> Config:
+        path = tmp_path / "config.yaml"
+        path.write_text(textwrap.dedent(f"""\
+            name: refused
+            threads: 2
+            tokenizer: {{path: {smollm2_gguf}, chat_template: chatml}}
+            data: {{source: jsonl, path: {tmp_path / "rows.jsonl"}, eval_fraction: 0.25}}
+            shapes: {{lengths: [512], mix: [1.0]}}
+            eval: {{max_new_tokens: 48, privacy: {{allow: [create_ticket.reporter]}}}}
+            """) + teacher)  # fmt: skip
+        return load_config(path)
+
+    shipped = config(f"teacher: {{kind: local, path: {smollm2_gguf}, check: {{items: 4}}}}\n")
+    with pytest.raises(TeacherRefused, match=r"teacher\.path .*\.gguf calls a tool on 0 of [1-4] held-out tool items "
+                       r"\(call rate 0\.00 < teacher\.check\.min_call_rate 0\.5; .*fine-tune it on your rows first"):
+        Pipeline(shipped, tmp_path / "run").run(["data", "teacher", "check", "kd"])
+    assert not (tmp_path / "run" / "kd").exists()
+
+    tuned = config(f"teacher: {{kind: local, path: {smollm2_gguf}, check: {{items: 0}},\n"
+                   "          finetune: {method: lora, steps: 2, batch_size: 2, warmup_steps: 0, lr: 1.0e-3}}\n")
+    summary = Pipeline(tuned, tmp_path / "run").run(["data", "teacher"])["teacher"]["summary"]
+    out = tmp_path / "run" / "teacher"
+    assert summary["finetune"]["rows"] > 0 and summary["finetune"]["trainable_params"] < 10_000_000
+    assert not list(out.glob("adapter*"))
+    base, new = json.loads((smollm2_dir / "config.json").read_text()), json.loads((out / "config.json").read_text())
+    for key in ("model_type", "hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size"):
+        assert new[key] == base[key]
+    before, after = load_file(smollm2_dir / "model.safetensors"), load_file(out / "model.safetensors")
+    assert after.keys() == before.keys()
+    changed = {name for name in before if not torch.equal(before[name], after[name])}
+    assert "model.layers.0.self_attn.q_proj.weight" in changed and "model.embed_tokens.weight" not in changed
+    assert load_tokenizer(out).chat_template == load_tokenizer(tmp_path / "run" / "data" / "tokenizer").chat_template

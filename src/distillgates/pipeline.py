@@ -370,8 +370,6 @@ def step_teacher(cfg: Config, run: RunDir) -> dict[str, Any]:
         raise ValueError("config has no teacher section")
     if cfg.teacher.kind == "openai":
         return {"kind": "openai", "base_url": cfg.teacher.api.base_url, "model": cfg.teacher.api.model_name}
-    from distillgates.teacher.check import check_teacher
-
     summary: dict[str, Any] = {"kind": "local"}
     if cfg.teacher.finetune is not None:  # teacher.path fine-tuned on the training rows into the run's teacher/
         from distillgates.checkpoints import checkpoint_dir
@@ -387,19 +385,19 @@ def step_teacher(cfg: Config, run: RunDir) -> dict[str, Any]:
 
         stats = train_toy_teacher(cfg, run.tokenizer(), run.items("train"), run.teacher_dir, seed=cfg.seed)
         summary.update({key: stats[key] for key in ("steps", "final_loss", "n_params")})
-    # its full quality is measured once, by the eval step; here, whether it calls tools at all (the KD step refuses
-    # one that does not)
-    if cfg.teacher.check.items:
-        summary["check"] = check_teacher(cfg, run)
-    return summary
+    return summary  # its full quality is measured once, by the eval step; whether it calls tools, by the check step
+
+
+def step_check(cfg: Config, run: RunDir) -> dict[str, Any]:
+    from distillgates.teacher.check import check_teacher
+
+    return check_teacher(cfg, run)
 
 
 def step_kd(cfg: Config, run: RunDir) -> dict[str, Any]:
-    from distillgates.teacher.check import require_teacher
     from distillgates.teacher.kd import build_kd_set
 
     assert cfg.teacher is not None
-    require_teacher(cfg, run)
     if cfg.teacher.kind == "openai":
         from distillgates.teacher.http import HTTPTeacher
 
@@ -592,20 +590,23 @@ def _teacher_outputs(cfg: Config, run: RunDir) -> tuple[Path, ...]:
     if cfg.teacher is not None and cfg.teacher.kind == "openai":
         return ()
     # a given teacher.path is checksummed too (never cleared): a changed model there re-runs KD
-    check = (run.teacher_check,) if cfg.teacher is not None and cfg.teacher.check.items else ()
-    return (run.teacher_model_dir(cfg), *check)
+    return (run.teacher_model_dir(cfg),)
 
 
 STEPS: list[Step] = [
     Step("data", "generate the toy dataset (or read your own) and train the tokenizer", ("data", "tokenizer", "shapes"),
          (), step_data, lambda cfg, run: (run.data_dir,), replaces_outputs=True, files=_data_files,
          libraries=("tokenizers", "transformers")),
-    Step("teacher", "train the toy teacher, or fine-tune teacher.path on the rows; check that it calls tools",
-         ("teacher.kind", "teacher.path", "teacher.model", "teacher.train", "teacher.finetune", "teacher.check",
-          "teacher.chat_template", "eval.max_new_tokens", "eval.max_calls", "eval.missing_fixture"), ("data",),
-         step_teacher, _teacher_outputs, libraries=("torch", "transformers", "tokenizers", "trl", "peft")),
+    Step("teacher", "train the toy teacher, or fine-tune teacher.path on the training rows",
+         ("teacher.kind", "teacher.path", "teacher.model", "teacher.train", "teacher.finetune",
+          "teacher.chat_template"), ("data",), step_teacher, _teacher_outputs,
+         libraries=("torch", "transformers", "tokenizers", "trl", "peft")),
+    Step("check", "the local teacher answers held-out tool items; one that calls no tool is refused before KD",
+         ("teacher.kind", "teacher.chat_template", "teacher.check", "eval.max_new_tokens", "eval.max_calls",
+          "eval.missing_fixture", "eval.mock_result", "eval.privacy"), ("data", "teacher"), step_check,
+         lambda cfg, run: (run.teacher_check,), libraries=("torch", "transformers", "tokenizers")),
     Step("kd", "query the teacher for the training prompts and write the KD set",
-         ("teacher.kind", "teacher.api", "teacher.chat_template", "kd"), ("data", "teacher"), step_kd,
+         ("teacher.kind", "teacher.api", "teacher.chat_template", "kd"), ("data", "teacher", "check"), step_kd,
          lambda cfg, run: (run.kd_dir,), resumable=True, libraries=("torch", "transformers", "tokenizers")),
     Step("student", "distill the student (KD + latency-aware losses, enumerated shapes, late QAT)",
          ("student", "train", "shapes", "speed.n_prompts"), ("data", "teacher", "kd"), step_student,
