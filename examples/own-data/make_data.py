@@ -70,7 +70,7 @@ def ticket(rng: random.Random) -> tuple[str, dict, dict, str]:
     if rng.random() < 0.3:
         args["tags"] = [system]
         request += f" Tag it {system}."
-    if rng.random() < 0.25:
+    if rng.random() < 0.5:  # half the tickets: the name before the number is copied from the request
         email = f"{rng.choice(['anna', 'tom', 'lena'])}.{rng.randint(10, 99)}@example.com"
         args["reporter"] = {"email": email}
         request += f" I am {email}."
@@ -99,13 +99,13 @@ def row(rng: random.Random, index: int, split: str) -> dict:
                     {"role": "assistant", "content": None, "tool_calls": [call("c1", "search_files", args)]},
                     result("c1", res), {"role": "assistant", "content": answer}]  # fmt: skip
         out["argument_alternatives"] = {"c1": {"query": alternatives}}
-    elif kind == "status":
+    elif kind == "status":  # the answer does not repeat the user's ticket id: the default PII patterns match it
         ticket_id, status = rng.choice(TICKETS), rng.choice(STATUSES)
         messages = [{"role": "user", "content": f"What is the status of {ticket_id}?"},
                     {"role": "assistant", "content": None, "tool_calls": [call("c1", "ticket_status",
                                                                                {"ticket_id": ticket_id})]},
                     result("c1", {"ticket_id": ticket_id, "status": status}),
-                    {"role": "assistant", "content": f"{ticket_id} is {status}."}]  # fmt: skip
+                    {"role": "assistant", "content": f"It is {status}."}]  # fmt: skip
     elif kind == "parallel":
         request, args, res, answer = ticket(rng)
         s_request, s_args, s_res, s_answer, alternatives = search(rng)
