@@ -16,7 +16,8 @@ EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "own-data"
 
 def test_own_data_example_config_and_data():
     cfg = load_config(EXAMPLE / "config.yaml")
-    assert cfg.data.source == "jsonl" and cfg.eval.privacy.allow == ["create_ticket.reporter"]
+    assert cfg.data.source == "jsonl"
+    assert cfg.eval.privacy.allow == ["create_ticket.reporter", "ticket_status.ticket_id"]
     assert cfg.tokenizer.chat_template == "chatml" and cfg.student.max_seq_len >= max(cfg.shapes.lengths)
     spec = importlib.util.spec_from_file_location("make_data", EXAMPLE / "make_data.py")
     assert spec is not None and spec.loader is not None

@@ -41,9 +41,13 @@ DOCS = {  # query -> (path, acceptable other phrasings)
 }
 STATUSES = ["open", "in progress", "waiting", "closed"]
 CONTROLS = [("What does VPN stand for?", "Virtual private network."),
-            ("Is the helpdesk open on Sunday?", "No, it is open Monday to Friday."),
+            ("Is the helpdesk open on Sunday?", "No, only Monday to Friday."),  # no tool-result word ("open")
             ("How do I lock my screen?", "Press Windows and L.")]
 NAMES = ["Lena Novak", "Tom Berg", "Sara Kim", "Mark Ruiz"]
+# Ticket ids come from a short list, as the toy's values do: BPE makes each a token of its own, which a ~1M-param
+# teacher trained from scratch copies from a tool result; random 4-digit ids split into two or three rare number
+# tokens that it did not learn to copy in order (measured: 'T-3636' for 'T-3604')
+TICKETS = [f"T-{n}" for n in sorted(random.Random("own-data:tickets").sample(range(1000, 10000), 40))]
 
 
 def call(call_id: str, name: str, arguments: dict) -> dict:
@@ -54,7 +58,7 @@ def result(call_id: str, content: dict) -> dict:
     return {"role": "tool", "tool_call_id": call_id, "content": json.dumps(content)}
 
 
-def ticket(rng: random.Random, n: int) -> tuple[str, dict, dict, str]:
+def ticket(rng: random.Random) -> tuple[str, dict, dict, str]:
     """(request, arguments, result, answer) of one create_ticket call."""
     system, problem = rng.choice(SYSTEMS), rng.choice(PROBLEMS)
     priority = rng.choice(["low", "normal", "high"])
@@ -66,11 +70,11 @@ def ticket(rng: random.Random, n: int) -> tuple[str, dict, dict, str]:
     if rng.random() < 0.3:
         args["tags"] = [system]
         request += f" Tag it {system}."
-    if rng.random() < 0.25:
+    if rng.random() < 0.5:  # half the tickets: the name before the number is copied from the request
         email = f"{rng.choice(['anna', 'tom', 'lena'])}.{rng.randint(10, 99)}@example.com"
         args["reporter"] = {"email": email}
         request += f" I am {email}."
-    ticket_id = f"T-{n:04d}"
+    ticket_id = rng.choice(TICKETS)  # the created ticket's id: only its tool result tells it
     return request, args, {"ticket_id": ticket_id, "status": "open"}, f"Ticket {ticket_id} is open."
 
 
@@ -83,10 +87,9 @@ def search(rng: random.Random) -> tuple[str, dict, dict, str, list[str]]:
 def row(rng: random.Random, index: int, split: str) -> dict:
     kind = rng.choices(["ticket", "search", "status", "parallel", "multiturn", "control", "decline"],
                        [0.25, 0.15, 0.15, 0.15, 0.1, 0.1, 0.1])[0]  # fmt: skip
-    n = 1000 + index + (5000 if split == "eval" else 0)
     out: dict = {"id": f"{split}-{index:04d}", "tools": TOOLS}
     if kind == "ticket":
-        request, args, res, answer = ticket(rng, n)
+        request, args, res, answer = ticket(rng)
         messages = [{"role": "user", "content": request},
                     {"role": "assistant", "content": None, "tool_calls": [call("c1", "create_ticket", args)]},
                     result("c1", res), {"role": "assistant", "content": answer}]  # fmt: skip
@@ -96,15 +99,15 @@ def row(rng: random.Random, index: int, split: str) -> dict:
                     {"role": "assistant", "content": None, "tool_calls": [call("c1", "search_files", args)]},
                     result("c1", res), {"role": "assistant", "content": answer}]  # fmt: skip
         out["argument_alternatives"] = {"c1": {"query": alternatives}}
-    elif kind == "status":
-        ticket_id, status = f"T-{rng.randint(1000, 9999)}", rng.choice(STATUSES)
+    elif kind == "status":  # the answer does not repeat the user's ticket id: the default PII patterns match it
+        ticket_id, status = rng.choice(TICKETS), rng.choice(STATUSES)
         messages = [{"role": "user", "content": f"What is the status of {ticket_id}?"},
                     {"role": "assistant", "content": None, "tool_calls": [call("c1", "ticket_status",
                                                                                {"ticket_id": ticket_id})]},
                     result("c1", {"ticket_id": ticket_id, "status": status}),
-                    {"role": "assistant", "content": f"{ticket_id} is {status}."}]  # fmt: skip
+                    {"role": "assistant", "content": f"It is {status}."}]  # fmt: skip
     elif kind == "parallel":
-        request, args, res, answer = ticket(rng, n)
+        request, args, res, answer = ticket(rng)
         s_request, s_args, s_res, s_answer, alternatives = search(rng)
         messages = [{"role": "user", "content": f"{request} {s_request}"},
                     {"role": "assistant", "content": None, "tool_calls": [call("a", "create_ticket", args),
@@ -114,7 +117,7 @@ def row(rng: random.Random, index: int, split: str) -> dict:
         out["argument_alternatives"] = {"b": {"query": alternatives}}
     elif kind == "multiturn":
         s_request, s_args, s_res, s_answer, _ = search(rng)
-        request, args, res, answer = ticket(rng, n)
+        request, args, res, answer = ticket(rng)
         messages = [{"role": "system", "content": "You are the IT helpdesk."},
                     {"role": "user", "content": s_request},
                     {"role": "assistant", "content": None, "tool_calls": [call("s", "search_files", s_args)]},
@@ -135,7 +138,7 @@ def row(rng: random.Random, index: int, split: str) -> dict:
     return out
 
 
-SPLITS = {"train": 600, "eval": 80}
+SPLITS = {"train": 2000, "eval": 80}
 
 
 def rows_of(split: str) -> list[dict]:

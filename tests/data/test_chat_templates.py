@@ -324,6 +324,24 @@ def test_ttfa_counts_a_parallel_call_turn_up_to_its_first_valid_call(hermes, own
     assert ttfa(broken) == 5 + tokens_until(broken, second)
 
 
+def test_ttfa_is_the_fewest_tokens_even_where_a_half_closing_tag_breaks_the_parse(hermes, own_items):
+    """A prefix ending inside a closing tag split into several tokens ("}}\n</tool") does not parse although a
+    shorter one did: the count is still the fewest tokens holding the call (a binary search over prefixes,
+    which assumed a parsed call stays parsed, overshot to the tag's end on some items)."""
+    from distillgates.eval.runners import Conversation, Turn
+
+    items = [i for i in own_items if i.get("parallel_calls")]
+    assert len(items) >= 5
+    for item in items:
+        first, second = item["expected_calls"][:2]
+        text = "".join(f"<tool_call>\n{json.dumps(c)}\n</tool_call>" for c in (first, second))
+        ids = hermes.encode(text)
+        conversation = Conversation(item, fmt=hermes)
+        conversation.add_turn(Turn(text=text, tokens=len(ids), stopped=False, ids=tuple(ids)))
+        fewest = next(k for k in range(1, len(ids) + 1) if json.dumps(first) in hermes.tokenizer.decode(ids[:k]))
+        assert conversation.ttfa == fewest, item["id"]
+
+
 @pytest.mark.parametrize("family", ["toy", "hermes", "chatml", "llama3"])
 def test_an_api_message_renders_as_turns_its_family_parses_back(family, request, own_items):
     """``assistant_text`` of an API's message (content, parallel calls with ids, JSON-string arguments) is

@@ -150,8 +150,9 @@ class Conversation:
 
     def _tokens_to_call(self, turn: Turn, index: int, call: dict[str, Any]) -> int:
         """Tokens of ``turn`` up to the end of its call number ``index`` (``call``): the fewest whose text parses
-        to that call there (a complete call stays complete in longer prefixes: a binary search); the stop token
-        is never counted. A turn without token ids (an API teacher's) counts whole."""
+        to that call there (a scan from the first token: not a binary search, a complete call does not stay
+        complete in every longer prefix, e.g. not while its closing tag is half generated); the stop token is
+        never counted. A turn without token ids (an API teacher's) counts whole."""
         body = turn.ids[:-1] if turn.stopped else turn.ids
         if not body:
             return max(0, turn.tokens - int(turn.stopped))
@@ -161,11 +162,7 @@ class Conversation:
             calls = self.fmt.parse_turn(text).calls
             return len(calls) > index and calls[index] == call
 
-        lo, hi = 1, len(body)  # holds(len(body)): the turn's own text
-        while lo < hi:
-            mid = (lo + hi) // 2
-            lo, hi = (lo, mid) if holds(mid) else (mid + 1, hi)
-        return hi
+        return next((k for k in range(1, len(body)) if holds(k)), len(body))  # holds(len(body)): the turn's own text
 
     def output(self) -> dict[str, Any]:
         """The per-item output the scorer consumes (module docstring)."""
