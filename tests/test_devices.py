@@ -18,7 +18,7 @@ def test_auto_is_the_cpu_here_and_a_missing_gpu_is_an_error() -> None:
     assert resolve_device("auto") == "cpu" and resolve_device("cpu") == "cpu"
     with pytest.raises(ValueError, match=r"device: 'cuda:1', but torch .* sees 0 CUDA device\(s\); use auto or cpu"):
         resolve_device("cuda:1")
-    with pytest.raises(ValueError, match="device: 'mps', but torch .* sees no MPS device"):
+    with pytest.raises(ValueError, match=r"device: 'mps', but torch .* sees no MPS device"):
         resolve_device("mps")
     with pytest.raises(ValueError, match=r"^device: device: 'cuda'"):
         preflight(Config(device="cuda"))

@@ -381,8 +381,9 @@ def test_a_teacher_that_calls_no_tool_is_refused_before_kd_with_its_figures(tmp_
     data["teacher"]["check"] = {"items": 4, "min_call_rate": 0.5}
     config = tmp_path / "refused.yaml"
     config.write_text(yaml.safe_dump(data))
-    with pytest.raises(TeacherRefused, match=r"the toy teacher calls a tool on [01] of 4 held-out tool items \(call rate "
-                       r"0\.\d\d < teacher\.check\.min_call_rate 0\.5; tool selection .*train it longer"):
+    refusal = (r"the toy teacher calls a tool on [01] of 4 held-out tool items \(call rate 0\.\d\d < "
+               r"teacher\.check\.min_call_rate 0\.5; tool selection .*train it longer")
+    with pytest.raises(TeacherRefused, match=refusal):
         run_pipeline(config, tmp_path / "run")
     check = json.loads((tmp_path / "run" / "teacher_check.json").read_text())
     assert check["items"] == 4 and check["call_rate"] < 0.5 and check["passed"] is False
