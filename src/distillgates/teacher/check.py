@@ -72,18 +72,19 @@ def check_teacher(cfg: Config, run: RunDir) -> dict[str, Any]:
                                   policy=FixturePolicy(cfg.eval.missing_fixture, cfg.eval.mock_result),
                                   privacy=cfg.eval.privacy)  # fmt: skip
     calls = sum(s.calls_emitted > 0 for s in scores)
-    f = figures = {
+    figures = {
         "checked": True, "items": len(items), "with_call": calls, "call_rate": calls / len(items),
         "min_call_rate": check.min_call_rate,
         **{key: metrics[key] for key in ("tool_selection", "json_validity", "arg_match_lax", "f1_lax_macro")},
     }  # fmt: skip
-    figures["passed"] = f["call_rate"] >= check.min_call_rate
+    figures["passed"] = figures["call_rate"] >= check.min_call_rate
     atomic_write_json(run.teacher_check, figures)
     if figures["passed"]:
         return figures
     fix = ("train it longer (teacher.finetune.steps, lr)" if cfg.teacher.finetune is not None else
            "fine-tune it on your rows first (teacher.finetune)" if cfg.teacher.path else
            "train it longer (teacher.train)")  # fmt: skip
+    f = figures
     raise TeacherRefused(
         f"teacher check: {where} calls a tool on {f['with_call']} of {f['items']} held-out tool items (call rate "
         f"{f['call_rate']:.2f} < teacher.check.min_call_rate {f['min_call_rate']}; tool selection "
