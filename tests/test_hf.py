@@ -235,3 +235,34 @@ def test_load_hf_names_the_file_and_reads_no_weight_of_an_unknown_type(tmp_path:
         load_hf(tmp_path, MAX_SEQ)  # config only: it fails before looking for weights
     with pytest.raises(FileNotFoundError, match="no Hugging Face checkpoint"):
         load_hf(tmp_path / "absent", MAX_SEQ)
+
+
+def test_a_gguf_file_is_hashed_once_per_process_until_it_changes(tmp_path, monkeypatch):
+    """The run asks for the teacher's checkpoint directory several times: a GGUF file (93 MB at 135M) is hashed
+    once while its size and modification time stay, again when it changes (then it is another conversion)."""
+    import os
+
+    from distillgates import checkpoints
+    from distillgates.config import sha256_json
+    from distillgates.io import sha256_file
+
+    monkeypatch.setenv("DISTILLGATES_CACHE", str(tmp_path / "cache"))
+    file = tmp_path / "model.gguf"
+    hashed: list[str] = []
+    monkeypatch.setattr(checkpoints, "sha256_file", lambda path: hashed.append(path) or sha256_file(path))
+
+    def converted() -> Path:  # the cache entry a conversion of the file as it is now would have made
+        key = sha256_json({"file": sha256_file(file), "transformers": transformers.__version__})[:16]
+        out = tmp_path / "cache" / "gguf" / f"model-{key}"
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "config.json").write_text("{}")
+        return out
+
+    file.write_bytes(b"one")
+    first = converted()
+    assert checkpoints.gguf_checkpoint(file) == checkpoints.gguf_checkpoint(file) == first
+    assert len(hashed) == 1
+    file.write_bytes(b"two!")
+    os.utime(file, ns=(1, 1))
+    second = converted()
+    assert checkpoints.gguf_checkpoint(file) == second != first and len(hashed) == 2

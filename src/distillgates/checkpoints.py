@@ -6,6 +6,7 @@ through here, and its code fingerprint must not cover the model's code.
 
 from __future__ import annotations
 
+import functools
 import os
 import shutil
 from pathlib import Path
@@ -32,6 +33,13 @@ def checkpoint_dir(path: str | Path) -> Path:
     return gguf_checkpoint(path) if is_gguf(path) else Path(path)
 
 
+@functools.lru_cache(maxsize=32)
+def _digest(path: str, size: int, mtime_ns: int) -> str:
+    """sha256 of a file, hashed once per process while its size and modification time stay the same (a run asks
+    for the teacher's directory several times; a GGUF file is hundreds of MB)."""
+    return sha256_file(path)
+
+
 def gguf_checkpoint(file: str | Path) -> Path:
     """A GGUF file as a normal Hugging Face checkpoint directory (float32 safetensors, its tokenizer and chat
     template), converted once by ``transformers`` (dequantised, through the ``gguf`` package) into
@@ -52,7 +60,9 @@ def gguf_checkpoint(file: str | Path) -> Path:
     file = Path(file)
     if not file.is_file():
         raise FileNotFoundError(f"{file}: no such GGUF file")
-    key = sha256_json({"file": sha256_file(file), "transformers": transformers.__version__})[:16]
+    stat = file.stat()
+    key = sha256_json({"file": _digest(str(file.resolve()), stat.st_size, stat.st_mtime_ns),
+                       "transformers": transformers.__version__})[:16]
     out = cache_root() / "gguf" / f"{file.stem}-{key}"
     if (out / "config.json").is_file():
         return out
