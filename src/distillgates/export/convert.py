@@ -15,11 +15,14 @@ Design choices:
   would move every weight of a grid with another scale (e.g. the ``max|w| / 127.5`` of a
   symmetric qint8 observer). Other weights get that post-training grid (symmetric, per output
   channel, codes in [-127, 127], as ``linear_quantize_weights(mode="linear_symmetric")``).
-- int4 is post-training and per block (symmetric, ``scale = max|block| / 7``, one fp16 scale per
+- int4 is per block (symmetric, ``scale = fp16(max|block| / 7)``, one scale per
   ``export.int4_block_size`` input channels of each output channel; codes in [-7, 7]): what
   ``OpLinearQuantizerConfig(dtype="int4", granularity="per_block")`` computes, the format Apple's
-  LLM guide and ANEMLL ship (macOS 15). QAT trains an int8 per-channel grid only
-  (:mod:`distillgates.train.qat`), so an int4 export re-quantizes those weights.
+  LLM guide and ANEMLL ship (macOS 15). :func:`int4_block_grid` owns that grid; int4 QAT
+  (:mod:`distillgates.train.qat`) fake-quantizes with it, and its weights ``code * scale`` give
+  back the same codes and scales here (the block maximum has code 7, so ``max|block| / 7`` is the
+  fp16 scale exactly): the export of a QAT'd model is lossless. ``export.calibration:
+  clip_search`` picks each block's scale from ``clip_search`` candidates instead (:func:`calibrated_int4_scale`).
 - A weight that is not a module's own parameter (a tied LM head is the embedding table) is left to
   :func:`compress`, which runs coremltools' pass on the consts still stored plain.
 - Palettization (4/6/8 bit) uses ``palettize_weights`` on linear/conv weights.
@@ -168,26 +171,128 @@ def ptq_scale(weight: Tensor, n_bits: int, block_size: int | None = None) -> Ten
     return torch.where(scale > 0, scale, torch.ones_like(scale))
 
 
-def attach_weight_grids(module: nn.Module, quantize: str, int4_block_size: int) -> list[str]:
-    """Register coremltools compression-info buffers for every linear/conv weight (``quantize`` int8 or int4).
+# fp16's largest finite value: a larger int4 scale would be stored as inf
+FP16_MAX = float(torch.finfo(torch.float16).max)
 
-    int8: a weight on an int8 grid keeps it (returned: the QAT-exact weights), the rest get the
-    post-training per-channel grid; int4: the post-training per-block grid. Embedding tables are
-    left alone (a gather table; a tied LM head is handled as the embedding, by :func:`compress`).
+
+def int4_block_grid(weight: Tensor, block_size: int, scale: Tensor | None = None) -> tuple[Tensor, Tensor]:
+    """The int4 per-block grid the export writes: codes ``(out, in / block, block)`` in [-7, 7] and the
+    fp16-representable scale ``(out, in / block)`` (fp32 tensors).
+
+    ``scale`` defaults to :func:`ptq_scale` (``max|block| / 7``); it is rounded to fp16 as the package
+    stores it, and a block whose scale underflows fp16 gets scale 1 (codes 0, as fp16 would store it).
+    """
+    w = weight.detach().float().reshape(weight.shape[0], -1)  # (out, in)
+    scale = ptq_scale(weight, 4, block_size) if scale is None else scale
+    scale = scale.clamp(max=FP16_MAX).half().float()  # (out, in / block)
+    scale = torch.where(scale > 0, scale, torch.ones_like(scale))
+    codes = torch.round(w.reshape(w.shape[0], -1, block_size) / scale[..., None]).clamp(-7, 7)
+    return codes, scale
+
+
+def fake_quantize_int4(weight: Tensor, block_size: int) -> Tensor:
+    """``weight`` on :func:`int4_block_grid` (``code * scale``), straight-through gradient (QAT)."""
+    codes, scale = int4_block_grid(weight, block_size)
+    on_grid = (codes * scale[..., None]).reshape(weight.shape).to(weight.dtype)
+    return weight + (on_grid - weight).detach()
+
+
+def calibrated_int4_scale(weight: Tensor, block_size: int, input_sq: Tensor, candidates: int = 11) -> Tensor:
+    """Per-block int4 scale ``(out, in / block)`` chosen by a clipping search on calibration statistics.
+
+    Each block tries ``scale = a * max|block| / 7`` for ``a`` in ``linspace(1, 0.5, candidates)`` and
+    keeps the one with the least output error ``sum_j E[x_j^2] (w_j - q(w_j))^2`` (``input_sq``:
+    ``E[x_j^2]`` per input channel over the calibration tokens; the diagonal of the layer's input
+    Hessian, as in GPTQ/AWQ). ``a = 1`` is the data-free scale, so the chosen error is never larger.
+    """
+    w = weight.detach().float().reshape(weight.shape[0], -1, block_size)  # (out, nb, block)
+    h = input_sq.float().reshape(1, -1, block_size)  # (1, nb, block)
+    base = ptq_scale(weight, 4, block_size)  # (out, nb)
+    best_scale, best_error = base, torch.full_like(base, float("inf"))
+    for a in torch.linspace(1.0, 0.5, candidates).tolist():
+        codes, scale = int4_block_grid(weight, block_size, base * a)
+        error = (h * (codes * scale[..., None] - w) ** 2).sum(-1)  # (out, nb)
+        better = error < best_error
+        best_scale, best_error = torch.where(better, base * a, best_scale), torch.where(better, error, best_error)
+    return best_scale
+
+
+def quantized_weights(module: nn.Module) -> dict[str, tuple[nn.Module, nn.Parameter]]:
+    """``{name: (owner, weight)}`` of the linear/conv weights the int8/int4 export quantizes (and QAT trains).
+
+    Embedding tables are left out (a gather table; a tied LM head is the embedding, left to :func:`compress`).
     """
     owners = dict(module.named_modules())
-    exact = []
-    n_bits, block = (8, None) if quantize == "int8" else (4, int4_block_size)
+    chosen = {}
     for name, param in module.named_parameters():  # tied weights appear once, under their first name
         owner = owners[name.rsplit(".", 1)[0]]
-        if param.dim() not in (2, 4) or not name.endswith(".weight") or isinstance(owner, nn.Embedding):
-            continue
-        scale = int8_grid_scale(param) if quantize == "int8" else None
-        if scale is not None:
-            exact.append(name)
-            scale = scale.reshape(scale.shape[0], 1)
+        if param.dim() in (2, 4) and name.endswith(".weight") and not isinstance(owner, nn.Embedding):
+            chosen[name] = (owner, param)
+    return chosen
+
+
+@torch.no_grad()
+def input_second_moments(model: nn.Module, batches: Sequence[Tensor]) -> dict[int, Tensor]:
+    """``{id(weight): E[x_j^2]}`` over every token of ``batches`` (token ids, one forward each) for each weight
+    of :func:`quantized_weights`: the calibration statistics of :func:`calibrated_int4_scale`."""
+    sums: dict[int, Tensor] = {}
+    counts: dict[int, int] = {}
+
+    def hook(key: int) -> Any:
+        def add(_module: nn.Module, args: tuple[Tensor, ...]) -> None:
+            x = args[0].detach().float().reshape(-1, args[0].shape[-1])  # (tokens, in): linear inputs
+            sums[key] = sums.get(key, 0) + x.pow(2).sum(0)  # (in,)
+            counts[key] = counts.get(key, 0) + x.shape[0]
+
+        return add
+
+    hooks = [owner.register_forward_pre_hook(hook(id(w))) for owner, w in quantized_weights(model).values()]
+    try:
+        for batch in batches:
+            model(batch)
+    finally:
+        for handle in hooks:
+            handle.remove()
+    return {key: total / counts[key] for key, total in sums.items()}
+
+
+def attach_weight_grids(
+    module: nn.Module, quantize: str, int4_block_size: int, input_sq: dict[int, Tensor] | None = None
+) -> list[str]:
+    """Register coremltools compression-info buffers for every linear/conv weight (``quantize`` int8 or int4).
+
+    int8: a weight on an int8 grid keeps it, the rest get the post-training per-channel grid;
+    int4: :func:`int4_block_grid` (a weight on it, e.g. int4 QAT'd, gives back its own codes), with the
+    :func:`calibrated_int4_scale` of ``input_sq`` (:func:`input_second_moments`) where given; a
+    calibrated weight is snapped to its grid in place (the converter's ``round(w / scale)`` would
+    clip a clipped block's codes to [-8, 7], not [-7, 7]), so calibrate a copy of the model.
+    Returns the weights exported exactly as they are (on their own int8/int4 grid: QAT).
+    """
+    exact = []
+    for name, (owner, param) in quantized_weights(module).items():
+        if quantize == "int8":
+            scale = int8_grid_scale(param)
+            if scale is not None:
+                exact.append(name)
+                scale = scale.reshape(scale.shape[0], 1)
+            else:
+                scale = ptq_scale(param, 8)
+            n_bits = 8
         else:
-            scale = ptq_scale(param, n_bits, block)
+            calibrated = None
+            if input_sq is not None:
+                if id(param) not in input_sq:
+                    raise ExportError(f"export.calibration: no calibration statistics for {name} "
+                                      "(layout standard only)")
+                calibrated = calibrated_int4_scale(param, int4_block_size, input_sq[id(param)])
+            codes, scale = int4_block_grid(param, int4_block_size, calibrated)
+            on_grid = (codes * scale[..., None]).reshape(param.shape)
+            if calibrated is not None:
+                with torch.no_grad():
+                    param.copy_(on_grid)
+            elif torch.equal(on_grid, param.detach().float()):
+                exact.append(name)
+            n_bits = 4
         owner.register_buffer("_COREML_/weight/quantization_n_bits", torch.tensor(n_bits))
         owner.register_buffer("_COREML_/weight/quantization_scale", scale.clone())
         owner.register_buffer("_COREML_/weight/compression_type", torch.tensor([3]))  # 3 = QUANTIZATION
