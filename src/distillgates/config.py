@@ -480,7 +480,7 @@ class ExportConfig:
     compute_units: str = "ALL"
     palettize_mode: str = "uniform"  # "uniform" or "kmeans" (kmeans needs scikit-learn)
     # int4 post-training: "none" (data-free, max|block| / 7) or "clip_search" (each block's scale from a clipping
-    # search weighted by the inputs' E[x^2] on calibration rows of the training data); not with train.qat
+    # search minimising its output error on calibration rows of the training data); not with train.qat
     calibration: str = "none"
     calibration_rows: int = 32  # clip_search: training rows (first of the training set) that calibrate
 

@@ -174,19 +174,19 @@ def export_transformer(
     model = model.eval()
     seconds: dict[str, float] = {}
     fingerprint = model_fingerprint(model)  # before compression-info buffers are attached
-    input_sq = None
+    input_moments = None
     exported = model
     if export_cfg.calibration != "none":
         if not calibration:
             raise ExportError(f"export.calibration {export_cfg.calibration!r} needs calibration rows, got none")
         with _timed(seconds, "weight_grids"):
             exported = copy.deepcopy(model)  # calibration snaps its weights to the grid
-            input_sq = input_second_moments(exported, calibration)
+            input_moments = input_second_moments(exported, calibration, export_cfg.int4_block_size)
     core = build_layout(exported, export_cfg.layout).eval()
     qat_exact: list[str] = []
     if export_cfg.quantize in ("int8", "int4"):  # quantized by the converter, from our grids
         with _timed(seconds, "weight_grids"):
-            qat_exact = attach_weight_grids(core, export_cfg.quantize, export_cfg.int4_block_size, input_sq)
+            qat_exact = attach_weight_grids(core, export_cfg.quantize, export_cfg.int4_block_size, input_moments)
     modules = {"prefill": PrefillModule(core), "decode": DecodeModule(core)}
     with _timed(seconds, "torch_export"):
         eps = {kind: export_program(modules[kind], kind, lengths) for kind in KINDS}

@@ -197,21 +197,22 @@ def fake_quantize_int4(weight: Tensor, block_size: int) -> Tensor:
     return weight + (on_grid - weight).detach()
 
 
-def calibrated_int4_scale(weight: Tensor, block_size: int, input_sq: Tensor, candidates: int = 11) -> Tensor:
+def calibrated_int4_scale(weight: Tensor, block_size: int, input_moments: Tensor, candidates: int = 11) -> Tensor:
     """Per-block int4 scale ``(out, in / block)`` chosen by a clipping search on calibration statistics.
 
     Each block tries ``scale = a * max|block| / 7`` for ``a`` in ``linspace(1, 0.5, candidates)`` and
-    keeps the one with the least output error ``sum_j E[x_j^2] (w_j - q(w_j))^2`` (``input_sq``:
-    ``E[x_j^2]`` per input channel over the calibration tokens; the diagonal of the layer's input
-    Hessian, as in GPTQ/AWQ). ``a = 1`` is the data-free scale, so the chosen error is never larger.
+    keeps the one with the least output error ``e^T H_b e`` (``e``: the block's weight error, ``H_b``:
+    ``E[x x^T]`` of its input channels over the calibration tokens, ``input_moments`` ``(in / block,
+    block, block)``; the block-diagonal of the layer's input Hessian, as GPTQ's). ``a = 1`` is the
+    data-free scale, so the chosen error on the calibration tokens is never larger.
     """
     w = weight.detach().float().reshape(weight.shape[0], -1, block_size)  # (out, nb, block)
-    h = input_sq.float().reshape(1, -1, block_size)  # (1, nb, block)
     base = ptq_scale(weight, 4, block_size)  # (out, nb)
     best_scale, best_error = base, torch.full_like(base, float("inf"))
     for a in torch.linspace(1.0, 0.5, candidates).tolist():
         codes, scale = int4_block_grid(weight, block_size, base * a)
-        error = (h * (codes * scale[..., None] - w) ** 2).sum(-1)  # (out, nb)
+        error = codes * scale[..., None] - w  # (out, nb, block)
+        error = torch.einsum("obi,bij,obj->ob", error, input_moments, error)  # (out, nb)
         better = error < best_error
         best_scale, best_error = torch.where(better, base * a, best_scale), torch.where(better, error, best_error)
     return best_scale
@@ -232,16 +233,18 @@ def quantized_weights(module: nn.Module) -> dict[str, tuple[nn.Module, nn.Parame
 
 
 @torch.no_grad()
-def input_second_moments(model: nn.Module, batches: Sequence[Tensor]) -> dict[int, Tensor]:
-    """``{id(weight): E[x_j^2]}`` over every token of ``batches`` (token ids, one forward each) for each weight
-    of :func:`quantized_weights`: the calibration statistics of :func:`calibrated_int4_scale`."""
+def input_second_moments(model: nn.Module, batches: Sequence[Tensor], block_size: int) -> dict[int, Tensor]:
+    """``{id(weight): E[x x^T]}`` per block of ``block_size`` input channels, ``(in / block, block, block)``, over
+    every token of ``batches`` (token ids, one forward each) for each weight of :func:`quantized_weights`: the
+    calibration statistics of :func:`calibrated_int4_scale`."""
     sums: dict[int, Tensor] = {}
     counts: dict[int, int] = {}
 
     def hook(key: int) -> Any:
         def add(_module: nn.Module, args: tuple[Tensor, ...]) -> None:
             x = args[0].detach().float().reshape(-1, args[0].shape[-1])  # (tokens, in): linear inputs
-            sums[key] = sums.get(key, 0) + x.pow(2).sum(0)  # (in,)
+            x = x.reshape(x.shape[0], -1, block_size)  # (tokens, nb, block)
+            sums[key] = sums.get(key, 0) + torch.einsum("nbi,nbj->bij", x, x)  # (nb, block, block)
             counts[key] = counts.get(key, 0) + x.shape[0]
 
         return add
@@ -257,13 +260,13 @@ def input_second_moments(model: nn.Module, batches: Sequence[Tensor]) -> dict[in
 
 
 def attach_weight_grids(
-    module: nn.Module, quantize: str, int4_block_size: int, input_sq: dict[int, Tensor] | None = None
+    module: nn.Module, quantize: str, int4_block_size: int, input_moments: dict[int, Tensor] | None = None
 ) -> list[str]:
     """Register coremltools compression-info buffers for every linear/conv weight (``quantize`` int8 or int4).
 
     int8: a weight on an int8 grid keeps it, the rest get the post-training per-channel grid;
     int4: :func:`int4_block_grid` (a weight on it, e.g. int4 QAT'd, gives back its own codes), with the
-    :func:`calibrated_int4_scale` of ``input_sq`` (:func:`input_second_moments`) where given; a
+    :func:`calibrated_int4_scale` of ``input_moments`` (:func:`input_second_moments`) where given; a
     calibrated weight is snapped to its grid in place (the converter's ``round(w / scale)`` would
     clip a clipped block's codes to [-8, 7], not [-7, 7]), so calibrate a copy of the model.
     Returns the weights exported exactly as they are (on their own int8/int4 grid: QAT).
@@ -280,11 +283,11 @@ def attach_weight_grids(
             n_bits = 8
         else:
             calibrated = None
-            if input_sq is not None:
-                if id(param) not in input_sq:
+            if input_moments is not None:
+                if id(param) not in input_moments:
                     raise ExportError(f"export.calibration: no calibration statistics for {name} "
                                       "(layout standard only)")
-                calibrated = calibrated_int4_scale(param, int4_block_size, input_sq[id(param)])
+                calibrated = calibrated_int4_scale(param, int4_block_size, input_moments[id(param)])
             codes, scale = int4_block_grid(param, int4_block_size, calibrated)
             on_grid = (codes * scale[..., None]).reshape(param.shape)
             if calibrated is not None:
