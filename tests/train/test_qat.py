@@ -37,8 +37,12 @@ def test_int4_qat_weights_are_the_export_grid_bit_for_bit() -> None:
     qat, final = _qat_trained()
     core = build_layout(final, "standard")
     names = sorted(quantized_weights(core))
-    assert len(names) == 2 * 7  # q k v o gate up down per layer; the tied LM head is the embedding (not on the grid)
-    for name, (owner, weight) in quantized_weights(core).items():
+    assert len(names) == 2 * 7  # q k v o gate up down per layer (the tied LM head is the embedding: compress())
+    tied = final.lm_head.weight
+    assert tied is final.embed.weight and "model.lm_head.weight" in qat.graph.names  # trained on the grid too
+    codes, scale = int4_block_grid(tied, BLOCK)
+    assert torch.equal((codes * scale[..., None]).reshape(tied.shape), tied.detach())
+    for name, (_owner, weight) in quantized_weights(core).items():
         codes, scale = int4_block_grid(weight, BLOCK)
         assert torch.equal((codes * scale[..., None]).reshape(weight.shape), weight.detach()), name
         assert codes.abs().max() <= 7 and torch.equal(scale, scale.half().float()), name
@@ -65,5 +69,5 @@ def test_int4_qat_forward_is_the_finalized_model_and_gradients_pass_straight_thr
 
 def test_int4_qat_refuses_a_block_that_does_not_divide_the_inputs() -> None:
     model = Transformer(tiny_model_config(vocab_size=64))  # d_model 32
-    with pytest.raises(ExportError, match="32 input channels are not a multiple of export.int4_block_size 24"):
+    with pytest.raises(ExportError, match=r"32 input channels are not a multiple of export\.int4_block_size 24"):
         Int4Graph(model, 24)

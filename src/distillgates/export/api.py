@@ -183,6 +183,10 @@ def export_transformer(
             exported = copy.deepcopy(model)  # calibration snaps its weights to the grid
             input_moments = input_second_moments(exported, calibration, export_cfg.int4_block_size)
     core = build_layout(exported, export_cfg.layout).eval()
+    chunks = getattr(core, "lm_head_chunks", None)
+    if input_moments is not None and isinstance(chunks, torch.nn.ModuleList):  # copies of the head's rows
+        head = input_moments[id(exported.lm_head.weight)]
+        input_moments.update({id(chunk.weight): head for chunk in chunks})  # with the head's inputs
     qat_exact: list[str] = []
     if export_cfg.quantize in ("int8", "int4"):  # quantized by the converter, from our grids
         with _timed(seconds, "weight_grids"):

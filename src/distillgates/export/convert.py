@@ -235,8 +235,8 @@ def quantized_weights(module: nn.Module) -> dict[str, tuple[nn.Module, nn.Parame
 @torch.no_grad()
 def input_second_moments(model: nn.Module, batches: Sequence[Tensor], block_size: int) -> dict[int, Tensor]:
     """``{id(weight): E[x x^T]}`` per block of ``block_size`` input channels, ``(in / block, block, block)``, over
-    every token of ``batches`` (token ids, one forward each) for each weight of :func:`quantized_weights`: the
-    calibration statistics of :func:`calibrated_int4_scale`."""
+    every token of ``batches`` (token ids, one forward each) for the weight of each linear of ``model`` (a tied
+    LM head's is the embedding's): the calibration statistics of :func:`calibrated_int4_scale`."""
     sums: dict[int, Tensor] = {}
     counts: dict[int, int] = {}
 
@@ -249,7 +249,8 @@ def input_second_moments(model: nn.Module, batches: Sequence[Tensor], block_size
 
         return add
 
-    hooks = [owner.register_forward_pre_hook(hook(id(w))) for owner, w in quantized_weights(model).values()]
+    linears = [m for m in model.modules() if isinstance(m, nn.Linear)]
+    hooks = [linear.register_forward_pre_hook(hook(id(linear.weight))) for linear in linears]
     try:
         for batch in batches:
             model(batch)

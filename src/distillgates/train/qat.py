@@ -7,10 +7,12 @@ fake-quantizes the weights the export quantizes (:func:`~distillgates.export.con
 with the export's own grid (:func:`~distillgates.export.convert.fake_quantize_int4`: symmetric, one
 fp16 scale per ``export.int4_block_size`` input channels, codes in [-7, 7]) and a straight-through
 gradient, through ``torch.func.functional_call`` on :class:`TrainForward`: the model's parameters
-and state dict stay as they are, so checkpoints and resume are unchanged. A tied LM head is the
-embedding table and is not trained on the grid (the export quantizes it post-training). The
-finalized weights are ``code * scale`` in fp32, from which the export recomputes the same codes and
-scales: the package holds exactly the QAT grid.
+and state dict stay as they are, so checkpoints and resume are unchanged. The finalized weights
+are ``code * scale`` in fp32, from which the export recomputes the same codes and scales: the
+package holds exactly the QAT grid. A tied LM head is fake-quantized too and its grid values are
+written back to the shared matrix (the embedding then holds them, as with int8); the export
+quantizes that head with coremltools' per-block pass (the same ``max|block| / 7``, computed in
+fp16), which gives back the same codes with the scale within an fp16 ulp.
 
 int8 per channel uses ``coremltools.optimize.torch.quantization.LinearQuantizer`` (prepare / step / finalize),
 the quantizer whose finalized modules the Core ML converter understands. Two details make it
@@ -102,6 +104,8 @@ class Int4Graph(nn.Module):
         super().__init__()
         self.model, self.block_size = TrainForward(model), block_size
         self.names = list(quantized_weights(self.model))  # model.layers.0.attn.q_proj.weight, ...
+        if "model.lm_head.weight" not in self.names:  # a tied head: the embedding's matrix, trained on the grid too
+            self.names.append("model.lm_head.weight")
         self.snapped()  # a block size that does not divide a layer's inputs fails here, not at the first step
 
     def snapped(self) -> dict[str, Tensor]:
