@@ -165,6 +165,31 @@ def test_qat_writes_probe_and_int8_grid_weights(artifacts: dict[str, Any], tmp_p
     assert log[3]["lr"] < 0.2 * log[2]["lr"]
 
 
+def test_int4_qat_follows_export_quantize_to_the_int4_grid(artifacts: dict[str, Any], tmp_path: Path) -> None:
+    """``export.quantize: int4``: the student's late QAT trains the export's int4 per-block grid (block 16)."""
+    import dataclasses
+
+    from distillgates.config import ExportConfig
+    from distillgates.export.convert import int4_block_grid
+
+    torch.set_num_threads(1)
+    cfg = artifacts["make_config"](len(artifacts["tokenizer"]), steps=4, qat={"enabled": True, "start_fraction": 0.5,
+                                                                  "lr_scale": 0.1})
+    cfg = dataclasses.replace(cfg, export=ExportConfig(quantize="int4", int4_block_size=16))
+    path = train_student(cfg, "student", tmp_path, kd_path=artifacts["kd_path"], tokenizer=artifacts["tokenizer"],
+                         train_items=artifacts["train"], eval_items=artifacts["eval"], progress=False, device="cpu")
+    meta = load_checksummed(path)["quantization"]
+    assert meta["scheme"] == "int4_per_block_symmetric" and meta["block_size"] == 16
+    model = load_model(path)
+    assert "layers.0.attn.q_proj" in meta["modules"] and "lm_head" in meta["modules"]
+    for name in meta["modules"]:
+        weight = model.get_submodule(name).weight.detach()
+        codes, scale = int4_block_grid(weight, 16)
+        assert torch.equal((codes * scale[..., None]).reshape(weight.shape), weight), name  # on the export's grid
+    probe = json.loads((tmp_path / "student" / "qat_probe.json").read_text())
+    assert probe["has_nan"] is False and probe["quantization_only"]["logits_cosine"] > 0.9
+
+
 def test_online_teacher_and_bf16_autocast(artifacts: dict[str, Any], tmp_path: Path) -> None:
     torch.set_num_threads(1)
     cfg = artifacts["make_config"](len(artifacts["tokenizer"]), steps=3, teacher_mode="online", mixed_precision="bf16")
