@@ -21,10 +21,12 @@ Design choices:
   LLM guide and ANEMLL ship (macOS 15). :func:`int4_block_grid` owns that grid; int4 QAT
   (:mod:`distillgates.train.qat`) fake-quantizes with it, and its weights ``code * scale`` give
   back the same codes and scales here (the block maximum has code 7, so ``max|block| / 7`` is the
-  fp16 scale exactly): the export of a QAT'd model is lossless. ``export.calibration:
-  clip_search`` picks each block's scale from ``clip_search`` candidates instead (:func:`calibrated_int4_scale`).
-- A weight that is not a module's own parameter (a tied LM head is the embedding table) is left to
-  :func:`compress`, which runs coremltools' pass on the consts still stored plain.
+  fp16 scale exactly): the export of a QAT'd model is lossless. With ``export.calibration:
+  clip_search`` each block's scale is the clipped one with the least output error on calibration
+  rows instead (:func:`calibrated_int4_scale`).
+- A weight that is not a module's own parameter (a tied LM head is the embedding table, unless the
+  layout splits the head into chunks, which are copies) is left to :func:`compress`, which runs
+  coremltools' pass on the consts still stored plain.
 - Palettization (4/6/8 bit) uses ``palettize_weights`` on linear/conv weights.
 - Every op config is keyed by const name, and the same weights give the same codes in every
   function, so the multifunction package's const deduplication stores them once.
