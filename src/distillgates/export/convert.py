@@ -221,7 +221,7 @@ def calibrated_int4_scale(weight: Tensor, block_size: int, input_moments: Tensor
 
 
 def quantized_weights(module: nn.Module) -> dict[str, tuple[nn.Module, nn.Parameter]]:
-    """``{name: (owner, weight)}`` of the linear/conv weights the int8/int4 export quantizes (and QAT trains).
+    """``{name: (owner, weight)}`` of the linear/conv weights the int8/int4 export quantizes on its own grids.
 
     Embedding tables are left out (a gather table; a tied LM head is the embedding, left to :func:`compress`).
     """
