@@ -190,6 +190,29 @@ def test_int4_qat_follows_export_quantize_to_the_int4_grid(artifacts: dict[str, 
     assert probe["has_nan"] is False and probe["quantization_only"]["logits_cosine"] > 0.9
 
 
+def test_int4_qat_resumes_bit_exact(artifacts: dict[str, Any], tmp_path: Path) -> None:
+    """A run stopped after step 6 (checkpoint of step 5, inside int4 QAT) and resumed ends where an uninterrupted
+    run does: the int4 QAT state (EMA; the grid is a function of the weights) is all a checkpoint needs."""
+    import dataclasses
+
+    from distillgates.config import ExportConfig
+
+    torch.set_num_threads(1)
+    cfg = artifacts["make_config"](len(artifacts["tokenizer"]), steps=8, ckpt_every=5,
+                                   qat={"enabled": True, "start_fraction": 0.5, "ema": 0.5})  # fmt: skip
+    cfg = dataclasses.replace(cfg, export=ExportConfig(quantize="int4", int4_block_size=16))
+    kw = dict(kd_path=artifacts["kd_path"], tokenizer=artifacts["tokenizer"], train_items=artifacts["train"],
+              eval_items=artifacts["eval"], progress=False, device="cpu")  # fmt: skip
+    full_path = train_student(cfg, "student", tmp_path / "full", **kw)
+    assert load_checksummed(full_path)["quantization"]["scheme"] == "int4_per_block_symmetric"
+    full = load_model(full_path)
+    train_student(cfg, "student", tmp_path / "cut", max_steps=6, **kw)
+    assert load_checksummed(tmp_path / "cut" / "student" / "checkpoint.pt")["step"] == 5
+    resumed = load_model(train_student(cfg, "student", tmp_path / "cut", **kw))
+    for (name, a), b in zip(full.state_dict().items(), resumed.state_dict().values(), strict=True):
+        assert torch.equal(a, b), name
+
+
 def test_online_teacher_and_bf16_autocast(artifacts: dict[str, Any], tmp_path: Path) -> None:
     torch.set_num_threads(1)
     cfg = artifacts["make_config"](len(artifacts["tokenizer"]), steps=3, teacher_mode="online", mixed_precision="bf16")
