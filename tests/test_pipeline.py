@@ -258,6 +258,27 @@ def test_each_step_is_keyed_by_its_own_config_fields(tmp_path: Path) -> None:
     assert {n for n in base if base[n] != retrained[n]} == {"teacher", "report"}  # the rest follow its outputs
 
 
+def test_the_student_is_retrained_when_its_qat_grid_follows_export_quantize_to_int4(tmp_path: Path) -> None:
+    """With QAT on, int8 -> int4 (or another int4 block) changes the student's grid: the student step re-runs; with
+    QAT off, or for int8 <-> none (both int8 QAT), only the export step's fingerprint moves."""
+    import dataclasses
+
+    cfg = load_config(tiny_config(tmp_path))
+    steps = {s.name: s for s in STEPS}
+
+    def fingerprints(qat: bool, **export: object) -> dict[str, str]:
+        train = dataclasses.replace(cfg.train, qat=dataclasses.replace(cfg.train.qat, enabled=qat))
+        config = dataclasses.replace(cfg, train=train, export=dataclasses.replace(cfg.export, **export))
+        pipeline = Pipeline(config, tmp_path / "run")
+        return {name: pipeline.fingerprint(steps[name]) for name in ("student", "export")}
+
+    for qat in (True, False):
+        int8, none = fingerprints(qat, quantize="int8"), fingerprints(qat, quantize="none")
+        int4, block64 = fingerprints(qat, quantize="int4"), fingerprints(qat, quantize="int4", int4_block_size=64)
+        assert int8["student"] == none["student"] and int8["export"] != none["export"]
+        assert (int4["student"] != int8["student"]) is qat and (block64["student"] != int4["student"]) is qat
+
+
 def test_fingerprints_cover_library_versions_and_the_measuring_machine(tmp_path: Path, monkeypatch) -> None:
     """A library upgrade re-runs the steps whose output depends on it; another machine re-runs the export
     (its figures) and speed, never training; the stale reason names what changed."""

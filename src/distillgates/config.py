@@ -393,6 +393,8 @@ class EarlyToolLossConfig:
 
 @dataclass
 class QATConfig:
+    """Late QAT of the grid ``export.quantize`` writes: int4 per block for int4, else int8 per channel."""
+
     enabled: bool = False
     start_fraction: float = 0.8  # QAT runs for the last (1 - start_fraction) of steps
     lr_scale: float = 0.1
@@ -477,8 +479,19 @@ class ExportConfig:
     minimum_deployment_target: str = "macOS15"  # stateful KV cache needs macOS 15
     compute_units: str = "ALL"
     palettize_mode: str = "uniform"  # "uniform" or "kmeans" (kmeans needs scikit-learn)
+    # int4 post-training: "none" (data-free, max|block| / 7) or "clip_search" (each block's scale from a clipping
+    # search minimising its output error on calibration rows of the training data); not with train.qat
+    calibration: str = "none"
+    calibration_rows: int = 32  # clip_search: training rows (first of the training set) that calibrate
 
     def __post_init__(self) -> None:
+        if self.calibration not in ("none", "clip_search"):
+            raise ValueError(f"calibration must be none/clip_search, got {self.calibration!r}")
+        if self.calibration != "none" and (self.quantize != "int4" or self.layout != "standard"):
+            raise ValueError(f"calibration {self.calibration!r} calibrates int4 weights of layout standard, got "
+                             f"quantize {self.quantize!r}, layout {self.layout!r}")
+        if self.calibration_rows < 1:
+            raise ValueError(f"calibration_rows must be >= 1, got {self.calibration_rows}")
         if self.palettize_mode not in ("uniform", "kmeans"):
             raise ValueError(f"palettize_mode must be uniform/kmeans, got {self.palettize_mode!r}")
         if self.compute_units not in ("ALL", "CPU_ONLY", "CPU_AND_GPU", "CPU_AND_NE"):
@@ -663,6 +676,18 @@ class Config:
                 )
         if self.student and self.drafter and self.student.vocab_size != self.drafter.vocab_size:
             raise ValueError("drafter.vocab_size must equal student.vocab_size (speculative decoding)")
+        if self.train.qat.enabled and self.export.quantize.startswith("palettize"):
+            raise ValueError(f"train.qat.enabled: QAT trains the int8 or int4 grid of export.quantize, and "
+                             f"export.quantize {self.export.quantize!r} has none (use int8/int4, or qat.enabled false)")
+        if self.train.qat.enabled and self.export.calibration != "none":
+            raise ValueError(f"train.qat.enabled with export.calibration {self.export.calibration!r}: QAT'd weights "
+                             f"lie on their int4 grid already, calibration would move them (choose one)")
+
+    @property
+    def student_qat_int4_block(self) -> int | None:
+        """The student's QAT grid (it follows ``export.quantize``): int4 per block of this many input channels,
+        or None for int8 per channel (``int8``, ``none``). The drafter, not exported, keeps int8."""
+        return self.export.int4_block_size if self.export.quantize == "int4" else None
 
     def fingerprint(self) -> str:
         """sha256 of the canonical JSON of this config (cache key for pipeline steps)."""

@@ -62,6 +62,9 @@ class Step:
     # the step builds its outputs aside and swaps them in itself: a failed run keeps the previous ones
     replaces_outputs: bool = False
     files: Callable[[Config], tuple[Path, ...]] | None = None  # input files outside the run (content hashed)
+    # values of other sections that change the output in some configs only (hashed when not empty, so the
+    # other configs keep their fingerprints): the student's int4 QAT grid follows export.quantize
+    derived: Callable[[Config], dict[str, Any]] | None = None
     libraries: tuple[str, ...] = ()  # distributions whose installed version changes the output
     machine: bool = False  # the output is a measurement of this machine (export figures, speed)
 
@@ -153,6 +156,7 @@ class Pipeline:
         """Everything the step's output depends on (what its fingerprint hashes)."""
         upstream = {dep: sha256_json(self.manifest.get(dep, {}).get("outputs")) for dep in step.depends}
         config = {field: config_value(self.cfg, field) for field in step.config}
+        config.update(step.derived(self.cfg) if step.derived else {})
         inputs = {"step": step.name, "config": config, "seed": self.cfg.seed, "code": step.code, "upstream": upstream}
         if files := (step.files(self.cfg) if step.files else ()):  # absent otherwise: the toy keeps its fingerprints
             inputs["files"] = {str(p): sha256_file(p) if Path(p).is_file() else None for p in files}
@@ -433,6 +437,12 @@ def train_role(cfg: Config, run: RunDir, role: str) -> dict[str, Any]:
     return summary
 
 
+def _student_qat_grid(cfg: Config) -> dict[str, Any]:
+    """The student's int4 QAT block (``export.int4_block_size``) when QAT trains int4; empty for int8."""
+    block = cfg.student_qat_int4_block if cfg.train.qat.enabled else None
+    return {"qat_int4_block": block} if block is not None else {}
+
+
 def step_student(cfg: Config, run: RunDir) -> dict[str, Any]:
     return train_role(cfg, run, "student")
 
@@ -445,7 +455,17 @@ def step_export(cfg: Config, run: RunDir) -> dict[str, Any]:
     from distillgates.export.api import export_model
     from distillgates.tokenizer import tokenizer_fingerprint
 
-    result = export_model(run.model_path(), cfg, run.export_dir, tokenizer_fingerprint(run.tokenizer()))
+    calibration = None
+    if cfg.export.calibration != "none":  # the first training rows (the data step is upstream: fingerprinted)
+        import torch
+
+        from distillgates.train.data import build_row
+
+        tok = run.tokenizer()
+        items = run.items("train")[: cfg.export.calibration_rows]
+        calibration = [torch.tensor([build_row(item, tok, cfg.shapes.lengths).ids]) for item in items]
+    result = export_model(run.model_path(), cfg, run.export_dir, tokenizer_fingerprint(run.tokenizer()),
+                          calibration=calibration)  # fmt: skip
     atomic_write_json(run.export_gate_inputs, result.gate_inputs)
     return {
         "packages": {name: str(path) for name, path in result.packages.items()},
@@ -611,7 +631,7 @@ STEPS: list[Step] = [
     Step("student", "distill the student (KD + latency-aware losses, enumerated shapes, late QAT)",
          ("student", "train", "shapes", "speed.n_prompts"), ("data", "teacher", "kd"), step_student,
          lambda cfg, run: (run.model_dir("student"),), resumable=True, files=lambda cfg: _checkpoint_files(cfg.train),
-         libraries=("torch", "tokenizers")),
+         libraries=("torch", "tokenizers"), derived=_student_qat_grid),
     Step("drafter", "distill the drafter for speculative decoding",
          ("drafter", "drafter_train", "train", "shapes", "speed.n_prompts"), ("data", "teacher", "kd"), step_drafter,
          lambda cfg, run: (run.model_dir("drafter"),), resumable=True,

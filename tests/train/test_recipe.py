@@ -165,6 +165,54 @@ def test_qat_writes_probe_and_int8_grid_weights(artifacts: dict[str, Any], tmp_p
     assert log[3]["lr"] < 0.2 * log[2]["lr"]
 
 
+def test_int4_qat_follows_export_quantize_to_the_int4_grid(artifacts: dict[str, Any], tmp_path: Path) -> None:
+    """``export.quantize: int4``: the student's late QAT trains the export's int4 per-block grid (block 16)."""
+    import dataclasses
+
+    from distillgates.config import ExportConfig
+    from distillgates.export.convert import int4_block_grid
+
+    torch.set_num_threads(1)
+    cfg = artifacts["make_config"](len(artifacts["tokenizer"]), steps=4, qat={"enabled": True, "start_fraction": 0.5,
+                                                                  "lr_scale": 0.1})
+    cfg = dataclasses.replace(cfg, export=ExportConfig(quantize="int4", int4_block_size=16))
+    path = train_student(cfg, "student", tmp_path, kd_path=artifacts["kd_path"], tokenizer=artifacts["tokenizer"],
+                         train_items=artifacts["train"], eval_items=artifacts["eval"], progress=False, device="cpu")
+    meta = load_checksummed(path)["quantization"]
+    assert meta["scheme"] == "int4_per_block_symmetric" and meta["block_size"] == 16
+    model = load_model(path)
+    assert "layers.0.attn.q_proj" in meta["modules"] and "lm_head" in meta["modules"]
+    for name in meta["modules"]:
+        weight = model.get_submodule(name).weight.detach()
+        codes, scale = int4_block_grid(weight, 16)
+        assert torch.equal((codes * scale[..., None]).reshape(weight.shape), weight), name  # on the export's grid
+    probe = json.loads((tmp_path / "student" / "qat_probe.json").read_text())
+    assert probe["has_nan"] is False and probe["quantization_only"]["logits_cosine"] > 0.9
+
+
+def test_int4_qat_resumes_bit_exact(artifacts: dict[str, Any], tmp_path: Path) -> None:
+    """A run stopped after step 6 (checkpoint of step 5, inside int4 QAT) and resumed ends where an uninterrupted
+    run does: the int4 QAT state (EMA; the grid is a function of the weights) is all a checkpoint needs."""
+    import dataclasses
+
+    from distillgates.config import ExportConfig
+
+    torch.set_num_threads(1)
+    cfg = artifacts["make_config"](len(artifacts["tokenizer"]), steps=8, ckpt_every=5,
+                                   qat={"enabled": True, "start_fraction": 0.5, "ema": 0.5})  # fmt: skip
+    cfg = dataclasses.replace(cfg, export=ExportConfig(quantize="int4", int4_block_size=16))
+    kw = dict(kd_path=artifacts["kd_path"], tokenizer=artifacts["tokenizer"], train_items=artifacts["train"],
+              eval_items=artifacts["eval"], progress=False, device="cpu")  # fmt: skip
+    full_path = train_student(cfg, "student", tmp_path / "full", **kw)
+    assert load_checksummed(full_path)["quantization"]["scheme"] == "int4_per_block_symmetric"
+    full = load_model(full_path)
+    train_student(cfg, "student", tmp_path / "cut", max_steps=6, **kw)
+    assert load_checksummed(tmp_path / "cut" / "student" / "checkpoint.pt")["step"] == 5
+    resumed = load_model(train_student(cfg, "student", tmp_path / "cut", **kw))
+    for (name, a), b in zip(full.state_dict().items(), resumed.state_dict().values(), strict=True):
+        assert torch.equal(a, b), name
+
+
 def test_online_teacher_and_bf16_autocast(artifacts: dict[str, Any], tmp_path: Path) -> None:
     torch.set_num_threads(1)
     cfg = artifacts["make_config"](len(artifacts["tokenizer"]), steps=3, teacher_mode="online", mixed_precision="bf16")

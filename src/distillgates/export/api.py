@@ -22,6 +22,7 @@ weights read back must be the same in every function.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import shutil
 import sys
@@ -44,7 +45,14 @@ from distillgates.export.contract import (
     shared_state,
     verify_contract,
 )
-from distillgates.export.convert import ExportError, attach_weight_grids, compress, convert_program, export_program
+from distillgates.export.convert import (
+    ExportError,
+    attach_weight_grids,
+    compress,
+    convert_program,
+    export_program,
+    input_second_moments,
+)
 from distillgates.export.functions import DECODE, PACKAGE, function_kind, function_names, prefill_function
 from distillgates.export.layout import build_layout, logits_names
 from distillgates.export.lint import ane_op_lint, run_lints
@@ -142,8 +150,12 @@ def export_transformer(
     tokenizer_fingerprint: str,
     cosine_min: float = 0.999,
     raise_on_error: bool = True,
+    calibration: list[torch.Tensor] | None = None,
 ) -> ExportResult:
     """Export an in-memory model (``export_model`` loads it from a checkpoint first).
+
+    ``calibration``: token-id rows ``(1, T)`` for ``export.calibration: clip_search`` (int4 scales
+    calibrated on a copy of the model; the parity gate compares with ``model`` itself).
 
     Raises:
         ExportError: a lint fired, the parity of the saved packages' weights is below
@@ -162,11 +174,23 @@ def export_transformer(
     model = model.eval()
     seconds: dict[str, float] = {}
     fingerprint = model_fingerprint(model)  # before compression-info buffers are attached
-    core = build_layout(model, export_cfg.layout).eval()
+    input_moments = None
+    exported = model
+    if export_cfg.calibration != "none":
+        if not calibration:
+            raise ExportError(f"export.calibration {export_cfg.calibration!r} needs calibration rows, got none")
+        with _timed(seconds, "weight_grids"):
+            exported = copy.deepcopy(model)  # calibration snaps its weights to the grid
+            input_moments = input_second_moments(exported, calibration, export_cfg.int4_block_size)
+    core = build_layout(exported, export_cfg.layout).eval()
+    chunks = getattr(core, "lm_head_chunks", None)
+    if input_moments is not None and isinstance(chunks, torch.nn.ModuleList):  # copies of the head's rows
+        head = input_moments[id(exported.lm_head.weight)]
+        input_moments.update({id(chunk.weight): head for chunk in chunks})  # with the head's inputs
     qat_exact: list[str] = []
     if export_cfg.quantize in ("int8", "int4"):  # quantized by the converter, from our grids
         with _timed(seconds, "weight_grids"):
-            qat_exact = attach_weight_grids(core, export_cfg.quantize, export_cfg.int4_block_size)
+            qat_exact = attach_weight_grids(core, export_cfg.quantize, export_cfg.int4_block_size, input_moments)
     modules = {"prefill": PrefillModule(core), "decode": DecodeModule(core)}
     with _timed(seconds, "torch_export"):
         eps = {kind: export_program(modules[kind], kind, lengths) for kind in KINDS}
@@ -251,11 +275,12 @@ def export_transformer(
 
 
 def export_model(
-    ckpt_path: str | Path, cfg: Config, out_dir: str | Path, tokenizer_fingerprint: str, raise_on_error: bool = True
+    ckpt_path: str | Path, cfg: Config, out_dir: str | Path, tokenizer_fingerprint: str, raise_on_error: bool = True,
+    calibration: list[torch.Tensor] | None = None,
 ) -> ExportResult:
     """Export the checkpoint at ``ckpt_path`` (its own model config) with ``cfg.export``/``cfg.shapes``."""
     model = load_model(ckpt_path)
     return export_transformer(
         model, cfg.export, list(cfg.shapes.lengths), out_dir, tokenizer_fingerprint,
-        cosine_min=cfg.gates.export_cosine_min, raise_on_error=raise_on_error,
+        cosine_min=cfg.gates.export_cosine_min, raise_on_error=raise_on_error, calibration=calibration,
     )  # fmt: skip

@@ -1,6 +1,20 @@
-"""Late quantization-aware training: int8 per-channel weights, float activations.
+"""Late quantization-aware training: int8 per-channel or int4 per-block weights, float activations.
 
-Uses ``coremltools.optimize.torch.quantization.LinearQuantizer`` (prepare / step / finalize),
+The grid is the one the export writes (``export.quantize``, :attr:`Config.student_qat_int4_block`).
+
+int4 per block: ``LinearQuantizer`` has ``qint4`` but no per-block granularity, so :class:`Int4Graph`
+fake-quantizes the weights the export quantizes (:func:`~distillgates.export.convert.quantized_weights`)
+with the export's own grid (:func:`~distillgates.export.convert.fake_quantize_int4`: symmetric, one
+fp16 scale per ``export.int4_block_size`` input channels, codes in [-7, 7]) and a straight-through
+gradient, through ``torch.func.functional_call`` on :class:`TrainForward`: the model's parameters
+and state dict stay as they are, so checkpoints and resume are unchanged. The finalized weights
+are ``code * scale`` in fp32, from which the export recomputes the same codes and scales: the
+package holds exactly the QAT grid. A tied LM head is fake-quantized too and its grid values are
+written back to the shared matrix (the embedding then holds them, as with int8); the export
+quantizes that head with coremltools' per-block pass (the same ``max|block| / 7``, computed in
+fp16), which gives back the same codes with the scale within an fp16 ulp.
+
+int8 per channel uses ``coremltools.optimize.torch.quantization.LinearQuantizer`` (prepare / step / finalize),
 the quantizer whose finalized modules the Core ML converter understands. Two details make it
 serve our :class:`~distillgates.model.Transformer`:
 
@@ -81,20 +95,51 @@ def quantizer_config() -> Any:
     )
 
 
-class QAT:
-    """Prepared QAT graph sharing parameters with ``model``; optional EMA of the weights."""
+class Int4Graph(nn.Module):
+    """:class:`TrainForward` with every exported linear weight fake-quantized to the export's int4 per-block grid."""
 
-    def __init__(self, model: Transformer, ema: float = 0.0) -> None:
+    def __init__(self, model: Transformer, block_size: int) -> None:
+        from distillgates.export.convert import quantized_weights
+
+        super().__init__()
+        self.model, self.block_size = TrainForward(model), block_size
+        self.names = list(quantized_weights(self.model))  # model.layers.0.attn.q_proj.weight, ...
+        if "model.lm_head.weight" not in self.names:  # a tied head: the embedding's matrix, trained on the grid too
+            self.names.append("model.lm_head.weight")
+        self.snapped()  # a block size that does not divide a layer's inputs fails here, not at the first step
+
+    def snapped(self) -> dict[str, Tensor]:
+        from distillgates.export.convert import fake_quantize_int4
+
+        return {name: fake_quantize_int4(self.model.get_parameter(name), self.block_size) for name in self.names}
+
+    def forward(self, idx: Tensor) -> Tensor:
+        return cast(Tensor, torch.func.functional_call(self.model, self.snapped(), (idx,)))
+
+
+class QAT:
+    """Prepared QAT graph sharing parameters with ``model``; optional EMA of the weights.
+
+    ``int4_block`` None: int8 per channel (coremltools' ``LinearQuantizer``); else int4 per block of
+    that many input channels (:class:`Int4Graph`).
+    """
+
+    def __init__(self, model: Transformer, ema: float = 0.0, int4_block: int | None = None) -> None:
         from coremltools.optimize.torch.quantization import LinearQuantizer
 
         self.model = model
-        self.quantizer = LinearQuantizer(TrainForward(model), quantizer_config())
-        example = torch.zeros(1, 8, dtype=torch.long, device=model.embed.weight.device)
-        self.graph = self.quantizer.prepare(example_inputs=(example,), inplace=True)
-        self.quantizer.step()  # milestone 0: enable observers and fake quantization
+        self.quantizer: Any = None
+        self.graph: nn.Module
+        if int4_block is not None:
+            self.graph = Int4Graph(model, int4_block)
+        else:
+            self.quantizer = LinearQuantizer(TrainForward(model), quantizer_config())
+            example = torch.zeros(1, 8, dtype=torch.long, device=model.embed.weight.device)
+            self.graph = self.quantizer.prepare(example_inputs=(example,), inplace=True)
+            self.quantizer.step()  # milestone 0: enable observers and fake quantization
+            assert self.graph.get_submodule("model.layers.0.attn.q_proj").weight is model.layers[0].attn.q_proj.weight
         self.ema_decay = ema
         self.ema = {k: v.detach().clone() for k, v in model.named_parameters()} if ema > 0 else None
-        assert self.graph.get_submodule("model.layers.0.attn.q_proj").weight is model.layers[0].attn.q_proj.weight
 
     def __call__(self, idx: Tensor) -> Tensor:
         return self.graph(idx)
@@ -102,25 +147,37 @@ class QAT:
     @torch.no_grad()
     def step(self) -> None:
         """After each optimizer step: advance the quantizer milestones and the EMA."""
-        self.quantizer.step()
+        if self.quantizer is not None:
+            self.quantizer.step()
         if self.ema is not None:
             for name, p in self.model.named_parameters():
                 self.ema[name].lerp_(p.detach(), 1.0 - self.ema_decay)
 
     def state_dict(self) -> dict[str, Any]:
+        if self.quantizer is None:  # int4: no observers, the grid is a function of the weights
+            return {"ema": self.ema}
         return {"graph": self.graph.state_dict(), "ema": self.ema, "step_count": self.quantizer._step_count}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.graph.load_state_dict(state["graph"])
         self.ema = state["ema"]
-        self.quantizer._step_count = state["step_count"]  # milestones are step-counted
+        if self.quantizer is not None:
+            self.graph.load_state_dict(state["graph"])
+            self.quantizer._step_count = state["step_count"]  # milestones are step-counted
 
     @torch.no_grad()
     def finalize(self) -> tuple[Transformer, dict[str, Any]]:
-        """A plain Transformer holding the int8-grid weights, and per-module quantization metadata."""
+        """A plain Transformer holding the grid weights, and per-module quantization metadata."""
         if self.ema is not None:
             for name, p in self.model.named_parameters():
                 p.copy_(self.ema[name])
+        if isinstance(self.graph, Int4Graph):
+            out = copy.deepcopy(self.model)
+            snapped = self.graph.snapped()
+            for name in self.graph.names:
+                out.get_parameter(name.removeprefix("model.")).copy_(snapped[name])  # code * fp16 scale
+            modules = [name.removeprefix("model.").removesuffix(".weight") for name in self.graph.names]
+            return out, {"scheme": "int4_per_block_symmetric", "block_size": self.graph.block_size,
+                         "activations": "float", "modules": {name: {} for name in modules}}  # fmt: skip
         final = self.quantizer.finalize(self.graph, inplace=False)
         out = copy.deepcopy(self.model)
         meta: dict[str, Any] = {"scheme": "int8_per_channel_symmetric", "activations": "float", "modules": {}}

@@ -165,6 +165,7 @@ class Recipe:
         max_steps: int | None = None,
         progress: bool = True,
         speed_prompts: int = 4,
+        qat_int4_block: int | None = None,
     ) -> None:
         self.cfg, self.model_cfg, self.shapes = train_cfg, model_cfg, shapes
         self.tokenizer, self.train_items, self.eval_items = tokenizer, train_items, eval_items
@@ -174,6 +175,7 @@ class Recipe:
         self.max_steps = max_steps
         self.progress = progress
         self.speed_prompts = speed_prompts
+        self.qat_int4_block = qat_int4_block  # QAT grid: int4 per block of this many inputs, None: int8 per channel
         if train_cfg.teacher_mode == "offline" and kd_records is None and train_cfg.kd.weight > 0:
             raise ValueError("teacher_mode 'offline' needs a KD set (kd_path); got none")
         if train_cfg.teacher_mode == "online" and teacher is None and train_cfg.kd.weight > 0:
@@ -270,7 +272,7 @@ class Recipe:
 
     def _start_qat(self) -> None:
         self.qat_reference = copy.deepcopy(self.model).eval()
-        self.qat = QAT(self.model, ema=self.cfg.qat.ema)
+        self.qat = QAT(self.model, ema=self.cfg.qat.ema, int4_block=self.qat_int4_block)
 
     # ------------------------------------------------------------------ checkpoints
 
@@ -334,7 +336,7 @@ class Recipe:
             self.qat_reference = Transformer(self.model_cfg).to(self.device)
             self.qat_reference.load_state_dict(state["qat_reference"])
             self.qat_reference.eval()
-            self.qat = QAT(self.model, ema=self.cfg.qat.ema)
+            self.qat = QAT(self.model, ema=self.cfg.qat.ema, int4_block=self.qat_int4_block)
             self.qat.load_state_dict(state["qat"])
         set_rng_state(state["rng"])
         if self.dist.main and self.log_path.exists():  # drop log lines of steps after the checkpoint
@@ -585,8 +587,8 @@ class Recipe:
                     collate(probe_rows[i : i + 8], self.pad_id, self.assistant_id, self.end_id).input_ids.to(dev)
                     for i in range(0, len(probe_rows), 8)
                 ]
-                pre_post = probe(self.qat_reference, final, batches)  # model entering QAT vs int8 model leaving it
-                quant_only = probe(self.model, final, batches)  # same latent weights, float vs int8 grid
+                pre_post = probe(self.qat_reference, final, batches)  # model entering QAT vs grid model leaving it
+                quant_only = probe(self.model, final, batches)  # same latent weights, float vs the QAT grid
                 report = {**pre_post, "quantization_only": quant_only, "qat_start_step": qat_start_step(self.cfg),
                           "steps": self.step}
                 atomic_write_json(self.out_dir / "qat_probe.json", report)
@@ -700,7 +702,7 @@ def train_student(
         kd_records=kd_records, teacher=teacher_fn, device=device, max_steps=max_steps, progress=progress,
         speed_prompts=min(cfg.speed.n_prompts, 4),
         init_teacher=_init_teacher(cfg, run, tokenizer) if train_cfg.init_from == "teacher" else None,
-        init_model=init_model,
+        init_model=init_model, qat_int4_block=cfg.student_qat_int4_block if role == "student" else None,
     )
     recipe.setup()
     recipe.train()

@@ -1,0 +1,73 @@
+"""int4 per-block QAT: the grid it trains is the export's, bit for bit; straight-through gradients."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from distillgates.export.convert import ExportError, attach_weight_grids, int4_block_grid, quantized_weights
+from distillgates.export.layout import build_layout
+from distillgates.model import Transformer
+from distillgates.train.qat import QAT, Int4Graph
+
+from ..conftest import tiny_model_config
+
+BLOCK = 16
+
+
+def _qat_trained(steps: int = 3, ema: float = 0.0) -> tuple[QAT, Transformer]:
+    torch.manual_seed(0)
+    model = Transformer(tiny_model_config(vocab_size=64))
+    qat = QAT(model, ema=ema, int4_block=BLOCK)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    idx = torch.randint(0, 64, (2, 12))
+    for _ in range(steps):
+        logits = qat(idx[:, :-1])  # (B, T, V)
+        torch.nn.functional.cross_entropy(logits.flatten(0, 1), idx[:, 1:].flatten()).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        qat.step()
+    final, _meta = qat.finalize()
+    return qat, final
+
+
+def test_int4_qat_weights_are_the_export_grid_bit_for_bit() -> None:
+    """The finalized weights are ``code * scale`` of the export's grid; the export, re-quantizing them, writes the
+    same scales (so the same codes) and reports every weight as exported as it is."""
+    qat, final = _qat_trained()
+    core = build_layout(final, "standard")
+    names = sorted(quantized_weights(core))
+    assert len(names) == 2 * 7  # q k v o gate up down per layer (the tied LM head is the embedding: compress())
+    tied = final.lm_head.weight
+    assert tied is final.embed.weight and "model.lm_head.weight" in qat.graph.names  # trained on the grid too
+    codes, scale = int4_block_grid(tied, BLOCK)
+    assert torch.equal((codes * scale[..., None]).reshape(tied.shape), tied.detach())
+    for name, (_owner, weight) in quantized_weights(core).items():
+        codes, scale = int4_block_grid(weight, BLOCK)
+        assert torch.equal((codes * scale[..., None]).reshape(weight.shape), weight.detach()), name
+        assert codes.abs().max() <= 7 and torch.equal(scale, scale.half().float()), name
+    assert sorted(attach_weight_grids(core, "int4", BLOCK)) == names  # no weight re-quantized
+    for owner, weight in quantized_weights(core).values():
+        stored = getattr(owner, "_COREML_/weight/quantization_scale")
+        codes = torch.round(weight.detach().reshape(stored.shape[0], -1, BLOCK) / stored[..., None])  # the converter
+        assert torch.equal(codes * stored[..., None], weight.detach().reshape(codes.shape))
+    assert not torch.equal(final.layers[0].attn.q_proj.weight, qat.model.layers[0].attn.q_proj.weight)  # snapped
+
+
+def test_int4_qat_forward_is_the_finalized_model_and_gradients_pass_straight_through() -> None:
+    qat, final = _qat_trained(steps=1)
+    idx = torch.randint(0, 64, (1, 9))
+    torch.testing.assert_close(qat(idx), final(idx), atol=1e-5, rtol=1e-5)
+    model = qat.model
+    model.zero_grad()
+    qat(idx).sum().backward()
+    grad = model.layers[0].mlp.down_proj.weight.grad
+    assert grad is not None and bool(grad.abs().sum() > 0)  # round() alone has zero gradient
+    assert model.embed.weight.grad is not None  # the embedding stays float (not on the grid) and trains
+    assert qat.state_dict().keys() == {"ema"}  # the grid is a function of the weights: nothing else to resume
+
+
+def test_int4_qat_refuses_a_block_that_does_not_divide_the_inputs() -> None:
+    model = Transformer(tiny_model_config(vocab_size=64))  # d_model 32
+    with pytest.raises(ExportError, match=r"32 input channels are not a multiple of export\.int4_block_size 24"):
+        Int4Graph(model, 24)
