@@ -432,3 +432,21 @@ def test_student_and_drafter_fingerprints_cover_the_init_checkpoint_files(tmp_pa
     (checkpoint / "model.safetensors").write_bytes(b"weights v2")
     assert all(a != b for a, b in zip(before, [Pipeline(config, tmp_path / "run").fingerprint(s) for s in steps],
                                       strict=True))
+
+
+@pytest.mark.integration
+def test_an_int4_export_calibrates_on_the_runs_training_conversations(tiny_run: tuple[Path, Path],
+                                                                      tmp_path: Path) -> None:
+    """``export.calibration: clip_search``: the export step tokenizes the first ``calibration_rows`` training
+    conversations and the package records its calibration; the student (QAT off) is trained once more."""
+    config, run_dir = tiny_run
+    run_dir = Path(shutil.copytree(run_dir, tmp_path / "run"))
+    data = yaml.safe_load(config.read_text())
+    data["train"]["qat"] = {"enabled": False}
+    data["export"] = {"quantize": "int4", "int4_block_size": 16, "calibration": "clip_search", "calibration_rows": 4}
+    data.setdefault("gates", {})["export_cosine_min"] = 0.95  # int4 of a 1-layer toy: ~0.99 (the plumbing is tested)
+    changed = tmp_path / "int4.yaml"
+    changed.write_text(yaml.safe_dump(data))
+    Pipeline(load_config(changed), run_dir).run(["student", "export"])
+    contract = json.loads((run_dir / "export" / "contract.json").read_text())
+    assert contract["export"]["quantize"] == "int4" and contract["export"]["calibration"] == "clip_search"

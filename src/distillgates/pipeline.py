@@ -459,11 +459,11 @@ def step_export(cfg: Config, run: RunDir) -> dict[str, Any]:
     if cfg.export.calibration != "none":  # the first training rows (the data step is upstream: fingerprinted)
         import torch
 
-        from distillgates.train.data import build_row
+        from distillgates.data.targets import encode_item
 
         tok = run.tokenizer()
         items = run.items("train")[: cfg.export.calibration_rows]
-        calibration = [torch.tensor([build_row(item, tok, cfg.shapes.lengths).ids]) for item in items]
+        calibration = [torch.tensor([encode_item(tok, item).input_ids]) for item in items]  # (1, T) conversations
     result = export_model(run.model_path(), cfg, run.export_dir, tokenizer_fingerprint(run.tokenizer()),
                           calibration=calibration)  # fmt: skip
     atomic_write_json(run.export_gate_inputs, result.gate_inputs)
