@@ -34,7 +34,7 @@ def small_config(config: dict) -> dict:
     """The scaffolded config (the embedded toy task) shrunk to a ~1-minute run."""
     config["name"] = "small"
     config["threads"] = 1
-    config["data"].update(n_train=400, n_eval=24)
+    config["data"].update(n_train=400, n_eval=24, eval_min_per_shape=0)
     config["tokenizer"]["vocab_size"] = 700
     for role in ("student", "drafter"):
         config[role].update(SMALL_MODEL)

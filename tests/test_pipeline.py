@@ -24,7 +24,7 @@ def tiny_config(path: Path) -> Path:
     cfg = yaml.safe_load(TOY.read_text())
     cfg["name"] = "tiny"
     cfg["threads"] = 1
-    cfg["data"].update(n_train=48, n_eval=12)
+    cfg["data"].update(n_train=48, n_eval=12, eval_min_per_shape=0)
     cfg["tokenizer"]["vocab_size"] = 700
     small = {"vocab_size": 700, "d_model": 32, "n_layers": 1, "n_heads": 2, "n_kv_heads": 1, "ffn_hidden": 64}
     cfg["student"].update(small)

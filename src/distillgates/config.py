@@ -179,6 +179,10 @@ class DataConfig:
     seed: int = 0  # the toy generator's seed (items are a pure function of seed, split, index); the split's too
     n_train: int = 2000
     n_eval: int = 200
+    # toy: after the n_eval items, further generated eval items that expect a tool call are kept for each
+    # enumerated shape holding fewer than this many of them (0: off), so every shape's drift gate is powered
+    # (docs/gates.md "Sizing an eval set"); the train split and the tokenizer do not change
+    eval_min_per_shape: int = 0
     locales: list[str] = field(default_factory=lambda: ["en", "de"])
     # share of references in the chatty style (preamble before the call, filler after the facts): the teacher
     # learns to talk like a big chat model; the student's latency losses make it terse
@@ -196,6 +200,10 @@ class DataConfig:
             raise ValueError(f"verbose_share must be in [0, 1], got {self.verbose_share}")
         if self.invalid_rows not in ("error", "skip"):
             raise ValueError(f"invalid_rows must be error/skip, got {self.invalid_rows!r}")
+        if self.eval_min_per_shape < 0:
+            raise ValueError(f"eval_min_per_shape must be >= 0, got {self.eval_min_per_shape}")
+        if self.eval_min_per_shape and self.source != "toy":
+            raise ValueError(f"eval_min_per_shape generates toy eval items: needs source 'toy', got {self.source!r}")
         if not 0.0 <= self.max_skipped_share < 1.0:
             raise ValueError(f"max_skipped_share must be in [0, 1), got {self.max_skipped_share}")
         if self.source not in ("toy", "jsonl", "hf"):

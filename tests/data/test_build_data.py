@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
+import pytest
+
 from distillgates.config import Config, DataConfig, ShapesConfig, TokenizerConfig
 from distillgates.data.build import build_data
 from distillgates.data.chat import render_conversation
@@ -58,3 +62,44 @@ def test_tokenizer_path_is_loaded_and_its_tool_call_format_saved_with_it(tmp_pat
     fmt = chat_format(tok)
     _, items = read_dataset(build.train, build.tokenizer_fingerprint)
     assert all(fmt.prompt(item).endswith("<|im_start|>assistant\n") for item in items)
+
+
+
+def test_eval_min_per_shape_tops_up_the_eval_split_only(tmp_path):
+    """``data.eval_min_per_shape``: the first ``n_eval`` eval items, then further generated tool items of the shapes
+    holding fewer than that many tool items, until none does; the train split and the tokenizer are unchanged."""
+    from distillgates.data.chat import chat_format
+    from distillgates.data.shapes import bucket_of
+
+    plain = build_data(CFG, tmp_path / "plain")
+    topped = build_data(replace(CFG, data=replace(CFG.data, eval_min_per_shape=6)), tmp_path / "topped")
+    assert topped.tokenizer_fingerprint == plain.tokenizer_fingerprint
+    assert topped.dataset_sha256["train"] == plain.dataset_sha256["train"]
+    first, items = read_dataset(plain.eval)[1], read_dataset(topped.eval)[1]
+    assert items[: len(first)] == first
+    fmt = chat_format(load_tokenizer(topped.tokenizer_dir))
+
+    def tool_items(items):
+        held = dict.fromkeys(CFG.shapes.lengths, 0)
+        for item in items:
+            held[bucket_of(len(fmt.encode(fmt.conversation(item))), CFG.shapes.lengths)] += item["tool_should_be_used"]
+        return held
+
+    before = tool_items(first)
+    assert min(before.values()) < 6  # the test tops up something
+    assert tool_items(items) == {shape: max(n, 6) for shape, n in before.items()}
+    assert all(item["tool_should_be_used"] for item in items[len(first):])
+    assert sum(topped.shape_counts["eval"].values()) == len(items)
+
+
+def test_eval_min_per_shape_that_no_item_can_fill_is_an_error(tmp_path):
+    cfg = replace(CFG, data=replace(CFG.data, eval_min_per_shape=1), shapes=ShapesConfig(lengths=[40, 256],
+                                                                                          mix=[0.5, 0.5]))
+    with pytest.raises(ValueError, match=r"data.eval_min_per_shape: 1: .*\{40: 0\}"):
+        build_data(cfg, tmp_path / "data")
+    assert not (tmp_path / "data").exists()
+
+
+def test_eval_min_per_shape_needs_the_toy_generator():
+    with pytest.raises(ValueError, match=r"eval_min_per_shape .* needs source 'toy'"):
+        DataConfig(source="jsonl", path="rows.jsonl", eval_min_per_shape=10)

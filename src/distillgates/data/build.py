@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -96,6 +97,43 @@ def source_items(cfg: Config, skipped: list[dict[str, str]] | None = None) -> di
     return {"train": train, "eval": held_out}
 
 
+TOP_UP_TRIES = 200
+"""``data.eval_min_per_shape``: generated candidates per wanted item before a shape that too few items fit is an
+error (the toy's rarest, 128 tokens, takes ~60)."""
+
+
+def top_up_eval(cfg: Config, items: list[dict[str, Any]], shape_of: Callable[[dict[str, Any]], int | None]) \
+        -> list[dict[str, Any]]:
+    """``items`` (the toy's first ``n_eval`` eval items) and, while an enumerated shape holds fewer than
+    ``data.eval_min_per_shape`` items that expect a tool call (the items integration F1 and its drift gates are
+    over), the next generated eval items that expect one and fit such a shape, in index order.
+
+    Raises:
+        ValueError: a shape still short after ``TOP_UP_TRIES`` candidates per wanted item (naming the setting).
+    """
+    from distillgates.data.generator import generate_item
+
+    data, lengths = cfg.data, cfg.shapes.lengths
+    want = data.eval_min_per_shape
+    held = {shape: 0 for shape in lengths}
+    for item in items:
+        if item["tool_should_be_used"] and (shape := shape_of(item)) is not None:
+            held[shape] += 1
+    out, index, limit = list(items), data.n_eval, data.n_eval + TOP_UP_TRIES * want * len(lengths)
+    while any(n < want for n in held.values()):
+        if index >= limit:
+            short = {shape: n for shape, n in held.items() if n < want}
+            raise ValueError(f"data.eval_min_per_shape: {want}: after {index - data.n_eval} more generated eval items "
+                             f"the shapes {short} (shape: tool items) still hold fewer: lower it or change "
+                             "shapes.lengths")  # fmt: skip
+        item = generate_item(data.seed, index, data.locales, "eval", data.verbose_share)
+        index += 1
+        if item["tool_should_be_used"] and (shape := shape_of(item)) is not None and held[shape] < want:
+            held[shape] += 1
+            out.append(item)
+    return out
+
+
 def input_files(cfg: Config) -> tuple[Path, ...]:
     """The user's files the build reads, data and a ``.jinja`` template (their content is part of the data step's
     fingerprint)."""
@@ -144,6 +182,9 @@ def build_data(cfg: Config, out_dir: str | Path) -> DataBuild:
         raise DatasetError(f"{cfg.data.eval_path}: id: {len(overlap)} eval ids are training ids, e.g. {overlap[0]!r}")
     tok = student_tokenizer(cfg, splits["train"])
     fmt = chat_format(tok)
+    if cfg.data.eval_min_per_shape:  # the tokenizer is the train split's: topping up the eval split leaves it as is
+        splits["eval"] = top_up_eval(
+            cfg, splits["eval"], lambda item: bucket_of(len(encode(tok, fmt.conversation(item))), cfg.shapes.lengths))
     staging = staging_dir(out_dir, "new-")
     try:
         save_tokenizer(tok, staging / "tokenizer")
