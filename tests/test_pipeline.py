@@ -450,3 +450,25 @@ def test_an_int4_export_calibrates_on_the_runs_training_conversations(tiny_run: 
     Pipeline(load_config(changed), run_dir).run(["student", "export"])
     contract = json.loads((run_dir / "export" / "contract.json").read_text())
     assert contract["export"]["quantize"] == "int4" and contract["export"]["calibration"] == "clip_search"
+
+
+@pytest.mark.integration
+def test_the_quality_figures_leave_out_the_eval_top_up_and_the_drift_scores_keep_it(tiny_run: tuple[Path, Path],
+                                                                                    tmp_path: Path) -> None:
+    """Items ``data.eval_min_per_shape`` added power the drift gates (the student's per-item scores cover them) but
+    are not the task's mix of shapes: the student's and the teacher's figures are over the items as drawn."""
+    from distillgates.data.dataset import TOP_UP
+    from distillgates.pipeline import step_eval
+    from distillgates.rundir import RunDir
+
+    config, run_dir = tiny_run
+    run = RunDir(shutil.copytree(run_dir, tmp_path / "run"))
+    lines = run.dataset("eval").read_text().splitlines()
+    items = [json.loads(line) for line in lines[1:]]
+    top_up = {item["id"] for item in items[len(items) // 2:]}
+    run.dataset("eval").write_text("\n".join([lines[0], *(json.dumps({**i, TOP_UP: True} if i["id"] in top_up else i)
+                                                         for i in items)]) + "\n")  # fmt: skip
+    step_eval(load_config(config), run)
+    quality = json.loads(run.quality.read_text())
+    assert quality["student"]["n"] == quality["teacher"]["n"] == len(items) - len(top_up)
+    assert {row["id"] for row in json.loads(run.item_scores.read_text())["items"]} == {i["id"] for i in items}

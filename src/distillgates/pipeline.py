@@ -523,16 +523,18 @@ def step_speed(cfg: Config, run: RunDir) -> dict[str, Any]:
 def step_eval(cfg: Config, run: RunDir) -> dict[str, Any]:
     """Student and teacher on the held-out items, each evaluated once; the student's outputs are also
     the unsharded arm of the determinism check (the shards re-run it, on the same thread count)."""
+    from distillgates.data.dataset import drawn_items
     from distillgates.data.fingerprints import dataset_sha256
     from distillgates.eval.broker import FixturePolicy
     from distillgates.eval.evaluate import evaluate, sharded_determinism
-    from distillgates.eval.scorer import item_rows
+    from distillgates.eval.scorer import item_rows, summarize
     from distillgates.eval.sharding import outputs_sha256, write_outputs
     from distillgates.hardware import torch_threads
     from distillgates.runtime.torch_engine import TorchEngine
     from distillgates.teacher.check import teacher_runner
 
     tokenizer, items = run.tokenizer(), run.items("eval")
+    drawn = drawn_items(items)  # the figures' items; data.eval_min_per_shape's top-up only powers the drift gates
     eval_sha = dataset_sha256(run.dataset("eval"))
     teacher = teacher_runner(cfg, run, tokenizer)
     policy = FixturePolicy(cfg.eval.missing_fixture, cfg.eval.mock_result)
@@ -544,8 +546,11 @@ def step_eval(cfg: Config, run: RunDir) -> dict[str, Any]:
         student, outputs, scores = evaluate(TorchEngine(run.load_model(), max_batch_size=batch), items, tokenizer,
                                             return_outputs=True, batch_size=batch,
                                             constrained=cfg.eval.constrained_tool_calls, **common)  # fmt: skip
+    if len(drawn) < len(items):
+        ids = {str(item["id"]) for item in drawn}
+        student = {**summarize([s for s in scores if s.id in ids]), "fingerprints": student["fingerprints"]}
     student["outputs_sha256"] = outputs_sha256(outputs)  # the determinism gate checks the shards compared these
-    quality = {"student": student, "teacher": evaluate(teacher, items, tokenizer, **common)}
+    quality = {"student": student, "teacher": evaluate(teacher, drawn, tokenizer, **common)}
     write_outputs(run.eval_outputs, outputs)
     # per-item F1 of the student for the paired drift gates (kept out of report.json: one row per item)
     atomic_write_json(run.item_scores, {"role": "student", "items": item_rows(scores)})

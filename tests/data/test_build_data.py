@@ -69,6 +69,7 @@ def test_eval_min_per_shape_tops_up_the_eval_split_only(tmp_path):
     """``data.eval_min_per_shape``: the first ``n_eval`` eval items, then further generated tool items of the shapes
     holding fewer than that many tool items, until none does; the train split and the tokenizer are unchanged."""
     from distillgates.data.chat import chat_format
+    from distillgates.data.dataset import drawn_items
     from distillgates.data.shapes import bucket_of
 
     plain = build_data(CFG, tmp_path / "plain")
@@ -90,6 +91,7 @@ def test_eval_min_per_shape_tops_up_the_eval_split_only(tmp_path):
     assert tool_items(items) == {shape: max(n, 6) for shape, n in before.items()}
     assert all(item["tool_should_be_used"] for item in items[len(first):])
     assert sum(topped.shape_counts["eval"].values()) == len(items)
+    assert drawn_items(items) == first  # the top-up is marked: the quality figures leave it out
 
 
 def test_eval_min_per_shape_that_no_item_can_fill_is_an_error(tmp_path):

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 from distillgates.config import Config
 from distillgates.data.chat import chat_format, template_chat_format
-from distillgates.data.dataset import DatasetError, write_dataset
+from distillgates.data.dataset import TOP_UP, DatasetError, write_dataset
 from distillgates.data.shapes import bucket_of
 from distillgates.io import atomic_write_text, staging_dir, swap_in_dir
 from distillgates.tokenizer import (
@@ -106,7 +106,8 @@ def top_up_eval(cfg: Config, items: list[dict[str, Any]], shape_of: Callable[[di
         -> list[dict[str, Any]]:
     """``items`` (the toy's first ``n_eval`` eval items) and, while an enumerated shape holds fewer than
     ``data.eval_min_per_shape`` items that expect a tool call (the items integration F1 and its drift gates are
-    over), the next generated eval items that expect one and fit such a shape, in index order.
+    over), the next generated eval items that expect one and fit such a shape, in index order, marked
+    :data:`TOP_UP`.
 
     Raises:
         ValueError: a shape still short after ``TOP_UP_TRIES`` candidates per wanted item (naming the setting).
@@ -130,7 +131,7 @@ def top_up_eval(cfg: Config, items: list[dict[str, Any]], shape_of: Callable[[di
         index += 1
         if item["tool_should_be_used"] and (shape := shape_of(item)) is not None and held[shape] < want:
             held[shape] += 1
-            out.append(item)
+            out.append({**item, TOP_UP: True})
     return out
 
 

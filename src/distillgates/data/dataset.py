@@ -48,6 +48,17 @@ _HEADER_FIELDS: dict[str, type | tuple[type, ...]] = {
 }
 
 
+TOP_UP = "eval_top_up"
+"""Marks an eval item that ``data.eval_min_per_shape`` added (:func:`distillgates.data.build.top_up_eval`): it
+powers the drift gates, and the quality figures leave it out (:func:`drawn_items`)."""
+
+
+def drawn_items(items: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The eval items as drawn, without the top-up: the quality figures are over these (their shapes are the
+    task's; the top-up's are a quota per shape)."""
+    return [item for item in items if not item.get(TOP_UP)]
+
+
 class DatasetError(ValueError):
     """A dataset file is malformed or does not match the expected fingerprints."""
 
