@@ -84,12 +84,11 @@ def check_teacher(cfg: Config, run: RunDir) -> dict[str, Any]:
     fix = ("train it longer (teacher.finetune.steps, lr)" if cfg.teacher.finetune is not None else
            "fine-tune it on your rows first (teacher.finetune)" if cfg.teacher.path else
            "train it longer (teacher.train)")  # fmt: skip
-    f = figures
     raise TeacherRefused(
-        f"teacher check: {where} calls a tool on {f['with_call']} of {f['items']} held-out tool items (call rate "
-        f"{f['call_rate']:.2f} < teacher.check.min_call_rate {f['min_call_rate']}; tool selection "
-        f"{f['tool_selection']:.2f}, JSON validity {_fmt(f['json_validity'])}, F1 lax {f['f1_lax_macro']:.2f}): "
-        f"nothing distilled from it can call tools; {fix}. Figures: {run.teacher_check}"
+        f"teacher check: {where} calls a tool on {calls} of {len(items)} held-out tool items (call rate "
+        f"{figures['call_rate']:.2f} < teacher.check.min_call_rate {check.min_call_rate}; tool selection "
+        f"{metrics['tool_selection']:.2f}, JSON validity {_fmt(metrics['json_validity'])}, F1 lax "
+        f"{metrics['f1_lax_macro']:.2f}): nothing distilled from it can call tools; {fix}. Figures: {run.teacher_check}"
     )
 
 
