@@ -36,15 +36,17 @@ def test_own_data_example_config_and_data():
 
 
 @pytest.mark.integration
-def test_smollm2_example_config_prunes_the_real_checkpoint(smollm2_gguf, tmp_path, monkeypatch):
-    """examples/smollm2 validates with its checkpoint linked where the config names it (what link_checkpoint.py
-    does, here in a scratch working directory): student and drafter inherit the teacher's architecture."""
+@pytest.mark.parametrize("config", ["config.yaml", "config-gpu.yaml"])
+def test_smollm2_example_config_prunes_the_real_checkpoint(smollm2_gguf, tmp_path, monkeypatch, config):
+    """examples/smollm2 (the CPU and the GPU recipe) validates with its checkpoint linked where the config names it
+    (what link_checkpoint.py does, here in a scratch working directory): student and drafter inherit the teacher's
+    architecture."""
     example = EXAMPLE.parent / "smollm2"
     (tmp_path / "examples" / "smollm2").mkdir(parents=True)
     (tmp_path / "examples" / "smollm2" / smollm2_gguf.name).symlink_to(smollm2_gguf)
     monkeypatch.setenv("DISTILLGATES_CACHE", str(tmp_path / "cache"))
     monkeypatch.chdir(tmp_path)
-    cfg = load_config(example / "config.yaml")
+    cfg = load_config(example / config)
     assert cfg.tokenizer.chat_template == "chatml" and cfg.teacher is not None and cfg.teacher.path
     assert cfg.student is not None and cfg.drafter is not None
     assert (cfg.student.n_layers, cfg.drafter.n_layers) == (10, 2)
