@@ -9,7 +9,9 @@ from typing import Any
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from distillgates.data.generator import generate_item
 from distillgates.eval.matching import match_call, values_equal_lax
+from distillgates.eval.runners import reference_output
 from distillgates.eval.scorer import score, score_items
 
 TOOL = {"name": "book", "parameters": {"type": "object", "required": ["year"], "properties": {
@@ -170,3 +172,43 @@ def test_6_optional_arguments_may_be_given_or_left_out() -> None:
     listed = {"optional_arguments": optional, "argument_alternatives": [{"unit": ["celsius"]}]}
     assert _verdicts([without], [_call(year=1, unit="Celsius")], **listed) == ("value_error", None)
     assert _verdicts([without], [_call(year=1, unit="kelvin")], **listed)[1] == "value_error"
+
+
+# --------------------------------------------------------------------------------------
+# Class 9: integration F1 is grounded only in tool results the model received
+
+
+def _tool_item(kind: str = "single", tool: str | None = None) -> dict[str, Any]:
+    items = (generate_item(0, n, split="eval") for n in range(500))
+    return next(i for i in items if i["kind"] == kind and tool in (None, *(c["name"] for c in i["expected_calls"])))
+
+
+def test_9_a_model_that_makes_no_call_scores_no_integration() -> None:
+    item = _tool_item()
+    user = item["messages"][-1]["content"]
+    echo = {**reference_output(item), "calls": [], "turns": [], "answer": f"{user} " + " ".join(
+        str(v) for c in item["expected_calls"] for v in c["arguments"].values())}  # fmt: skip
+    metrics = score([item], [echo])
+    assert metrics["f1_lax_macro"] == 0.0 and metrics["f1_strict_macro"] == 0.0 and metrics["f1_lax_micro"] == 0.0
+    guessed = {**echo, "answer": reference_output(item)["answer"]}  # the right facts, but no tool result received
+    assert score([item], [guessed])["f1_lax_macro"] == 0.0
+    assert score([item], [reference_output(item)])["f1_lax_macro"] == 1.0
+
+
+def test_9_echoing_the_request_is_no_span_and_a_result_repeated_beyond_it_is() -> None:
+    item = _item([_call(year=24, x=12)])
+    item["messages"][0]["content"] = "Calculate 24 minus 12."
+    out = _output([_call(year=24, x=12)], answer="24 minus 12 = 12.", results=[{"result": 12}])
+    (item_score,) = score_items([item], [out])
+    assert (item_score.spans, item_score.grounded_strict, item_score.grounded_lax) == (1, 1, 1)
+    out["answer"] = "24 minus 12 is what you asked."
+    (item_score,) = score_items([item], [out])
+    assert (item_score.spans, item_score.grounded_lax) == (0, 0)
+
+
+def test_9_a_control_answer_that_repeats_its_own_question_is_no_integration() -> None:
+    control, single = _tool_item("control"), _tool_item("single", "get_weather")
+    value = next(v for v in single["fixtures"][0]["result"].values() if isinstance(v, str) and len(v) >= 3)
+    control["messages"][-1]["content"] = f"Is {value} a nice word?"
+    out = {**reference_output(control), "answer": f"Yes, {value} is a nice word."}
+    assert score([control, single], [out, reference_output(single)])["controls_with_integration"] == 0

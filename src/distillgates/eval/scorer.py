@@ -21,13 +21,16 @@ Definitions (DESIGN.md "Quality metrics"; keys fixed in the contract's METRICS):
   answer are (a) every number in it and (b) every occurrence (case-insensitive, whole word) of
   a *named value*: a string leaf of any tool call argument or tool result in the scored dataset
   (so "cloudy" in an answer about a sunny city is a span, and ungrounded). Named values are
-  matched first and removed, so "2024-05-01" is one span, not three numbers. A span is
-  *grounded* when it equals a value of the item's own tool results or expected call arguments:
-  strict = the exact text of the value (numbers in canonical JSON text), lax = normalized
-  (case, whitespace, punctuation, locale decimal comma, 1% numeric tolerance) substring match.
-  Per item: precision = grounded spans / spans (0 when there are no spans), recall = 1 if any
-  span is grounded else 0, F1 = harmonic mean (0 when both are 0). Macro = mean of per-item F1;
-  micro = F1 of pooled counts (sum grounded / sum spans, sum recalled / eligible items).
+  matched first and removed, so "2024-05-01" is one span, not three numbers. A span that repeats
+  the user's messages (:func:`unrequested_spans`) proves nothing and is dropped. A span is *grounded*
+  when it equals a value of the tool results the model received in its conversation
+  (:func:`received_results`; an integration field counts when it matches one of them): strict =
+  the exact text of the value (numbers in canonical JSON text), lax = normalized (case,
+  whitespace, punctuation, locale decimal comma, 1% or rounding to an integer) substring match.
+  A model that made no call grounds nothing. Per item: precision = grounded spans / spans (0 when
+  there are no spans), recall = 1 if any span is grounded else 0, F1 = harmonic mean (0 when both
+  are 0). Macro = mean of per-item F1; micro = F1 of pooled counts (sum grounded / sum spans, sum
+  recalled / eligible items).
 - **privacy_ok_rate**: share of items whose generated text (calls and answer) contains none of
   the PII of the prompt: the item's ``pii`` list plus matches of the PII patterns (default:
   emails, phone numbers and ids; ``eval.privacy.pii_patterns``) in the user messages. Lax match
@@ -36,7 +39,7 @@ Definitions (DESIGN.md "Quality metrics"; keys fixed in the contract's METRICS):
   tool that takes the user's email is no leak. The answer is always checked.
 - **controls_with_integration**: items labeled ``control`` or ``decline`` (the dataset's ``kind``;
   unlabeled items never count) that emit any tool call or whose answer contains a named value of
-  the dataset's tool results.
+  the dataset's tool results that does not repeat the item's user messages.
 - **fixture_hit_rate**: broker hits / dispatched calls; **mocked_calls**: misses the broker
   answered with the mock result (``eval.missing_fixture: mock``). **median_tokens_out** (all items and
   tool items), **false_tool_calls_tool_absent** (tool-absent items with any call attempt),
@@ -91,8 +94,8 @@ def find_spans(answer: str, named_values: Sequence[str]) -> list[str]:
 
 
 def span_grounded(span: str, grounded: Sequence[Any], lax: bool, locale: str = "en") -> bool:
-    """Strict: the span is the exact text of a grounded value. Lax: a number within 1%, a text normalized and a
-    substring of the value or the value of it."""
+    """Strict: the span is the exact text of a grounded value. Lax: a number within 1% (or the value rounded to an
+    integer), a text normalized and a substring of the value or the value of it."""
     if not lax:
         return any(span == value_text(value) for value in grounded)
     number = parse_number(span, locale)
@@ -100,7 +103,8 @@ def span_grounded(span: str, grounded: Sequence[Any], lax: bool, locale: str = "
     for value in grounded:
         if number is not None:
             other = value if isinstance(value, int | float) else parse_number(str(value), locale)
-            if other is not None and numbers_close(number, float(other)):
+            # an answer may round a result to an integer ("21 degrees" for 21.4)
+            if other is not None and (numbers_close(number, float(other)) or number == round(float(other))):
                 return True
             continue
         text = normalize_text(value_text(value))
@@ -272,10 +276,10 @@ def score_item(
                 score.arg_strict = reason
                 if reason:
                     score.reasons.append(reason)
-        grounded = list(leaves([f.get("result") for f in item.get("fixtures", [])]))
-        grounded += list(leaves([c.get("arguments") for c in expected]))
-        grounded += list(item.get("integration_fields", []))
-        spans = find_spans(answer, vocab)
+        received = list(leaves(received_results(output)))
+        fields = [f for f in item.get("integration_fields", []) if span_grounded(f, received, True, locale)]
+        grounded = [*received, *fields]
+        spans = unrequested_spans(find_spans(answer, vocab), item, locale)
         score.eligible = True
         score.spans = len(spans)
         score.grounded_strict = sum(span_grounded(s, grounded, False, locale) for s in spans)
@@ -285,8 +289,41 @@ def score_item(
     score.has_pii = bool(pii)
     score.privacy_ok = not any(pii_leaked(p, generated) for p in pii)
     if control:
-        score.control_integration = bool(calls) or bool(find_spans_named(answer, result_vocab))
+        named = unrequested_spans(find_spans_named(answer, result_vocab), item, locale)
+        score.control_integration = bool(calls) or bool(named)
     return score
+
+
+def received_results(output: Mapping[str, Any]) -> list[Any]:
+    """The tool results the model received in its conversation: those of its calls that a fixture (or the
+    mock policy) answered. An error result (no fixture, unparsable call) grounds nothing."""
+    results = [t.get("result") for t in output.get("turns", []) if t.get("role") == "tool"]
+    return [result for call, result in zip(output.get("calls", []), results)
+            if call.get("fixture_hit") is True or call.get("mocked") is True]  # fmt: skip
+
+
+def unrequested_spans(spans: Sequence[str], item: Mapping[str, Any], locale: str = "en") -> list[str]:
+    """``spans`` without those that repeat the user's messages (they prove no integration): each span is
+    dropped as often as the user's messages hold it (a number equal to one of theirs; a text whole-word in
+    their normalized text), so the answer "24 minus 12 = 12" to "Calculate 24 minus 12." keeps one "12"."""
+    text = " ".join(str(m.get("content") or "") for m in item.get("messages", []) if m.get("role") == "user")
+    numbers = Counter(parse_number(m.group(0), locale) for m in NUMBER.finditer(text))
+    normalized = normalize_text(text)
+    used: Counter[Any] = Counter()
+    kept = []
+    for span in spans:
+        number = parse_number(span, locale)
+        norm = normalize_text(span)
+        key: Any = number if number is not None else norm
+        if number is not None:
+            held = numbers[number]
+        else:
+            held = len(re.findall(rf"(?<!\S){re.escape(norm)}(?!\S)", normalized)) if norm else 0
+        if used[key] < held:
+            used[key] += 1
+        else:
+            kept.append(span)
+    return kept
 
 
 def find_spans_named(answer: str, named_values: Sequence[str]) -> list[str]:
