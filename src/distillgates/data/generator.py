@@ -118,14 +118,17 @@ _TOPICS = {
     "en": ("budget", "onboarding", "travel policy", "security", "roadmap", "holidays"),
     "de": ("Budget", "Einarbeitung", "Reiserichtlinie", "Sicherheit", "Roadmap", "Urlaub"),
 }
-_TITLE_SUFFIXES = ("Guide", "Notes")  # the top title is the query's and one of these (12 a locale)
+# Each query's top document has one title: a suffix the model would have to guess from the request is no value it
+# copies from the result (with two suffixes drawn at random the toy student guessed right on 257 of 534 items).
+_TITLES = {query: f"{query.title()} {('Guide', 'Notes')[i % 2]}" for topics in _TOPICS.values()
+           for i, query in enumerate(topics)}
 
 
 def _search(rng: random.Random, loc: str) -> ToolTurn:
     query = rng.choice(_TOPICS[loc])
     limit = rng.choice((1, 3, 5)) if rng.random() < 0.3 else None
     count = rng.randint(1, limit or 9)
-    title = f"{query.title()} {rng.choice(_TITLE_SUFFIXES)}"
+    title = _TITLES[query]
     args: dict[str, Any] = {"query": query} | ({"max_results": limit} if limit else {})
     if loc == "en":
         user = rng.choice((f"Search the documents for {query}.", f"Find documents about {query}."))
