@@ -108,21 +108,39 @@ def student_items(report: RunArtifacts) -> list[dict[str, Any]]:
 
 
 @pytest.fixture(scope="session")
-def quality_interval(student_items: list[dict[str, Any]]) -> Callable[[str], Interval | None]:
-    """``metric -> Interval``: n and 95% CI of a student quality figure from its per-item outcomes (rates: Wilson
-    over their own denominators, items or calls; the macro F1: a t interval over the eligible items)."""
-    eligible = [row for row in student_items if row["f1_lax"] is not None]
+def drawn_student_items(student_items: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The per-item outcomes behind the student's quality figures: the eval items as drawn, without the top-up
+    that ``data.eval_min_per_shape`` adds for the drift gates (``top_up`` rows)."""
+    return [row for row in student_items if not row.get("top_up")]
 
-    def count(key: str) -> int:
-        return sum(int(row[key]) for row in student_items)
+
+# the gated student figures as counts over per-item rows: (successes, denominator; None: the items)
+_RATES = {"tool_selection": ("selection_ok", None), "privacy_ok_rate": ("privacy_ok", None),
+          "json_validity": ("calls_valid", "calls_emitted"), "fixture_hit_rate": ("fixture_hits", "fixture_calls")}
+
+
+def _counts(rows: list[dict[str, Any]], metric: str) -> tuple[int, int]:
+    hits, total = _RATES[metric]
+    return sum(int(row[hits]) for row in rows), sum(int(row[total]) for row in rows) if total else len(rows)
+
+
+def item_figures(rows: list[dict[str, Any]]) -> dict[str, float | None]:
+    """The student's gated quality figures recomputed from its per-item rows (None: no item to measure)."""
+    f1 = [row["f1_lax"] for row in rows if row["f1_lax"] is not None]
+    rates = {metric: hits / total if total else None for metric in _RATES for hits, total in [_counts(rows, metric)]}
+    return {"f1_lax_macro": sum(f1) / len(f1) if f1 else None, **rates}
+
+
+@pytest.fixture(scope="session")
+def quality_interval(drawn_student_items: list[dict[str, Any]]) -> Callable[[str], Interval | None]:
+    """``metric -> Interval``: n and 95% CI of a student quality figure from the per-item outcomes it summarises
+    (rates: Wilson over their own denominators, items or calls; the macro F1: a t interval over the eligible
+    items)."""
 
     def interval(metric: str) -> Interval | None:
         if metric == "f1_lax_macro":
-            return mean_interval([row["f1_lax"] for row in eligible])
-        hits, total = {"tool_selection": ("selection_ok", None), "privacy_ok_rate": ("privacy_ok", None),
-                       "json_validity": ("calls_valid", "calls_emitted"),
-                       "fixture_hit_rate": ("fixture_hits", "fixture_calls")}[metric]
-        return wilson_interval(count(hits), count(total) if total else len(student_items))
+            return mean_interval([row["f1_lax"] for row in drawn_student_items if row["f1_lax"] is not None])
+        return wilson_interval(*_counts(drawn_student_items, metric))
 
     return interval
 

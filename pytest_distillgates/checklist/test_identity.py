@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import pytest
 
+from pytest_distillgates.fixtures import item_figures
+
 # these read the run as it is (``pipeline_run``): the ``report`` fixture refuses a report of another model
 
 
@@ -36,3 +38,16 @@ def test_packages_are_the_exported_ones(gate, pipeline_run):
     gate.equals("identity.package_sha256", current or "no package", recorded,
                 f"sha256 of every file of each package in {pipeline_run.run.export_dir} (measured; None: missing) "
                 f"equals package_sha256 recorded by the export in {pipeline_run.run.contract} (threshold)")
+
+
+@pytest.mark.determinism
+def test_report_scores_are_the_item_scores(gate, report, student, drawn_student_items):
+    """The quality gates read the report's figures, the drift gates the per-item scores: both must be one scoring
+    of one eval (a report left from before ``distillgates eval`` re-scored the outputs would vouch for the old
+    scoring)."""
+    measured = {metric: round(value, 9) if value is not None else None
+                for metric, value in item_figures(drawn_student_items).items()}
+    reported = {metric: round(student[metric], 9) if student.get(metric) is not None else None for metric in measured}
+    gate.equals("identity.quality.item_scores", measured, reported,
+                f"the student's figures recomputed from {report.run.item_scores} (measured; the items as drawn) equal "
+                f"quality.student of {report.report_path} (threshold); if not, run the report step again")

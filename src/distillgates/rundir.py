@@ -200,7 +200,8 @@ class RunDir:
             raise RunArtifactError(f"{self.item_scores}: expected an object with an 'items' list")
         fields: dict[str, Any] = {"id": str, "shape": str, "f1_lax": (float, type(None)),
                                   "f1_strict": (float, type(None)), "selection_ok": bool, "privacy_ok": bool,
-                                  "calls_emitted": int, "calls_valid": int, "fixture_calls": int, "fixture_hits": int}
+                                  "calls_emitted": int, "calls_valid": int, "fixture_calls": int, "fixture_hits": int,
+                                  "top_up": (bool, type(None))}  # absent (None) before top-up rows were marked
         for i, row in enumerate(rows):
             bad = [k for k, kind in fields.items() if not isinstance(row, dict) or not isinstance(row.get(k), kind)]
             if bad:

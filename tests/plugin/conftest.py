@@ -97,7 +97,8 @@ def good_report() -> dict[str, Any]:
             "config_sha256": "c" * 64, "git_sha": "0" * 40, "created_at": "2026-01-01T00:00:00+00:00",
             "config": run_config(),
         },
-        "quality": {"student": {**metrics(), "slices": slices, "outputs_sha256": GOOD_OUTPUTS_SHA256},
+        "quality": {"student": {**metrics(tool_selection=1.0, f1_lax_macro=59 / 60),  # = good_item_scores()
+                                "slices": slices, "outputs_sha256": GOOD_OUTPUTS_SHA256},
                     "teacher": {**metrics(median_tokens_out=30.0), "slices": copy.deepcopy(slices)}},
         "speed": {
             "backend": "torch", "export": False, "hardware_profile_key": "test",

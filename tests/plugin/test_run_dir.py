@@ -79,6 +79,9 @@ VIOLATIONS = [
      ["test_fingerprint_matches_eval_set[tokenizer_fingerprint]"], "'other'"),
     ("eval_set_replaced", {"header.fingerprints.dataset_sha256": "e" * 64}, "determinism",
      ["test_report_describes_the_eval_set"], "fingerprint.dataset_sha256.eval_set FAILED: measured 'eeee"),
+    # a report left from before the eval step re-scored the outputs: the quality gates would read the old scoring
+    ("report_scored_apart", {"quality.student.f1_lax_macro": 0.95}, "identity",
+     ["test_report_scores_are_the_item_scores"], "if not, run the report step again"),
     ("stale_report", {"header.fingerprints.model_fingerprint": "f" * 64}, "identity",
      ["test_report_describes_the_checkpoint"], f"measured '{'f' * 64}' == threshold"),
     ("longer_outputs", {"quality.student.median_tokens_out": 28.0}, "latency_loss", ["test_median_tokens_out"],
@@ -164,9 +167,24 @@ def test_good_run_passes_every_gate(pytester, gates_project, make_run, own_profi
     common = [f"--run-dir={run}", f"--hw-profile={own_profile}"]
     pytester.runpytest(*BASELINED, *common, "--bless").assert_outcomes(passed=13)
     result = pytester.runpytest("gates", *common, "-rA")
-    result.assert_outcomes(passed=64, deselected=4)
+    result.assert_outcomes(passed=65, deselected=4)
     for name in GATE_FILES:
         assert f"PASSED gates/test_{name}.py::" in result.stdout.str(), name
+
+
+def test_top_up_items_are_not_in_the_quality_figures(pytester, gates_project, make_run, own_profile):
+    """The eval top-up (``data.eval_min_per_shape``) serves the drift gates only: the quality figures, their n and
+    interval, and the identity check are over the items as drawn, however the top-up scored."""
+    gates_project()
+    top_up = [{**row, "id": f"top-{i}", "f1_lax": 0.0, "selection_ok": False, "fixture_hits": 0, "top_up": True}
+              for i, row in enumerate(good_item_scores()[:100])]
+    run = make_run(item_scores=good_item_scores() + top_up)
+    result = pytester.runpytest("gates/test_quality.py", "gates/test_identity.py", f"--run-dir={run}",
+                                f"--hw-profile={own_profile}", "--gate-report=gates.json")
+    result.assert_outcomes(passed=8)
+    checks = {g["name"]: g for g in json.loads((pytester.path / "gates.json").read_text())["gates"]}
+    assert checks["tool_selection"]["n"] == 360 and checks["fixture_hit_rate"]["n"] == 360
+    assert checks["f1_lax_macro"]["n"] == 360 and checks["f1_lax_macro"]["ci"][1] < 1.0
 
 
 @pytest.mark.parametrize(("changes", "gate_file", "expected", "fragment"), [v[1:] for v in VIOLATIONS],

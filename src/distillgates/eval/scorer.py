@@ -64,6 +64,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from distillgates.config import PrivacyConfig
+from distillgates.data.dataset import TOP_UP
 from distillgates.data.tools import canonical_call, item_tools, tools_by_name, validate_call
 from distillgates.eval.matching import (
     NUMBER,
@@ -146,6 +147,7 @@ class ItemScore:
     mocked_calls: int = 0
     tokens_out: int = 0
     ttfa_tokens: int | None = None
+    top_up: bool = False  # an eval top-up item (data.eval_min_per_shape): drift gates only, not the figures
     reasons: list[str] = field(default_factory=list)
 
 
@@ -255,6 +257,7 @@ def score_item(
         fixture_hits=sum(1 for c in calls if c.get("fixture_hit") is True),
         fixture_calls=sum(1 for c in calls if c.get("fixture_hit") is not None),
         mocked_calls=sum(1 for c in calls if c.get("mocked") is True),
+        top_up=bool(item.get(TOP_UP)),
     )
     if tool_item:
         for lax in (False, True):
@@ -363,7 +366,8 @@ def item_rows(scores: Sequence[ItemScore]) -> list[dict[str, Any]]:
              "f1_lax": item_f1(s, strict=False) if s.eligible else None,
              "f1_strict": item_f1(s, strict=True) if s.eligible else None,
              "selection_ok": s.selection_ok, "privacy_ok": s.privacy_ok, "calls_emitted": s.calls_emitted,
-             "calls_valid": s.calls_valid, "fixture_calls": s.fixture_calls, "fixture_hits": s.fixture_hits}
+             "calls_valid": s.calls_valid, "fixture_calls": s.fixture_calls, "fixture_hits": s.fixture_hits,
+             "top_up": s.top_up}
             for s in scores]
 
 
