@@ -547,8 +547,7 @@ def step_eval(cfg: Config, run: RunDir) -> dict[str, Any]:
                                             return_outputs=True, batch_size=batch,
                                             constrained=cfg.eval.constrained_tool_calls, **common)  # fmt: skip
     if len(drawn) < len(items):
-        ids = {str(item["id"]) for item in drawn}
-        student = {**summarize([s for s in scores if s.id in ids]), "fingerprints": student["fingerprints"]}
+        student = {**summarize([s for s in scores if not s.top_up]), "fingerprints": student["fingerprints"]}
     student["outputs_sha256"] = outputs_sha256(outputs)  # the determinism gate checks the shards compared these
     quality = {"student": student, "teacher": evaluate(teacher, drawn, tokenizer, **common)}
     write_outputs(run.eval_outputs, outputs)

@@ -315,13 +315,12 @@ def unrequested_spans(spans: Sequence[str], item: Mapping[str, Any], locale: str
     used: Counter[Any] = Counter()
     kept = []
     for span in spans:
-        number = parse_number(span, locale)
-        norm = normalize_text(span)
-        key: Any = number if number is not None else norm
-        if number is not None:
-            held = numbers[number]
+        key: Any = parse_number(span, locale)
+        if key is not None:
+            held = numbers[key]
         else:
-            held = len(re.findall(rf"(?<!\S){re.escape(norm)}(?!\S)", normalized)) if norm else 0
+            key = normalize_text(span)
+            held = len(re.findall(rf"(?<!\S){re.escape(key)}(?!\S)", normalized)) if key else 0
         if used[key] < held:
             used[key] += 1
         else:
