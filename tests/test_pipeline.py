@@ -258,6 +258,24 @@ def test_each_step_is_keyed_by_its_own_config_fields(tmp_path: Path) -> None:
     assert {n for n in base if base[n] != retrained[n]} == {"teacher", "report"}  # the rest follow its outputs
 
 
+def test_seed_replaces_the_top_level_seed_and_keeps_the_data(tmp_path: Path, monkeypatch) -> None:
+    """``--seed N``: another build of the same task (initialisation and batch order), in runs/<name>-seed<N>; the
+    data (and so the eval set the drift baselines are keyed by) stays."""
+    from distillgates.pipeline import default_run_dir, load_run_config
+
+    config = tiny_config(tmp_path)
+    base, other = load_run_config(config), load_run_config(config, seed=7)
+    assert (base.seed, base.train.seed, base.drafter_train.seed) == (0, 0, 0)
+    assert (other.seed, other.train.seed, other.drafter_train.seed, other.data.seed) == (7, 7, 7, base.data.seed)
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "pyproject.toml").write_text("")
+    assert default_run_dir(other, 7).name == "tiny-seed7" and default_run_dir(base).name == "tiny"
+    assert cli_main(["data", str(config)]) == 0 and cli_main(["data", str(config), "--seed", "7"]) == 0
+    manifests = [json.loads((tmp_path / "runs" / n / "manifest.json").read_text()) for n in ("tiny", "tiny-seed7")]
+    assert manifests[0]["data"]["outputs"] == manifests[1]["data"]["outputs"]  # the same files, byte for byte
+    assert cli_main(["eval", str(config), "--seed", "7"]) == 2  # a step alone: the seed's own run, no student yet
+
+
 def test_the_student_is_retrained_when_its_qat_grid_follows_export_quantize_to_int4(tmp_path: Path) -> None:
     """With QAT on, int8 -> int4 (or another int4 block) changes the student's grid: the student step re-runs; with
     QAT off, or for int8 <-> none (both int8 QAT), only the export step's fingerprint moves."""

@@ -64,6 +64,9 @@ def _add_common(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--run-dir", default=None,
                         help="where artifacts go (default: runs/<config name> in the project); reused across steps")
     parser.add_argument("--force", action="store_true", help="redo the step(s) even if cached results are fresh")
+    parser.add_argument("--seed", type=int, default=None, metavar="N",
+                        help="replace the config's seed and train.seed (the models' initialisation and batch order; "
+                             "the data stay): another build of the same task, in runs/<config name>-seed<N> by default")
 
 
 def build_parser() -> argparse.ArgumentParser:

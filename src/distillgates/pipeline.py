@@ -275,16 +275,32 @@ def set_threads(cfg: Config) -> None:
         torch.set_num_threads(cfg.threads)
 
 
-def default_run_dir(cfg: Config) -> Path:
+def default_run_dir(cfg: Config, seed: int | None = None) -> Path:
     """``runs/<name>`` in the project of the working directory (:meth:`Project.find`: the nearest folder at or
-    above it with ``distillgates.yaml``, ``pyproject.toml`` or ``.git``), where the gates look for it."""
-    return Project.find(Path.cwd()).runs_dir / cfg.name
+    above it with ``distillgates.yaml``, ``pyproject.toml`` or ``.git``), where the gates look for it;
+    ``runs/<name>-seed<N>`` for a run whose seed ``--seed`` set."""
+    return Project.find(Path.cwd()).runs_dir / (cfg.name if seed is None else f"{cfg.name}-seed{seed}")
 
 
-def run_pipeline(config_path: str | Path, run_dir: str | Path | None = None, force: bool = False) -> Path:
-    """Run the whole pipeline; returns the run directory (``reports/report.json`` inside)."""
-    cfg = load_config(config_path)
-    run_dir = Path(run_dir) if run_dir else default_run_dir(cfg)
+def load_run_config(config_path: str | Path | None, seed: int | None = None) -> Config:
+    """The pipeline config, ``seed`` (``--seed``) replacing its top-level ``seed`` (the toy teacher's) and the
+    ``train.seed`` of the student and drafter: their initialisation and batch order. ``data.seed``, and with it the
+    dataset and the eval set, stays, so a build of another seed is gated against the same drift baselines (a
+    stand-in for another machine: docs/benchmarks.md, section 11)."""
+    cfg = load_config(config_path)  # type: ignore[arg-type]
+    if seed is None:
+        return cfg
+    drafter_train = cfg.drafter_train and dataclasses.replace(cfg.drafter_train, seed=seed)
+    return dataclasses.replace(cfg, seed=seed, train=dataclasses.replace(cfg.train, seed=seed),
+                               drafter_train=drafter_train)
+
+
+def run_pipeline(config_path: str | Path, run_dir: str | Path | None = None, force: bool = False,
+                 seed: int | None = None) -> Path:
+    """Run the whole pipeline (``seed``: :func:`load_run_config`); returns the run directory
+    (``reports/report.json`` inside)."""
+    cfg = load_run_config(config_path, seed)
+    run_dir = Path(run_dir) if run_dir else default_run_dir(cfg, seed)
     set_threads(cfg)
     started = time.perf_counter()
     preflight(cfg)
@@ -659,13 +675,13 @@ STEPS: list[Step] = [
 
 
 def cli_run(args: argparse.Namespace) -> int:
-    run_dir = run_pipeline(args.config, args.run_dir, args.force)
+    run_dir = run_pipeline(args.config, args.run_dir, args.force, args.seed)
     return cli_report(argparse.Namespace(path=str(run_dir / "reports" / "report.json"), markdown=None))
 
 
 def cli_step(args: argparse.Namespace) -> int:
-    cfg = load_config(args.config)
-    run_dir = Path(args.run_dir) if args.run_dir else default_run_dir(cfg)
+    cfg = load_run_config(args.config, args.seed)
+    run_dir = Path(args.run_dir) if args.run_dir else default_run_dir(cfg, args.seed)
     set_threads(cfg)
     pipeline = Pipeline(cfg, run_dir, args.force)
     step = next(s for s in STEPS if s.name == args.step)

@@ -126,3 +126,19 @@ def test_trained_tiny_teacher_solves_a_memorized_item(toy_items, tiny_tokenizer,
     assert scored["tool_selection"] == 1.0 and scored["json_validity"] == 1.0
     assert scored["arg_match_strict"] == 1.0 and scored["fixture_hit_rate"] == 1.0
     assert scored["f1_lax_macro"] == 1.0  # the answer states the tool result's values
+
+
+def test_the_toy_teacher_trains_on_the_configured_device(toy_items, tiny_tokenizer, tmp_path):
+    """``device`` reaches the toy teacher as it reaches the student: a GPU the machine lacks is an error, never a
+    silent CPU run; where one exists the teacher trains there and is saved loadable on the CPU."""
+    import dataclasses
+
+    from transformers import LlamaForCausalLM
+
+    cfg = dataclasses.replace(_cfg(tiny_tokenizer, steps=2, warmup_steps=1), device="cuda")
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match=r"sees 0 CUDA device\(s\)"):
+            train_toy_teacher(cfg, tiny_tokenizer, toy_items[:4], tmp_path, seed=0)
+        return
+    train_toy_teacher(cfg, tiny_tokenizer, toy_items[:4], tmp_path, seed=0)
+    assert LlamaForCausalLM.from_pretrained(tmp_path).device.type == "cpu"

@@ -27,6 +27,8 @@ Design choices:
   gradient to attend to them. 200 copy steps (short rows, cheap) first, and the same 600 task
   steps then copy the condition 33/33 and argument values 0.95 (from 0.82). A pretrained LLM
   brings this circuit to a real distillation; the toy teacher gets it here.
+- Trained on ``cfg.device`` (CUDA, MPS or the CPU: :func:`~distillgates.devices.resolve_device`), in float32;
+  saved from the CPU.
 - AdamW, linear warmup then cosine decay to ``min_lr_ratio * lr``; batches are padded to the
   longest sequence in the batch (right padding, padded positions masked out of the loss). The LM
   head runs only at target positions (a third of the tokens; measured 0.28 -> 0.26 s a step).
@@ -49,6 +51,7 @@ import torch.nn.functional as F
 
 from distillgates.config import Config
 from distillgates.data.targets import encode_item
+from distillgates.devices import resolve_device
 from distillgates.hf import hf_config
 from distillgates.io import atomic_write_json
 from distillgates.progress import ProgressBar
@@ -147,7 +150,8 @@ def train_toy_teacher(
             tokenizer, without_system_prompt(train_items), arch.max_seq_len, tcfg.value_weight
         )))
     phases.append((tcfg.steps, rows))
-    model = LlamaForCausalLM(hf_config(arch)).train()
+    device = resolve_device(cfg.device)
+    model = LlamaForCausalLM(hf_config(arch)).to(device).train()  # type: ignore[arg-type]
     decay = [p for n, p in model.named_parameters() if p.ndim >= 2]
     no_decay = [p for n, p in model.named_parameters() if p.ndim < 2]
     optimizer = torch.optim.AdamW(
@@ -168,7 +172,7 @@ def train_toy_teacher(
             order += rng.sample(range(len(rows)), len(rows))  # epochs of shuffled items
         batch, order = order[: tcfg.batch_size], order[tcfg.batch_size :]
         ids, weights = _batch([rows[i] for i in batch], tokenizer.pad_token_id)
-        loss = target_ce(model, ids, weights)
+        loss = target_ce(model, ids.to(device), weights.to(device))
         lr = warmup_cosine(step, peak=tcfg.lr, warmup_steps=tcfg.warmup_steps, total_steps=tcfg.steps,
                            min_lr_ratio=tcfg.min_lr_ratio)  # fmt: skip
         for group in optimizer.param_groups:
@@ -184,7 +188,7 @@ def train_toy_teacher(
     bar.close()
     seconds = time.perf_counter() - start
     out = Path(out_dir)
-    model.eval().save_pretrained(out)
+    model.cpu().eval().save_pretrained(out)
     tokenizer.save_pretrained(out)
     stats = {
         "steps": tcfg.steps,
