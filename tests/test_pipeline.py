@@ -261,10 +261,10 @@ def test_each_step_is_keyed_by_its_own_config_fields(tmp_path: Path) -> None:
 def test_seed_replaces_the_top_level_seed_and_keeps_the_data(tmp_path: Path, monkeypatch) -> None:
     """``--seed N``: another build of the same task (initialisation and batch order), in runs/<name>-seed<N>; the
     data (and so the eval set the drift baselines are keyed by) stays."""
-    from distillgates.pipeline import default_run_dir, load_run_config
+    from distillgates.pipeline import default_run_dir, load_run
 
     config = tiny_config(tmp_path)
-    base, other = load_run_config(config), load_run_config(config, seed=7)
+    (base, _), (other, _) = load_run(config), load_run(config, seed=7)
     assert (base.seed, base.train.seed, base.drafter_train.seed) == (0, 0, 0)
     assert (other.seed, other.train.seed, other.drafter_train.seed, other.data.seed) == (7, 7, 7, base.data.seed)
     monkeypatch.chdir(tmp_path)

@@ -282,25 +282,27 @@ def default_run_dir(cfg: Config, seed: int | None = None) -> Path:
     return Project.find(Path.cwd()).runs_dir / (cfg.name if seed is None else f"{cfg.name}-seed{seed}")
 
 
-def load_run_config(config_path: str | Path | None, seed: int | None = None) -> Config:
-    """The pipeline config, ``seed`` (``--seed``) replacing its top-level ``seed`` (the toy teacher's) and the
-    ``train.seed`` of the student and drafter: their initialisation and batch order. ``data.seed``, and with it the
-    dataset and the eval set, stays, so a build of another seed is gated against the same drift baselines (a
-    stand-in for another machine: docs/benchmarks.md, section 11)."""
-    cfg = load_config(config_path)  # type: ignore[arg-type]
-    if seed is None:
-        return cfg
-    drafter_train = cfg.drafter_train and dataclasses.replace(cfg.drafter_train, seed=seed)
-    return dataclasses.replace(cfg, seed=seed, train=dataclasses.replace(cfg.train, seed=seed),
-                               drafter_train=drafter_train)
+def load_run(config_path: str | Path, run_dir: str | Path | None = None,
+             seed: int | None = None) -> tuple[Config, Path]:
+    """The pipeline config and its run directory (``run_dir``, else :func:`default_run_dir`).
+
+    ``seed`` (``--seed``) replaces the config's top-level ``seed`` (the toy teacher's) and the ``train.seed`` of the
+    student and drafter: their initialisation and batch order. ``data.seed``, and with it the dataset and the eval
+    set, stays, so a build of another seed is gated against the same drift baselines (a stand-in for another
+    machine: docs/benchmarks.md, section 11)."""
+    cfg = load_config(config_path)
+    if seed is not None:
+        drafter_train = cfg.drafter_train and dataclasses.replace(cfg.drafter_train, seed=seed)
+        cfg = dataclasses.replace(cfg, seed=seed, train=dataclasses.replace(cfg.train, seed=seed),
+                                  drafter_train=drafter_train)
+    return cfg, Path(run_dir) if run_dir else default_run_dir(cfg, seed)
 
 
 def run_pipeline(config_path: str | Path, run_dir: str | Path | None = None, force: bool = False,
                  seed: int | None = None) -> Path:
-    """Run the whole pipeline (``seed``: :func:`load_run_config`); returns the run directory
-    (``reports/report.json`` inside)."""
-    cfg = load_run_config(config_path, seed)
-    run_dir = Path(run_dir) if run_dir else default_run_dir(cfg, seed)
+    """Run the whole pipeline (``seed``: :func:`load_run`); returns the run directory (``reports/report.json``
+    inside)."""
+    cfg, run_dir = load_run(config_path, run_dir, seed)
     set_threads(cfg)
     started = time.perf_counter()
     preflight(cfg)
@@ -680,8 +682,7 @@ def cli_run(args: argparse.Namespace) -> int:
 
 
 def cli_step(args: argparse.Namespace) -> int:
-    cfg = load_run_config(args.config, args.seed)
-    run_dir = Path(args.run_dir) if args.run_dir else default_run_dir(cfg, args.seed)
+    cfg, run_dir = load_run(args.config, args.run_dir, args.seed)
     set_threads(cfg)
     pipeline = Pipeline(cfg, run_dir, args.force)
     step = next(s for s in STEPS if s.name == args.step)
