@@ -24,7 +24,7 @@ run: setup
 	$(BIN)/distillgates run $(CONFIG)
 
 # tests/, then the acceptance checklist (pytest_distillgates/checklist/, shipped with the plugin) on runs/toy
-# (built once, ~10 min, unless `make run` made it).
+# (built once, ~30 min on a 2-core VM, unless `make run` made it).
 test: setup
 	$(BIN)/ruff check .
 	$(BIN)/mypy src/distillgates
@@ -34,7 +34,7 @@ test: setup
 unit: setup
 	$(BIN)/python -m pytest -q -m "not integration" tests
 
-# The acceptance checklist on the toy pipeline (runs/toy: reuses `make run`'s fresh steps, else ~10 min on 2 cores).
+# The acceptance checklist on the toy pipeline (runs/toy: reuses `make run`'s fresh steps, else ~30 min on a 2-core VM).
 gates: setup
 	$(BIN)/python -m pytest pytest_distillgates/checklist
 
