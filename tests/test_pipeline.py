@@ -276,6 +276,22 @@ def test_seed_replaces_the_top_level_seed_and_keeps_the_data(tmp_path: Path, mon
     assert cli_main(["eval", str(config), "--seed", "7"]) == 2  # a step alone: the seed's own run, no student yet
 
 
+def test_the_committed_drift_baselines_are_another_builds_than_the_one_make_test_gates() -> None:
+    """``make test`` gates runs/toy (the toy at its own seed) against baselines/common, blessed from a build of
+    another seed (runs/toy-seed1): every CI run gates one build against another, as a machine of another CPU kind
+    does (issue #40; docs/benchmarks.md, section 11). Re-bless with ``distillgates run --seed 1``, then
+    ``pytest pytest_distillgates/checklist --run-dir runs/toy-seed1 --bless -m "f1_drift or shape_drift"``."""
+    from distillgates.pipeline import load_run
+
+    root = Path(__file__).parents[1]
+    (toy, _), (other, _) = load_run(TOY, root / "runs" / "toy"), load_run(TOY, root / "runs" / "toy-seed1", seed=1)
+    assert toy.fingerprint() != other.fingerprint()
+    for group in ("f1_drift", "shape_drift"):
+        entries = json.loads((root / "baselines" / "common" / f"{group}.json").read_text())["entries"]
+        blessed = {entry["provenance"]["config_sha256"] for entry in entries.values()}
+        assert blessed == {other.fingerprint()}, f"baselines/common/{group}.json: not the toy's --seed 1 build"
+
+
 def test_the_student_is_retrained_when_its_qat_grid_follows_export_quantize_to_int4(tmp_path: Path) -> None:
     """With QAT on, int8 -> int4 (or another int4 block) changes the student's grid: the student step re-runs; with
     QAT off, or for int8 <-> none (both int8 QAT), only the export step's fingerprint moves."""
