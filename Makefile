@@ -24,7 +24,8 @@ run: setup
 	$(BIN)/distillgates run $(CONFIG)
 
 # tests/, then the acceptance checklist (pytest_distillgates/checklist/, shipped with the plugin) on runs/toy
-# (built once, ~30 min on a 2-core VM, unless `make run` made it).
+# (built once, ~30 min on a 2-core VM, unless `make run` made it), its drift gated against baselines blessed from
+# another build (the toy's --seed 1: baselines/common/).
 test: setup
 	$(BIN)/ruff check .
 	$(BIN)/mypy src/distillgates
