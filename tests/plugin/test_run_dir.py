@@ -26,7 +26,7 @@ def lose_f1(field: str, shapes: list[str] | tuple[str, ...], n_per_shape: int = 
     return rows
 
 GATE_FILES = ["quality", "f1_drift", "privacy", "determinism", "identity", "latency_loss", "shape_drift", "qat_cosine",
-              "export", "ane_residency", "coreml_parity", "prompt_cache", "speculative"]
+              "export", "ane_residency", "coreml_parity", "coreai_parity", "prompt_cache", "speculative"]
 BASELINED = ["gates/test_f1_drift.py", "gates/test_shape_drift.py", "gates/test_ane_residency.py"]
 
 # (id, {dotted report key: value}, gate file, failing tests, fragment of the failure message)
@@ -142,6 +142,14 @@ VIOLATIONS = [
      ["test_coreml_parity[256]"], "coreml.cosine[shape=256] FAILED: measured None"),
     ("coreml_decode_mismatch", {"gate_inputs.coreml_parity.decode_cosine": [0.9999, 0.95]}, "coreml_parity",
      ["test_coreml_decode_parity"], "coreml.decode_cosine_min FAILED: measured 0.95"),
+    ("coreai_mismatch", {"gate_inputs.coreai_parity.cosine_by_shape.128": 0.99}, "coreai_parity",
+     ["test_coreai_parity[128]"], "coreai.cosine[shape=128] FAILED: measured 0.99 >= "),
+    ("coreai_shape_missing", {"gate_inputs.coreai_parity.cosine_by_shape.256": DELETE}, "coreai_parity",
+     ["test_coreai_parity[256]"], "coreai.cosine[shape=256] FAILED: measured None"),
+    ("coreai_decode_mismatch", {"gate_inputs.coreai_parity.decode_cosine": [0.9999, 0.95]}, "coreai_parity",
+     ["test_coreai_decode_parity"], "coreai.decode_cosine_min FAILED: measured 0.95"),
+    ("coreai_argmax_flips", {"gate_inputs.coreai_parity.top1_agreement": 0.9}, "coreai_parity",
+     ["test_coreai_top1_agreement"], "coreai.top1_agreement FAILED: measured 0.9 >= "),
     ("prompt_cache_slow", {"gate_inputs.prompt_cache.ttft_hit_ms": [9.0, 9.5, 10.0]}, "prompt_cache",
      ["test_ttft_reduction"], "prompt_cache.ttft_reduction"),
     ("prompt_cache_misses", {"gate_inputs.prompt_cache.hit_rate": 0.5}, "prompt_cache", ["test_hit_rate"], "0.5"),
@@ -167,7 +175,7 @@ def test_good_run_passes_every_gate(pytester, gates_project, make_run, own_profi
     common = [f"--run-dir={run}", f"--hw-profile={own_profile}"]
     pytester.runpytest(*BASELINED, *common, "--bless").assert_outcomes(passed=13)
     result = pytester.runpytest("gates", *common, "-rA")
-    result.assert_outcomes(passed=65, deselected=4)
+    result.assert_outcomes(passed=70, deselected=4)
     for name in GATE_FILES:
         assert f"PASSED gates/test_{name}.py::" in result.stdout.str(), name
 
@@ -346,6 +354,34 @@ def test_coreml_parity_gates_need_a_mac_export(pytester, gates_project, make_run
     else:
         result.assert_outcomes(skipped=1 + len(SHAPES))
         assert "Core ML parity is measured only by MLModel.predict (macOS)" in result.stdout.str()
+
+
+@pytest.mark.parametrize(("recorded", "reason"), [
+    (DELETE, "export.target coreml"),
+    ({"skipped": "Core AI needs the coreai extra (coreai_torch is not installed): pip install 'distillgates[coreai]'"},
+     "the export skipped Core AI: Core AI needs the coreai extra"),
+], ids=["target_coreml", "extra_missing"])
+def test_coreai_parity_gates_skip_naming_why_no_asset_was_exported(pytester, gates_project, make_run, own_profile,
+                                                                   recorded, reason):
+    """No Core AI figure: a run exported with target coreml, or without the coreai extra (the export recorded why).
+    The gates skip, saying which; they never pass without a measurement."""
+    gates_project()
+    run = make_run("no_coreai", **{"gate_inputs.coreai_parity": recorded})
+    result = pytester.runpytest("gates/test_coreai_parity.py", f"--run-dir={run}", f"--hw-profile={own_profile}",
+                                "-rs")
+    result.assert_outcomes(skipped=2 + len(SHAPES))
+    assert reason in result.stdout.str()
+
+
+def test_an_aimodel_changed_since_the_export_fails_its_parity_gates(pytester, gates_project, make_run, own_profile):
+    """The parity figures describe the asset the export measured: a swapped or corrupted ``model.aimodel`` is an
+    error naming it, not a pass on the old figures."""
+    gates_project()
+    run = make_run("swapped_aimodel")
+    (RunDir(run).export_dir / "model.aimodel" / "Data" / "weight.bin").write_bytes(b"another model")
+    result = pytester.runpytest("gates/test_coreai_parity.py", f"--run-dir={run}", f"--hw-profile={own_profile}")
+    result.assert_outcomes(errors=2 + len(SHAPES))
+    assert "model.aimodel: sha256" in result.stdout.str()
 
 
 def test_malformed_item_scores_fail_the_drift_gates_naming_file_and_row(pytester, gates_project, make_run, own_profile):

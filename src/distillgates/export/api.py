@@ -4,7 +4,10 @@ Run-directory layout (contract.md): ``export/model.mlpackage`` (functions ``pref
 enumerated length and ``decode``, weights stored once), ``export/contract.json`` and
 ``export/ane_lint.json`` (the ANE op-eligibility lint), plus on macOS ``export/ane_residency.json``
 (``MLComputePlan``, per function) and ``export/coreml_parity.json`` (Core ML's own logits vs
-PyTorch, ``MLModel.predict``).
+PyTorch, ``MLModel.predict``). With ``export.target: both`` also ``export/model.aimodel`` (Core AI,
+:mod:`distillgates.export.coreai`): the same functions, run by Core AI's runtime here (Linux too) for
+its parity gate (``gate_inputs.coreai_parity``); without the coreai extra it is recorded as skipped,
+with the reason (``contract.coreai.skipped``).
 
 One package, as Apple's LLM guide and ANEMLL ship them: each function is converted (and
 compressed) on its own, saved to a scratch package, and ``save_multifunction`` joins them; its const
@@ -24,6 +27,8 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import importlib.metadata
+import logging
 import shutil
 import sys
 import tempfile
@@ -53,7 +58,16 @@ from distillgates.export.convert import (
     export_program,
     input_second_moments,
 )
-from distillgates.export.functions import DECODE, PACKAGE, function_kind, function_names, prefill_function
+from distillgates.export.coreai import coreai_parity, export_coreai
+from distillgates.export.functions import (
+    ASSET,
+    COREAI_SOURCE,
+    DECODE,
+    PACKAGE,
+    function_kind,
+    function_names,
+    prefill_function,
+)
 from distillgates.export.layout import build_layout, logits_names
 from distillgates.export.lint import ane_op_lint, run_lints
 from distillgates.export.parity import program_parity
@@ -67,12 +81,18 @@ from distillgates.export.roundtrip import (
 from distillgates.export.wrappers import DecodeModule, PrefillModule
 from distillgates.io import atomic_write_json, tree_sha256
 from distillgates.model import Transformer, load_model, model_fingerprint
+from distillgates.runtime.coreai_engine import unavailable
+
+log = logging.getLogger(__name__)
 
 KINDS = ("prefill", "decode")
 # ExportResult.seconds: our int8/int4 grids, torch.export, coremltools.convert, coremltools compression of what is
 # left, saving the functions and joining them (save_multifunction), reading the package back (spec + dequantized
 # weights), the parity runs, the lints
 PHASES = ("weight_grids", "torch_export", "convert", "compress", "save_multifunction", "read_back", "parity", "lint")
+# and with target both, Core AI's: coreai-opt compression, torch.export + coreai-torch conversion (with saving the
+# asset), the asset's parity run by Core AI's runtime (in a worker process)
+COREAI_PHASES = ("coreai_compress", "coreai_convert", "coreai_parity")
 
 
 @dataclasses.dataclass
@@ -86,6 +106,7 @@ class ExportResult:
     contract: dict[str, Any]
     lint: dict[str, list[str]]  # lint name -> messages (all empty: clean)
     ane: dict[str, Any]  # gate_inputs.ane_lint; on macOS also .ane_residency (per function) and .coreml_parity
+    coreai: dict[str, Any]  # gate_inputs.coreai_parity ({} with target coreml; {"skipped": reason} without the extra)
     parity: dict[str, Any]  # shipped weights vs eager (source, cosine_by_shape, decode_cosine)
     qat_exact: list[str]  # weights exported on their own int8 grid (no re-quantization)
     errors: list[str]  # every reason the export fails (lints, parity, contract, weights not shared)
@@ -105,6 +126,7 @@ class ExportResult:
                 "contract_ok": self.contract["ok"],
             },
             **self.ane,
+            **({"coreai_parity": self.coreai} if self.coreai else {}),
         }
 
 
@@ -209,8 +231,10 @@ def export_transformer(
     with _timed(seconds, "save_multifunction"):
         save_functions(models, package)
     packages = {PACKAGE: package}
-    for stale in set(out.glob("*.mlpackage")) - set(packages.values()):  # an earlier layout's (prefill/decode)
-        shutil.rmtree(stale)
+    coreai, coreai_section = _export_coreai(model, export_cfg, lengths, out, seconds)
+    shipped_paths = [*packages.values(), *([out / ASSET] if "path" in coreai_section else [])]
+    for stale in (set(out.glob("*.mlpackage")) | set(out.glob("*.aimodel"))) - set(shipped_paths):
+        shutil.rmtree(stale)  # an earlier layout's (prefill/decode), or an asset of an earlier target
     with _timed(seconds, "read_back"):
         described = describe_package(package)  # read back from disk
         stored = package_weights(package)  # function -> dequantized weights, read back from disk
@@ -237,9 +261,11 @@ def export_transformer(
         "tokenizer_fingerprint": tokenizer_fingerprint,
         "export": to_dict(export_cfg),
         "qat_exact_weights": qat_exact,
-        "versions": {"coremltools": ct.__version__, "torch": torch.__version__},
-        # every package as saved (every file in it): the identity gate and the Core ML speed worker check them
-        "package_sha256": {path.name: tree_sha256(path) for path in packages.values()},
+        "versions": {"coremltools": ct.__version__, "torch": torch.__version__, **coreai_section.pop("versions", {})},
+        # every package as saved (every file in it), the .aimodel too: the identity gate and the Core ML speed worker
+        # check them
+        "package_sha256": {path.name: tree_sha256(path) for path in shipped_paths},
+        **({"coreai": coreai_section} if coreai_section else {}),
     }
     contract["kv"]["shared_state"] = shared_state(contract["packages"])
     contract_errors = verify_contract(contract, cfg, lengths)
@@ -267,11 +293,40 @@ def export_transformer(
     if min(parity["decode_cosine"], default=1.0) < cosine_min:
         worst = min(parity["decode_cosine"])
         errors.append(f"{package.name} decode weights ({SOURCE}) vs eager cosine below {cosine_min}: {worst:.6f}")
-    result = ExportResult(out, packages, contract_path, ane_path, contract, lint, ane, parity, qat_exact, errors,
-                          seconds)  # fmt: skip
+    result = ExportResult(out, packages, contract_path, ane_path, contract, lint, ane, coreai, parity, qat_exact,
+                          errors, seconds)  # fmt: skip
     if errors and raise_on_error:
         raise ExportError("export failed:\n  " + "\n  ".join(errors))
     return result
+
+
+def _export_coreai(
+    model: Transformer, export_cfg: ExportConfig, lengths: list[int], out: Path, seconds: dict[str, float]
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """With ``target: both``: ``out/model.aimodel`` and its parity run by Core AI's runtime;
+    ``(gate_inputs.coreai_parity, contract.coreai)``, both ``{"skipped": reason}`` without the coreai extra,
+    both ``{}`` with target coreml."""
+    if export_cfg.target != "both":
+        return {}, {}
+    reason = unavailable()
+    if reason is not None:
+        log.warning("export.target both: %s; exported Core ML only", reason)
+        return {"skipped": reason}, {"skipped": reason}
+    made = export_coreai(model, export_cfg, lengths, out)
+    seconds.update({f"coreai_{phase}": s for phase, s in made["seconds"].items()})
+    with _timed(seconds, "coreai_parity"):
+        measured = coreai_parity(made["path"], model, lengths)
+    functions = measured.pop("functions")
+    for name, fn in functions.items():
+        fn["kind"] = function_kind(name)
+        fn["logits"] = logits_semantics(function_kind(name), model.config.vocab_size)
+    compressed_by = "coreai-opt" if export_cfg.quantize != "none" else None
+    section = {"path": ASSET, "functions": functions, "compute_precision": export_cfg.compute_precision,
+               "quantize": export_cfg.quantize, "compressed_by": compressed_by,
+               "versions": {name: importlib.metadata.version(name) for name in ("coreai-torch", "coreai-core",
+                                                                                "coreai-opt")}}  # fmt: skip
+    gate = {"source": COREAI_SOURCE, **measured}
+    return gate, section
 
 
 def export_model(

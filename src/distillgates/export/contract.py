@@ -103,20 +103,22 @@ def kv_layout(cfg: ModelConfig, bytes_per_elem: int = 2) -> dict[str, Any]:
     }
 
 
-def verify_contract(contract: dict[str, Any], cfg: ModelConfig, lengths: list[int]) -> list[str]:
-    """Mismatches between a contract and what the model config and shapes require (empty: ok)."""
+def function_errors(packages: dict[str, Any], cfg: ModelConfig, lengths: list[int], where: str = "") -> list[str]:
+    """Mismatches between the functions ``packages`` list (``{name: {"functions": ...}}``) and what the model
+    config and shapes require: one ``prefill_<L>`` per enumerated length and ``decode``, their input, output
+    and state names, int32 inputs, shapes; each message starts with ``where``."""
     errors = []
     kv = kv_layout(cfg)
     wanted = function_names(lengths)
-    listed = [name for pkg in contract["packages"].values() for name in pkg.get("functions", {})]
+    functions = {name: fn for pkg in packages.values() for name, fn in pkg.get("functions", {}).items()}
+    listed = [name for pkg in packages.values() for name in pkg.get("functions", {})]
     if sorted(listed) != sorted(wanted):
         errors.append(f"functions {sorted(listed)} != {sorted(wanted)} (one prefill_<L> per enumerated length, decode)")
     for name in wanted:
-        found = find_function(contract, name)
-        if found is None:
+        if name not in functions:
             errors.append(f"{name}: function missing from the contract")
             continue
-        fn, kind = found[1], function_kind(name)
+        fn, kind = functions[name], function_kind(name)
         expected = expected_io(kind, cfg.vocab_size)
         for side in ("inputs", "outputs"):
             names = [f["name"] for f in fn[side]]
@@ -137,6 +139,18 @@ def verify_contract(contract: dict[str, Any], cfg: ModelConfig, lengths: list[in
         if widths != head_widths(cfg.vocab_size) or sum(widths) != cfg.vocab_size:
             errors.append(f"{name}: logits last dims {widths}, expected {head_widths(cfg.vocab_size)} "
                           f"(summing to the vocabulary, {cfg.vocab_size})")  # fmt: skip
+    return [where + m for m in errors]
+
+
+def verify_contract(contract: dict[str, Any], cfg: ModelConfig, lengths: list[int]) -> list[str]:
+    """Mismatches between a contract and what the model config and shapes require (empty: ok); the Core AI
+    asset's functions (``coreai``, target both) are held to the same requirements, and must share one state."""
+    errors = function_errors(contract["packages"], cfg, lengths)
+    coreai = contract.get("coreai", {})
+    if "functions" in coreai:
+        errors += function_errors({"coreai": coreai}, cfg, lengths, where=f"{coreai.get('path')}: ")
+        if not shared_state({"coreai": coreai}):
+            errors.append(f"{coreai.get('path')}: its functions do not declare the same states")
     if contract.get("enumerated_lengths") != sorted(lengths):
         errors.append(f"enumerated lengths {contract.get('enumerated_lengths')} != {sorted(lengths)}")
     if contract["kv"].get("shared_state") != shared_state(contract["packages"]):

@@ -2,13 +2,17 @@
 checklist and the runtime can import it.
 
 The export writes one multifunction package, ``model.mlpackage``: a static ``prefill_<L>`` function
-per enumerated prompt length ``L``, and ``decode`` (the default function).
+per enumerated prompt length ``L``, and ``decode`` (the default function); with ``export.target: both``
+also ``model.aimodel``, Core AI's asset with the same functions.
 """
 
 from __future__ import annotations
 
 PACKAGE = "model"  # the package's name in contract.json; its file is ``model.mlpackage``
 DECODE = "decode"
+ASSET = f"{PACKAGE}.aimodel"  # the Core AI asset (export.target both)
+# what gate_inputs.coreai_parity measured: the saved asset itself, every function, run by Core AI's runtime
+COREAI_SOURCE = "model.aimodel run by Core AI's runtime (coreai-core; on Linux its reference runtime) vs eager PyTorch"
 
 
 def prefill_function(length: int) -> str:

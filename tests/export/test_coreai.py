@@ -1,0 +1,180 @@
+"""The Core AI target (export.target both): model.aimodel converted by coreai-torch, compressed by coreai-opt, and run
+here by Core AI's runtime (coreai-core's Linux reference runtime) in a worker process.
+
+Real conversions and a real runtime (no stand-in): every test skips, naming the coreai extra, where it is not
+installed (coreai-core has wheels for Linux x86-64 and macOS 26+ arm64 only).
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from distillgates.export.api import ExportResult, export_model
+from distillgates.export.contract import verify_contract
+from distillgates.export.functions import ASSET, COREAI_SOURCE, DECODE, function_names, prefill_function
+from distillgates.io import tree_sha256
+from distillgates.model import load_model
+from distillgates.rundir import RunArtifactError, RunDir
+from distillgates.runtime.coreai_engine import CoreAIRuntimeError, CoreAIWorker, open_engine, unavailable
+from distillgates.runtime.torch_engine import TorchEngine
+
+from .conftest import LENGTHS, TOKENIZER_FP, pipeline_config
+
+pytestmark = [pytest.mark.integration,
+              pytest.mark.skipif(unavailable() is not None, reason=str(unavailable()))]  # fmt: skip
+
+
+@pytest.fixture(scope="session")
+def coreai_fp32(tiny_ckpt: Path, tmp_path_factory: pytest.TempPathFactory) -> ExportResult:
+    """fp32, uncompressed: the asset must compute what eager PyTorch does."""
+    cfg = pipeline_config(target="both", quantize="none", compute_precision="fp32")
+    return export_model(tiny_ckpt, cfg, tmp_path_factory.mktemp("coreai_fp32"), TOKENIZER_FP)
+
+
+@pytest.fixture(scope="session")
+def coreai_toy(tiny_ckpt: Path, tmp_path_factory: pytest.TempPathFactory) -> ExportResult:
+    """The toy's settings: fp16 compute (the ANE's), int8 per-channel weights by coreai-opt."""
+    cfg = pipeline_config(target="both", quantize="int8", compute_precision="fp16")
+    return export_model(tiny_ckpt, cfg, tmp_path_factory.mktemp("coreai_toy"), TOKENIZER_FP)
+
+
+def test_one_asset_holds_every_function_sharing_one_state(coreai_fp32: ExportResult, tiny_ckpt: Path) -> None:
+    contract = json.loads(coreai_fp32.contract_path.read_text())
+    section = contract["coreai"]
+    asset = coreai_fp32.out_dir / ASSET
+    assert section["path"] == ASSET and asset.is_dir()
+    assert sorted(section["functions"]) == sorted(function_names(LENGTHS))  # as the runtime reads them from the asset
+    states = [fn["states"] for fn in section["functions"].values()]
+    assert all(s == states[0] for s in states) and len(states[0]) == 2 * load_model(tiny_ckpt).config.n_layers
+    assert section["functions"][DECODE]["inputs"] == [{"name": "input_ids", "dtype": "INT32", "shape": [1, 1]},
+                                                      {"name": "position", "dtype": "INT32", "shape": [1]}]
+    assert verify_contract(contract, load_model(tiny_ckpt).config, LENGTHS) == []
+    # the digests cover the asset as they cover the package: the identity gate checks both
+    assert contract["package_sha256"] == {"model.mlpackage": tree_sha256(coreai_fp32.packages["model"]),
+                                          ASSET: tree_sha256(asset)}
+    # weights stored once for the 3 functions: one fp32 copy of the parameters plus the programs (this tiny model:
+    # 145 KB for 83 KB of parameters; the toy's student: 3.3 MB for 3.2 MB), never 3 copies
+    params = sum(p.numel() for p in load_model(tiny_ckpt).parameters()) * 4
+    size = sum(f.stat().st_size for f in asset.rglob("*") if f.is_file())
+    assert params < size < 2 * params, (size, params)
+
+
+def test_contract_verification_holds_the_asset_to_the_functions(coreai_fp32: ExportResult, tiny_ckpt: Path) -> None:
+    contract = json.loads(coreai_fp32.contract_path.read_text())
+    contract["coreai"]["functions"][DECODE]["inputs"][1]["name"] = "pos"
+    del contract["coreai"]["functions"][prefill_function(LENGTHS[0])]
+    errors = verify_contract(contract, load_model(tiny_ckpt).config, LENGTHS)
+    assert any(e.startswith(f"{ASSET}: decode: inputs are ['input_ids', 'pos']") for e in errors), errors
+    assert any(e.startswith(f"{ASSET}: functions ") for e in errors), errors
+
+
+@pytest.mark.parametrize("precision", ["fp32", "toy"])
+def test_the_asset_matches_eager_in_every_function(precision: str, coreai_fp32, coreai_toy) -> None:
+    """Every prefill length, padded and not, and 16 decode steps in the shared state, by cosine and argmax: in fp32
+    and in the toy's fp16 compute with int8 weights."""
+    result = {"fp32": coreai_fp32, "toy": coreai_toy}[precision]
+    parity = result.gate_inputs["coreai_parity"]  # what the coreai_parity gates read
+    assert parity["source"] == COREAI_SOURCE
+    assert sorted(parity["cosine_by_shape"]) == sorted(str(n) for n in LENGTHS)
+    assert min(parity["cosine_by_shape"].values()) >= 0.999 and len(parity["decode_cosine"]) == 16
+    assert min(parity["decode_cosine"]) >= 0.999 and parity["top1_agreement"] >= 0.95
+    if precision == "fp32":
+        assert min(parity["cosine_by_shape"].values()) > 0.999999 and parity["top1_agreement"] == 1.0
+    else:
+        contract = json.loads(result.contract_path.read_text())["coreai"]
+        assert contract["compressed_by"] == "coreai-opt" and contract["quantize"] == "int8"
+        assert {s["dtype"] for s in contract["functions"][DECODE]["states"]} == {"FLOAT16"}
+
+
+def test_a_perturbed_weight_fails_parity(tiny_ckpt: Path, tmp_path: Path) -> None:
+    """The injected violation: the asset shipped from a model whose one weight moved, gated against the checkpoint."""
+    from distillgates.config import ExportConfig
+    from distillgates.export.coreai import coreai_parity, export_coreai
+
+    model = load_model(tiny_ckpt)
+    perturbed = load_model(tiny_ckpt)
+    with torch.no_grad():
+        perturbed.layers[0].mlp.down_proj.weight.mul_(3.0)
+    made = export_coreai(perturbed, ExportConfig(compute_precision="fp32"), LENGTHS, tmp_path)
+    parity = coreai_parity(made["path"], model, LENGTHS)
+    assert min(parity["cosine_by_shape"].values()) < 0.999 and min(parity["decode_cosine"]) < 0.999
+
+
+def test_the_engine_over_the_asset_decodes_as_pytorch(coreai_fp32: ExportResult, tiny_ckpt: Path) -> None:
+    """Greedy generation through the asset (prefill padded to an enumerated length, then decode and a multi-turn
+    extend, all in the worker's one state) gives PyTorch's tokens."""
+    model = load_model(tiny_ckpt)
+    engine, worker = open_engine(coreai_fp32.out_dir)
+    with worker:
+        for prompt in ([5, 9, 3], list(range(1, 21))):
+            want = list(TorchEngine(model).generate(prompt, max_new_tokens=8))
+            assert list(engine.generate(prompt, max_new_tokens=8)) == want
+        torch_engine = TorchEngine(model)
+        list(torch_engine.generate([7, 8], max_new_tokens=3))
+        list(engine.generate([7, 8], max_new_tokens=3))
+        assert list(engine.continue_generate([11, 12], max_new_tokens=5)) == list(
+            torch_engine.continue_generate([11, 12], max_new_tokens=5))
+
+
+def test_a_runtime_fatal_error_is_an_error_naming_the_function_and_call(tiny_ckpt: Path, tmp_path: Path) -> None:
+    """The decode Core ML gets (an index_put, ``slice_update``) aborts Core AI's runtime (a Swift fatal error): the
+    worker dies, the caller gets an error naming the asset, the function, the call and the runtime's message."""
+    import coreai_torch
+
+    from distillgates.export.convert import example_inputs
+    from distillgates.export.layout import build_layout
+    from distillgates.export.wrappers import DecodeModule, state_names
+
+    model = load_model(tiny_ckpt)
+    module = DecodeModule(build_layout(model, "standard"), kv_write="slice_update").eval()
+    with torch.no_grad():
+        program = torch.export.export(module, example_inputs("decode", 1))
+        program = program.run_decompositions(coreai_torch.get_decomp_table())
+    converter = coreai_torch.TorchConverter(mode=coreai_torch.TorchConverter.Mode.RELEASE)
+    converter.add_exported_program(program, input_names=["input_ids", "position"], output_names=["logits"],
+                                   state_names=state_names(model.config.n_layers), entrypoint_name=DECODE)
+    converter.to_coreai().save_asset(tmp_path / ASSET)
+    died = r"died \(exit code .*\) in function 'decode', call 1: .*Fatal error"
+    with CoreAIWorker(tmp_path / ASSET) as worker, pytest.raises(CoreAIRuntimeError, match=died):
+        worker.call(DECODE, {"input_ids": np.zeros((1, 1)), "position": np.array([1])})
+
+
+def test_a_corrupted_asset_is_an_error_and_fails_the_identity_check(coreai_fp32: ExportResult,
+                                                                    tmp_path: Path) -> None:
+    run = RunDir(tmp_path / "run")
+    shutil.copytree(coreai_fp32.out_dir, run.export_dir)
+    assert set(run.verify_packages()) == {"model.mlpackage", ASSET}
+    bytecode = next(p for p in (run.export_dir / ASSET).iterdir() if p.suffix == ".mlirb")
+    bytecode.write_bytes(bytecode.read_bytes()[: len(bytecode.read_bytes()) // 2])  # a truncated program
+    with pytest.raises(RunArtifactError, match=f"{ASSET}: sha256"):
+        run.verify_packages()
+    with pytest.raises(CoreAIRuntimeError, match=f"{ASSET}: the Core AI runtime"):
+        CoreAIWorker(run.export_dir / ASSET).close()
+
+
+def test_without_the_extra_the_export_records_why_and_ships_core_ml(tiny_ckpt: Path, tmp_path: Path,
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    reason = "Core AI needs the coreai extra (coreai_torch is not installed): pip install 'distillgates[coreai]'"
+    monkeypatch.setattr("distillgates.export.api.unavailable", lambda: reason)
+    result = export_model(tiny_ckpt, pipeline_config(target="both"), tmp_path, TOKENIZER_FP)
+    assert result.gate_inputs["coreai_parity"] == {"skipped": reason}
+    contract = json.loads(result.contract_path.read_text())
+    assert contract["coreai"] == {"skipped": reason} and list(contract["package_sha256"]) == ["model.mlpackage"]
+    assert not (tmp_path / ASSET).exists()
+
+
+def test_an_asset_of_an_earlier_target_is_removed(tiny_ckpt: Path, coreai_fp32: ExportResult, tmp_path: Path) -> None:
+    shutil.copytree(coreai_fp32.out_dir / ASSET, tmp_path / ASSET)
+    result = export_model(tiny_ckpt, pipeline_config(target="coreml"), tmp_path, TOKENIZER_FP)
+    assert "coreai_parity" not in result.gate_inputs and not (tmp_path / ASSET).exists()
+
+
+def test_the_worker_refuses_a_missing_asset(tmp_path: Path) -> None:
+    with pytest.raises(CoreAIRuntimeError, match="no Core AI asset"):
+        CoreAIWorker(tmp_path / ASSET)
