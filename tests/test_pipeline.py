@@ -59,6 +59,17 @@ def test_every_step_runs_and_the_report_validates(tiny_run: tuple[Path, Path]) -
     assert set(report["gate_inputs"]) >= {"determinism", "qat", "export", "ane_lint", "prompt_cache", "speculative"}
     assert report["gate_inputs"]["determinism"]["coverage"] == 1.0
     assert sorted(p.name for p in (run_dir / "export").glob("*.mlpackage")) == ["model.mlpackage"]  # one package
+    # export.target both (the toy's): the Core AI asset, its parity and its eval, where the coreai extra is installed
+    from distillgates.runtime.coreai_engine import unavailable
+
+    coreai_eval = report["gate_inputs"]["coreai_eval"]
+    if unavailable() is None:
+        assert (run_dir / "export" / "model.aimodel").is_dir()
+        assert min(report["gate_inputs"]["coreai_parity"]["cosine_by_shape"].values()) > 0.99
+        n = report["quality"]["student"]["n"]  # every drawn item (fewer than export.coreai_eval_items, 32)
+        assert coreai_eval["items"] == n and coreai_eval["identical"] + len(coreai_eval["differing_ids"]) == n
+    else:
+        assert coreai_eval == report["gate_inputs"]["coreai_parity"] == {"skipped": unavailable()}
     # timed in speed worker processes as the gates time (one thread, compilation in the warm-up), not in this one
     assert "speed worker process" in report["speed"]["measured_in"] and report["speed"]["threads"] == 1
     speculative = report["gate_inputs"]["speculative"]
@@ -101,7 +112,9 @@ def test_constrained_tool_calls_rerun_only_eval(tiny_run: tuple[Path, Path], tmp
     changed.write_text(yaml.safe_dump(data))
     run_pipeline(changed, run_dir)
     after = json.loads((run_dir / "manifest.json").read_text())
-    assert {name for name in before if name != "_started" and after[name] != before[name]} == {"eval", "report"}
+    # coreai_eval compares the asset's outputs with the eval's: it follows the eval
+    assert {name for name in before if name != "_started" and after[name] != before[name]} == {"eval", "coreai_eval",
+                                                                                                "report"}
     new = read_report(run_dir / "reports" / "report.json")
     runner = "runner_fingerprint"
     assert new["quality"]["student"]["fingerprints"][runner] != old["quality"]["student"]["fingerprints"][runner]
@@ -127,7 +140,9 @@ def test_eval_batch_size_reruns_only_eval_with_the_same_outputs(tiny_run: tuple[
     changed.write_text(yaml.safe_dump(data))
     run_pipeline(changed, run_dir)
     after = json.loads((run_dir / "manifest.json").read_text())
-    assert {name for name in before if name != "_started" and after[name] != before[name]} == {"eval", "report"}
+    # coreai_eval compares the asset's outputs with the eval's: it follows the eval
+    assert {name for name in before if name != "_started" and after[name] != before[name]} == {"eval", "coreai_eval",
+                                                                                                "report"}
     assert read_outputs(run_dir / "eval" / "outputs.jsonl") == single
     old, new = (read_report(d / "reports" / "report.json")["quality"]["student"] for d in (tiny_run[1], run_dir))
     assert new["fingerprints"]["runner_fingerprint"] != old["fingerprints"]["runner_fingerprint"]
@@ -506,3 +521,29 @@ def test_the_quality_figures_leave_out_the_eval_top_up_and_the_drift_scores_keep
     quality = json.loads(run.quality.read_text())
     assert quality["student"]["n"] == quality["teacher"]["n"] == len(items) - len(top_up)
     assert {row["id"] for row in json.loads(run.item_scores.read_text())["items"]} == {i["id"] for i in items}
+
+
+@pytest.mark.integration
+def test_coreai_eval_names_the_items_the_asset_decodes_otherwise(tiny_run: tuple[Path, Path], tmp_path: Path) -> None:
+    """The injected violation: one PyTorch output changed after the eval, so the asset's output of that item differs
+    from it; the coreai_eval step names exactly that item, and the gate's share drops."""
+    from distillgates.eval.sharding import read_outputs, write_outputs
+    from distillgates.pipeline import coreai_eval_path, load_run, step_coreai_eval
+    from distillgates.rundir import RunDir
+    from distillgates.runtime.coreai_engine import unavailable
+
+    if unavailable() is not None:
+        pytest.skip(str(unavailable()))
+    config, run_dir = tiny_run
+    run_dir = Path(shutil.copytree(run_dir, tmp_path / "run"))
+    cfg, _ = load_run(config, run_dir)
+    run = RunDir(run_dir)
+    before = json.loads(coreai_eval_path(run).read_text())
+    outputs = read_outputs(run.eval_outputs)
+    outputs[0] = {**outputs[0], "answer": outputs[0]["answer"] + " (another model's answer)"}
+    write_outputs(run.eval_outputs, outputs)
+    after = step_coreai_eval(cfg, run)
+    measured = json.loads(coreai_eval_path(run).read_text())
+    assert outputs[0]["id"] in measured["differing_ids"]
+    assert set(measured["differing_ids"]) == set(before["differing_ids"]) | {outputs[0]["id"]}
+    assert after["identical"] == before["identical"] - (outputs[0]["id"] not in before["differing_ids"])

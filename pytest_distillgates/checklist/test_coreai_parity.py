@@ -16,6 +16,9 @@ import pytest
 
 from distillgates.export.functions import COREAI_SOURCE
 
+# the quality gates' metrics and thresholds (test_quality.py), here on the asset's outputs
+QUALITY = {"f1_lax_macro": "f1_lax_min", "tool_selection": "tool_selection_min", "json_validity": "json_validity_min",
+           "fixture_hit_rate": "fixture_hit_rate_min"}
 DEFINITION = (f"cosine(logits of {COREAI_SOURCE.split(' vs ')[0]}, eager PyTorch logits) of the last real token, worst "
               "case of the length's padded and unpadded prompt")  # fmt: skip
 
@@ -50,3 +53,37 @@ def test_coreai_top1_agreement(gate, parity, thresholds):
     gate.at_least("coreai.top1_agreement", parity.get("top1_agreement"), thresholds.coreai_top1_min,
                   "share of the parity cases (every length padded and unpadded, every decode step) whose argmax of the "
                   "Core AI logits is eager PyTorch's")
+
+
+@pytest.fixture
+def artifact_eval(report) -> dict[str, Any]:
+    measured = report.get("gate_inputs").get("coreai_eval")
+    if measured is None:
+        pytest.skip("no coreai_eval figures: the run was built before that step (run `distillgates run` again)")
+    if "skipped" in measured:
+        pytest.skip(f"the coreai_eval step did not run: {measured['skipped']}")
+    report.run.verify_packages()
+    return measured  # type: ignore[no-any-return]
+
+
+@pytest.mark.coreai_parity
+def test_coreai_outputs_equal_pytorch(gate, artifact_eval, thresholds):
+    """Quality on what ships: the eval items decoded greedily through the asset (prompt, tool calls, tool results,
+    answer: every turn) give the PyTorch engine's outputs."""
+    items, identical = artifact_eval.get("items"), artifact_eval.get("identical")
+    share = identical / items if items else None
+    differing = artifact_eval.get("differing_ids", [])
+    gate.at_least("coreai.outputs_identical", share, thresholds.coreai_outputs_identical_min,
+                  f"share of the first {items} drawn eval items whose outputs through model.aimodel (Core AI's "
+                  f"runtime, greedy, every turn) equal the eval step's PyTorch outputs; differing: "
+                  f"{differing[:10] or 'none'}")
+
+
+@pytest.mark.coreai_parity
+@pytest.mark.parametrize("metric", list(QUALITY))
+def test_coreai_quality(gate, artifact_eval, thresholds, metric):
+    """The quality thresholds, on the figures of what ships: the same items scored from the asset's outputs."""
+    measured = artifact_eval.get("student", {}).get(metric)
+    gate.at_least(f"coreai.{metric}", measured, getattr(thresholds, QUALITY[metric]),
+                  f"{metric} of the first {artifact_eval.get('items')} drawn eval items decoded through model.aimodel "
+                  "(Core AI's runtime, greedy), scored as the eval step scores")

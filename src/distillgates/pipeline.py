@@ -75,7 +75,8 @@ class Step:
 
 
 # every Step.libraries name is one of these
-LIBRARIES = ("torch", "coremltools", "transformers", "tokenizers", "trl", "peft")
+LIBRARIES = ("torch", "coremltools", "transformers", "tokenizers", "trl", "peft", "coreai-torch", "coreai-core",
+             "coreai-opt")
 
 
 def library_versions(names: tuple[str, ...] = LIBRARIES) -> dict[str, str | None]:
@@ -583,6 +584,51 @@ def step_eval(cfg: Config, run: RunDir) -> dict[str, Any]:
     return {key: student.get(key) for key in ("tool_selection", "json_validity", "f1_lax_macro", "privacy_ok_rate")}
 
 
+def coreai_eval_path(run: RunDir) -> Path:
+    """What the coreai_eval step writes: the outputs of the items it decoded and their comparison."""
+    return run.root / "coreai" / "eval.json"
+
+
+def step_coreai_eval(cfg: Config, run: RunDir) -> dict[str, Any]:
+    """The first ``export.coreai_eval_items`` drawn eval items decoded greedily through ``export/model.aimodel``
+    (Core AI's runtime, in a worker process: what ships), scored, and compared output by output with the PyTorch
+    engine's outputs of the eval step. ``{"skipped": reason}`` when there is no asset (target coreml, no coreai
+    extra)."""
+    from distillgates.data.dataset import drawn_items
+    from distillgates.eval.broker import FixturePolicy
+    from distillgates.eval.evaluate import evaluate
+    from distillgates.eval.runners import EngineRunner
+    from distillgates.eval.sharding import read_outputs
+    from distillgates.export.functions import COREAI_SOURCE
+    from distillgates.runtime.coreai_engine import open_engine
+
+    path = coreai_eval_path(run)
+    section = run.read_json(run.contract).get("coreai", {"skipped": "export.target coreml: no Core AI asset"})
+    if "skipped" in section or cfg.export.coreai_eval_items == 0:
+        measured = {"skipped": section.get("skipped", "export.coreai_eval_items is 0")}
+        atomic_write_json(path, measured)
+        return measured
+    run.verify_packages()  # the asset the export wrote and measured
+    tokenizer = run.tokenizer()
+    items = drawn_items(run.items("eval"))[: cfg.export.coreai_eval_items]
+    pytorch = {o["id"]: o for o in read_outputs(run.eval_outputs)}
+    engine, worker = open_engine(run.export_dir)
+    with worker:
+        runner = EngineRunner(engine, tokenizer, run.read_json(run.contract)["model_fingerprint"],
+                              cfg.eval.max_new_tokens, cfg.eval.constrained_tool_calls)  # fmt: skip
+        figures, outputs, _ = evaluate(runner, items, tokenizer, return_outputs=True, lengths=cfg.shapes.lengths,
+                                       max_calls=cfg.eval.max_calls, max_new_tokens=cfg.eval.max_new_tokens,
+                                       policy=FixturePolicy(cfg.eval.missing_fixture, cfg.eval.mock_result),
+                                       privacy=cfg.eval.privacy, progress=True)  # fmt: skip
+    differing = [o["id"] for o in outputs if o != pytorch.get(o["id"])]
+    keys = ("f1_lax_macro", "tool_selection", "json_validity", "fixture_hit_rate")
+    measured = {"source": COREAI_SOURCE.split(" vs ")[0], "items": len(outputs),
+                "identical": len(outputs) - len(differing), "differing_ids": differing,
+                "student": {k: figures.get(k) for k in keys}, "outputs": outputs}
+    atomic_write_json(path, measured)
+    return {k: measured[k] for k in ("items", "identical")}
+
+
 def step_report(cfg: Config, run: RunDir) -> dict[str, Any]:
     from distillgates.eval.report import build_report, write_report
     from distillgates.hardware import hardware_header
@@ -595,6 +641,9 @@ def step_report(cfg: Config, run: RunDir) -> dict[str, Any]:
         "prompt_cache": speed_report["prompt_cache"],
         "teacher": run.read_json(run.kd_build),
     }
+    coreai_eval = run.optional_json(coreai_eval_path(run))  # absent in a run built before the step
+    if coreai_eval is not None:
+        gate_inputs["coreai_eval"] = {k: v for k, v in coreai_eval.items() if k != "outputs"}
     qat = run.optional_json(run.qat_probe())  # absent when train.qat.enabled is off
     if qat is not None:
         gate_inputs["qat"] = qat
@@ -660,14 +709,18 @@ STEPS: list[Step] = [
          files=lambda cfg: _checkpoint_files(cfg.drafter_train or cfg.train), libraries=("torch", "tokenizers")),
     Step("export", "export the student to one Core ML package (prefill_<L> + stateful decode), lint, parity",
          ("export", "shapes", "gates"), ("data", "student"), step_export, lambda cfg, run: (run.export_dir,),
-         libraries=("torch", "coremltools"), machine=True),
+         libraries=("torch", "coremltools", "coreai-torch", "coreai-core", "coreai-opt"), machine=True),
     Step("speed", "measure TTFT/TPS/TTFA, prompt cache and speculative decoding", ("speed",),
          ("data", "student", "drafter"), step_speed, lambda cfg, run: (run.speed_report,),
          libraries=("torch", "coremltools", "tokenizers"), machine=True),
     Step("eval", "evaluate student and teacher on held-out items; sharded determinism",
          ("shapes", "eval", "teacher.kind", "teacher.api", "teacher.chat_template"), ("data", "teacher", "student"),
          step_eval, lambda cfg, run: (run.eval_dir,), libraries=("torch", "transformers", "tokenizers")),
-    Step("report", "write the validated report", ("*",), ("eval", "speed", "export", "kd", "student"), step_report,
+    Step("coreai_eval", "decode eval items through export/model.aimodel (Core AI's runtime) and compare with PyTorch",
+         ("export", "eval", "shapes"), ("data", "export", "eval"), step_coreai_eval,
+         lambda cfg, run: (coreai_eval_path(run),), libraries=("coreai-core",)),
+    Step("report", "write the validated report", ("*",), ("eval", "speed", "export", "kd", "student", "coreai_eval"),
+         step_report,
          lambda cfg, run: (run.report,)),
 ]
 

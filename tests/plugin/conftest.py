@@ -127,6 +127,10 @@ def good_report() -> dict[str, Any]:
             # the .aimodel run by Core AI's runtime (export.target both): measured on Linux too
             "coreai_parity": {"source": "model.aimodel run by Core AI's runtime", "cosine_by_shape": {
                 s: 0.9999 for s in SHAPES}, "decode_cosine": [0.9999, 0.9998], "top1_agreement": 1.0},
+            "coreai_eval": {"source": "model.aimodel run by Core AI's runtime", "items": 32, "identical": 31,
+                            "differing_ids": ["toy-eval-000000"],
+                            "student": {"f1_lax_macro": 1.0, "tool_selection": 1.0, "json_validity": 1.0,
+                                        "fixture_hit_rate": 1.0}},
             "prompt_cache": {"ttft_cold_ms": [10.0, 11.0, 10.5], "ttft_hit_ms": [4.0, 4.2, 4.1], "hit_rate": 1.0},
             "speculative": {"identical": True, "speedup": 1.6, "acceptance_rate": 0.7, "tokens_per_worker_step": 2.1,
                             "tps_plain": tps_per_process(100.0), "tps_speculative": tps_per_process(160.0, shift=2)},

@@ -15,6 +15,7 @@ from distillgates.rundir import RunDir
 from .conftest import DELETE, SHAPES, good_item_scores, project_file, tiny_student, tps_per_process
 
 NAN = float("nan")
+EXTRA = "Core AI needs the coreai extra (coreai_torch is not installed): pip install 'distillgates[coreai]'"
 
 
 def lose_f1(field: str, shapes: list[str] | tuple[str, ...], n_per_shape: int = 8) -> list[dict]:
@@ -150,6 +151,10 @@ VIOLATIONS = [
      ["test_coreai_decode_parity"], "coreai.decode_cosine_min FAILED: measured 0.95"),
     ("coreai_argmax_flips", {"gate_inputs.coreai_parity.top1_agreement": 0.9}, "coreai_parity",
      ["test_coreai_top1_agreement"], "coreai.top1_agreement FAILED: measured 0.9 >= "),
+    ("coreai_outputs_differ", {"gate_inputs.coreai_eval.identical": 27}, "coreai_parity",
+     ["test_coreai_outputs_equal_pytorch"], "coreai.outputs_identical FAILED: measured 0.84375 >= threshold 0.9"),
+    ("coreai_worse_quality", {"gate_inputs.coreai_eval.student.fixture_hit_rate": 0.9}, "coreai_parity",
+     ["test_coreai_quality[fixture_hit_rate]"], "coreai.fixture_hit_rate FAILED: measured 0.9 >= "),
     ("prompt_cache_slow", {"gate_inputs.prompt_cache.ttft_hit_ms": [9.0, 9.5, 10.0]}, "prompt_cache",
      ["test_ttft_reduction"], "prompt_cache.ttft_reduction"),
     ("prompt_cache_misses", {"gate_inputs.prompt_cache.hit_rate": 0.5}, "prompt_cache", ["test_hit_rate"], "0.5"),
@@ -175,7 +180,7 @@ def test_good_run_passes_every_gate(pytester, gates_project, make_run, own_profi
     common = [f"--run-dir={run}", f"--hw-profile={own_profile}"]
     pytester.runpytest(*BASELINED, *common, "--bless").assert_outcomes(passed=13)
     result = pytester.runpytest("gates", *common, "-rA")
-    result.assert_outcomes(passed=70, deselected=4)
+    result.assert_outcomes(passed=75, deselected=4)
     for name in GATE_FILES:
         assert f"PASSED gates/test_{name}.py::" in result.stdout.str(), name
 
@@ -357,8 +362,9 @@ def test_coreml_parity_gates_need_a_mac_export(pytester, gates_project, make_run
 
 
 @pytest.mark.parametrize(("recorded", "reason"), [
-    (DELETE, "export.target coreml"),
-    ({"skipped": "Core AI needs the coreai extra (coreai_torch is not installed): pip install 'distillgates[coreai]'"},
+    ({"coreai_parity": DELETE, "coreai_eval": {"skipped": "export.target coreml: no Core AI asset"}},
+     "export.target coreml"),
+    ({"coreai_parity": {"skipped": EXTRA}, "coreai_eval": {"skipped": EXTRA}},
      "the export skipped Core AI: Core AI needs the coreai extra"),
 ], ids=["target_coreml", "extra_missing"])
 def test_coreai_parity_gates_skip_naming_why_no_asset_was_exported(pytester, gates_project, make_run, own_profile,
@@ -366,10 +372,10 @@ def test_coreai_parity_gates_skip_naming_why_no_asset_was_exported(pytester, gat
     """No Core AI figure: a run exported with target coreml, or without the coreai extra (the export recorded why).
     The gates skip, saying which; they never pass without a measurement."""
     gates_project()
-    run = make_run("no_coreai", **{"gate_inputs.coreai_parity": recorded})
+    run = make_run("no_coreai", **{f"gate_inputs.{key}": value for key, value in recorded.items()})
     result = pytester.runpytest("gates/test_coreai_parity.py", f"--run-dir={run}", f"--hw-profile={own_profile}",
                                 "-rs")
-    result.assert_outcomes(skipped=2 + len(SHAPES))
+    result.assert_outcomes(skipped=2 + len(SHAPES) + 5)
     assert reason in result.stdout.str()
 
 
@@ -380,7 +386,7 @@ def test_an_aimodel_changed_since_the_export_fails_its_parity_gates(pytester, ga
     run = make_run("swapped_aimodel")
     (RunDir(run).export_dir / "model.aimodel" / "Data" / "weight.bin").write_bytes(b"another model")
     result = pytester.runpytest("gates/test_coreai_parity.py", f"--run-dir={run}", f"--hw-profile={own_profile}")
-    result.assert_outcomes(errors=2 + len(SHAPES))
+    result.assert_outcomes(errors=2 + len(SHAPES) + 5)
     assert "model.aimodel: sha256" in result.stdout.str()
 
 
