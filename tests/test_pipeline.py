@@ -59,6 +59,8 @@ def test_every_step_runs_and_the_report_validates(tiny_run: tuple[Path, Path]) -
     assert set(report["gate_inputs"]) >= {"determinism", "qat", "export", "ane_lint", "prompt_cache", "speculative"}
     assert report["gate_inputs"]["determinism"]["coverage"] == 1.0
     assert sorted(p.name for p in (run_dir / "export").glob("*.mlpackage")) == ["model.mlpackage"]  # one package
+    headroom = report["gate_inputs"]["fp16_headroom"]  # scanned on the first 32 training conversations
+    assert headroom["rows"] == 32 and 0 < headroom["max_peak"] < headroom["limit"] and headroom["over"] == []
     # export.target both (the toy's): the Core AI asset, its parity and its eval, where the coreai extra is installed
     from distillgates.runtime.coreai_engine import unavailable
 

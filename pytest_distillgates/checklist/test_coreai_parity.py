@@ -55,6 +55,12 @@ def test_coreai_top1_agreement(gate, parity, thresholds):
                   "Core AI logits is eager PyTorch's")
 
 
+@pytest.mark.coreai_parity
+def test_coreai_outputs_finite(gate, parity):
+    gate.equals("coreai.non_finite", parity.get("non_finite"), 0,
+                "parity cases whose logits from model.aimodel hold a NaN or an inf (at fp16 compute: an overflow)")
+
+
 @pytest.fixture
 def artifact_eval(report) -> dict[str, Any]:
     measured = report.get("gate_inputs").get("coreai_eval")

@@ -1,5 +1,6 @@
 """Export gates: the exported program matches eager per shape; no int64 on attention; contract OK;
-the ANE op-eligibility lint is clean (no ineligible op on the attention/MLP path, shapes within the ANE's limits)."""
+the ANE op-eligibility lint is clean (no ineligible op on the attention/MLP path, shapes within the ANE's limits);
+every activation stays inside fp16's range (the ANE computes fp16)."""
 
 from __future__ import annotations
 
@@ -54,3 +55,16 @@ def test_ane_within_limits(gate, report):
     gate.equals(f"ane.over_limits[{lint['source']}]", lint["over_limits"], [],
                 f"ops on the attention/MLP path with an output above the ANE's limits (rank <= {limits['max_rank']}, "
                 f"every dimension <= {limits['max_dim']}; split a larger LM head)")
+
+
+@pytest.mark.export
+def test_fp16_headroom(gate, report):
+    headroom = report.get("gate_inputs").get("fp16_headroom")
+    if headroom is None:
+        pytest.skip("no fp16 headroom figure: the run was exported before the scan (run `distillgates run` again)")
+    if "skipped" in headroom:
+        pytest.skip(f"no fp16 headroom figure: {headroom['skipped']}")
+    gate.at_most("export.fp16_max_activation", headroom.get("max_peak"), headroom.get("limit"),
+                 f"largest |activation| of any layer ({headroom.get('worst')}: margin x{headroom.get('margin', 0):.1f} "
+                 f"to fp16's 65504) over {headroom.get('rows')} calibration rows, {headroom.get('source')}; layers "
+                 f"over: {headroom.get('over') or 'none'}")

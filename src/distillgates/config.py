@@ -498,7 +498,7 @@ class ExportConfig:
     # int4 post-training: "none" (data-free, max|block| / 7) or "clip_search" (each block's scale from a clipping
     # search minimising its output error on calibration rows of the training data); not with train.qat
     calibration: str = "none"
-    calibration_rows: int = 32  # clip_search: training rows (first of the training set) that calibrate
+    calibration_rows: int = 32  # training rows (the first) the fp16 headroom scan and clip_search run on
 
     def __post_init__(self) -> None:
         if self.target not in ("coreml", "both"):

@@ -471,18 +471,17 @@ def step_drafter(cfg: Config, run: RunDir) -> dict[str, Any]:
 
 
 def step_export(cfg: Config, run: RunDir) -> dict[str, Any]:
+    import torch
+
+    from distillgates.data.targets import encode_item
     from distillgates.export.api import export_model
     from distillgates.tokenizer import tokenizer_fingerprint
 
-    calibration = None
-    if cfg.export.calibration != "none":  # the first training rows (the data step is upstream: fingerprinted)
-        import torch
-
-        from distillgates.data.targets import encode_item
-
-        tok = run.tokenizer()
-        items = run.items("train")[: cfg.export.calibration_rows]
-        calibration = [torch.tensor([encode_item(tok, item).input_ids]) for item in items]  # (1, T) conversations
+    # the first training rows (the data step is upstream: fingerprinted): the fp16 headroom scan, and int4
+    # clip_search's calibration where configured
+    tok = run.tokenizer()
+    items = run.items("train")[: cfg.export.calibration_rows]
+    calibration = [torch.tensor([encode_item(tok, item).input_ids]) for item in items]  # (1, T) conversations
     result = export_model(run.model_path(), cfg, run.export_dir, tokenizer_fingerprint(run.tokenizer()),
                           calibration=calibration)  # fmt: skip
     atomic_write_json(run.export_gate_inputs, result.gate_inputs)
@@ -490,6 +489,7 @@ def step_export(cfg: Config, run: RunDir) -> dict[str, Any]:
         "packages": {name: str(path) for name, path in result.packages.items()},
         "ane_op_eligible_share": result.gate_inputs["ane_lint"]["op_eligible_share"],  # a lint figure, not residency
         "cosine_by_shape": result.gate_inputs["export"]["cosine_by_shape"],
+        "fp16_max_activation": result.headroom.get("max_peak"),
     }
 
 

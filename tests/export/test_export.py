@@ -47,6 +47,13 @@ def _op_types(prog: Any, function: str | None = None) -> set[str]:
 # Conversion in every mode + contract
 
 
+@pytest.mark.integration
+def test_the_headroom_scan_needs_calibration_rows(standard_export) -> None:
+    """Without rows (an API call that passes none) the figure says why it is missing; the pipeline always passes
+    its first training conversations (tests/test_pipeline.py)."""
+    assert standard_export.gate_inputs["fp16_headroom"]["skipped"].startswith("no calibration rows")
+
+
 @pytest.mark.integration  # a Core ML conversion (~6 s)
 def test_standard_export_contract_read_back(standard_export, tiny_ckpt, export_lengths) -> None:
     contract = json.loads(standard_export.contract_path.read_text())

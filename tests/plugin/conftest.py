@@ -115,6 +115,9 @@ def good_report() -> dict[str, Any]:
             "export": {"cosine_by_shape": {s: 0.9999 for s in SHAPES}, "decode_cosine": [0.9999, 0.9998],
                        "int64_on_attention": [], "lint_errors": [],
                        "contract_ok": True},
+            "fp16_headroom": {"source": "PyTorch scan", "limit": 65504.0, "rows": 32, "tokens": 4000,
+                              "peaks": {"layers.0.mlp": 40.0, "layers.0.mlp.down_proj.input": 55.0},
+                              "worst": "layers.0.mlp.down_proj.input", "max_peak": 55.0, "margin": 1191.0, "over": []},
             "ane_lint": {"source": "op-eligibility lint (static MIL)", "ineligible_ops": [], "over_limits": [],
                          "limits": {"max_rank": 5, "max_dim": 16384}, "op_eligible_share": 0.99, "by_op_type": {}},
             # as a Mac's export records it (off macOS a run has none, and the residency gates skip)
@@ -126,7 +129,8 @@ def good_report() -> dict[str, Any]:
                               "decode_cosine": [0.9999, 0.9998], "hardware_profile_key": this_profile()},
             # the .aimodel run by Core AI's runtime (export.target both): measured on Linux too
             "coreai_parity": {"source": "model.aimodel run by Core AI's runtime", "cosine_by_shape": {
-                s: 0.9999 for s in SHAPES}, "decode_cosine": [0.9999, 0.9998], "top1_agreement": 1.0},
+                s: 0.9999 for s in SHAPES}, "decode_cosine": [0.9999, 0.9998], "top1_agreement": 1.0,
+                "non_finite": 0},
             "coreai_eval": {"source": "model.aimodel run by Core AI's runtime", "items": 32, "identical": 31,
                             "differing_ids": ["toy-eval-000000"],
                             "student": {"f1_lax_macro": 1.0, "tool_selection": 1.0, "json_validity": 1.0,

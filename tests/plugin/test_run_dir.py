@@ -151,6 +151,11 @@ VIOLATIONS = [
      ["test_coreai_decode_parity"], "coreai.decode_cosine_min FAILED: measured 0.95"),
     ("coreai_argmax_flips", {"gate_inputs.coreai_parity.top1_agreement": 0.9}, "coreai_parity",
      ["test_coreai_top1_agreement"], "coreai.top1_agreement FAILED: measured 0.9 >= "),
+    ("fp16_overflow", {"gate_inputs.fp16_headroom.max_peak": 70000.0,
+                       "gate_inputs.fp16_headroom.over": ["layers.0.mlp"]}, "export", ["test_fp16_headroom"],
+     "export.fp16_max_activation FAILED: measured 70000 <= threshold 65504"),
+    ("coreai_fp16_nan", {"gate_inputs.coreai_parity.non_finite": 3}, "coreai_parity", ["test_coreai_outputs_finite"],
+     "coreai.non_finite FAILED"),
     ("coreai_outputs_differ", {"gate_inputs.coreai_eval.identical": 27}, "coreai_parity",
      ["test_coreai_outputs_equal_pytorch"], "coreai.outputs_identical FAILED: measured 0.84375 >= threshold 0.9"),
     ("coreai_worse_quality", {"gate_inputs.coreai_eval.student.fixture_hit_rate": 0.9}, "coreai_parity",
@@ -180,7 +185,7 @@ def test_good_run_passes_every_gate(pytester, gates_project, make_run, own_profi
     common = [f"--run-dir={run}", f"--hw-profile={own_profile}"]
     pytester.runpytest(*BASELINED, *common, "--bless").assert_outcomes(passed=13)
     result = pytester.runpytest("gates", *common, "-rA")
-    result.assert_outcomes(passed=75, deselected=4)
+    result.assert_outcomes(passed=77, deselected=4)
     for name in GATE_FILES:
         assert f"PASSED gates/test_{name}.py::" in result.stdout.str(), name
 
@@ -375,7 +380,7 @@ def test_coreai_parity_gates_skip_naming_why_no_asset_was_exported(pytester, gat
     run = make_run("no_coreai", **{f"gate_inputs.{key}": value for key, value in recorded.items()})
     result = pytester.runpytest("gates/test_coreai_parity.py", f"--run-dir={run}", f"--hw-profile={own_profile}",
                                 "-rs")
-    result.assert_outcomes(skipped=2 + len(SHAPES) + 5)
+    result.assert_outcomes(skipped=3 + len(SHAPES) + 5)
     assert reason in result.stdout.str()
 
 
@@ -386,7 +391,7 @@ def test_an_aimodel_changed_since_the_export_fails_its_parity_gates(pytester, ga
     run = make_run("swapped_aimodel")
     (RunDir(run).export_dir / "model.aimodel" / "Data" / "weight.bin").write_bytes(b"another model")
     result = pytester.runpytest("gates/test_coreai_parity.py", f"--run-dir={run}", f"--hw-profile={own_profile}")
-    result.assert_outcomes(errors=2 + len(SHAPES) + 5)
+    result.assert_outcomes(errors=3 + len(SHAPES) + 5)
     assert "model.aimodel: sha256" in result.stdout.str()
 
 

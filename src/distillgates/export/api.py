@@ -68,6 +68,7 @@ from distillgates.export.functions import (
     function_names,
     prefill_function,
 )
+from distillgates.export.headroom import fp16_headroom
 from distillgates.export.layout import build_layout, logits_names
 from distillgates.export.lint import ane_op_lint, run_lints
 from distillgates.export.parity import program_parity
@@ -89,7 +90,8 @@ KINDS = ("prefill", "decode")
 # ExportResult.seconds: our int8/int4 grids, torch.export, coremltools.convert, coremltools compression of what is
 # left, saving the functions and joining them (save_multifunction), reading the package back (spec + dequantized
 # weights), the parity runs, the lints
-PHASES = ("weight_grids", "torch_export", "convert", "compress", "save_multifunction", "read_back", "parity", "lint")
+PHASES = ("weight_grids", "torch_export", "convert", "compress", "save_multifunction", "read_back", "parity", "lint",
+          "headroom")
 # and with target both, Core AI's: coreai-opt compression, torch.export + coreai-torch conversion (with saving the
 # asset), the asset's parity run by Core AI's runtime (in a worker process)
 COREAI_PHASES = ("coreai_compress", "coreai_convert", "coreai_parity")
@@ -107,6 +109,7 @@ class ExportResult:
     lint: dict[str, list[str]]  # lint name -> messages (all empty: clean)
     ane: dict[str, Any]  # gate_inputs.ane_lint; on macOS also .ane_residency (per function) and .coreml_parity
     coreai: dict[str, Any]  # gate_inputs.coreai_parity ({} with target coreml; {"skipped": reason} without the extra)
+    headroom: dict[str, Any]  # gate_inputs.fp16_headroom ({"skipped": reason} without calibration rows)
     parity: dict[str, Any]  # shipped weights vs eager (source, cosine_by_shape, decode_cosine)
     qat_exact: list[str]  # weights exported on their own int8 grid (no re-quantization)
     errors: list[str]  # every reason the export fails (lints, parity, contract, weights not shared)
@@ -127,6 +130,7 @@ class ExportResult:
             },
             **self.ane,
             **({"coreai_parity": self.coreai} if self.coreai else {}),
+            "fp16_headroom": self.headroom,
         }
 
 
@@ -176,8 +180,9 @@ def export_transformer(
 ) -> ExportResult:
     """Export an in-memory model (``export_model`` loads it from a checkpoint first).
 
-    ``calibration``: token-id rows ``(1, T)`` for ``export.calibration: clip_search`` (int4 scales
-    calibrated on a copy of the model; the parity gate compares with ``model`` itself).
+    ``calibration``: token-id rows ``(1, T)`` (the pipeline passes the first ``export.calibration_rows`` training
+    conversations): the fp16 headroom scan (:mod:`distillgates.export.headroom`), and with ``export.calibration:
+    clip_search`` the int4 scales (calibrated on a copy of the model; the parity gate compares with ``model`` itself).
 
     Raises:
         ExportError: a lint fired, the parity of the saved packages' weights is below
@@ -293,8 +298,12 @@ def export_transformer(
     if min(parity["decode_cosine"], default=1.0) < cosine_min:
         worst = min(parity["decode_cosine"])
         errors.append(f"{package.name} decode weights ({SOURCE}) vs eager cosine below {cosine_min}: {worst:.6f}")
-    result = ExportResult(out, packages, contract_path, ane_path, contract, lint, ane, coreai, parity, qat_exact,
-                          errors, seconds)  # fmt: skip
+    with _timed(seconds, "headroom"):
+        headroom = fp16_headroom(model, calibration) if calibration else {
+            "skipped": "no calibration rows: the pipeline's export step scans its first export.calibration_rows "
+                       "training conversations"}  # fmt: skip
+    result = ExportResult(out, packages, contract_path, ane_path, contract, lint, ane, coreai, headroom, parity,
+                          qat_exact, errors, seconds)  # fmt: skip
     if errors and raise_on_error:
         raise ExportError("export failed:\n  " + "\n  ".join(errors))
     return result

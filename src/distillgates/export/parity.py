@@ -102,7 +102,8 @@ def runner_parity(
     Decode continues a prefill in one state when the functions share their state description
     (``shared_state``), else the prefill's state is copied over (``read_state``/``write_state``), as
     :class:`distillgates.runtime.coreml_engine.CoreMLEngine` does. A split head's outputs ``names`` are
-    concatenated as the engine does. ``top1_agreement``: the share of cases whose argmax is eager's.
+    concatenated as the engine does. ``top1_agreement``: the share of cases whose argmax is eager's;
+    ``non_finite``: the cases whose logits hold a NaN or an inf (fp16 overflow).
     """
     from distillgates.runtime.coreml_engine import join_logits
 
@@ -110,13 +111,20 @@ def runner_parity(
     cfg = model.config
     by_shape: dict[str, float] = {}
     agree: list[bool] = []
+    non_finite = 0  # cases whose logits hold a NaN or an inf (an fp16 overflow)
+
+    def count(logits: Tensor) -> Tensor:
+        nonlocal non_finite
+        non_finite += int(not bool(torch.isfinite(logits).all()))
+        return logits
+
     for length in lengths:
         ids = _tokens(cfg.vocab_size, length, seed + length)
         scores = []
         for n in parity_cases(length):
             state = prefill[length].new_state()
             feed = {"input_ids": _pad(ids[:, :n], length).numpy(), "length": np.array([n], dtype=np.int32)}
-            got, want = join_logits(prefill[length].predict(feed, state), names), model(ids[:, :n])[0, -1]
+            got, want = count(join_logits(prefill[length].predict(feed, state), names)), model(ids[:, :n])[0, -1]
             scores.append(cosine(got, want))
             agree.append(bool(got.argmax() == want.argmax()))
         by_shape[str(length)] = min(scores)
@@ -133,11 +141,11 @@ def runner_parity(
     decode_scores = []
     for t in range(n, n + steps):
         feed = {"input_ids": ids[:, t : t + 1].int().numpy(), "position": np.array([t], dtype=np.int32)}
-        got, want = join_logits(decode.predict(feed, decode_state), names), model(ids[:, : t + 1])[0, -1]
+        got, want = count(join_logits(decode.predict(feed, decode_state), names)), model(ids[:, : t + 1])[0, -1]
         decode_scores.append(cosine(got, want))
         agree.append(bool(got.argmax() == want.argmax()))
     return {"cosine_by_shape": by_shape, "decode_cosine": decode_scores, "top1_agreement": sum(agree) / len(agree),
-            "shared_state": shared_state}  # fmt: skip
+            "shared_state": shared_state, "non_finite": non_finite}  # fmt: skip
 
 
 def coreml_parity(

@@ -1,0 +1,60 @@
+"""fp16 headroom: each layer's peak activation on calibration rows, against fp16's largest finite value.
+
+The ANE computes in fp16 (Core ML's ``compute_precision: fp16``, Core AI's fp16 model): an activation above
+65,504 becomes inf and the logits NaN, which no fp32 parity check sees. A PyTorch scan (fp32, eager) records
+the largest ``|activation|`` of every module's output and of every linear layer's input (the MLP's gated
+product, the attention output before ``o_proj``), over real rows (the training conversations the export
+calibrates on), and reports each against the limit with its margin. The ``export`` gate fails when one is over.
+
+Not scanned: values inside a module (an RMSNorm's squares, attention scores before the softmax); the fp16
+asset's own outputs are checked for non-finite values by the Core AI parity (``non_finite``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+FP16_MAX = float(torch.finfo(torch.float16).max)  # 65504
+SOURCE = "PyTorch scan (fp32, eager) of module outputs and linear inputs on calibration rows"
+
+
+@torch.no_grad()
+def activation_peaks(model: nn.Module, rows: Sequence[Tensor]) -> dict[str, float]:
+    """``{module name: max |output|}`` for every submodule and ``{linear name + ".input": max |input|}`` for every
+    ``nn.Linear``, over a forward of each row ``(1, T)`` (token ids)."""
+    peaks: dict[str, float] = {}
+
+    def keep(name: str, value: Any) -> None:
+        if isinstance(value, Tensor) and value.is_floating_point():
+            peaks[name] = max(peaks.get(name, 0.0), float(value.detach().abs().max()))
+
+    handles = []
+    for name, module in model.named_modules():
+        if not name:
+            continue
+        handles.append(module.register_forward_hook(lambda _m, _a, out, n=name: keep(n, out)))
+        if isinstance(module, nn.Linear):
+            handles.append(module.register_forward_pre_hook(lambda _m, args, n=name: keep(f"{n}.input", args[0])))
+    try:
+        for row in rows:
+            model(row)
+    finally:
+        for handle in handles:
+            handle.remove()
+    return peaks
+
+
+def fp16_headroom(model: nn.Module, rows: Sequence[Tensor]) -> dict[str, Any]:
+    """``gate_inputs.fp16_headroom``: every peak, the worst one and its margin (``limit / peak``), the layers over."""
+    if not rows:
+        raise ValueError("fp16 headroom needs calibration rows (token ids), got none")
+    peaks = activation_peaks(model.eval(), rows)
+    worst = max(peaks, key=lambda name: peaks[name])
+    return {"source": SOURCE, "limit": FP16_MAX, "rows": len(rows), "tokens": sum(r.shape[-1] for r in rows),
+            "peaks": peaks, "worst": worst, "max_peak": peaks[worst],
+            "margin": FP16_MAX / peaks[worst] if peaks[worst] > 0 else float("inf"),
+            "over": sorted(name for name, peak in peaks.items() if peak > FP16_MAX)}  # fmt: skip
