@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -178,3 +179,24 @@ def test_an_asset_of_an_earlier_target_is_removed(tiny_ckpt: Path, coreai_fp32: 
 def test_the_worker_refuses_a_missing_asset(tmp_path: Path) -> None:
     with pytest.raises(CoreAIRuntimeError, match="no Core AI asset"):
         CoreAIWorker(tmp_path / ASSET)
+
+
+@pytest.mark.requires_macos
+def test_the_compute_plan_places_the_asset(coreai_toy: ExportResult) -> None:
+    """macOS 27: Core AI's compute plan of the toy-like asset, specialized for the Neural Engine, as the export
+    records it in the contract."""
+    from distillgates.export.coreai import coreai_compute_plan
+
+    plan = coreai_compute_plan(coreai_toy.out_dir / ASSET, "CPU_AND_NE")
+    assert plan["placed_operations"] > 0 and 0.0 <= plan["ane_share"] <= 1.0
+    recorded = json.loads(coreai_toy.contract_path.read_text())["coreai"]["compute_plan"]
+    assert recorded["placed_operations"] == plan["placed_operations"]
+
+
+def test_the_compute_plan_needs_macos(coreai_fp32: ExportResult) -> None:
+    if sys.platform == "darwin":
+        pytest.skip("on macOS the plan is measured (test_the_compute_plan_places_the_asset)")
+    from distillgates.export.coreai import coreai_compute_plan
+
+    with pytest.raises(RuntimeError, match="needs macOS 27"):
+        coreai_compute_plan(coreai_fp32.out_dir / ASSET)

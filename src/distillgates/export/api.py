@@ -335,6 +335,11 @@ def _export_coreai(
                "versions": {name: importlib.metadata.version(name) for name in ("coreai-torch", "coreai-core",
                                                                                 "coreai-opt")}}  # fmt: skip
     gate = {"source": COREAI_SOURCE, **measured}
+    if sys.platform == "darwin":  # where Core AI places the operations: the OS framework's plan (macOS 27)
+        from distillgates.export.coreai import coreai_compute_plan
+
+        with _timed(seconds, "macos"):
+            section["compute_plan"] = coreai_compute_plan(made["path"], export_cfg.compute_units)
     return gate, section
 
 

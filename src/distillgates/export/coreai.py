@@ -152,3 +152,34 @@ def coreai_parity(path: str | Path, model: Transformer, lengths: list[int], deco
         measured = runner_parity(prefill, CoreAIRunner(worker, DECODE), logits_names(model.config.vocab_size), model,
                                  lengths, decode_steps=decode_steps)  # fmt: skip
         return {**measured, "functions": worker.functions}
+
+
+def coreai_compute_plan(path: str | Path, compute_units: str = "CPU_AND_NE") -> dict[str, Any]:
+    """Where Core AI places the asset's operations (``coreai_torch.debugging.compute_plan``; macOS 27, the OS
+    framework): the share of placed operations on the Neural Engine and the device histogram, specialized for
+    ``compute_units``. Counts operations, not cost: Core AI's plan gives no per-operation cost.
+
+    Raises:
+        RuntimeError: off macOS (the compute plan needs the OS framework).
+    """
+    import asyncio
+    import sys
+
+    if sys.platform != "darwin":
+        raise RuntimeError(f"Core AI's compute plan needs macOS 27 (the OS framework); none on {sys.platform}")
+    from coreai.authoring import AIModelAsset
+    from coreai.runtime import ComputeUnitKind, SpecializationOptions  # type: ignore[attr-defined]
+    from coreai_torch.debugging.compute_plan import ComputePlan
+
+    from distillgates.runtime.coreai_engine import COMPUTE_UNITS
+
+    program = AIModelAsset.load(path).program
+    kind = COMPUTE_UNITS[compute_units]
+    options = None if kind is None else SpecializationOptions.from_preferred_compute_unit_kind(
+        getattr(ComputeUnitKind, kind)())  # fmt: skip
+    data = asyncio.run(ComputePlan.from_program(program, options)).to_dict(program)
+    placed = [entry for entry in data["entries"] if entry["residency"] == "PLACED"]
+    on_ane = sum("NEURAL_ENGINE" in entry["devices"] for entry in placed)
+    return {"source": "Core AI compute plan (coreai_torch.debugging.compute_plan)", "compute_units": compute_units,
+            "placed_operations": len(placed), "ane_share": on_ane / len(placed) if placed else None,
+            "device_histogram": data["device_histogram"]}  # fmt: skip
