@@ -44,15 +44,15 @@ def test_a_docstring_or_comment_edit_in_the_scorer_reruns_nothing(package_copy: 
 
 def test_a_code_edit_in_the_scorer_reruns_only_eval_and_the_teacher_check(package_copy: Path) -> None:
     """The scorer's metrics are computed by the eval step and the teacher check (the steps after them follow their
-    outputs' checksums: the same figures re-run nothing); what training and the KD set share with it lives in
-    ``eval/matching.py``. The teacher's training never re-runs."""
-    assert changed_steps(package_copy, "eval/scorer.py", "", "\nEDITED = 1\n") == {"check", "eval"}
+    outputs' checksums: the same figures re-run nothing), and by coreai_eval (the asset's outputs scored); what
+    training and the KD set share with it lives in ``eval/matching.py``. The teacher's training never re-runs."""
+    assert changed_steps(package_copy, "eval/scorer.py", "", "\nEDITED = 1\n") == {"check", "eval", "coreai_eval"}
 
 
 def test_a_code_edit_in_value_matching_reruns_what_matches_values(package_copy: Path) -> None:
     """Fixture lookup (the KD set's conversations) and the latency loss match values: they re-run."""
     changed = changed_steps(package_copy, "eval/matching.py", "", "\nEDITED = 1\n")
-    assert changed == {"check", "kd", "student", "drafter", "eval"}
+    assert changed == {"check", "kd", "student", "drafter", "eval", "coreai_eval"}
 
 
 def test_a_code_edit_in_report_rendering_reruns_only_the_report(package_copy: Path) -> None:
@@ -72,5 +72,5 @@ def test_type_checking_imports_are_not_code(package_copy: Path) -> None:
 
 def test_an_export_edit_never_retrains(package_copy: Path) -> None:
     """Training measures speed proxies with the PyTorch engine; the Core ML runtime (and with it the export
-    code) is imported only by the export and speed steps."""
-    assert changed_steps(package_copy, "export/lint.py", "", "\nEDITED = 1\n") == {"export", "speed"}
+    code) is imported only by the export and speed steps, and by coreai_eval (Core AI's engine)."""
+    assert changed_steps(package_copy, "export/lint.py", "", "\nEDITED = 1\n") == {"export", "speed", "coreai_eval"}

@@ -12,11 +12,11 @@ def test_markdown_summary(pytester, gates_project, make_run, own_profile):
     run = make_run(**{"gate_inputs.export.cosine_by_shape.192": 0.98})
     result = pytester.runpytest("gates/test_export.py", f"--run-dir={run}", f"--hw-profile={own_profile}",
                                 "--gate-summary=summary.md")
-    result.assert_outcomes(passed=8, failed=1)
+    result.assert_outcomes(passed=9, failed=1)
     text = (pytester.path / "summary.md").read_text()
     assert text.startswith("## distillgates gates")
-    assert "**FAIL: 8 pass, 1 fail (1 gate test(s) failed or errored)**" in text
-    assert f"Hardware profile `{own_profile}`, bless=False; checks: 1 fail, 8 pass." in text
+    assert "**FAIL: 9 pass, 1 fail (1 gate test(s) failed or errored)**" in text
+    assert f"Hardware profile `{own_profile}`, bless=False; checks: 1 fail, 9 pass." in text
     assert f"Thresholds: `{EMBEDDED_THRESHOLDS}`." in text
     # no n and CI: the export cosine is not an estimate
     assert "| fail | export | `export.cosine[shape=192]` | 0.98 | — | — | 0.999 | — |" in text

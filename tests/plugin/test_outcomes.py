@@ -12,22 +12,23 @@ def _report(pytester, name="gates.json"):
 
 
 def test_a_crash_is_an_error_and_the_session_fails(pytester, gates_project, make_run, own_profile):
-    """With gate_inputs.export missing, the export gates crash: 7 errors, with the exception line, never a pass."""
+    """With gate_inputs.export missing, the export gates reading it crash: 7 errors, with the exception line, never a
+    pass (the fp16 headroom gate reads gate_inputs.fp16_headroom and passes)."""
     gates_project()
     run = make_run(**{"gate_inputs.export": DELETE})
     result = pytester.runpytest("gates/test_export.py", f"--run-dir={run}", f"--hw-profile={own_profile}",
                                 "--gate-report=gates.json", "--gate-summary=summary.md")
-    result.assert_outcomes(passed=2, failed=7)
+    result.assert_outcomes(passed=3, failed=7)
     report = _report(pytester)
-    assert report["result"] == "fail" and report["summary"] == {"pass": 2, "error": 7}
-    assert report["checks"] == {"pass": 2}  # what the report said before: 2 checks, both pass
+    assert report["result"] == "fail" and report["summary"] == {"pass": 3, "error": 7}
+    assert report["checks"] == {"pass": 3}  # what the report said before: 3 checks, all pass
     errors = [t for t in report["tests"] if t["outcome"] == "error"]
     assert len(errors) == 7 and all(t["failed"] for t in errors)
     assert all("RunArtifactError" in t["reason"] and "missing key 'gate_inputs.export" in t["reason"] for t in errors)
     summary = (pytester.path / "summary.md").read_text()
-    assert "**FAIL: 2 pass, 7 error" in summary
+    assert "**FAIL: 3 pass, 7 error" in summary
     assert "| error | export | `test_contract` | — | — | — | — | — | distillgates.rundir.RunArtifactError:" in summary
-    result.stdout.fnmatch_lines(["*error*export*test_contract*", "distillgates gates: FAIL: 2 pass, 7 error*"])
+    result.stdout.fnmatch_lines(["*error*export*test_contract*", "distillgates gates: FAIL: 3 pass, 7 error*"])
 
 
 def test_fixture_error_is_an_error(pytester, gates_project, make_run, own_profile):
