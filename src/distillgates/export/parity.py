@@ -114,9 +114,7 @@ def runner_parity(
     :class:`distillgates.runtime.coreml_engine.CoreMLEngine` does. A split head's outputs ``names`` are
     concatenated as the engine does. ``top1_agreement``: the share of cases whose argmax is eager's;
     ``non_finite``: the cases whose logits hold a NaN or an inf (fp16 overflow). The prompts are windows of
-    ``rows`` (real text: token ids ``(1, T)``) where given, else random tokens: on random tokens a real model's
-    next-token distribution is flat and int8 weights flip near-ties (SmolLM2-135M: top-1 0.889 at cosine
-    0.9999), which says nothing of the model's text.
+    ``rows`` (real text: token ids ``(1, T)``) where given, the prompts a model is for, else random tokens.
     """
     from distillgates.runtime.coreml_engine import join_logits
 
