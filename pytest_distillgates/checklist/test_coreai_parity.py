@@ -23,15 +23,22 @@ DEFINITION = (f"cosine(logits of {COREAI_SOURCE.split(' vs ')[0]}, eager PyTorch
               "case of the length's padded and unpadded prompt")  # fmt: skip
 
 
+def measured(report, key: str, missing: str, skipped: str) -> dict[str, Any]:
+    """``gate_inputs.<key>`` of the asset in export/ (else an error naming each changed asset); skips, saying why,
+    where the run has none (``missing``) or recorded why not (``skipped``: the reason follows)."""
+    figures = report.get("gate_inputs").get(key)
+    if figures is None:
+        pytest.skip(missing)
+    if "skipped" in figures:
+        pytest.skip(f"{skipped}: {figures['skipped']}")
+    report.run.verify_packages()  # figures of the assets in export/ only: else an error naming each one
+    return figures  # type: ignore[no-any-return]
+
+
 @pytest.fixture
 def parity(report) -> dict[str, Any]:
-    measured = report.get("gate_inputs").get("coreai_parity")
-    if measured is None:
-        pytest.skip("no Core AI asset: the run was exported with export.target coreml (set it to both)")
-    if "skipped" in measured:
-        pytest.skip(f"the export skipped Core AI: {measured['skipped']}")
-    report.run.verify_packages()  # figures of the assets in export/ only: else an error naming each one
-    return measured  # type: ignore[no-any-return]
+    return measured(report, "coreai_parity", "no Core AI asset: the run was exported with export.target coreml (set it "
+                    "to both)", "the export skipped Core AI")
 
 
 @pytest.mark.coreai_parity
@@ -63,13 +70,8 @@ def test_coreai_outputs_finite(gate, parity):
 
 @pytest.fixture
 def artifact_eval(report) -> dict[str, Any]:
-    measured = report.get("gate_inputs").get("coreai_eval")
-    if measured is None:
-        pytest.skip("no coreai_eval figures: the run was built before that step (run `distillgates run` again)")
-    if "skipped" in measured:
-        pytest.skip(f"the coreai_eval step did not run: {measured['skipped']}")
-    report.run.verify_packages()
-    return measured  # type: ignore[no-any-return]
+    return measured(report, "coreai_eval", "no coreai_eval figures: the run was built before that step (run "
+                    "`distillgates run` again)", "the coreai_eval step did not run")
 
 
 @pytest.mark.coreai_parity

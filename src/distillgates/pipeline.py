@@ -603,7 +603,8 @@ def step_coreai_eval(cfg: Config, run: RunDir) -> dict[str, Any]:
     from distillgates.runtime.coreai_engine import open_engine
 
     path = coreai_eval_path(run)
-    section = run.read_json(run.contract).get("coreai", {"skipped": "export.target coreml: no Core AI asset"})
+    contract = run.read_json(run.contract)
+    section = contract.get("coreai", {"skipped": "export.target coreml: no Core AI asset"})
     if "skipped" in section or cfg.export.coreai_eval_items == 0:
         measured = {"skipped": section.get("skipped", "export.coreai_eval_items is 0")}
         atomic_write_json(path, measured)
@@ -614,7 +615,7 @@ def step_coreai_eval(cfg: Config, run: RunDir) -> dict[str, Any]:
     pytorch = {o["id"]: o for o in read_outputs(run.eval_outputs)}
     engine, worker = open_engine(run.export_dir)
     with worker:
-        runner = EngineRunner(engine, tokenizer, run.read_json(run.contract)["model_fingerprint"],
+        runner = EngineRunner(engine, tokenizer, contract["model_fingerprint"],
                               cfg.eval.max_new_tokens, cfg.eval.constrained_tool_calls)  # fmt: skip
         figures, outputs, _ = evaluate(runner, items, tokenizer, return_outputs=True, lengths=cfg.shapes.lengths,
                                        max_calls=cfg.eval.max_calls, max_new_tokens=cfg.eval.max_new_tokens,

@@ -171,16 +171,12 @@ def coreai_compute_plan(path: str | Path, compute_units: str = "CPU_AND_NE") -> 
     if sys.platform != "darwin":
         raise RuntimeError(f"Core AI's compute plan needs macOS 27 (the OS framework); none on {sys.platform}")
     from coreai.authoring import AIModelAsset
-    from coreai.runtime import ComputeUnitKind, SpecializationOptions  # type: ignore[attr-defined]
     from coreai_torch.debugging.compute_plan import ComputePlan
 
-    from distillgates.runtime.coreai_engine import COMPUTE_UNITS
+    from distillgates.runtime.coreai_engine import specialization
 
     program = AIModelAsset.load(path).program
-    kind = COMPUTE_UNITS[compute_units]
-    options = None if kind is None else SpecializationOptions.from_preferred_compute_unit_kind(
-        getattr(ComputeUnitKind, kind)())  # fmt: skip
-    data = asyncio.run(ComputePlan.from_program(program, options)).to_dict(program)
+    data = asyncio.run(ComputePlan.from_program(program, specialization(compute_units))).to_dict(program)
     placed = [entry for entry in data["entries"] if entry["residency"] == "PLACED"]
     on_ane = sum("NEURAL_ENGINE" in entry["devices"] for entry in placed)
     return {"source": "Core AI compute plan (coreai_torch.debugging.compute_plan)", "compute_units": compute_units,

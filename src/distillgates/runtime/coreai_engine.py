@@ -54,11 +54,22 @@ def unavailable() -> str | None:
     return None
 
 
+def specialization(compute_units: str) -> Any:
+    """Core AI's ``SpecializationOptions`` preferring ``compute_units`` (an ``export.compute_units`` value) on macOS
+    (the OS framework, macOS 27); None for ``ALL`` and off macOS, where the runtime takes no options."""
+    kind = COMPUTE_UNITS[compute_units]
+    if sys.platform != "darwin" or kind is None:
+        return None
+    from coreai.runtime import ComputeUnitKind, SpecializationOptions  # type: ignore[attr-defined]
+
+    return SpecializationOptions.from_preferred_compute_unit_kind(getattr(ComputeUnitKind, kind)())
+
+
 def _describe(fn: Any) -> dict[str, Any]:
     desc = fn.desc
 
     def arrays(names: list[str], get: Any) -> list[dict[str, Any]]:
-        return [{"name": n, "dtype": str(get(n).dtype).upper(), "shape": list(get(n).shape)} for n in names]
+        return [{"name": n, "dtype": str(d.dtype).upper(), "shape": list(d.shape)} for n in names for d in [get(n)]]
 
     return {"inputs": arrays(desc.input_names, desc.input_descriptor),
             "outputs": arrays(desc.output_names, desc.output_descriptor),
@@ -73,13 +84,7 @@ def _serve(conn: Connection, path: str, compute_units: str, stderr_path: str) ->
     from coreai.runtime import NDArray
 
     async def main() -> None:
-        options = None
-        if sys.platform == "darwin" and COMPUTE_UNITS[compute_units] is not None:  # the OS framework (macOS 27)
-            from coreai.runtime import ComputeUnitKind, SpecializationOptions  # type: ignore[attr-defined]
-
-            kind = getattr(ComputeUnitKind, str(COMPUTE_UNITS[compute_units]))()
-            options = SpecializationOptions.from_preferred_compute_unit_kind(kind)
-        async with AIModelAsset.load(path).executable(options) as model:
+        async with AIModelAsset.load(path).executable(specialization(compute_units)) as model:
             functions = {name: model.load_function(name) for name in model.function_names}
             described = {name: _describe(fn) for name, fn in functions.items()}
             states = next(iter(described.values()))["states"]
