@@ -14,7 +14,7 @@ random tokens). Prints one JSON line per configuration:
 - ``cosine_by_shape``, ``decode_cosine_min``, ``top1_agreement``.
 
     .venv/bin/python benchmarks/bench_coreai_export.py --run-dir runs/toy [--precision fp32,fp16]
-        [--quantize none,int8,int4]
+        [--quantize none,int8,int4,palettize4] [--palettize-group-size 0,8,32]
     .venv/bin/python benchmarks/bench_coreai_export.py --checkpoint smollm2 --lengths 128 --precision fp32
         --quantize none,int8
 
@@ -45,6 +45,8 @@ def main() -> None:
     parser.add_argument("--precision", default="fp32,fp16")
     parser.add_argument("--quantize", default="none,int8,int4")
     parser.add_argument("--prompts", choices=["text", "random"], default="text")
+    parser.add_argument("--palettize-group-size", default="0",
+                        help="palettize*: output channels per palette, one run each (0: one per tensor)")
     args = parser.parse_args()
     lengths = [int(n) for n in args.lengths.split(",")]
     if args.checkpoint == "smollm2":
@@ -60,8 +62,9 @@ def main() -> None:
         model, source = load_model(run.model_path()), f"{args.run_dir}/student/model.pt"
         rows = [torch.tensor([encode_item(run.tokenizer(), item).input_ids]) for item in run.items("train")[:32]]
     for precision in args.precision.split(","):
-        for quantize in args.quantize.split(","):
-            cfg = ExportConfig(compute_precision=precision, quantize=quantize)
+        for quantize, group in [(q, int(g)) for q in args.quantize.split(",")
+                                for g in (args.palettize_group_size.split(",") if q.startswith("palettize") else [0])]:
+            cfg = ExportConfig(compute_precision=precision, quantize=quantize, palettize_group_size=group)
             with tempfile.TemporaryDirectory() as out:
                 start = time.perf_counter()
                 made = export_coreai(model, cfg, lengths, out)
@@ -76,6 +79,7 @@ def main() -> None:
                 "parity_s": round(parity_s, 1), "asset_mib": round(size / 2**20, 2),
                 "cosine_by_shape": {k: round(v, 6) for k, v in parity["cosine_by_shape"].items()},
                 "decode_cosine_min": round(min(parity["decode_cosine"]), 6),
+                **({"palettize_group_size": group} if quantize.startswith("palettize") else {}),
                 "top1_agreement": round(parity["top1_agreement"], 3),
             }), flush=True)  # fmt: skip
 

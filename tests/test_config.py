@@ -83,6 +83,7 @@ MODEL = "student:\n  vocab_size: 64\n  d_model: 32\n  n_layers: 1\n  n_heads: 4\
         ("name: [unclosed\n", "invalid YAML"),
         ("export:\n  quantize: int3\n", "quantize must be none/int8/int4/palettize4/palettize6/palettize8"),
         ("export:\n  quantize: int4\n  int4_block_size: 0\n", "int4_block_size must be >= 1, got 0"),
+        ("export:\n  quantize: palettize4\n  palettize_group_size: -8\n", "palettize_group_size must be >= 0, got -8"),
         ("export:\n  minimum_deployment_target: macOS14\n", "minimum_deployment_target must be macOS15/iOS18"),
         ("train:\n  qat: {enabled: true}\nexport:\n  quantize: palettize6\n",
          "train.qat.enabled: QAT trains the int8 or int4 grid of export.quantize, and export.quantize 'palettize6' "

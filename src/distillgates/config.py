@@ -494,7 +494,9 @@ class ExportConfig:
     layout: str = "standard"  # "standard" or "ane" ((B, C, 1, S) tensors, 1x1 convs)
     minimum_deployment_target: str = "macOS15"  # stateful KV cache needs macOS 15
     compute_units: str = "ALL"
-    palettize_mode: str = "uniform"  # "uniform" or "kmeans" (kmeans needs scikit-learn)
+    palettize_mode: str = "uniform"  # Core ML's: "uniform" or "kmeans" (needs scikit-learn); Core AI's is k-means
+    # palettize*: 0, one palette per weight tensor; N, one per N output channels (Apple's iOS presets: 8 or 32)
+    palettize_group_size: int = 0
     # int4 post-training: "none" (data-free, max|block| / 7) or "clip_search" (each block's scale from a clipping
     # search minimising its output error on calibration rows of the training data); not with train.qat
     calibration: str = "none"
@@ -529,6 +531,8 @@ class ExportConfig:
         if self.layout not in ("standard", "ane"):
             raise ValueError(f"layout must be standard/ane, got {self.layout!r}")
 
+        if self.palettize_group_size < 0:
+            raise ValueError(f"palettize_group_size must be >= 0, got {self.palettize_group_size}")
 
 @dataclass
 class SpeedConfig:

@@ -107,6 +107,59 @@ def test_a_perturbed_weight_fails_parity(tiny_ckpt: Path, tmp_path: Path) -> Non
     assert min(parity["cosine_by_shape"].values()) < 0.999 and min(parity["decode_cosine"]) < 0.999
 
 
+@pytest.mark.parametrize(("quantize", "group", "levels"),
+                         [("int4", 0, 16), ("palettize4", 8, 16), ("palettize6", 0, 64)])  # fmt: skip
+@pytest.mark.parametrize("tied", [True, False])
+def test_coreai_opt_puts_every_weight_on_its_grid(quantize: str, group: int, levels: int, tied: bool) -> None:
+    """What the asset is converted from: every linear holds at most ``levels`` values per int4 block (a row's
+    ``int4_block_size`` input channels), per palette (``group`` output channels, else the tensor), and more than that
+    across the tensor where there is more than one block or palette. The embedding table is int8 per row, and a tied
+    LM head is that table (the asset stores it once); an untied head is a linear like the others."""
+    from distillgates.config import ExportConfig
+    from distillgates.export.coreai import coreai_modules
+    from distillgates.model import Transformer
+
+    from ..conftest import tiny_model_config
+
+    torch.manual_seed(0)
+    model = Transformer(tiny_model_config(vocab_size=64, max_seq_len=48, tie_embeddings=tied)).eval()
+    cfg = ExportConfig(compute_precision="fp32", quantize=quantize, palettize_group_size=group)
+    core = coreai_modules(model, cfg, LENGTHS)["prefill"].core.model
+    linears = {n: m.weight.detach() for n, m in core.named_modules() if isinstance(m, torch.nn.Linear)}
+    assert len(linears) == 7 * model.config.n_layers + 1 and "lm_head" in linears
+    if tied:
+        assert torch.equal(linears.pop("lm_head"), core.embed.weight)
+    for name, weight in linears.items():
+        width = cfg.int4_block_size if quantize == "int4" else group * weight.shape[1] if group else weight.numel()
+        blocks = weight.reshape(-1, width)
+        assert max(len(torch.unique(b)) for b in blocks) <= levels, name
+        assert len(blocks) == 1 or len(torch.unique(weight)) > levels, name
+    stored = core.embed.parametrizations.weight[0]  # the table the gather reads
+    assert stored.quantized_data.dtype == torch.int8 and stored.scale.shape == (model.config.vocab_size, 1)
+    dequantized = (stored.quantized_data.float() - stored.zero_point) * stored.scale
+    torch.testing.assert_close(core.embed.weight.detach(), dequantized)
+
+
+def test_a_grouped_palette_ships_in_both_targets(tiny_ckpt: Path, tmp_path: Path) -> None:
+    """palettize6 per 8 output channels: Core ML's package holds one 64-entry palette per 8 rows of each linear,
+    coreai-opt's k-means the asset's; both pass their parity gates and the contract says what was done."""
+    from .test_export import _program_from_disk
+
+    cfg = pipeline_config(target="both", quantize="palettize6", palettize_group_size=8)
+    result = export_model(tiny_ckpt, cfg, tmp_path, TOKENIZER_FP)
+    prog = _program_from_disk(result.packages["model"])
+    luts = [op for f in prog.functions.values() for op in f.operations if op.op_type == "constexpr_lut_to_dense"]
+    assert luts and all(op.inputs["lut"].val.shape[-2] == 2**6 for op in luts)
+    assert all(op.inputs["lut"].val.shape[0] == op.outputs[0].shape[0] // 8 for op in luts)  # a palette per 8 rows
+    assert min(result.parity["cosine_by_shape"].values()) >= 0.999
+    parity = result.gate_inputs["coreai_parity"]
+    assert min(parity["cosine_by_shape"].values()) >= 0.999 and min(parity["decode_cosine"]) >= 0.999
+    assert parity["top1_agreement"] >= 0.95
+    section = json.loads(result.contract_path.read_text())["coreai"]
+    assert section["compression"] == ("linears: k-means palette of 64 values per 8 output channels (coreai-opt); "
+                                      "embedding (and the tied LM head): int8 per row (coreai-opt w8)")
+
+
 def test_the_engine_over_the_asset_decodes_as_pytorch(coreai_fp32: ExportResult, tiny_ckpt: Path) -> None:
     """Greedy generation through the asset (prefill padded to an enumerated length, then decode and a multi-turn
     extend, all in the worker's one state) gives PyTorch's tokens."""

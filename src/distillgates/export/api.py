@@ -58,7 +58,7 @@ from distillgates.export.convert import (
     export_program,
     input_second_moments,
 )
-from distillgates.export.coreai import coreai_parity, export_coreai
+from distillgates.export.coreai import compression, coreai_parity, export_coreai
 from distillgates.export.functions import (
     ASSET,
     COREAI_SOURCE,
@@ -333,6 +333,7 @@ def _export_coreai(
     compressed_by = "coreai-opt" if export_cfg.quantize != "none" else None
     section = {"path": ASSET, "functions": functions, "compute_precision": export_cfg.compute_precision,
                "quantize": export_cfg.quantize, "compressed_by": compressed_by,
+               "compression": compression(export_cfg, model.config.tie_embeddings),
                "versions": {name: importlib.metadata.version(name) for name in ("coreai-torch", "coreai-core",
                                                                                 "coreai-opt")}}  # fmt: skip
     gate = {"source": COREAI_SOURCE, **measured}

@@ -27,7 +27,8 @@ Design choices:
 - A weight that is not a module's own parameter (a tied LM head is the embedding table, unless the
   layout splits the head into chunks, which are copies) is left to :func:`compress`, which runs
   coremltools' pass on the consts still stored plain.
-- Palettization (4/6/8 bit) uses ``palettize_weights`` on linear/conv weights.
+- Palettization (4/6/8 bit) uses ``palettize_weights`` on linear/conv weights: one palette per tensor, or
+  per ``export.palettize_group_size`` output channels.
 - Every op config is keyed by const name, and the same weights give the same codes in every
   function, so the multifunction package's const deduplication stores them once.
 """
@@ -325,8 +326,10 @@ def compress(mlmodel: ct.models.MLModel, cfg: ExportConfig) -> ct.models.MLModel
         )  # fmt: skip
     else:
         nbits = int(quantize.removeprefix("palettize"))
-        op_cfg = cto.OpPalettizerConfig(mode=cfg.palettize_mode, nbits=nbits, granularity="per_tensor",
-                                        weight_threshold=1)  # fmt: skip
+        per: dict[str, Any] = {"granularity": "per_tensor"}
+        if cfg.palettize_group_size:
+            per = {"granularity": "per_grouped_channel", "group_size": cfg.palettize_group_size, "channel_axis": 0}
+        op_cfg = cto.OpPalettizerConfig(mode=cfg.palettize_mode, nbits=nbits, weight_threshold=1, **per)
     # by const name, not op type: a tied embedding feeds a gather and the LM head linear (an op-type
     # config conflicts there), and RoPE tables / masks must stay fp16
     names = {

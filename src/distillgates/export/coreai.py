@@ -11,11 +11,13 @@ Design choices:
   into one ``.aimodel`` whose functions share the states and store the weights once.
 - Precision is the model's dtype, as Apple's coreai-models exports do: ``compute_precision: fp16``
   converts an fp16 copy of the model (fp16 weights, activations and states), ``fp32`` the model as is.
-- Compression is coreai-opt's, post-training on the linear layers (``nn.Linear``; the embedding, and
-  a tied LM head with it, stays at the compute precision): ``int8`` per output channel (``w8``),
-  ``int4`` per block of ``export.int4_block_size`` input channels (``w4_per_block``). Its weights are
-  re-quantized on coreai-opt's own grid: a QAT'd int8 grid is not kept bit for bit here (the Core ML
-  export keeps it), and the parity gate measures the difference.
+- Compression is coreai-opt's, post-training: the linear layers (``nn.Linear``) get ``int8`` per output channel
+  (``w8``), ``int4`` per block of ``export.int4_block_size`` input channels (``w4_per_block``), or
+  ``palettize4/6/8``, a k-means palette per tensor or per ``export.palettize_group_size`` output channels (the ANE's
+  format; Apple's iOS presets use groups of 8 or 32). The embedding table is stored int8 per row, as Apple's presets
+  store it, and a tied LM head reads that one table (so the asset stores it once). Weights are re-quantized on
+  coreai-opt's own grid: a QAT'd int8 grid is not kept bit for bit here (the Core ML export keeps it), and the
+  parity gate measures the difference.
 - The asset is written next to its final path and swapped in (a reader never sees half an asset).
 """
 
@@ -25,6 +27,7 @@ import copy
 import shutil
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -40,12 +43,32 @@ from distillgates.export.wrappers import DecodeModule, PrefillModule, state_name
 from distillgates.model import Transformer
 from distillgates.runtime.coreai_engine import unavailable
 
-QUANTIZE = ("none", "int8", "int4")  # what coreai-opt does here; palettization: see coreai_quantizer
+LINEAR = "torch.nn.modules.linear.Linear"
+TIED_HEAD = "core.model.lm_head"  # in the prefill wrapper
 
 
-def coreai_quantizer(module: nn.Module, cfg: ExportConfig) -> Any:
-    """coreai-opt's post-training quantizer of ``module``'s ``nn.Linear`` weights for ``cfg.quantize`` (eager
-    mode: the wrappers hold KV buffers a graph capture would have to carry)."""
+def compression(cfg: ExportConfig, tied: bool) -> str | None:
+    """What coreai-opt does to the weights for ``cfg`` (``contract.coreai.compression``), or ``None``; ``tied``: the
+    LM head is the embedding table (:func:`coreai_compressors`)."""
+    if cfg.quantize == "none":
+        return None
+    if cfg.quantize == "int8":
+        linears = "int8 per output channel (coreai-opt w8)"
+    elif cfg.quantize == "int4":
+        linears = f"int4 per block of {cfg.int4_block_size} input channels (coreai-opt w4_per_block)"
+    else:
+        per = f"per {cfg.palettize_group_size} output channels" if cfg.palettize_group_size else "per tensor"
+        linears = f"k-means palette of {2 ** int(cfg.quantize.removeprefix('palettize'))} values {per} (coreai-opt)"
+    return f"linears: {linears}; embedding{' (and the tied LM head)' if tied else ''}: int8 per row (coreai-opt w8)"
+
+
+def coreai_compressors(cfg: ExportConfig, tied: bool) -> list[Callable[[nn.Module], Any]]:
+    """coreai-opt's post-training compressors for ``cfg.quantize``, each made from the module the one before it
+    returned (eager mode: the wrappers hold KV buffers a graph capture would have to carry). The ``nn.Linear``
+    weights: int8 per output channel, int4 per block of ``cfg.int4_block_size`` input channels, or a k-means palette
+    of ``2**n`` values per tensor or per ``cfg.palettize_group_size`` output channels (coreai-opt palettizes by
+    k-means only, whatever ``palettize_mode`` the Core ML package uses). The embedding table: int8 per row, and a
+    ``tied`` LM head with it (left out of the linears: the head reads the table)."""
     from coreai_opt.quantization.config.quantization_config import (
         ExecutionMode,
         ModuleQuantizerConfig,
@@ -53,21 +76,44 @@ def coreai_quantizer(module: nn.Module, cfg: ExportConfig) -> Any:
     )
     from coreai_opt.quantization.quantizer import Quantizer
 
-    if cfg.quantize not in QUANTIZE:
-        raise ExportError(f"export.quantize {cfg.quantize!r}: the Core AI target compresses none/int8/int4 "
-                          "(palettization through coreai-opt is not wired yet); use target coreml for it")  # fmt: skip
+    head = [TIED_HEAD] if tied else []  # left out of the linears' pass: the embedding's pass compresses its table
+
+    def quantizer(config: ModuleQuantizerConfig, kind: str = LINEAR) -> Callable[[nn.Module], Any]:
+        return lambda module: Quantizer(module, QuantizerConfig(
+            global_config=None, execution_mode=ExecutionMode.EAGER, module_type_configs={kind: config},
+            module_name_configs=dict.fromkeys(head if kind == LINEAR else [], None)))  # fmt: skip
+
+    embedding = quantizer(ModuleQuantizerConfig.presets.w8(), "torch.nn.modules.sparse.Embedding")
     if cfg.quantize == "int8":
-        linear = ModuleQuantizerConfig.presets.w8()
-    else:
-        linear = ModuleQuantizerConfig.presets.w4_per_block(block_size=cfg.int4_block_size)
-    config = QuantizerConfig(global_config=None, execution_mode=ExecutionMode.EAGER,
-                             module_type_configs={"torch.nn.modules.linear.Linear": linear})  # fmt: skip
-    return Quantizer(module, config)
+        return [quantizer(ModuleQuantizerConfig.presets.w8()), embedding]
+    if cfg.quantize == "int4":
+        return [quantizer(ModuleQuantizerConfig.presets.w4_per_block(block_size=cfg.int4_block_size)), embedding]
+    from coreai_opt.palettization.config.palettization_config import (
+        KMeansPalettizerConfig,
+        ModuleKMeansPalettizerConfig,
+        OpKMeansPalettizerConfig,
+    )
+    from coreai_opt.palettization.kmeans import KMeansPalettizer
+    from coreai_opt.palettization.spec import PalettizationSpec
+    from coreai_opt.palettization.spec.granularity import (
+        PerGroupedChannelGranularity,
+        PerTensorGranularity,
+    )
+
+    granularity = (PerGroupedChannelGranularity(axis=0, group_size=cfg.palettize_group_size)
+                   if cfg.palettize_group_size else PerTensorGranularity())  # fmt: skip
+    bits = int(cfg.quantize.removeprefix("palettize"))
+    spec = PalettizationSpec(n_bits=bits, granularity=granularity)  # type: ignore[arg-type]  # 4, 6 or 8
+    palette = ModuleKMeansPalettizerConfig(op_input_spec=None, op_output_spec=None, op_state_spec=dict.fromkeys(
+        OpKMeansPalettizerConfig.get_default_state_spec(), spec))  # fmt: skip
+    palettizer = KMeansPalettizerConfig(global_config=None, module_type_configs={LINEAR: palette},
+                                        module_name_configs=dict.fromkeys(head, None))  # fmt: skip
+    return [lambda module: KMeansPalettizer(module, palettizer), embedding]
 
 
 def coreai_modules(model: Transformer, cfg: ExportConfig, lengths: list[int]) -> dict[str, nn.Module]:
     """The prefill and decode wrappers as the Core AI asset runs them: a copy of ``model`` at the compute
-    precision, its linear weights quantized by coreai-opt (``cfg.quantize``)."""
+    precision, its weights compressed by coreai-opt (``cfg.quantize``: :func:`coreai_compressors`)."""
     if cfg.layout != "standard":
         raise ExportError(f"export.layout {cfg.layout!r}: the Core AI target converts layout standard only")
     copy_ = copy.deepcopy(model).eval()
@@ -78,10 +124,11 @@ def coreai_modules(model: Transformer, cfg: ExportConfig, lengths: list[int]) ->
     if cfg.quantize != "none":
         from coreai_opt import ExportBackend
 
-        quantizer = coreai_quantizer(prefill, cfg)
-        with torch.no_grad():
-            prefill = quantizer.finalize(quantizer.prepare(example_inputs("prefill", max(lengths))),
-                                         ExportBackend.CoreAI)  # fmt: skip
+        for make in coreai_compressors(cfg, model.config.tie_embeddings):
+            compressor = make(prefill)
+            with torch.no_grad():
+                prefill = compressor.finalize(compressor.prepare(example_inputs("prefill", max(lengths))),
+                                              ExportBackend.CoreAI)  # fmt: skip
     return {"prefill": prefill, "decode": DecodeModule(prefill.core, kv_write="index_copy").eval()}  # type: ignore[arg-type]
 
 
