@@ -140,6 +140,27 @@ def test_coreai_opt_puts_every_weight_on_its_grid(quantize: str, group: int, lev
     torch.testing.assert_close(core.embed.weight.detach(), dequantized)
 
 
+@pytest.mark.parametrize("quantize", ["int8", "int4"])
+def test_a_qat_grid_reaches_the_asset_exactly(quantize: str, qat_ckpt) -> None:
+    """int8/int4 take the Core ML export's codes and scales, not coreai-opt's own grid (int4 ``max|block| / 7.5``,
+    codes in [-8, 7]): weights trained on the export's grid (QAT) reach the asset's modules unchanged, as they reach
+    the Core ML package (``qat_exact_weights``)."""
+    from distillgates.config import ExportConfig
+    from distillgates.export.convert import int4_block_grid
+    from distillgates.export.coreai import coreai_modules
+
+    model = load_model(qat_ckpt[0])  # every linear but the tied head on an int8 per-channel grid
+    linears = {n: m for n, m in model.named_modules() if isinstance(m, torch.nn.Linear) and n != "lm_head"}
+    if quantize == "int4":  # on the export's int4 grid instead, as int4 QAT leaves them
+        with torch.no_grad():
+            for module in linears.values():
+                codes, scale = int4_block_grid(module.weight, 32)
+                module.weight.copy_((codes * scale[..., None]).reshape(module.weight.shape))
+    core = coreai_modules(model, ExportConfig(compute_precision="fp32", quantize=quantize), LENGTHS)["prefill"]
+    for name, module in linears.items():
+        assert torch.equal(core.core.model.get_submodule(name).weight, module.weight), name
+
+
 def test_a_grouped_palette_ships_in_both_targets(tiny_ckpt: Path, tmp_path: Path) -> None:
     """palettize6 per 8 output channels: Core ML's package holds one 64-entry palette per 8 rows of each linear,
     coreai-opt's k-means the asset's; both pass their parity gates and the contract says what was done."""

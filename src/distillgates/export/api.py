@@ -236,7 +236,7 @@ def export_transformer(
     with _timed(seconds, "save_multifunction"):
         save_functions(models, package)
     packages = {PACKAGE: package}
-    coreai, coreai_section = _export_coreai(model, export_cfg, lengths, out, seconds, calibration)
+    coreai, coreai_section = _export_coreai(model, exported, export_cfg, lengths, out, seconds, calibration)
     shipped_paths = [*packages.values(), *([out / ASSET] if "path" in coreai_section else [])]
     for stale in (set(out.glob("*.mlpackage")) | set(out.glob("*.aimodel"))) - set(shipped_paths):
         shutil.rmtree(stale)  # an earlier layout's (prefill/decode), or an asset of an earlier target
@@ -310,10 +310,11 @@ def export_transformer(
 
 
 def _export_coreai(
-    model: Transformer, export_cfg: ExportConfig, lengths: list[int], out: Path, seconds: dict[str, float],
-    rows: list[torch.Tensor] | None,
+    model: Transformer, shipped: Transformer, export_cfg: ExportConfig, lengths: list[int], out: Path,
+    seconds: dict[str, float], rows: list[torch.Tensor] | None,
 ) -> tuple[dict[str, Any], dict[str, Any]]:
-    """With ``target: both``: ``out/model.aimodel`` and its parity run by Core AI's runtime;
+    """With ``target: both``: ``out/model.aimodel`` of ``shipped`` (``model``, or its copy snapped to the calibrated
+    int4 grid) and its parity against ``model`` run by Core AI's runtime;
     ``(gate_inputs.coreai_parity, contract.coreai)``, both ``{"skipped": reason}`` without the coreai extra,
     both ``{}`` with target coreml."""
     if export_cfg.target != "both":
@@ -322,7 +323,7 @@ def _export_coreai(
     if reason is not None:
         log.warning("export.target both: %s; exported Core ML only", reason)
         return {"skipped": reason}, {"skipped": reason}
-    made = export_coreai(model, export_cfg, lengths, out)
+    made = export_coreai(shipped, export_cfg, lengths, out)
     seconds.update({f"coreai_{phase}": s for phase, s in made["seconds"].items()})
     with _timed(seconds, "coreai_parity"):
         measured = coreai_parity(made["path"], model, lengths, rows=rows)  # prompts of real text where given

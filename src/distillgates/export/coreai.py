@@ -11,13 +11,12 @@ Design choices:
   into one ``.aimodel`` whose functions share the states and store the weights once.
 - Precision is the model's dtype, as Apple's coreai-models exports do: ``compute_precision: fp16``
   converts an fp16 copy of the model (fp16 weights, activations and states), ``fp32`` the model as is.
-- Compression is coreai-opt's, post-training: the linear layers (``nn.Linear``) get ``int8`` per output channel
-  (``w8``), ``int4`` per block of ``export.int4_block_size`` input channels (``w4_per_block``), or
-  ``palettize4/6/8``, a k-means palette per tensor or per ``export.palettize_group_size`` output channels (the ANE's
-  format; Apple's iOS presets use groups of 8 or 32). The embedding table is stored int8 per row, as Apple's presets
-  store it, and a tied LM head reads that one table (so the asset stores it once). Weights are re-quantized on
-  coreai-opt's own grid: a QAT'd int8 grid is not kept bit for bit here (the Core ML export keeps it), and the
-  parity gate measures the difference.
+- Compression is coreai-opt's, post-training: the linear layers (``nn.Linear``) get ``int8`` per output channel,
+  ``int4`` per block of ``export.int4_block_size`` input channels, or ``palettize4/6/8``, a k-means palette per
+  tensor or per ``export.palettize_group_size`` output channels (the ANE's format; Apple's iOS presets use groups of
+  8 or 32). int8 and int4 weights take the Core ML export's codes and scales (:func:`export_grid`), so both targets
+  ship the same weights and a QAT'd (or calibrated) grid is kept exactly. The embedding table is stored int8 per
+  row, as Apple's presets store it, and a tied LM head reads that one table (the asset stores it once).
 - The asset is written next to its final path and swapped in (a reader never sees half an asset).
 """
 
@@ -53,9 +52,9 @@ def compression(cfg: ExportConfig, tied: bool) -> str | None:
     if cfg.quantize == "none":
         return None
     if cfg.quantize == "int8":
-        linears = "int8 per output channel (coreai-opt w8)"
+        linears = "int8 per output channel (the Core ML package's codes and scales)"
     elif cfg.quantize == "int4":
-        linears = f"int4 per block of {cfg.int4_block_size} input channels (coreai-opt w4_per_block)"
+        linears = f"int4 per block of {cfg.int4_block_size} input channels (the Core ML package's codes and scales)"
     else:
         per = f"per {cfg.palettize_group_size} output channels" if cfg.palettize_group_size else "per tensor"
         linears = f"k-means palette of {2 ** int(cfg.quantize.removeprefix('palettize'))} values {per} (coreai-opt)"
@@ -111,9 +110,34 @@ def coreai_compressors(cfg: ExportConfig, tied: bool) -> list[Callable[[nn.Modul
     return [lambda module: KMeansPalettizer(module, palettizer), embedding]
 
 
+def export_grid(model: Transformer, cfg: ExportConfig) -> dict[str, tuple[Tensor, Tensor]]:
+    """``{linear name: (codes (out, in), scale)}``: the int8/int4 grid the Core ML export writes
+    (:func:`distillgates.export.convert.attach_weight_grids`, data-free): int8 per output channel, a weight already on
+    an int8 grid (QAT) keeping it; int4 :func:`distillgates.export.convert.int4_block_grid` (``max|block| / 7``, codes
+    in [-7, 7]), on which an int4 QAT'd weight, or one snapped to its calibrated grid, gives back its own codes. A
+    tied LM head is left out (it reads the embedding table)."""
+    from distillgates.export.convert import int4_block_grid, int8_grid_scale, ptq_scale
+
+    grids = {}
+    for name, module in model.named_modules():
+        if not isinstance(module, nn.Linear) or (name == "lm_head" and model.config.tie_embeddings):
+            continue
+        weight = module.weight.detach().float()
+        if cfg.quantize == "int8":
+            found = int8_grid_scale(weight)
+            scale = ptq_scale(weight, 8) if found is None else found.reshape(weight.shape[0], 1)
+            codes = torch.round(weight / scale).clamp(-128, 127)
+        else:
+            codes, scale = int4_block_grid(weight, cfg.int4_block_size)
+        grids[name] = (codes.reshape(weight.shape), scale)
+    return grids
+
+
 def coreai_modules(model: Transformer, cfg: ExportConfig, lengths: list[int]) -> dict[str, nn.Module]:
     """The prefill and decode wrappers as the Core AI asset runs them: a copy of ``model`` at the compute
-    precision, its weights compressed by coreai-opt (``cfg.quantize``: :func:`coreai_compressors`)."""
+    precision, its weights compressed by coreai-opt (``cfg.quantize``: :func:`coreai_compressors`). int8 and int4
+    weights then take the Core ML export's codes and scales (:func:`export_grid`): both targets ship the same
+    weights, and a QAT'd grid is kept exactly (coreai-opt's own int4 grid is ``max|block| / 7.5``, codes in [-8, 7])."""
     if cfg.layout != "standard":
         raise ExportError(f"export.layout {cfg.layout!r}: the Core AI target converts layout standard only")
     copy_ = copy.deepcopy(model).eval()
@@ -129,6 +153,18 @@ def coreai_modules(model: Transformer, cfg: ExportConfig, lengths: list[int]) ->
             with torch.no_grad():
                 prefill = compressor.finalize(compressor.prepare(example_inputs("prefill", max(lengths))),
                                               ExportBackend.CoreAI)  # fmt: skip
+    if cfg.quantize in ("int8", "int4"):
+        compressed: Any = prefill.core.model  # type: ignore[union-attr]  # coreai-opt's parametrized modules
+        with torch.no_grad():
+            for name, (codes, scale) in export_grid(model, cfg).items():
+                stored = compressed.get_submodule(name).parametrizations.weight[0]
+                if stored.quantized_data.shape != codes.shape or stored.scale.shape != scale.shape:
+                    raise ExportError(f"{name}: coreai-opt stores {tuple(stored.quantized_data.shape)} codes and "
+                                      f"{tuple(stored.scale.shape)} scales, the export grid {tuple(codes.shape)} and "
+                                      f"{tuple(scale.shape)}")  # fmt: skip
+                stored.quantized_data.copy_(codes.to(torch.int8))
+                stored.scale.copy_(scale)
+                stored.zero_point.zero_()
     return {"prefill": prefill, "decode": DecodeModule(prefill.core, kv_write="index_copy").eval()}  # type: ignore[arg-type]
 
 
