@@ -14,8 +14,8 @@ Design choices:
 - Compression is coreai-opt's, post-training: the linear layers (``nn.Linear``) get ``int8`` per output channel,
   ``int4`` per block of ``export.int4_block_size`` input channels, or ``palettize4/6/8``, a k-means palette per
   tensor or per ``export.palettize_group_size`` output channels (the ANE's format; Apple's iOS presets use groups of
-  8 or 32). int8 and int4 weights take the Core ML export's codes and scales (:func:`export_grid`), so both targets
-  ship the same weights and a QAT'd (or calibrated) grid is kept exactly. The embedding table is stored int8 per
+  8 or 32). int8 and int4 linears take the Core ML export's codes and scales (:func:`export_grid`), so both targets
+  ship the same linear weights and a QAT'd (or calibrated) grid is kept exactly. The embedding table is stored int8 per
   row, as Apple's presets store it, and a tied LM head reads that one table (the asset stores it once).
 - The asset is written next to its final path and swapped in (a reader never sees half an asset).
 """
