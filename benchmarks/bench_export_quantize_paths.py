@@ -24,14 +24,8 @@ import torch
 from bench_loss_memory import SMOLLM_135M
 
 from distillgates.config import ExportConfig, ModelConfig
-from distillgates.export.convert import (
-    _grid_scale_rows,
-    attach_weight_grids,
-    compress,
-    convert_program,
-    export_program,
-    int8_grid_scale,
-)
+from distillgates.export.convert import attach_weight_grids, compress, convert_program, export_program
+from distillgates.export.grid import _grid_scale_rows, int8_grid_scale
 from distillgates.export.layout import build_layout, logits_names
 from distillgates.export.wrappers import DecodeModule
 from distillgates.model import Transformer

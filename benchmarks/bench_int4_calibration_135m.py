@@ -25,7 +25,7 @@ from bench_export_135m import GGUF, calibration_rows, smollm2
 
 from distillgates.data.chat import render_conversation
 from distillgates.data.generator import generate_items
-from distillgates.export.convert import calibrated_int4_scale, input_second_moments, int4_block_grid
+from distillgates.export.grid import calibrated_int4_scale, input_second_moments, int4_block_grid
 from distillgates.model import Transformer
 
 BLOCK = 32  # export.int4_block_size's default

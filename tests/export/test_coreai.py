@@ -7,6 +7,7 @@ installed (coreai-core has wheels for Linux x86-64 and macOS 26+ arm64 only).
 
 from __future__ import annotations
 
+import copy
 import json
 import shutil
 import sys
@@ -146,8 +147,8 @@ def test_a_qat_grid_reaches_the_asset_exactly(quantize: str, qat_ckpt) -> None:
     codes in [-8, 7]): weights trained on the export's grid (QAT) reach the asset's modules unchanged, as they reach
     the Core ML package (``qat_exact_weights``)."""
     from distillgates.config import ExportConfig
-    from distillgates.export.convert import int4_block_grid
     from distillgates.export.coreai import coreai_modules
+    from distillgates.export.grid import int4_block_grid
 
     model = load_model(qat_ckpt[0])  # every linear but the tied head on an int8 per-channel grid
     linears = {n: m for n, m in model.named_modules() if isinstance(m, torch.nn.Linear) and n != "lm_head"}
@@ -159,6 +160,33 @@ def test_a_qat_grid_reaches_the_asset_exactly(quantize: str, qat_ckpt) -> None:
     core = coreai_modules(model, ExportConfig(compute_precision="fp32", quantize=quantize), LENGTHS)["prefill"]
     for name, module in linears.items():
         assert torch.equal(core.core.model.get_submodule(name).weight, module.weight), name
+
+
+@pytest.mark.parametrize("quantize", ["int8", "int4"])
+def test_a_split_head_ships_the_core_ml_grid_in_the_asset(quantize: str) -> None:
+    """A vocabulary over the ANE's 16384 rows splits the LM head into chunks, copies of its rows that are linears of
+    their own (tied or not): the asset's chunks hold the Core ML package's codes and scales as every other linear does
+    (not coreai-opt's own grid), and the contract says the head is compressed as linears, not read from the table."""
+    from distillgates.config import ExportConfig
+    from distillgates.export.convert import attach_weight_grids
+    from distillgates.export.coreai import compression, coreai_modules
+    from distillgates.export.layout import build_layout
+    from distillgates.model import Transformer
+
+    from ..conftest import tiny_model_config
+
+    torch.manual_seed(0)
+    model = Transformer(tiny_model_config(vocab_size=16400, max_seq_len=48, tie_embeddings=True)).eval()
+    cfg = ExportConfig(compute_precision="fp32", quantize=quantize)
+    grids = attach_weight_grids(build_layout(copy.deepcopy(model), "standard"), quantize, cfg.int4_block_size)
+    assert sorted(name for name in grids if name.startswith("lm_head_chunks")) == [
+        "lm_head_chunks.0.weight", "lm_head_chunks.1.weight"]  # fmt: skip
+    core = coreai_modules(model, cfg, LENGTHS)["prefill"].core  # data-free grids: what the package computes
+    for name, grid in grids.items():
+        stored = core.get_submodule(name.removesuffix(".weight")).parametrizations.weight[0]
+        assert torch.equal(stored.quantized_data.float(), grid.codes) and torch.equal(stored.scale, grid.scale), name
+    assert compression(cfg, model.config).endswith(
+        "(the LM head too: 2 chunks of its rows); embedding: int8 per row (coreai-opt w8)")
 
 
 def test_a_grouped_palette_ships_in_both_targets(tiny_ckpt: Path, tmp_path: Path) -> None:

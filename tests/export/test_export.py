@@ -20,7 +20,9 @@ from torch import Tensor, nn
 from distillgates.config import ExportConfig, load_config
 from distillgates.export.api import export_model, export_transformer
 from distillgates.export.contract import kv_layout, verify_contract
-from distillgates.export.convert import ExportError, convert_program, export_program, int8_grid_scale
+from distillgates.export.convert import convert_program, export_program
+from distillgates.export.errors import ExportError
+from distillgates.export.grid import int8_grid_scale
 from distillgates.export.layout import ANETransformer, build_layout, head_widths, logits_names
 from distillgates.export.lint import ANE_MAX_DIM, ane_op_lint, lint_int64_attention, lint_mil_ops, lint_shapes
 from distillgates.export.wrappers import DecodeModule, PrefillModule

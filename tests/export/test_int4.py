@@ -8,13 +8,8 @@ import pytest
 import torch
 
 from distillgates.export.api import export_transformer
-from distillgates.export.convert import (
-    ExportError,
-    calibrated_int4_scale,
-    input_second_moments,
-    int4_block_grid,
-    quantized_weights,
-)
+from distillgates.export.errors import ExportError
+from distillgates.export.grid import calibrated_int4_scale, input_second_moments, int4_block_grid, quantized_weights
 from distillgates.export.layout import build_layout
 from distillgates.export.roundtrip import map_to_parameters, package_weights
 from distillgates.model import Transformer

@@ -15,7 +15,8 @@ import torch
 
 from distillgates.export import api
 from distillgates.export.api import export_model
-from distillgates.export.convert import ExportError, export_program
+from distillgates.export.convert import export_program
+from distillgates.export.errors import ExportError
 from distillgates.export.layout import build_layout
 from distillgates.export.roundtrip import (
     SOURCE,

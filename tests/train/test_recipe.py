@@ -170,7 +170,7 @@ def test_int4_qat_follows_export_quantize_to_the_int4_grid(artifacts: dict[str, 
     import dataclasses
 
     from distillgates.config import ExportConfig
-    from distillgates.export.convert import int4_block_grid
+    from distillgates.export.grid import int4_block_grid
 
     torch.set_num_threads(1)
     cfg = artifacts["make_config"](len(artifacts["tokenizer"]), steps=4, qat={"enabled": True, "start_fraction": 0.5,

@@ -50,15 +50,9 @@ from distillgates.export.contract import (
     shared_state,
     verify_contract,
 )
-from distillgates.export.convert import (
-    ExportError,
-    attach_weight_grids,
-    compress,
-    convert_program,
-    export_program,
-    input_second_moments,
-)
+from distillgates.export.convert import attach_weight_grids, compress, convert_program, export_program
 from distillgates.export.coreai import compression, coreai_parity, export_coreai
+from distillgates.export.errors import ExportError
 from distillgates.export.functions import (
     ASSET,
     COREAI_SOURCE,
@@ -68,6 +62,7 @@ from distillgates.export.functions import (
     function_names,
     prefill_function,
 )
+from distillgates.export.grid import WeightGrid, input_second_moments
 from distillgates.export.headroom import fp16_headroom
 from distillgates.export.layout import build_layout, logits_names
 from distillgates.export.lint import ane_op_lint, run_lints
@@ -214,10 +209,11 @@ def export_transformer(
     if input_moments is not None and isinstance(chunks, torch.nn.ModuleList):  # copies of the head's rows
         head = input_moments[id(exported.lm_head.weight)]
         input_moments.update({id(chunk.weight): head for chunk in chunks})  # with the head's inputs
-    qat_exact: list[str] = []
+    grids: dict[str, WeightGrid] = {}
     if export_cfg.quantize in ("int8", "int4"):  # quantized by the converter, from our grids
         with _timed(seconds, "weight_grids"):
-            qat_exact = attach_weight_grids(core, export_cfg.quantize, export_cfg.int4_block_size, input_moments)
+            grids = attach_weight_grids(core, export_cfg.quantize, export_cfg.int4_block_size, input_moments)
+    qat_exact = [name for name, grid in grids.items() if grid.exact]
     modules = {"prefill": PrefillModule(core), "decode": DecodeModule(core)}
     with _timed(seconds, "torch_export"):
         eps = {kind: export_program(modules[kind], kind, lengths) for kind in KINDS}
@@ -236,7 +232,7 @@ def export_transformer(
     with _timed(seconds, "save_multifunction"):
         save_functions(models, package)
     packages = {PACKAGE: package}
-    coreai, coreai_section = _export_coreai(model, exported, export_cfg, lengths, out, seconds, calibration)
+    coreai, coreai_section = _export_coreai(model, exported, grids, export_cfg, lengths, out, seconds, calibration)
     shipped_paths = [*packages.values(), *([out / ASSET] if "path" in coreai_section else [])]
     for stale in (set(out.glob("*.mlpackage")) | set(out.glob("*.aimodel"))) - set(shipped_paths):
         shutil.rmtree(stale)  # an earlier layout's (prefill/decode), or an asset of an earlier target
@@ -310,11 +306,12 @@ def export_transformer(
 
 
 def _export_coreai(
-    model: Transformer, shipped: Transformer, export_cfg: ExportConfig, lengths: list[int], out: Path,
-    seconds: dict[str, float], rows: list[torch.Tensor] | None,
+    model: Transformer, shipped: Transformer, grids: dict[str, WeightGrid], export_cfg: ExportConfig,
+    lengths: list[int], out: Path, seconds: dict[str, float], rows: list[torch.Tensor] | None,
 ) -> tuple[dict[str, Any], dict[str, Any]]:
     """With ``target: both``: ``out/model.aimodel`` of ``shipped`` (``model``, or its copy snapped to the calibrated
-    int4 grid) and its parity against ``model`` run by Core AI's runtime;
+    int4 grid), its int8/int4 weights on the Core ML package's ``grids``, and its parity against ``model`` run by
+    Core AI's runtime;
     ``(gate_inputs.coreai_parity, contract.coreai)``, both ``{"skipped": reason}`` without the coreai extra,
     both ``{}`` with target coreml."""
     if export_cfg.target != "both":
@@ -323,7 +320,7 @@ def _export_coreai(
     if reason is not None:
         log.warning("export.target both: %s; exported Core ML only", reason)
         return {"skipped": reason}, {"skipped": reason}
-    made = export_coreai(shipped, export_cfg, lengths, out)
+    made = export_coreai(shipped, export_cfg, lengths, out, grids)
     seconds.update({f"coreai_{phase}": s for phase, s in made["seconds"].items()})
     with _timed(seconds, "coreai_parity"):
         measured = coreai_parity(made["path"], model, lengths, rows=rows)  # prompts of real text where given
@@ -334,7 +331,7 @@ def _export_coreai(
     compressed_by = "coreai-opt" if export_cfg.quantize != "none" else None
     section = {"path": ASSET, "functions": functions, "compute_precision": export_cfg.compute_precision,
                "quantize": export_cfg.quantize, "compressed_by": compressed_by,
-               "compression": compression(export_cfg, model.config.tie_embeddings),
+               "compression": compression(export_cfg, model.config),
                "versions": {name: importlib.metadata.version(name) for name in ("coreai-torch", "coreai-core",
                                                                                 "coreai-opt")}}  # fmt: skip
     gate = {"source": COREAI_SOURCE, **measured}

@@ -14,9 +14,11 @@ Design choices:
 - Compression is coreai-opt's, post-training: the linear layers (``nn.Linear``) get ``int8`` per output channel,
   ``int4`` per block of ``export.int4_block_size`` input channels, or ``palettize4/6/8``, a k-means palette per
   tensor or per ``export.palettize_group_size`` output channels (the ANE's format; Apple's iOS presets use groups of
-  8 or 32). int8 and int4 linears take the Core ML export's codes and scales (:func:`export_grid`), so both targets
-  ship the same linear weights and a QAT'd (or calibrated) grid is kept exactly. The embedding table is stored int8 per
-  row, as Apple's presets store it, and a tied LM head reads that one table (the asset stores it once).
+  8 or 32). int8 and int4 linears take the Core ML export's codes and scales (:mod:`distillgates.export.grid`), so both
+  targets ship the same linear weights and a QAT'd (or calibrated) grid is kept exactly. The embedding table is stored
+  int8 per row, as Apple's presets store it, and a tied LM head reads that one table (the asset stores it once), unless
+  the vocabulary is split into head chunks for the ANE (more than 16384 rows: the layout's ``lm_head_chunks``, copies
+  of the rows, compressed as linears in both targets).
 - The asset is written next to its final path and swapped in (a reader never sees half an asset).
 """
 
@@ -33,11 +35,13 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from distillgates.config import ExportConfig
+from distillgates.config import ExportConfig, ModelConfig
 from distillgates.export.contract import expected_io
-from distillgates.export.convert import ExportError, example_inputs
+from distillgates.export.convert import example_inputs
+from distillgates.export.errors import ExportError
 from distillgates.export.functions import ASSET, DECODE, function_kind, function_names
-from distillgates.export.layout import build_layout
+from distillgates.export.grid import WeightGrid, quantized_weights, weight_grid
+from distillgates.export.layout import build_layout, head_widths
 from distillgates.export.wrappers import DecodeModule, PrefillModule, state_names
 from distillgates.model import Transformer
 from distillgates.runtime.coreai_engine import unavailable
@@ -46,9 +50,10 @@ LINEAR = "torch.nn.modules.linear.Linear"
 TIED_HEAD = "core.model.lm_head"  # in the prefill wrapper
 
 
-def compression(cfg: ExportConfig, tied: bool) -> str | None:
-    """What coreai-opt does to the weights for ``cfg`` (``contract.coreai.compression``), or ``None``; ``tied``: the
-    LM head is the embedding table (:func:`coreai_compressors`)."""
+def compression(cfg: ExportConfig, config: ModelConfig) -> str | None:
+    """What coreai-opt does to the weights for ``cfg`` (``contract.coreai.compression``), or ``None``, for a model of
+    ``config``: a tied LM head reads the embedding table, unless the vocabulary is split into head chunks
+    (:func:`distillgates.export.layout.head_widths`), which are copies of its rows, compressed as linears."""
     if cfg.quantize == "none":
         return None
     if cfg.quantize == "int8":
@@ -58,7 +63,11 @@ def compression(cfg: ExportConfig, tied: bool) -> str | None:
     else:
         per = f"per {cfg.palettize_group_size} output channels" if cfg.palettize_group_size else "per tensor"
         linears = f"k-means palette of {2 ** int(cfg.quantize.removeprefix('palettize'))} values {per} (coreai-opt)"
-    return f"linears: {linears}; embedding{' (and the tied LM head)' if tied else ''}: int8 per row (coreai-opt w8)"
+    chunks = len(head_widths(config.vocab_size))
+    if chunks > 1:
+        linears += f" (the LM head too: {chunks} chunks of its rows)"
+    reads = config.tie_embeddings and chunks == 1
+    return f"linears: {linears}; embedding{' (and the tied LM head)' if reads else ''}: int8 per row (coreai-opt w8)"
 
 
 def coreai_compressors(cfg: ExportConfig, tied: bool) -> list[Callable[[nn.Module], Any]]:
@@ -110,34 +119,15 @@ def coreai_compressors(cfg: ExportConfig, tied: bool) -> list[Callable[[nn.Modul
     return [lambda module: KMeansPalettizer(module, palettizer), embedding]
 
 
-def export_grid(model: Transformer, cfg: ExportConfig) -> dict[str, tuple[Tensor, Tensor]]:
-    """``{linear name: (codes (out, in), scale)}``: the int8/int4 grid the Core ML export writes
-    (:func:`distillgates.export.convert.attach_weight_grids`, data-free): int8 per output channel, a weight already on
-    an int8 grid (QAT) keeping it; int4 :func:`distillgates.export.convert.int4_block_grid` (``max|block| / 7``, codes
-    in [-7, 7]), on which an int4 QAT'd weight, or one snapped to its calibrated grid, gives back its own codes. A
-    tied LM head is left out (it reads the embedding table)."""
-    from distillgates.export.convert import int4_block_grid, int8_grid_scale, ptq_scale
-
-    grids = {}
-    for name, module in model.named_modules():
-        if not isinstance(module, nn.Linear) or (name == "lm_head" and model.config.tie_embeddings):
-            continue
-        weight = module.weight.detach().float()
-        if cfg.quantize == "int8":
-            found = int8_grid_scale(weight)
-            scale = ptq_scale(weight, 8) if found is None else found.reshape(weight.shape[0], 1)
-            codes = torch.round(weight / scale).clamp(-128, 127)
-        else:
-            codes, scale = int4_block_grid(weight, cfg.int4_block_size)
-        grids[name] = (codes.reshape(weight.shape), scale)
-    return grids
-
-
-def coreai_modules(model: Transformer, cfg: ExportConfig, lengths: list[int]) -> dict[str, nn.Module]:
+def coreai_modules(
+    model: Transformer, cfg: ExportConfig, lengths: list[int], grids: dict[str, WeightGrid] | None = None
+) -> dict[str, nn.Module]:
     """The prefill and decode wrappers as the Core AI asset runs them: a copy of ``model`` at the compute
     precision, its weights compressed by coreai-opt (``cfg.quantize``: :func:`coreai_compressors`). int8 and int4
-    weights then take the Core ML export's codes and scales (:func:`export_grid`): both targets ship the same
-    weights, and a QAT'd grid is kept exactly (coreai-opt's own int4 grid is ``max|block| / 7.5``, codes in [-8, 7])."""
+    weights then take the Core ML export's codes and scales, ``grids`` (``{weight name in the standard layout: grid}``,
+    :func:`distillgates.export.convert.attach_weight_grids`; by default :func:`distillgates.export.grid.weight_grid`
+    of each): both targets ship the same weights, and a QAT'd grid is kept exactly (coreai-opt's own int4 grid is
+    ``max|block| / 7.5``, codes in [-8, 7])."""
     if cfg.layout != "standard":
         raise ExportError(f"export.layout {cfg.layout!r}: the Core AI target converts layout standard only")
     copy_ = copy.deepcopy(model).eval()
@@ -154,22 +144,29 @@ def coreai_modules(model: Transformer, cfg: ExportConfig, lengths: list[int]) ->
                 prefill = compressor.finalize(compressor.prepare(example_inputs("prefill", max(lengths))),
                                               ExportBackend.CoreAI)  # fmt: skip
     if cfg.quantize in ("int8", "int4"):
-        compressed: Any = prefill.core.model  # type: ignore[union-attr]  # coreai-opt's parametrized modules
+        if grids is None:
+            grids = {name: weight_grid(weight, cfg.quantize, cfg.int4_block_size)
+                     for name, (_, weight) in quantized_weights(build_layout(model, "standard")).items()}  # fmt: skip
+        compressed: Any = prefill.core  # type: ignore[union-attr]  # coreai-opt's parametrized modules
         with torch.no_grad():
-            for name, (codes, scale) in export_grid(model, cfg).items():
-                stored = compressed.get_submodule(name).parametrizations.weight[0]
-                if stored.quantized_data.shape != codes.shape or stored.scale.shape != scale.shape:
+            for name, grid in grids.items():
+                stored = compressed.get_submodule(name.removesuffix(".weight")).parametrizations.weight[0]
+                if stored.quantized_data.shape != grid.codes.shape or stored.scale.shape != grid.scale.shape:
                     raise ExportError(f"{name}: coreai-opt stores {tuple(stored.quantized_data.shape)} codes and "
-                                      f"{tuple(stored.scale.shape)} scales, the export grid {tuple(codes.shape)} and "
-                                      f"{tuple(scale.shape)}")  # fmt: skip
-                stored.quantized_data.copy_(codes.to(torch.int8))
-                stored.scale.copy_(scale)
+                                      f"{tuple(stored.scale.shape)} scales, the export grid {tuple(grid.codes.shape)} "
+                                      f"and {tuple(grid.scale.shape)}")  # fmt: skip
+                stored.quantized_data.copy_(grid.codes.to(torch.int8))
+                stored.scale.copy_(grid.scale)
                 stored.zero_point.zero_()
     return {"prefill": prefill, "decode": DecodeModule(prefill.core, kv_write="index_copy").eval()}  # type: ignore[arg-type]
 
 
-def export_coreai(model: Transformer, cfg: ExportConfig, lengths: list[int], out_dir: str | Path) -> dict[str, Any]:
-    """Convert ``model`` into ``out_dir/model.aimodel``; ``{"path", "seconds"}``.
+def export_coreai(
+    model: Transformer, cfg: ExportConfig, lengths: list[int], out_dir: str | Path,
+    grids: dict[str, WeightGrid] | None = None,
+) -> dict[str, Any]:
+    """Convert ``model`` into ``out_dir/model.aimodel`` (int8/int4 on ``grids``: :func:`coreai_modules`);
+    ``{"path", "seconds"}``.
 
     Raises:
         ExportError: the coreai extra is missing, or the conversion failed.
@@ -182,7 +179,7 @@ def export_coreai(model: Transformer, cfg: ExportConfig, lengths: list[int], out
     lengths = sorted(lengths)
     seconds: dict[str, float] = {}
     start = time.perf_counter()
-    modules = coreai_modules(model, cfg, lengths)
+    modules = coreai_modules(model, cfg, lengths, grids)
     seconds["compress"] = time.perf_counter() - start
     converter = coreai_torch.TorchConverter(mode=coreai_torch.TorchConverter.Mode.RELEASE)
     io = {kind: expected_io(kind, model.config.vocab_size) for kind in ("prefill", "decode")}

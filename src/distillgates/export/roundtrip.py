@@ -34,7 +34,7 @@ from torch import nn
 from torch.export import ExportedProgram
 from torch.export.graph_signature import InputKind
 
-from distillgates.export.convert import ExportError
+from distillgates.export.errors import ExportError
 
 SOURCE = "mlpackage_weights_roundtrip"  # gate_inputs.export.source
 # what coremltools appends to a const's name: fp16/fp32 casts, then compression

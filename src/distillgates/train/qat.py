@@ -99,7 +99,7 @@ class Int4Graph(nn.Module):
     """:class:`TrainForward` with every exported linear weight fake-quantized to the export's int4 per-block grid."""
 
     def __init__(self, model: Transformer, block_size: int) -> None:
-        from distillgates.export.convert import quantized_weights
+        from distillgates.export.grid import quantized_weights
 
         super().__init__()
         self.model, self.block_size = TrainForward(model), block_size
@@ -109,7 +109,7 @@ class Int4Graph(nn.Module):
         self.snapped()  # a block size that does not divide a layer's inputs fails here, not at the first step
 
     def snapped(self) -> dict[str, Tensor]:
-        from distillgates.export.convert import fake_quantize_int4
+        from distillgates.export.grid import fake_quantize_int4
 
         return {name: fake_quantize_int4(self.model.get_parameter(name), self.block_size) for name in self.names}
 
