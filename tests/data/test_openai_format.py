@@ -111,6 +111,32 @@ def test_bad_rows_name_file_line_and_field(tmp_path, line, mutate, field):
         read_items(path)
 
 
+@pytest.mark.parametrize("fmt", ["jsonl", "hf"])
+def test_a_byte_that_is_not_utf8_names_file_line_and_byte(tmp_path, fmt):
+    """A Latin-1 'é' (0xe9) in line 3: the error names the file, the line and the byte, in every reader of data files;
+    under data.invalid_rows: skip the row is listed like any bad row."""
+    if fmt == "hf":
+        pytest.importorskip("datasets", reason="the 'hf' source needs the optional 'datasets' package")
+    lines = [json.dumps(row).encode() for row in own_data_rows()]
+    lines[2] = lines[2].replace(b'"content": "', b'"content": "caf\xe9 ', 1)
+    path = tmp_path / "rows.jsonl"
+    path.write_bytes(b"\n".join(lines) + b"\n")
+    column = lines[2].index(b"\xe9") + 1
+    with pytest.raises(DatasetError, match=re.escape(f"{path}:3: <utf-8>: byte 0xe9 at byte {column} of the line")):
+        read_items(path, fmt)
+    if fmt == "jsonl":
+        skipped: list[dict[str, str]] = []
+        assert len(read_items(path, skipped=skipped)) == len(lines) - 1
+        assert [row["where"] for row in skipped] == [f"{path}:3"] and skipped[0]["reason"].startswith("<utf-8>:")
+
+
+def test_a_dataset_file_with_a_byte_that_is_not_utf8_names_its_line(tmp_path):
+    path = tmp_path / "dataset.jsonl"
+    path.write_bytes(b'{"__header__": true}\n{"id": "caf\xe9"}\n')
+    with pytest.raises(DatasetError, match=re.escape(f"{path}:2: <utf-8>: byte 0xe9 at byte 12 of the line")):
+        read_dataset(path)
+
+
 def test_split_is_seeded_and_disjoint():
     items = [{"id": str(i)} for i in range(50)]
     train, held = split_items(items, 0.2, seed=3)

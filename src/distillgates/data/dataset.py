@@ -67,6 +67,16 @@ def _fail(where: str, field: str, message: str) -> DatasetError:
     return DatasetError(f"{where}: {field}: {message}")
 
 
+def decode_line(raw: bytes, where: str) -> str:
+    """One line of a data file (``where``: ``file:line``) as text; a byte that is not UTF-8 raises
+    :class:`DatasetError` naming the file, line and byte."""
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as err:
+        raise _fail(where, "<utf-8>", f"byte 0x{raw[err.start]:02x} at byte {err.start + 1} of the line is not UTF-8 "
+                                      "(save the file as UTF-8)") from err  # fmt: skip
+
+
 def _check_fields(obj: dict[str, Any], fields: dict[str, Any], where: str) -> None:
     for name, kind in fields.items():
         if name not in obj:
@@ -213,11 +223,12 @@ def read_dataset(
             prompt-wrapper fingerprint does not match.
     """
     path = Path(path)
-    lines = path.read_text(encoding="utf-8").splitlines()
+    lines = path.read_bytes().splitlines()
     if not lines:
         raise DatasetError(f"{path}:1: __header__: file is empty")
     rows = []
-    for number, line in enumerate(lines, start=1):
+    for number, raw in enumerate(lines, start=1):
+        line = decode_line(raw, f"{path}:{number}")
         try:
             rows.append(json.loads(line))
         except json.JSONDecodeError as err:

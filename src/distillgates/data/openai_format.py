@@ -53,7 +53,7 @@ from pathlib import Path
 from typing import Any
 
 from distillgates.data.chat import LOCALES, answer_text, item_system_prompt, tool_call_text, tool_result_text
-from distillgates.data.dataset import DatasetError, validate_item
+from distillgates.data.dataset import DatasetError, decode_line, validate_item
 from distillgates.data.tools import tool_errors, validate_call
 
 _ROW_FIELDS = {"id", "messages", "tools", "kind", "pii", "locale", "argument_alternatives", "optional_arguments",
@@ -307,12 +307,14 @@ def jsonl_rows(path: str | Path) -> Iterator[tuple[str, Any]]:
     path = Path(path)
     if not path.is_file():
         raise DatasetError(f"{path}: <file>: not found")
-    with path.open(encoding="utf-8") as f:
-        for number, line in enumerate(f, start=1):
-            if not line.strip():
+    with path.open("rb") as f:
+        for number, raw in enumerate(f, start=1):
+            if not raw.strip():
                 continue
             try:
-                row = json.loads(line)
+                row = json.loads(decode_line(raw, f"{path}:{number}"))
+            except DatasetError as err:
+                row = err
             except json.JSONDecodeError as err:
                 row = DatasetError(f"{path}:{number}: <json>: malformed JSON ({err.msg} at column {err.colno})")
             yield f"{path}:{number}", row
@@ -335,6 +337,10 @@ def hf_rows(path: str | Path, split: str = "train") -> Iterator[tuple[str, Any]]
     if not path.is_file():
         raise DatasetError(f"{path}: <file>: not found")
     builder = "parquet" if path.suffix == ".parquet" else "json"
+    if builder == "json":  # datasets' own error names neither the line nor the byte
+        with path.open("rb") as f:
+            for number, raw in enumerate(f, start=1):
+                decode_line(raw, f"{path}:{number}")
     dataset = load_dataset(builder, data_files={split: str(path)}, split=split)
     for number, row in enumerate(dataset, start=1):
         yield f"{path}:{number}", _drop_none(row)
