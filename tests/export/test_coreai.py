@@ -210,12 +210,13 @@ def test_a_grouped_palette_ships_in_both_targets(tiny_ckpt: Path, tmp_path: Path
 
 
 def test_the_engine_over_the_asset_decodes_as_pytorch(coreai_fp32: ExportResult, tiny_ckpt: Path) -> None:
-    """Greedy generation through the asset (prefill padded to an enumerated length, then decode and a multi-turn
-    extend, all in the worker's one state) gives PyTorch's tokens."""
+    """Greedy generation through the asset (prefill padded to an enumerated length, or a prompt past the largest one
+    prefilled at that length and decoded on, then decode and a multi-turn extend, all in the worker's one state) gives
+    PyTorch's tokens."""
     model = load_model(tiny_ckpt)
     engine, worker = open_engine(coreai_fp32.out_dir)
     with worker:
-        for prompt in ([5, 9, 3], list(range(1, 21))):
+        for prompt in ([5, 9, 3], list(range(1, 21)), [7 * i % 60 + 1 for i in range(40)]):  # 40: 32, then decode
             want = list(TorchEngine(model).generate(prompt, max_new_tokens=8))
             assert list(engine.generate(prompt, max_new_tokens=8)) == want
         torch_engine = TorchEngine(model)

@@ -32,7 +32,7 @@ def test_stand_in_is_what_the_engine_runs(pair):
 
 
 @pytest.mark.integration
-@pytest.mark.parametrize("prompt_len", [3, 8, 13])  # pads to 8, exactly 8, pads to 16
+@pytest.mark.parametrize("prompt_len", [3, 8, 13, 21])  # pads to 8, exactly 8, pads to 16, 16 then 5 decode steps
 def test_greedy_tokens_match_torch_engine(pair, prompt_len):
     model, engine = pair
     prompt = [(7 * i + 3) % 48 for i in range(prompt_len)]
@@ -93,10 +93,12 @@ def test_shared_state_prefill_writes_the_decode_state_without_a_copy(pair, monke
 
 
 @pytest.mark.integration
-def test_prompt_longer_than_enumerated_shapes_is_refused(pair):
+def test_a_prompt_beyond_the_kv_state_is_refused_before_anything_runs(pair):
     _, engine = pair
-    with pytest.raises(ValueError, match="largest enumerated length 16"):
-        engine.prefill(list(range(17)))
+    list(engine.generate([1, 2, 3], max_new_tokens=2))
+    with pytest.raises(ValueError, match="prompt of 33 tokens exceeds max_seq_len 32"):
+        engine.prefill(list(range(33)))
+    assert engine.tokens[:3] == [1, 2, 3]  # the state was not touched
 
 
 def test_contract_fields_are_required():

@@ -26,6 +26,10 @@ Design choices:
   position) until decode overwrites them; rollback therefore only moves the position.
 - ``extend`` runs one decode call per token: the decode package is one-token by contract; the
   prompt is not re-prefilled.
+- A prompt longer than the largest enumerated length is prefilled in two parts: that length by its prefill
+  function, the rest by decode calls (``extend``), so any prompt within ``max_seq_len`` runs (its TTFT grows by
+  a decode step per token past the shape; the speed report measures the enumerated shapes). A prompt beyond
+  ``max_seq_len`` (the KV state) is refused before anything runs.
 """
 
 from __future__ import annotations
@@ -202,16 +206,18 @@ class CoreMLEngine(EngineBase):
         return len(self.tokens)
 
     def padded_length(self, n: int) -> int:
-        """Smallest enumerated length that holds ``n`` tokens."""
-        for length in self.lengths:
-            if length >= n:
-                return length
-        raise ValueError(f"prompt of {n} tokens exceeds the largest enumerated length {self.lengths[-1]}")
+        """Smallest enumerated length that holds ``n`` tokens (``n`` at most the largest)."""
+        return next(length for length in self.lengths if length >= n)
 
     def prefill(self, prompt_ids: Sequence[int]) -> Tensor:
         n = len(prompt_ids)
         if n == 0:
             raise ValueError("need at least one prompt token")
+        if n > self.max_seq_len:
+            raise ValueError(f"prompt of {n} tokens exceeds max_seq_len {self.max_seq_len} (the KV state's length)")
+        if n > self.lengths[-1]:  # the largest enumerated shape, then the rest a decode step a token
+            self.prefill(prompt_ids[: self.lengths[-1]])
+            return self.extend(prompt_ids[self.lengths[-1]:])
         length = self.padded_length(n)
         input_ids = np.zeros((1, length), dtype=np.int32)  # (1, L) right-padded; pad keys are masked
         input_ids[0, :n] = np.asarray(prompt_ids, dtype=np.int32)
