@@ -131,18 +131,18 @@ def item_figures(rows: list[dict[str, Any]]) -> dict[str, float | None]:
     return {"f1_lax_macro": sum(f1) / len(f1) if f1 else None, **rates}
 
 
+def item_interval(rows: list[dict[str, Any]], metric: str) -> Interval | None:
+    """n and 95% CI of a quality figure from the per-item outcomes ``rows`` it summarises (rates: Wilson over their own
+    denominators, items or calls; the macro F1: a t interval over the eligible items)."""
+    if metric == "f1_lax_macro":
+        return mean_interval([row["f1_lax"] for row in rows if row["f1_lax"] is not None])
+    return wilson_interval(*_counts(rows, metric))
+
+
 @pytest.fixture(scope="session")
 def quality_interval(drawn_student_items: list[dict[str, Any]]) -> Callable[[str], Interval | None]:
-    """``metric -> Interval``: n and 95% CI of a student quality figure from the per-item outcomes it summarises
-    (rates: Wilson over their own denominators, items or calls; the macro F1: a t interval over the eligible
-    items)."""
-
-    def interval(metric: str) -> Interval | None:
-        if metric == "f1_lax_macro":
-            return mean_interval([row["f1_lax"] for row in drawn_student_items if row["f1_lax"] is not None])
-        return wilson_interval(*_counts(drawn_student_items, metric))
-
-    return interval
+    """``metric -> Interval`` of a student quality figure (:func:`item_interval` of the drawn items)."""
+    return lambda metric: item_interval(drawn_student_items, metric)
 
 
 @pytest.fixture(scope="session")

@@ -70,6 +70,7 @@ def test_every_step_runs_and_the_report_validates(tiny_run: tuple[Path, Path]) -
         assert min(report["gate_inputs"]["coreai_parity"]["cosine_by_shape"].values()) > 0.99
         n = report["quality"]["student"]["n"]  # every drawn item (fewer than export.coreai_eval_items, 32)
         assert coreai_eval["items"] == n and coreai_eval["identical"] + len(coreai_eval["differing_ids"]) == n
+        assert len(coreai_eval["item_scores"]) == n  # the coreai quality gates' intervals
     else:
         assert coreai_eval == report["gate_inputs"]["coreai_parity"] == {"skipped": unavailable()}
     # timed in speed worker processes as the gates time (one thread, compilation in the warm-up), not in this one

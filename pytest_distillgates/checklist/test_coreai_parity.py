@@ -15,6 +15,8 @@ from typing import Any
 import pytest
 
 from distillgates.export.functions import COREAI_SOURCE
+from distillgates.gates.stats import wilson_interval
+from pytest_distillgates.fixtures import item_interval
 
 # the quality gates' metrics and thresholds (test_quality.py), here on the asset's outputs
 QUALITY = {"f1_lax_macro": "f1_lax_min", "tool_selection": "tool_selection_min", "json_validity": "json_validity_min",
@@ -84,14 +86,17 @@ def test_coreai_outputs_equal_pytorch(gate, artifact_eval, thresholds):
     gate.at_least("coreai.outputs_identical", share, thresholds.coreai_outputs_identical_min,
                   f"share of the first {items} drawn eval items whose outputs through model.aimodel (Core AI's "
                   f"runtime, greedy, every turn) equal the eval step's PyTorch outputs; differing: "
-                  f"{differing[:10] or 'none'}")
+                  f"{differing[:10] or 'none'}", wilson_interval(identical, items) if items else None)
 
 
 @pytest.mark.coreai_parity
 @pytest.mark.parametrize("metric", list(QUALITY))
 def test_coreai_quality(gate, artifact_eval, thresholds, metric):
-    """The quality thresholds, on the figures of what ships: the same items scored from the asset's outputs."""
+    """The quality thresholds, on the figures of what ships: the same items scored from the asset's outputs (n and 95%
+    CI from their per-item scores, as the quality gates show theirs)."""
     measured = artifact_eval.get("student", {}).get(metric)
+    rows = artifact_eval.get("item_scores")
     gate.at_least(f"coreai.{metric}", measured, getattr(thresholds, QUALITY[metric]),
                   f"{metric} of the first {artifact_eval.get('items')} drawn eval items decoded through model.aimodel "
-                  "(Core AI's runtime, greedy), scored as the eval step scores")
+                  "(Core AI's runtime, greedy), scored as the eval step scores",
+                  item_interval(rows, metric) if rows else None)

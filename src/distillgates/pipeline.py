@@ -592,12 +592,14 @@ def coreai_eval_path(run: RunDir) -> Path:
 def step_coreai_eval(cfg: Config, run: RunDir) -> dict[str, Any]:
     """The first ``export.coreai_eval_items`` drawn eval items decoded greedily through ``export/model.aimodel``
     (Core AI's runtime, in a worker process: what ships), scored, and compared output by output with the PyTorch
-    engine's outputs of the eval step. ``{"skipped": reason}`` when there is no asset (target coreml, no coreai
+    engine's outputs of the eval step; the per-item scores give the gates their intervals. ``{"skipped": reason}`` when
+    there is no asset (target coreml, no coreai
     extra)."""
     from distillgates.data.dataset import drawn_items
     from distillgates.eval.broker import FixturePolicy
     from distillgates.eval.evaluate import evaluate
     from distillgates.eval.runners import EngineRunner
+    from distillgates.eval.scorer import item_rows
     from distillgates.eval.sharding import read_outputs
     from distillgates.export.functions import COREAI_SOURCE
     from distillgates.runtime.coreai_engine import open_engine
@@ -617,7 +619,7 @@ def step_coreai_eval(cfg: Config, run: RunDir) -> dict[str, Any]:
     with worker:
         runner = EngineRunner(engine, tokenizer, contract["model_fingerprint"],
                               cfg.eval.max_new_tokens, cfg.eval.constrained_tool_calls)  # fmt: skip
-        figures, outputs, _ = evaluate(runner, items, tokenizer, return_outputs=True, lengths=cfg.shapes.lengths,
+        figures, outputs, scores = evaluate(runner, items, tokenizer, return_outputs=True, lengths=cfg.shapes.lengths,
                                        max_calls=cfg.eval.max_calls, max_new_tokens=cfg.eval.max_new_tokens,
                                        policy=FixturePolicy(cfg.eval.missing_fixture, cfg.eval.mock_result),
                                        privacy=cfg.eval.privacy, progress=True)  # fmt: skip
@@ -625,7 +627,7 @@ def step_coreai_eval(cfg: Config, run: RunDir) -> dict[str, Any]:
     keys = ("f1_lax_macro", "tool_selection", "json_validity", "fixture_hit_rate")
     measured = {"source": COREAI_SOURCE.split(" vs ")[0], "items": len(outputs),
                 "identical": len(outputs) - len(differing), "differing_ids": differing,
-                "student": {k: figures.get(k) for k in keys}, "outputs": outputs}
+                "student": {k: figures.get(k) for k in keys}, "item_scores": item_rows(scores), "outputs": outputs}
     atomic_write_json(path, measured)
     return {k: measured[k] for k in ("items", "identical")}
 

@@ -134,7 +134,9 @@ def good_report() -> dict[str, Any]:
             "coreai_eval": {"source": "model.aimodel run by Core AI's runtime", "items": 32, "identical": 31,
                             "differing_ids": ["toy-eval-000000"],
                             "student": {"f1_lax_macro": 1.0, "tool_selection": 1.0, "json_validity": 1.0,
-                                        "fixture_hit_rate": 1.0}},
+                                        "fixture_hit_rate": 1.0},
+                            "item_scores": [{**row, "f1_lax": 1.0, "f1_strict": 1.0}
+                                            for row in good_item_scores()[:32]]},
             "prompt_cache": {"ttft_cold_ms": [10.0, 11.0, 10.5], "ttft_hit_ms": [4.0, 4.2, 4.1], "hit_rate": 1.0},
             "speculative": {"identical": True, "speedup": 1.6, "acceptance_rate": 0.7, "tokens_per_worker_step": 2.1,
                             "tps_plain": tps_per_process(100.0), "tps_speculative": tps_per_process(160.0, shift=2)},
