@@ -57,6 +57,29 @@ def test_the_workflows_use_the_installed_package(tmp_path: Path) -> None:
     assert "hashFiles('baselines/*/speed.json')" in cache["actions/cache/save"]["key"]
 
 
+def test_the_nightly_workflow_rebuilds_every_step_through_the_two_gate_workflows(tmp_path: Path) -> None:
+    """The nightly calls the quality and macOS workflows (one definition of each job) with fresh: true, and there
+    they restore no cached run and rebuild every step (--force); a pull request keeps the cache."""
+    scaffold(tmp_path)
+    workflows = tmp_path / ".github" / "workflows"
+    nightly = yaml.safe_load((workflows / "distillgates-nightly.yml").read_text())
+    triggers = nightly[True]  # YAML 1.1 reads the key `on` as True
+    assert "schedule" in triggers and "workflow_dispatch" in triggers
+    called = {job["uses"]: job["with"] for job in nightly["jobs"].values()}
+    assert called == {"./.github/workflows/distillgates-quality.yml": {"fresh": True},
+                      "./.github/workflows/distillgates-macos-speed.yml": {"fresh": True}}
+    for path in called:
+        workflow = yaml.safe_load((tmp_path / path).read_text())
+        assert workflow[True]["workflow_call"]["inputs"]["fresh"] == {
+            "description": workflow[True]["workflow_call"]["inputs"]["fresh"]["description"], "default": False,
+            "type": "boolean"}
+        assert "pull_request" in workflow[True]
+        steps = {step.get("name", ""): step for step in next(iter(workflow["jobs"].values()))["steps"]}
+        assert steps["Restore the pipeline run"]["if"] == "${{ !inputs.fresh }}"
+        pipeline = next(step for name, step in steps.items() if name.startswith("Pipeline"))
+        assert pipeline["run"] == "distillgates run ${{ inputs.fresh && '--force' || '' }}"
+
+
 def test_init_refuses_to_overwrite_and_names_the_files(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     (tmp_path / "configs").mkdir()
     (tmp_path / "configs" / "gates.yaml").write_text("mine\n")

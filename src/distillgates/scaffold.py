@@ -1,9 +1,10 @@
 """``distillgates init``: scaffold a project that uses the installed package.
 
 Writes the project settings (``distillgates.yaml``), a pipeline config to edit (the embedded toy
-task), the gate thresholds (the embedded defaults), a ``baselines/`` folder and two GitHub
-workflows: quality gates on Linux and speed gates on an Apple-silicon runner, both installing
-``distillgates`` from the package index rather than referring to this repository's paths.
+task), the gate thresholds (the embedded defaults), a ``baselines/`` folder and three GitHub
+workflows: quality gates on Linux and speed gates on an Apple-silicon runner (pull requests and main, on the
+cached run), both installing ``distillgates`` from the package index rather than referring to this repository's
+paths, and a nightly one that calls both on a run rebuilt from scratch.
 Nothing is overwritten: when any of the files exists, nothing is written and the error names them.
 """
 
@@ -35,6 +36,7 @@ def project_files() -> dict[str, str]:
         "baselines/README.md": _template("baselines-README.md"),
         ".github/workflows/distillgates-quality.yml": _template("quality-gates.yml"),
         ".github/workflows/distillgates-macos-speed.yml": _template("macos-speed-gates.yml"),
+        ".github/workflows/distillgates-nightly.yml": _template("nightly-gates.yml"),
     }
 
 
