@@ -11,7 +11,8 @@ random tokens). Prints one JSON line per configuration:
 - ``export_s`` (compression, export and conversion with the save) and ``parity_s`` (the runtime's runs: on
   Linux a correctness oracle's time, never a speed figure);
 - ``asset_mib``: the ``.aimodel`` folder on disk (the functions share one copy of the weights);
-- ``cosine_by_shape``, ``decode_cosine_min``, ``top1_agreement``.
+- ``cosine_by_shape``, ``decode_cosine_min``, ``top1_agreement``, and ``top1_gaps_nonzero``: at each flipped argmax, how
+  much eager PyTorch itself preferred its own (nats: small at a near-tie).
 
     .venv/bin/python benchmarks/bench_coreai_export.py --run-dir runs/toy [--precision fp32,fp16]
         [--quantize none,int8,int4,palettize4] [--palettize-group-size 0,8,32]
@@ -81,6 +82,7 @@ def main() -> None:
                 "decode_cosine_min": round(min(parity["decode_cosine"]), 6),
                 **({"palettize_group_size": group} if quantize.startswith("palettize") else {}),
                 "top1_agreement": round(parity["top1_agreement"], 3),
+                "top1_gaps_nonzero": sorted(round(g, 4) for g in parity["top1_gaps"] if g > 0),
             }), flush=True)  # fmt: skip
 
 

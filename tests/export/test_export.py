@@ -228,6 +228,7 @@ def test_runner_parity_through_package_runners(tiny_ckpt, export_lengths, shared
     parity = runner_parity(engine.prefill_runners, engine.decode_runner, names, model, export_lengths, shared)
     assert min(parity["cosine_by_shape"].values()) > 0.999 and min(parity["decode_cosine"]) > 0.999
     assert parity["top1_agreement"] == 1.0 and len(parity["decode_cosine"]) == 16
+    assert parity["top1_gaps"] == [0.0] * len(parity["top1_gaps"])  # one per case, 0: no argmax flipped
     other = load_model(tiny_ckpt)
     with torch.no_grad():
         other.layers[0].mlp.down_proj.weight.mul_(3.0)  # the artifact of another model fails it
@@ -528,3 +529,14 @@ def test_pretrained_family_features_export_with_parity(
     assert sorted(gate["cosine_by_shape"]) == sorted(str(n) for n in export_lengths)
     assert min(gate["cosine_by_shape"].values()) >= 0.999 and min(gate["decode_cosine"]) >= 0.999
     assert gate["lint_errors"] == [] and gate["contract_ok"] is True
+
+
+def test_a_flipped_argmax_is_scored_by_how_much_eager_preferred_its_own() -> None:
+    """top1_gap: 0 where the argmaxes agree, the eager log-probability margin of its own argmax over the artifact's
+    otherwise (a near-tie is small, a real flip large): what the top-1 gates tell rounding from a loss by."""
+    from distillgates.export.parity import top1_gap
+
+    want = torch.tensor([2.0, 1.99, -3.0])
+    assert top1_gap(want.clone(), want) == 0.0
+    assert top1_gap(torch.tensor([1.0, 1.1, 0.0]), want) == pytest.approx(0.01, abs=1e-5)  # a near-tie
+    assert top1_gap(torch.tensor([0.0, 0.0, 9.0]), want) == pytest.approx(5.0, abs=1e-5)  # a real flip

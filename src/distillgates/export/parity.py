@@ -99,6 +99,13 @@ def program_parity(
     return {"cosine_by_shape": by_shape, "decode_cosine": decode_scores, "top1_agreement": sum(agree) / len(agree)}
 
 
+def top1_gap(got: Tensor, want: Tensor) -> float:
+    """How much eager PyTorch itself preferred its own argmax over the artifact's: ``log p(argmax want) - log p(argmax
+    got)`` under ``softmax(want)`` (nats; 0 where the argmaxes agree, small at a near-tie, large for a real flip)."""
+    logp = torch.log_softmax(want.float(), -1)
+    return float(logp.max() - logp[got.argmax()])
+
+
 @torch.no_grad()
 def runner_parity(
     prefill: Mapping[int, Any], decode: Any, names: Sequence[str], model: Transformer, lengths: list[int],
@@ -112,7 +119,8 @@ def runner_parity(
     Decode continues a prefill in one state when the functions share their state description
     (``shared_state``), else the prefill's state is copied over (``read_state``/``write_state``), as
     :class:`distillgates.runtime.coreml_engine.CoreMLEngine` does. A split head's outputs ``names`` are
-    concatenated as the engine does. ``top1_agreement``: the share of cases whose argmax is eager's;
+    concatenated as the engine does. ``top1_agreement``: the share of cases whose argmax is eager's, ``top1_gaps``:
+    each case's :func:`top1_gap` (0 where the argmaxes agree);
     ``non_finite``: the cases whose logits hold a NaN or an inf (fp16 overflow). The prompts are windows of
     ``rows`` (real text: token ids ``(1, T)``) where given, the prompts a model is for, else random tokens.
     """
@@ -121,7 +129,7 @@ def runner_parity(
     model = model.eval()
     cfg = model.config
     by_shape: dict[str, float] = {}
-    agree: list[bool] = []
+    agree: list[float] = []  # top1_gap per case
     non_finite = 0  # cases whose logits hold a NaN or an inf (an fp16 overflow)
 
     def count(logits: Tensor) -> Tensor:
@@ -137,7 +145,7 @@ def runner_parity(
             feed = {"input_ids": _pad(ids[:, :n], length).numpy(), "length": np.array([n], dtype=np.int32)}
             got, want = count(join_logits(prefill[length].predict(feed, state), names)), model(ids[:, :n])[0, -1]
             scores.append(cosine(got, want))
-            agree.append(bool(got.argmax() == want.argmax()))
+            agree.append(top1_gap(got, want))
         by_shape[str(length)] = min(scores)
     n = max(1, min(lengths[0] // 2, cfg.max_seq_len - decode_steps))
     steps = min(decode_steps, cfg.max_seq_len - n)
@@ -154,8 +162,9 @@ def runner_parity(
         feed = {"input_ids": ids[:, t : t + 1].int().numpy(), "position": np.array([t], dtype=np.int32)}
         got, want = count(join_logits(decode.predict(feed, decode_state), names)), model(ids[:, : t + 1])[0, -1]
         decode_scores.append(cosine(got, want))
-        agree.append(bool(got.argmax() == want.argmax()))
-    return {"cosine_by_shape": by_shape, "decode_cosine": decode_scores, "top1_agreement": sum(agree) / len(agree),
+        agree.append(top1_gap(got, want))
+    return {"cosine_by_shape": by_shape, "decode_cosine": decode_scores,
+            "top1_agreement": sum(gap == 0 for gap in agree) / len(agree), "top1_gaps": agree,
             "shared_state": shared_state, "non_finite": non_finite,
             "prompts": "random tokens" if rows is None else f"windows of {len(rows)} text rows"}  # fmt: skip
 
