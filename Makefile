@@ -31,13 +31,16 @@ setup: $(BIN)/.installed
 run: setup
 	$(BIN)/distillgates run $(CONFIG)
 
-# tests/, then the acceptance checklist (pytest_distillgates/checklist/, shipped with the plugin) on runs/toy
-# (built once, ~30 min on a 2-core VM, unless `make run` made it), its drift gated against baselines blessed from
-# another build (the toy's --seed 1: baselines/common/).
+# tests/ in two processes (pytest-xdist, a test file per process: most tests keep one core busy, converting, waiting on
+# worker processes or the single-threaded Core AI runtime), then the acceptance checklist
+# (pytest_distillgates/checklist/, shipped with the plugin) on runs/toy (built once, ~30 min on a 2-core VM, unless
+# `make run` made it), its drift gated against baselines blessed from another build (the toy's --seed 1:
+# baselines/common/).
 test: setup
 	$(BIN)/ruff check .
 	$(BIN)/mypy src/distillgates
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q -n 2 --dist loadfile tests
+	$(BIN)/python -m pytest -q pytest_distillgates/checklist
 
 # The quick run while iterating: tests/ less the `integration` ones (processes, pipeline runs, Core ML conversion).
 unit: setup
