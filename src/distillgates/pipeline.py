@@ -593,8 +593,7 @@ def step_coreai_eval(cfg: Config, run: RunDir) -> dict[str, Any]:
     """The first ``export.coreai_eval_items`` drawn eval items decoded greedily through ``export/model.aimodel``
     (Core AI's runtime, in a worker process: what ships), scored, and compared output by output with the PyTorch
     engine's outputs of the eval step; the per-item scores give the gates their intervals. ``{"skipped": reason}`` when
-    there is no asset (target coreml, no coreai
-    extra)."""
+    there is no asset (target coreml, no coreai extra)."""
     from distillgates.data.dataset import drawn_items
     from distillgates.eval.broker import FixturePolicy
     from distillgates.eval.evaluate import evaluate
