@@ -294,6 +294,40 @@ def test_seed_replaces_the_top_level_seed_and_keeps_the_data(tmp_path: Path, mon
     assert cli_main(["eval", str(config), "--seed", "7"]) == 2  # a step alone: the seed's own run, no student yet
 
 
+@pytest.mark.integration  # tiny steps data..student twice (~20 s)
+def test_student_seed_trains_another_student_of_the_same_teacher_and_kd_set(tmp_path: Path, monkeypatch) -> None:
+    """``--student-seed M``: only the student's and drafter's seed change; the data, teacher, check and KD set are
+    taken from runs/<name> (fresh there, same fingerprints), not rebuilt, and the student is trained anew."""
+    from distillgates.pipeline import default_run_dir, load_run
+    from distillgates.rundir import RunDir
+
+    config = tiny_config(tmp_path)
+    (base, _), (other, _) = load_run(config), load_run(config, student_seed=3)
+    assert (other.seed, other.train.seed, other.drafter_train.seed) == (base.seed, 3, 3)
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "pyproject.toml").write_text("")
+    assert default_run_dir(other, None, 3).name == "tiny-student-seed3"
+    assert default_run_dir(other, 2, 3).name == "tiny-seed2-student-seed3"
+    for step in ("data", "teacher", "check", "kd", "student"):
+        assert cli_main([step, str(config)]) == 0
+    assert cli_main(["student", str(config), "--student-seed", "3"]) == 0
+    runs = tmp_path / "runs"
+    first, second = (json.loads((runs / n / "manifest.json").read_text()) for n in ("tiny", "tiny-student-seed3"))
+    for step in ("data", "teacher", "check", "kd"):
+        assert second[step] == first[step], step  # the same entry: taken over, not re-run
+    assert second["student"]["inputs"]["config"]["train"]["seed"] == 3
+    weights = [RunDir(runs / n).load_model().state_dict() for n in ("tiny", "tiny-student-seed3")]
+    assert any(not torch_equal(a, weights[1][k]) for k, a in weights[0].items())
+    pipeline = Pipeline(load_run(config, runs / "tiny-student-seed3", student_seed=3)[0], runs / "tiny-student-seed3")
+    assert all(pipeline.stale_reason(step) is None for step in STEPS if step.name in second)
+
+
+def torch_equal(a, b) -> bool:
+    import torch
+
+    return bool(torch.equal(a, b))
+
+
 def test_the_committed_drift_baselines_are_another_builds_than_the_one_make_test_gates() -> None:
     """``make test`` gates runs/toy (the toy at its own seed) against baselines/common, blessed from a build of
     another seed (runs/toy-seed1): every CI run gates one build against another, as a machine of another CPU kind

@@ -67,6 +67,10 @@ def _add_common(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=None, metavar="N",
                         help="replace the config's seed and train.seed (the models' initialisation and batch order; "
                              "the data stay): another build of the same task, in runs/<config name>-seed<N> by default")
+    parser.add_argument("--student-seed", type=int, default=None, metavar="M",
+                        help="replace only the student's and drafter's train seed: another student of the same "
+                             "teacher, in runs/<config name>-student-seed<M> by default, reusing the data, teacher and "
+                             "KD set of runs/<config name> where they are fresh")
 
 
 def build_parser() -> argparse.ArgumentParser:

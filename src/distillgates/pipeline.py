@@ -190,6 +190,30 @@ class Pipeline:
     def is_fresh(self, step: Step) -> bool:
         return self.stale_reason(step) is None
 
+    def adopt(self, base: RunDir) -> list[str]:
+        """Copy into this run, in step order, every step not run here that is fresh in ``base`` (another run
+        directory) under this config: same fingerprint (config, seed, code, upstream outputs), outputs unchanged
+        there. Returns the steps taken; the first step whose inputs differ (and all that depend on it) is left
+        to run."""
+        other, root, adopted = Pipeline(self.cfg, base), base.root.resolve(), []
+        for step in STEPS:
+            entry = other.manifest.get(step.name)
+            if step.name in self.manifest or not entry or entry.get("fingerprint") != self.fingerprint(step) \
+                    or other.stale_reason(step) is not None:  # fmt: skip
+                continue
+            for out in step.outputs(self.cfg, base):
+                if out.exists() and out.resolve().is_relative_to(root):  # a given checkpoint outside stays where it is
+                    target = self.run_dir.root / out.resolve().relative_to(root)
+                    target.parent.mkdir(parents=True, exist_ok=True)
+                    if out.is_dir():
+                        shutil.copytree(out, target, dirs_exist_ok=True)
+                    else:
+                        shutil.copy2(out, target)
+            self.manifest[step.name] = entry
+            atomic_write_json(self.run_dir.manifest, self.manifest)
+            adopted.append(step.name)
+        return adopted
+
     def run_step(self, step: Step, force: bool | None = None) -> dict[str, Any]:
         force = self.force if force is None else force
         reason = "--force" if force else self.stale_reason(step)
@@ -276,38 +300,56 @@ def set_threads(cfg: Config) -> None:
         torch.set_num_threads(cfg.threads)
 
 
-def default_run_dir(cfg: Config, seed: int | None = None) -> Path:
+def default_run_dir(cfg: Config, seed: int | None = None, student_seed: int | None = None) -> Path:
     """``runs/<name>`` in the project of the working directory (:meth:`Project.find`: the nearest folder at or
     above it with ``distillgates.yaml``, ``pyproject.toml`` or ``.git``), where the gates look for it;
-    ``runs/<name>-seed<N>`` for a run whose seed ``--seed`` set."""
-    return Project.find(Path.cwd()).runs_dir / (cfg.name if seed is None else f"{cfg.name}-seed{seed}")
+    ``runs/<name>-seed<N>`` for a run whose seed ``--seed`` set, ``...-student-seed<M>`` when ``--student-seed`` set
+    the student's."""
+    name = cfg.name + (f"-seed{seed}" if seed is not None else "")
+    name += f"-student-seed{student_seed}" if student_seed is not None else ""
+    return Project.find(Path.cwd()).runs_dir / name
 
 
-def load_run(config_path: str | Path, run_dir: str | Path | None = None,
-             seed: int | None = None) -> tuple[Config, Path]:
+def load_run(config_path: str | Path, run_dir: str | Path | None = None, seed: int | None = None,
+             student_seed: int | None = None) -> tuple[Config, Path]:
     """The pipeline config and its run directory (``run_dir``, else :func:`default_run_dir`).
 
     ``seed`` (``--seed``) replaces the config's top-level ``seed`` (the toy teacher's) and the ``train.seed`` of the
     student and drafter: their initialisation and batch order. ``data.seed``, and with it the dataset and the eval
     set, stays, so a build of another seed is gated against the same drift baselines (a stand-in for another
-    machine: docs/benchmarks.md, section 11)."""
+    machine: docs/benchmarks.md, section 11). ``student_seed`` (``--student-seed``) replaces only the student's and
+    drafter's ``seed``: another student of the same teacher and KD set (:func:`run_pipeline` reuses them)."""
     cfg = load_config(config_path)
-    if seed is not None:
-        drafter_train = cfg.drafter_train and dataclasses.replace(cfg.drafter_train, seed=seed)
-        cfg = dataclasses.replace(cfg, seed=seed, train=dataclasses.replace(cfg.train, seed=seed),
-                                  drafter_train=drafter_train)
-    return cfg, Path(run_dir) if run_dir else default_run_dir(cfg, seed)
+    for value, top_level in ((seed, True), (student_seed, False)):
+        if value is not None:
+            drafter_train = cfg.drafter_train and dataclasses.replace(cfg.drafter_train, seed=value)
+            cfg = dataclasses.replace(cfg, seed=value if top_level else cfg.seed,
+                                      train=dataclasses.replace(cfg.train, seed=value), drafter_train=drafter_train)
+    return cfg, Path(run_dir) if run_dir else default_run_dir(cfg, seed, student_seed)
+
+
+def reuse_base_run(pipeline: Pipeline, seed: int | None, student_seed: int | None) -> None:
+    """``--student-seed``: take the steps the student's seed leaves alone (data, teacher, check, KD set) from the run
+    without it (``runs/<name>`` or ``runs/<name>-seed<N>``) where they are fresh there (:meth:`Pipeline.adopt`)."""
+    if student_seed is None:
+        return
+    base = default_run_dir(pipeline.cfg, seed)
+    fresh = base.resolve() != pipeline.run_dir.root.resolve() and (base / "manifest.json").is_file()
+    if fresh and (adopted := pipeline.adopt(RunDir(base))):
+        console.print(f"[dim]reused from {base}: {', '.join(adopted)}[/dim]")
 
 
 def run_pipeline(config_path: str | Path, run_dir: str | Path | None = None, force: bool = False,
-                 seed: int | None = None) -> Path:
-    """Run the whole pipeline (``seed``: :func:`load_run`); returns the run directory (``reports/report.json``
-    inside)."""
-    cfg, run_dir = load_run(config_path, run_dir, seed)
+                 seed: int | None = None, student_seed: int | None = None) -> Path:
+    """Run the whole pipeline (``seed``, ``student_seed``: :func:`load_run`); returns the run directory
+    (``reports/report.json`` inside)."""
+    cfg, run_dir = load_run(config_path, run_dir, seed, student_seed)
     set_threads(cfg)
     started = time.perf_counter()
     preflight(cfg)
-    Pipeline(cfg, run_dir, force).run()
+    pipeline = Pipeline(cfg, run_dir, force)
+    reuse_base_run(pipeline, seed, student_seed)
+    pipeline.run()
     console.print(f"[bold]pipeline finished in {time.perf_counter() - started:.0f}s[/bold] → {run_dir}")
     return run_dir
 
@@ -732,14 +774,15 @@ STEPS: list[Step] = [
 
 
 def cli_run(args: argparse.Namespace) -> int:
-    run_dir = run_pipeline(args.config, args.run_dir, args.force, args.seed)
+    run_dir = run_pipeline(args.config, args.run_dir, args.force, args.seed, args.student_seed)
     return cli_report(argparse.Namespace(path=str(run_dir / "reports" / "report.json"), markdown=None))
 
 
 def cli_step(args: argparse.Namespace) -> int:
-    cfg, run_dir = load_run(args.config, args.run_dir, args.seed)
+    cfg, run_dir = load_run(args.config, args.run_dir, args.seed, args.student_seed)
     set_threads(cfg)
     pipeline = Pipeline(cfg, run_dir, args.force)
+    reuse_base_run(pipeline, args.seed, args.student_seed)
     step = next(s for s in STEPS if s.name == args.step)
     missing = [d for d in step.depends if d not in pipeline.manifest]
     if missing:
