@@ -35,12 +35,16 @@ run: setup
 # worker processes or the single-threaded Core AI runtime), then the acceptance checklist
 # (pytest_distillgates/checklist/, shipped with the plugin) on runs/toy (built once, ~30 min on a 2-core VM, unless
 # `make run` made it), its drift gated against baselines blessed from another build (the toy's --seed 1:
-# baselines/common/).
+# baselines/common/); then a second student of the same teacher (--student-seed 1: runs/toy-student-seed1, its data,
+# teacher and KD set taken from runs/toy, ~18 min) through the quality, latency and drift gates (issue #40).
 test: setup
 	$(BIN)/ruff check .
 	$(BIN)/mypy src/distillgates
 	$(BIN)/python -m pytest -q -n 2 --dist loadfile tests
 	$(BIN)/python -m pytest -q pytest_distillgates/checklist
+	$(BIN)/distillgates run --student-seed 1
+	$(BIN)/python -m pytest -q pytest_distillgates/checklist --run-dir runs/toy-student-seed1 \
+	  -m "quality or latency_loss or f1_drift or shape_drift"
 
 # The quick run while iterating: tests/ less the `integration` ones (processes, pipeline runs, Core ML conversion).
 unit: setup

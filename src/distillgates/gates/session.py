@@ -190,9 +190,13 @@ class GateSession:
 
     def _run_provenance(self) -> dict[str, Any]:
         run_header = self.run.header if self.run else {}
+        config = run_header.get("config") or {}
         return {
             "git_sha": run_header.get("git_sha") or git_sha(self.rootdir),
             "config_sha256": run_header.get("config_sha256"),
+            # which build of the config (``--seed``, ``--student-seed``): what tells another build from this one when
+            # the config's fingerprint has since moved (a new field)
+            "seeds": {"seed": config.get("seed"), "train.seed": (config.get("train") or {}).get("seed")},
             "run_dir": str(self.run.path) if self.run else None,
             "run_hardware": run_header.get("hardware"),
         }
