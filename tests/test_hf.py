@@ -184,7 +184,7 @@ def _config(family: str, **overrides: Any) -> Any:
     ("make", "fragment"),
     [
         (lambda: transformers.GPT2Config(vocab_size=VOCAB, n_embd=64, n_layer=2, n_head=4),
-         "unsupported model_type 'gpt2' (supported: llama, mistral, qwen2, qwen3)"),
+         "unsupported model_type 'gpt2' (supported: gemma3_text, llama, mistral, qwen2, qwen3)"),
         (lambda: transformers.LlamaConfig(**COMMON, rope_parameters={"rope_type": "yarn", "rope_theta": 1e4,
                                                                      "factor": 4.0}),
          "rope_type 'yarn' is not supported"),
@@ -266,3 +266,106 @@ def test_a_gguf_file_is_hashed_once_per_process_until_it_changes(tmp_path, monke
     os.utime(file, ns=(1, 1))
     second = converted()
     assert checkpoints.gguf_checkpoint(file) == second != first and len(hashed) == 2
+
+
+# ------------------------------------------------------------------ Gemma 3 (gemma3_text)
+
+GEMMA_COMMON = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_attention_heads=4,
+                    num_key_value_heads=2, head_dim=32, max_position_embeddings=4096, rms_norm_eps=1e-6,
+                    tie_word_embeddings=True)  # fmt: skip
+SLIDING, FULL = "sliding_attention", "full_attention"
+
+
+def _gemma(layer_types: list[str], window: int, scalar: int, full_rope: dict[str, Any] | None = None) -> Any:
+    rope = {FULL: full_rope or {"rope_type": "default", "rope_theta": 1e6},
+            SLIDING: {"rope_type": "default", "rope_theta": 1e4}}  # fmt: skip
+    return transformers.Gemma3TextConfig(**GEMMA_COMMON, num_hidden_layers=len(layer_types), layer_types=layer_types,
+                                         sliding_window=window, query_pre_attn_scalar=scalar, rope_parameters=rope)
+
+
+GEMMA: dict[str, Any] = {  # windows shorter than the 14-token prompt; attention scale != head_dim ** -0.5
+    "sliding-full-sliding": lambda: _gemma([SLIDING, FULL, SLIDING], window=5, scalar=24),
+    "linear-rope-full-last": lambda: _gemma([SLIDING, SLIDING, FULL], window=3, scalar=32,
+                                              full_rope={"rope_type": "linear", "rope_theta": 1e6, "factor": 8.0}),
+    "all-full": lambda: _gemma([FULL, FULL], window=4, scalar=16),  # the window is set, no layer uses it
+}
+
+
+@pytest.fixture(params=sorted(GEMMA))
+def gemma_pair(request: pytest.FixtureRequest) -> tuple[Any, Transformer]:
+    hf = hf_model(GEMMA[request.param]())
+    return hf, from_hf(hf, max_seq_len=MAX_SEQ)
+
+
+def test_gemma3_conversion_keeps_its_features(gemma_pair: tuple[Any, Transformer]) -> None:
+    hf, model = gemma_pair
+    cfg, hf_cfg = model.config, hf.config
+    sliding = SLIDING in hf_cfg.layer_types
+    assert (cfg.embed_scale, cfg.activation, cfg.sandwich_norm, cfg.qk_norm) == (True, "gelu_tanh", True, True)
+    assert cfg.query_pre_attn_scalar == hf_cfg.query_pre_attn_scalar and cfg.rope_theta == 1e6
+    assert cfg.layer_types == (hf_cfg.layer_types if sliding else None)
+    assert (cfg.sliding_window, cfg.rope_local_theta) == ((hf_cfg.sliding_window, 1e4) if sliding else (None, None))
+    assert sum(p.numel() for p in model.parameters()) == sum(p.numel() for p in hf.parameters()) == cfg.n_params
+
+
+@torch.no_grad()
+def test_gemma3_padded_forward_matches_hf(gemma_pair: tuple[Any, Transformer]) -> None:
+    hf, model = gemma_pair
+    ids, mask = padded_batch()
+    real = mask.bool()
+    assert_close(model(ids, attention_mask=real)[real], hf(ids, attention_mask=mask).logits[real], atol=1e-4)
+
+
+@torch.no_grad()
+def test_gemma3_cached_decode_matches_hf(gemma_pair: tuple[Any, Transformer]) -> None:
+    """Prefill 14 tokens, then 6 cached decode steps past every window, against HF's own (sliding) cache."""
+    hf, model = gemma_pair
+    ids = torch.randint(0, VOCAB, (2, 14), generator=torch.Generator().manual_seed(2))
+    model.setup_caches(2)
+    T = ids.shape[1]
+    ours, out = model(ids, torch.arange(T)), hf(ids, use_cache=True)
+    assert_close(ours, out.logits, atol=1e-4)
+    past, token = out.past_key_values, out.logits[:, -1].argmax(-1, keepdim=True)
+    for k in range(6):
+        ours, out = model(token, torch.tensor([T + k])), hf(token, past_key_values=past, use_cache=True)
+        assert_close(ours[:, -1], out.logits[:, -1], atol=1e-4)
+        past, token = out.past_key_values, out.logits[:, -1].argmax(-1, keepdim=True)
+
+
+@torch.no_grad()
+def test_gemma3_goes_back_to_hf_with_the_same_logits(gemma_pair: tuple[Any, Transformer], tmp_path: Path) -> None:
+    hf, model = gemma_pair
+    back = to_hf(model)  # family_of: gemma3_text
+    assert type(back) is type(hf) and back.config.layer_types == hf.config.layer_types
+    ids, mask = padded_batch()
+    real = mask.bool()
+    assert_close(back(ids, attention_mask=mask).logits[real], hf(ids, attention_mask=mask).logits[real], atol=1e-5)
+    reloaded = load_hf(save_hf(model, tmp_path / "hf"), MAX_SEQ)
+    assert_close(reloaded(ids, attention_mask=real), model(ids, attention_mask=real), atol=1e-6)
+
+
+def test_paths_that_do_not_compute_gemma3_yet_refuse_it_naming_the_features() -> None:
+    from distillgates.train.qat import TrainForward
+
+    model = from_hf(hf_model(GEMMA["sliding-full-sliding"]()), max_seq_len=MAX_SEQ)
+    model.setup_caches(1)
+    for build in (FusedDecoder, StandardLayout, ANETransformer.from_standard, TrainForward):
+        with pytest.raises(ValueError, match="embed_scale, activation, sandwich_norm, query_pre_attn_scalar"):
+            build(model)
+
+
+@pytest.mark.parametrize(("override", "fragment"), [
+    ({"final_logit_softcapping": 30.0}, "final_logit_softcapping=30.0 is not supported"),
+    ({"attn_logit_softcapping": 50.0}, "attn_logit_softcapping=50.0 is not supported"),
+    ({"use_bidirectional_attention": True}, "use_bidirectional_attention=True is not supported"),
+    ({"hidden_activation": "gelu"}, "hidden_activation 'gelu' is not supported"),
+    ({"rope_parameters": {FULL: {"rope_type": "default", "rope_theta": 1e6},
+                          SLIDING: {"rope_type": "linear", "rope_theta": 1e4, "factor": 2.0}}},
+     "sliding_attention rope_type 'linear' is not supported"),
+])  # fmt: skip
+def test_unsupported_gemma3_settings_are_errors_naming_them(override: dict[str, Any], fragment: str) -> None:
+    config = GEMMA["sliding-full-sliding"]()
+    for key, value in override.items():
+        setattr(config, key, value)
+    with pytest.raises(HFConversionError, match=fragment):
+        from_hf(transformers.AutoModelForCausalLM.from_config(config), max_seq_len=MAX_SEQ)

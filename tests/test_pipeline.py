@@ -337,7 +337,7 @@ def test_the_committed_drift_baselines_are_another_builds_than_the_one_make_test
     from distillgates.pipeline import load_run
 
     root = Path(__file__).parents[1]
-    builds = [load_run(TOY)[0], load_run(TOY, student_seed=1)[0]]  # make test's two builds: runs/toy, the --student-seed
+    builds = [load_run(TOY)[0], load_run(TOY, student_seed=1)[0]]  # make test builds runs/toy and a --student-seed
     for group in ("f1_drift", "shape_drift"):
         entries = json.loads((root / "baselines" / "common" / f"{group}.json").read_text())["entries"]
         blessed = {json.dumps(entry["provenance"]["seeds"], sort_keys=True) for entry in entries.values()}

@@ -75,7 +75,16 @@ class ModelConfig:
     norm_eps: float = 1e-5  # RMSNorm epsilon (fp16-safe: not below 1e-6)
     tie_embeddings: bool = True  # share token embedding and LM head
     attention_bias: bool = False  # bias on the q/k/v projections (Qwen2/2.5); o_proj never has one
-    qk_norm: bool = False  # RMSNorm over each head of q and k before RoPE (Qwen3)
+    qk_norm: bool = False  # RMSNorm over each head of q and k before RoPE (Qwen3, Gemma 3)
+    # Gemma 3 (each off by default): scaled embeddings, GeGLU, norms after attention and MLP too, the attention scale,
+    # sliding-window layers with their own RoPE base
+    embed_scale: bool = False  # token embeddings times sqrt(d_model)
+    activation: str = "silu"  # the gated MLP's: silu (SwiGLU) or gelu_tanh (GeGLU, tanh-approximated gelu)
+    sandwich_norm: bool = False  # an RMSNorm also on the attention's and the MLP's output, before each residual add
+    query_pre_attn_scalar: int | None = None  # attention scores times this ** -0.5 (None: head_dim ** -0.5)
+    sliding_window: int | None = None  # a sliding layer's query attends keys less than this many positions back
+    layer_types: list[str] | None = None  # per layer: full_attention or sliding_attention (None: all full)
+    rope_local_theta: float | None = None  # the sliding layers' RoPE base (None: rope_theta)
     gradient_checkpointing: bool = False  # recompute blocks in backward (torch.utils.checkpoint)
 
     def __post_init__(self) -> None:
@@ -90,6 +99,25 @@ class ModelConfig:
             self.head_dim = self.d_model // self.n_heads
         if self.head_dim % 2 != 0:
             raise ValueError(f"head_dim must be even for RoPE, got {self.head_dim}")
+        if self.activation not in ("silu", "gelu_tanh"):
+            raise ValueError(f"activation: expected silu or gelu_tanh, got {self.activation!r}")
+        if self.layer_types is not None:
+            unknown = sorted(set(self.layer_types) - {"full_attention", "sliding_attention"})
+            if len(self.layer_types) != self.n_layers or unknown:
+                raise ValueError(f"layer_types: expected {self.n_layers} of full_attention or sliding_attention, "
+                                 f"got {len(self.layer_types)}{' with ' + ', '.join(unknown) if unknown else ''}")
+            if "sliding_attention" in self.layer_types and (self.sliding_window or 0) <= 0:
+                raise ValueError("layer_types has sliding_attention layers: sliding_window must be > 0")
+
+    def gemma_features(self) -> list[str]:
+        """The Gemma 3 fields this config sets (each off by default), in field order."""
+        names = ("embed_scale", "activation", "sandwich_norm", "query_pre_attn_scalar", "sliding_window", "layer_types",
+                 "rope_local_theta")  # fmt: skip
+        return [name for name in names if getattr(self, name) not in (None, False, "silu")]
+
+    def sliding(self, layer: int) -> bool:
+        """Whether layer ``layer`` attends a sliding window (``layer_types``)."""
+        return self.layer_types is not None and self.layer_types[layer] == "sliding_attention"
 
     @property
     def n_params(self) -> int:
@@ -99,7 +127,7 @@ class ModelConfig:
         attn += hd * (self.n_heads + 2 * self.n_kv_heads) if self.attention_bias else 0
         attn += 2 * hd if self.qk_norm else 0
         mlp = 3 * self.d_model * self.ffn_hidden
-        per_layer = attn + mlp + 2 * self.d_model
+        per_layer = attn + mlp + (4 if self.sandwich_norm else 2) * self.d_model
         head = 0 if self.tie_embeddings else self.vocab_size * self.d_model
         return self.vocab_size * self.d_model + self.n_layers * per_layer + self.d_model + head
 
@@ -839,7 +867,9 @@ def load_config(path: str | Path) -> Config:
 
 
 TEACHER_SHARED_FIELDS = ("vocab_size", "d_model", "n_heads", "n_kv_heads", "head_dim", "ffn_hidden", "tie_embeddings",
-                         "rope_theta", "rope_scaling", "norm_eps", "attention_bias", "qk_norm")  # fmt: skip
+                         "rope_theta", "rope_scaling", "norm_eps", "attention_bias", "qk_norm", "embed_scale",
+                         "activation", "sandwich_norm", "query_pre_attn_scalar", "sliding_window",
+                         "rope_local_theta")  # fmt: skip
 """What a model initialised from the teacher (``init_from: teacher``, depth pruning) must share with it."""
 
 

@@ -14,7 +14,10 @@ Design choices:
 - Module names follow Hugging Face Llama (``q_proj``, ``gate_proj``...) to keep the interop
   mapping (``distillgates.hf``) a rename table. Features of other families are config flags that
   default off (the toy model has none): q/k/v biases (Qwen2), per-head q/k RMSNorm (Qwen3), a
-  ``head_dim`` other than ``d_model / n_heads`` (Qwen3, Mistral).
+  ``head_dim`` other than ``d_model / n_heads`` (Qwen3, Mistral), and Gemma 3's scaled embeddings,
+  GeGLU, norms after attention and the MLP, attention scale and sliding-window layers (each with its
+  own mask and RoPE table). Gemma's RMSNorm multiplies by ``1 + w``: :mod:`distillgates.hf` stores
+  ``1 + w`` as the weight, so one norm serves every family.
 
 References: gpt-fast ``model.py``; HF ``modeling_llama.py``; Llama 3 RoPE scaling.
 """
@@ -82,10 +85,12 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None) -> T
     return torch.where(is_medium, blended, scaled).float()
 
 
-def rope_tables(cfg: ModelConfig) -> tuple[Tensor, Tensor]:
-    """cos/sin tables ``(max_seq_len, head_dim)`` in the HF duplicated-half layout."""
+def rope_tables(cfg: ModelConfig, theta: float | None = None) -> tuple[Tensor, Tensor]:
+    """cos/sin tables ``(max_seq_len, head_dim)`` in the HF duplicated-half layout (``theta``: another base, unscaled:
+    Gemma 3's sliding layers)."""
     assert cfg.head_dim is not None  # set by ModelConfig.__post_init__
-    inv_freq = rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
+    inv_freq = rope_inv_freq(cfg.head_dim, theta, None) if theta else rope_inv_freq(cfg.head_dim, cfg.rope_theta,
+                                                                                     cfg.rope_scaling)  # fmt: skip
     freqs = torch.outer(torch.arange(cfg.max_seq_len, dtype=torch.float32), inv_freq)  # (S, hd/2)
     emb = torch.cat([freqs, freqs], dim=-1)  # (S, hd)
     return emb.cos(), emb.sin()
@@ -101,7 +106,7 @@ def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     return x * cos + rotate_half(x) * sin
 
 
-def gqa_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None) -> Tensor:
+def gqa_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, scale: float | None = None) -> Tensor:
     """GQA without repeating the cache: the G query heads of one KV head are adjacent, so they attend
     the un-repeated K/V as G*T query rows (row ``g*T + t`` needs mask row ``t``: pass ``mask`` tiled
     G times, ``mask.repeat(1, 1, G, 1)``, or None when every key is visible).
@@ -110,7 +115,7 @@ def gqa_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None) -> Tenso
     """
     B, H, T, hd = q.shape
     qg = q.reshape(B, k.shape[1], -1, hd)  # (B, n_kv, G*T, hd)
-    return F.scaled_dot_product_attention(qg, k, v, attn_mask=mask).view(B, H, T, hd)
+    return F.scaled_dot_product_attention(qg, k, v, attn_mask=mask, scale=scale).view(B, H, T, hd)
 
 
 class KVCache(nn.Module):
@@ -153,6 +158,7 @@ class Attention(nn.Module):
         # Qwen3: per-head RMSNorm of q and k (weights (hd,)) before RoPE
         self.q_norm = RMSNorm(cfg.head_dim, cfg.norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(cfg.head_dim, cfg.norm_eps) if cfg.qk_norm else None
+        self.scale = cfg.query_pre_attn_scalar**-0.5 if cfg.query_pre_attn_scalar else None  # None: SDPA's 1/sqrt(hd)
         self.kv_cache: KVCache | None = None
 
     def project(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
@@ -172,26 +178,33 @@ class Attention(nn.Module):
         if self.kv_cache is not None and input_pos is not None:
             k, v = self.kv_cache.update(input_pos, k, v)  # (B, n_kv, S_max, hd)
             k, v = k.to(q.dtype), v.to(q.dtype)
-            y = gqa_attention(q, k, v, mask.repeat(1, 1, self.n_heads // self.n_kv_heads, 1))  # (B, H, T, hd)
+            groups = self.n_heads // self.n_kv_heads
+            y = gqa_attention(q, k, v, mask.repeat(1, 1, groups, 1), self.scale)  # (B, H, T, hd)
         else:  # training: kept as is (fx-traceable for QAT)
             groups = self.n_heads // self.n_kv_heads
             k = k.repeat_interleave(groups, dim=1)  # (B, H, T, hd)
             v = v.repeat_interleave(groups, dim=1)  # (B, H, T, hd)
-            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)  # (B, H, T, hd)
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scale)  # (B, H, T, hd)
         return self.o_proj(y.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim))
 
 
+def gate_activation(x: Tensor, activation: str) -> Tensor:
+    """The gated MLP's activation: SiLU (SwiGLU) or tanh-approximated GELU (GeGLU, Gemma)."""
+    return F.silu(x) if activation == "silu" else F.gelu(x, approximate="tanh")
+
+
 class FeedForward(nn.Module):
-    """SwiGLU."""
+    """SwiGLU, or GeGLU (``activation: gelu_tanh``)."""
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
+        self.activation = cfg.activation
         self.gate_proj = nn.Linear(cfg.d_model, cfg.ffn_hidden, bias=False)
         self.up_proj = nn.Linear(cfg.d_model, cfg.ffn_hidden, bias=False)
         self.down_proj = nn.Linear(cfg.ffn_hidden, cfg.d_model, bias=False)
 
     def forward(self, x: Tensor) -> Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        return self.down_proj(gate_activation(self.gate_proj(x), self.activation) * self.up_proj(x))
 
 
 class Block(nn.Module):
@@ -201,10 +214,15 @@ class Block(nn.Module):
         self.attn = Attention(cfg)
         self.mlp_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
         self.mlp = FeedForward(cfg)
+        # Gemma 3: the attention's and the MLP's outputs normed too, before the residual adds
+        self.post_attn_norm = RMSNorm(cfg.d_model, cfg.norm_eps) if cfg.sandwich_norm else None
+        self.post_mlp_norm = RMSNorm(cfg.d_model, cfg.norm_eps) if cfg.sandwich_norm else None
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor, input_pos: Tensor | None) -> Tensor:
-        h = x + self.attn(self.attn_norm(x), cos, sin, mask, input_pos)
-        return h + self.mlp(self.mlp_norm(h))
+        a = self.attn(self.attn_norm(x), cos, sin, mask, input_pos)
+        h = x + (a if self.post_attn_norm is None else self.post_attn_norm(a))
+        m = self.mlp(self.mlp_norm(h))
+        return h + (m if self.post_mlp_norm is None else self.post_mlp_norm(m))
 
 
 class Transformer(nn.Module):
@@ -213,6 +231,9 @@ class Transformer(nn.Module):
     rope_cos: Tensor  # buffers, see __init__
     rope_sin: Tensor
     causal_mask: Tensor
+    local_rope_cos: Tensor  # with sliding layers only
+    local_rope_sin: Tensor
+    local_causal_mask: Tensor
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
@@ -228,6 +249,13 @@ class Transformer(nn.Module):
         self.register_buffer("rope_sin", sin, persistent=False)  # (S_max, hd)
         causal = torch.tril(torch.ones(cfg.max_seq_len, cfg.max_seq_len, dtype=torch.bool))
         self.register_buffer("causal_mask", causal, persistent=False)  # (S_max, S_max)
+        if cfg.layer_types is not None and "sliding_attention" in cfg.layer_types:
+            assert cfg.sliding_window is not None  # ModelConfig.__post_init__
+            cos, sin = rope_tables(cfg, cfg.rope_local_theta) if cfg.rope_local_theta else (cos, sin)
+            self.register_buffer("local_rope_cos", cos, persistent=False)  # (S_max, hd)
+            self.register_buffer("local_rope_sin", sin, persistent=False)
+            band = torch.triu(causal, diagonal=1 - cfg.sliding_window)  # query i sees keys j with i - j < window
+            self.register_buffer("local_causal_mask", band, persistent=False)  # (S_max, S_max)
         self.apply(self._init_weights)
 
     def _init_weights(self, module: nn.Module) -> None:
@@ -253,10 +281,13 @@ class Transformer(nn.Module):
             if layer.attn.kv_cache is not None:
                 layer.attn.kv_cache.reset()
 
-    def make_mask(self, T: int, input_pos: Tensor | None, attention_mask: Tensor | None) -> Tensor:
-        """Boolean mask (B or 1, 1, T, S): True where the query may attend the key."""
+    def make_mask(self, T: int, input_pos: Tensor | None, attention_mask: Tensor | None,
+                  sliding: bool = False) -> Tensor:  # fmt: skip
+        """Boolean mask (B or 1, 1, T, S): True where the query may attend the key (``sliding``: only the last
+        ``sliding_window`` positions, its own included)."""
+        causal = self.local_causal_mask if sliding else self.causal_mask
         # (T, T) without cache; (T, S_max) rows of the query positions with it
-        mask = self.causal_mask[:T, :T] if input_pos is None else self.causal_mask[input_pos]
+        mask = causal[:T, :T] if input_pos is None else causal[input_pos]
         mask = mask[None, None]  # (1, 1, T, S)
         if attention_mask is not None:
             keys = attention_mask.bool()[:, None, None, :]  # (B, 1, 1, S)
@@ -281,15 +312,18 @@ class Transformer(nn.Module):
                 ``(B, S_max)`` over cache slots.
             last_only: logits of the last position only (prefill needs no more).
         """
-        T = idx.shape[1]
-        if input_pos is None:
-            cos, sin = self.rope_cos[:T], self.rope_sin[:T]
-        else:
-            cos, sin = self.rope_cos[input_pos], self.rope_sin[input_pos]  # (T, hd)
-        mask = self.make_mask(T, input_pos, attention_mask)
+        T, cfg = idx.shape[1], self.config
+        rows = slice(0, T) if input_pos is None else input_pos
+        inputs = {False: (self.rope_cos[rows], self.rope_sin[rows], self.make_mask(T, input_pos, attention_mask))}
+        if cfg.layer_types is not None and "sliding_attention" in cfg.layer_types:  # Gemma 3: its own RoPE and mask
+            inputs[True] = (self.local_rope_cos[rows], self.local_rope_sin[rows],
+                            self.make_mask(T, input_pos, attention_mask, sliding=True))  # fmt: skip
         x = self.embed(idx)  # (B, T, d)
-        for layer in self.layers:
-            if self.config.gradient_checkpointing and self.training and torch.is_grad_enabled():
+        if cfg.embed_scale:  # Gemma: sqrt(d_model), rounded to the weights' dtype as HF does
+            x = x * torch.tensor(cfg.d_model**0.5, dtype=x.dtype)
+        for i, layer in enumerate(self.layers):
+            cos, sin, mask = inputs[cfg.sliding(i)]  # (T, hd) x2, (B|1, 1, T, S)
+            if cfg.gradient_checkpointing and self.training and torch.is_grad_enabled():
                 x = checkpoint(layer, x, cos, sin, mask, input_pos, use_reentrant=False)
             else:
                 x = layer(x, cos, sin, mask, input_pos)

@@ -63,6 +63,8 @@ class StandardLayout(nn.Module):
 
     def __init__(self, model: Transformer) -> None:
         super().__init__()
+        if features := model.config.gemma_features():
+            raise ValueError(f"the export does not compute Gemma 3's {', '.join(features)} yet (issue #42)")
         self.model = model
         self.config: ModelConfig = model.config
         widths = head_widths(model.config.vocab_size)
@@ -179,7 +181,7 @@ class ANETransformer(nn.Module):
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
-        unsupported = [name for name in ("attention_bias", "qk_norm") if getattr(cfg, name)]
+        unsupported = [name for name in ("attention_bias", "qk_norm") if getattr(cfg, name)] + cfg.gemma_features()
         if unsupported:
             raise ValueError(f"export.layout 'ane' does not support {', '.join(unsupported)} yet; use layout: standard")
         self.config = cfg

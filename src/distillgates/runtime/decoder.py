@@ -215,6 +215,9 @@ class FusedDecoder:
 
     def __init__(self, model: Transformer, fold_rotation: bool | None = None, matmuls: Matmuls | None = None) -> None:
         caches = [layer.attn.kv_cache for layer in model.layers]
+        if features := model.config.gemma_features():
+            raise ValueError(f"FusedDecoder does not compute Gemma 3's {', '.join(features)} yet: "
+                             "Transformer.forward does (issue #42)")  # fmt: skip
         if any(cache is None for cache in caches):
             raise ValueError("FusedDecoder needs the model's KV cache: call model.setup_caches(batch) first")
         self.model = model

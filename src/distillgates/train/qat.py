@@ -65,6 +65,8 @@ class TrainForward(nn.Module):
 
     def __init__(self, model: Transformer) -> None:
         super().__init__()
+        if features := model.config.gemma_features():
+            raise ValueError(f"QAT does not trace Gemma 3's {', '.join(features)} yet (issue #42)")
         self.model = model
 
     def forward(self, idx: Tensor) -> Tensor:
