@@ -585,3 +585,16 @@ def test_coreai_eval_names_the_items_the_asset_decodes_otherwise(tiny_run: tuple
     assert outputs[0]["id"] in measured["differing_ids"]
     assert set(measured["differing_ids"]) == set(before["differing_ids"]) | {outputs[0]["id"]}
     assert after["identical"] == before["identical"] - (outputs[0]["id"] not in before["differing_ids"])
+
+
+def test_a_gemma3_student_is_refused_before_the_first_step_naming_what_is_missing(tmp_path: Path) -> None:
+    """Gemma 3 converts (tests/test_hf.py), but QAT, the engine and the export do not compute its features yet:
+    refused by the preflight, not minutes later in the student step."""
+    from distillgates.pipeline import preflight
+
+    data = yaml.safe_load(tiny_config(tmp_path).read_text())
+    data["train"]["init_from"] = "scratch"
+    data["student"].update(embed_scale=True, activation="gelu_tanh", sandwich_norm=True)
+    (tmp_path / "gemma.yaml").write_text(yaml.safe_dump(data))
+    with pytest.raises(ValueError, match=r"student: Gemma 3's embed_scale, activation, sandwich_norm .*issue #42"):
+        preflight(load_config(tmp_path / "gemma.yaml"))
