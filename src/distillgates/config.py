@@ -76,9 +76,7 @@ class ModelConfig:
     tie_embeddings: bool = True  # share token embedding and LM head
     attention_bias: bool = False  # bias on the q/k/v projections (Qwen2/2.5); o_proj never has one
     qk_norm: bool = False  # RMSNorm over each head of q and k before RoPE (Qwen3, Gemma 3)
-    # Gemma 3 (each off by default): scaled embeddings, GeGLU, norms after attention and MLP too, the attention scale,
-    # sliding-window layers with their own RoPE base
-    embed_scale: bool = False  # token embeddings times sqrt(d_model)
+    embed_scale: bool = False  # token embeddings times sqrt(d_model) (Gemma 3, like the fields below)
     activation: str = "silu"  # the gated MLP's: silu (SwiGLU) or gelu_tanh (GeGLU, tanh-approximated gelu)
     sandwich_norm: bool = False  # an RMSNorm also on the attention's and the MLP's output, before each residual add
     query_pre_attn_scalar: int | None = None  # attention scores times this ** -0.5 (None: head_dim ** -0.5)
