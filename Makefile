@@ -37,7 +37,7 @@ run: setup
 # (pytest_distillgates/checklist/, shipped with the plugin) on runs/toy (built once, ~30 min on a 2-core VM, unless
 # `make run` made it), its drift gated against baselines blessed from another build (the toy's --seed 1:
 # baselines/common/); then a second student of the same teacher (--student-seed 1: runs/toy-student-seed1, its data,
-# teacher and KD set taken from runs/toy, ~18 min) through the quality, latency and drift gates (issue #40).
+# teacher and KD set taken from runs/toy, ~20 min) through the quality, latency and drift gates (issue #40).
 test: setup
 	$(BIN)/ruff check .
 	$(BIN)/mypy src/distillgates
