@@ -345,11 +345,9 @@ def test_gemma3_goes_back_to_hf_with_the_same_logits(gemma_pair: tuple[Any, Tran
 
 
 def test_paths_that_do_not_compute_gemma3_yet_refuse_it_naming_the_features() -> None:
-    from distillgates.train.qat import TrainForward
-
     model = from_hf(hf_model(GEMMA["sliding-full-sliding"]()), max_seq_len=MAX_SEQ)
     model.setup_caches(1)
-    for build in (FusedDecoder, StandardLayout, ANETransformer.from_standard, TrainForward):
+    for build in (FusedDecoder, StandardLayout, ANETransformer.from_standard):
         with pytest.raises(ValueError, match="embed_scale, activation, sandwich_norm, query_pre_attn_scalar"):
             build(model)
 

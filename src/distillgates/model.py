@@ -249,7 +249,7 @@ class Transformer(nn.Module):
         self.register_buffer("rope_sin", sin, persistent=False)  # (S_max, hd)
         causal = torch.tril(torch.ones(cfg.max_seq_len, cfg.max_seq_len, dtype=torch.bool))
         self.register_buffer("causal_mask", causal, persistent=False)  # (S_max, S_max)
-        if cfg.layer_types is not None and "sliding_attention" in cfg.layer_types:
+        if self.has_sliding_layers:
             assert cfg.sliding_window is not None  # ModelConfig.__post_init__
             cos, sin = rope_tables(cfg, cfg.rope_local_theta) if cfg.rope_local_theta else (cos, sin)
             self.register_buffer("local_rope_cos", cos, persistent=False)  # (S_max, hd)
@@ -257,6 +257,16 @@ class Transformer(nn.Module):
             band = torch.triu(causal, diagonal=1 - cfg.sliding_window)  # query i sees keys j with i - j < window
             self.register_buffer("local_causal_mask", band, persistent=False)  # (S_max, S_max)
         self.apply(self._init_weights)
+
+    @property
+    def has_sliding_layers(self) -> bool:
+        return self.config.layer_types is not None and "sliding_attention" in self.config.layer_types
+
+    def embed_tokens(self, idx: Tensor) -> Tensor:
+        """Token embeddings ``(B, T, d)``; Gemma's times ``sqrt(d_model)`` (a Python float: traceable by fx, and in
+        float32 the same product as HF's scale tensor)."""
+        x = self.embed(idx)
+        return x * self.config.d_model**0.5 if self.config.embed_scale else x
 
     def _init_weights(self, module: nn.Module) -> None:
         if isinstance(module, (nn.Linear, nn.Embedding)):
@@ -315,12 +325,10 @@ class Transformer(nn.Module):
         T, cfg = idx.shape[1], self.config
         rows = slice(0, T) if input_pos is None else input_pos
         inputs = {False: (self.rope_cos[rows], self.rope_sin[rows], self.make_mask(T, input_pos, attention_mask))}
-        if cfg.layer_types is not None and "sliding_attention" in cfg.layer_types:  # Gemma 3: its own RoPE and mask
+        if self.has_sliding_layers:  # Gemma 3: their own RoPE table and mask
             inputs[True] = (self.local_rope_cos[rows], self.local_rope_sin[rows],
                             self.make_mask(T, input_pos, attention_mask, sliding=True))  # fmt: skip
-        x = self.embed(idx)  # (B, T, d)
-        if cfg.embed_scale:  # Gemma: sqrt(d_model), rounded to the weights' dtype as HF does
-            x = x * torch.tensor(cfg.d_model**0.5, dtype=x.dtype)
+        x = self.embed_tokens(idx)  # (B, T, d)
         for i, layer in enumerate(self.layers):
             cos, sin, mask = inputs[cfg.sliding(i)]  # (T, hd) x2, (B|1, 1, T, S)
             if cfg.gradient_checkpointing and self.training and torch.is_grad_enabled():

@@ -74,3 +74,24 @@ def test_int4_qat_refuses_a_block_that_does_not_divide_the_inputs() -> None:
     model = Transformer(tiny_model_config(vocab_size=64))  # d_model 32
     with pytest.raises(ExportError, match=r"32 input channels are not a multiple of export\.int4_block_size 24"):
         Int4Graph(model, 24)
+
+
+def test_the_traced_training_forward_computes_gemma3_features() -> None:
+    """Gemma 3's scaled embeddings, GeGLU, four norms, attention scale and sliding layers (their own RoPE table and
+    window mask) reach the fx-traced QAT graph: the training forward is the model's, and int8 QAT traces it."""
+    from distillgates.train.qat import TrainForward
+
+    cfg = tiny_model_config(vocab_size=64, n_layers=3, qk_norm=True, embed_scale=True, activation="gelu_tanh",
+                            sandwich_norm=True, query_pre_attn_scalar=12, sliding_window=3,
+                            layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+                            rope_local_theta=100.0)  # fmt: skip
+    torch.manual_seed(0)
+    model = Transformer(cfg)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.add_(torch.randn_like(p) * 0.3)
+    idx = torch.randint(0, 64, (2, 12))
+    assert torch.equal(TrainForward(model)(idx), model(idx))
+    out, want = QAT(model)(idx), model(idx)  # int8 fake-quantized weights: close, not equal
+    assert torch.nn.functional.cosine_similarity(out.flatten(), want.flatten(), dim=0) > 0.999

@@ -65,17 +65,18 @@ class TrainForward(nn.Module):
 
     def __init__(self, model: Transformer) -> None:
         super().__init__()
-        if features := model.config.gemma_features():
-            raise ValueError(f"QAT does not trace Gemma 3's {', '.join(features)} yet (issue #42)")
         self.model = model
 
     def forward(self, idx: Tensor) -> Tensor:
         m = self.model
         T = idx.shape[1]
-        cos, sin, mask = _rope_rows(m.rope_cos, T), _rope_rows(m.rope_sin, T), _causal(m.causal_mask, T)
-        x = m.embed(idx)  # (B, T, d)
-        for layer in m.layers:
-            x = layer(x, cos, sin, mask, None)
+        inputs = {False: (_rope_rows(m.rope_cos, T), _rope_rows(m.rope_sin, T), _causal(m.causal_mask, T))}
+        if m.has_sliding_layers:  # Gemma 3: their own RoPE table and window mask
+            inputs[True] = (_rope_rows(m.local_rope_cos, T), _rope_rows(m.local_rope_sin, T),
+                            _causal(m.local_causal_mask, T))  # fmt: skip
+        x = m.embed_tokens(idx)  # (B, T, d)
+        for i, layer in enumerate(m.layers):
+            x = layer(x, *inputs[m.config.sliding(i)], None)
         return m.lm_head(m.norm(x))  # (B, T, V)
 
 
