@@ -78,7 +78,10 @@ def test_padded_forward_matches_hf(pair: tuple[Any, Transformer]) -> None:
     assert_close(model(ids, attention_mask=real)[real], hf(ids, attention_mask=mask).logits[real], atol=2e-5)
 
 
-@pytest.mark.parametrize("engine", ["model", "fused", "fused-packed", "fused-compiled"])
+ENGINES = ["model", "fused", "fused-packed", "fused-compiled"]
+
+
+@pytest.mark.parametrize("engine", ENGINES)
 @torch.no_grad()
 def test_cached_decode_matches_hf(pair: tuple[Any, Transformer], engine: str) -> None:
     """A left-padded prefill, then four KV-cached decode steps, against HF's own cache. The model takes the
@@ -86,7 +89,10 @@ def test_cached_decode_matches_hf(pair: tuple[Any, Transformer], engine: str) ->
     its own positions, its padding at the slot its first decode step overwrites (``TorchEngine.write_rows``); with
     ``packed``, over oneDNN's packed weights (the default for large models' batches); ``compiled``, one row whose
     decode steps run the compiled reductions (the default for large models' batch-1 decode)."""
-    hf, model = pair
+    cached_decode_against_hf(*pair, engine, atol=2e-5)
+
+
+def cached_decode_against_hf(hf: Any, model: Transformer, engine: str, atol: float) -> None:
     if engine == "fused-packed" and not packed_available(torch.float32, torch.device("cpu")):
         pytest.skip("this torch build has no oneDNN packed linear")
     if engine == "fused-compiled" and not compiled_available(torch.float32, torch.device("cpu")):
@@ -111,13 +117,13 @@ def test_cached_decode_matches_hf(pair: tuple[Any, Transformer], engine: str) ->
     ours = step(ids, -1)
     out = hf(ids, attention_mask=mask, use_cache=True)
     real = mask.bool()
-    assert_close(ours[real], out.logits[real], atol=2e-5)
+    assert_close(ours[real], out.logits[real], atol=atol)
     past, hf_mask, token = out.past_key_values, mask, out.logits[:, -1].argmax(-1, keepdim=True)
     for k in range(4):
         hf_mask = torch.cat([hf_mask, torch.ones(B, 1, dtype=torch.long)], dim=1)
         ours = step(token, k)
         out = hf(token, attention_mask=hf_mask, past_key_values=past, use_cache=True)
-        assert_close(ours[:, -1], out.logits[:, -1], atol=2e-5)
+        assert_close(ours[:, -1], out.logits[:, -1], atol=atol)
         past, token = out.past_key_values, out.logits[:, -1].argmax(-1, keepdim=True)
 
 
@@ -344,10 +350,17 @@ def test_gemma3_goes_back_to_hf_with_the_same_logits(gemma_pair: tuple[Any, Tran
     assert_close(reloaded(ids, attention_mask=real), model(ids, attention_mask=real), atol=1e-6)
 
 
+@pytest.mark.parametrize("engine", ENGINES)
+@torch.no_grad()
+def test_gemma3_cached_decode_matches_hf_on_every_engine(gemma_pair: tuple[Any, Transformer], engine: str) -> None:
+    """As :func:`test_cached_decode_matches_hf`, with windows shorter than the prompt: the fused decoder's sliding
+    layers (their own RoPE rows and window masks; the compiled step narrows the cache to the window instead)."""
+    cached_decode_against_hf(*gemma_pair, engine, atol=1e-4)
+
+
 def test_paths_that_do_not_compute_gemma3_yet_refuse_it_naming_the_features() -> None:
     model = from_hf(hf_model(GEMMA["sliding-full-sliding"]()), max_seq_len=MAX_SEQ)
-    model.setup_caches(1)
-    for build in (FusedDecoder, StandardLayout, ANETransformer.from_standard):
+    for build in (StandardLayout, ANETransformer.from_standard):
         with pytest.raises(ValueError, match="embed_scale, activation, sandwich_norm, query_pre_attn_scalar"):
             build(model)
 

@@ -588,8 +588,8 @@ def test_coreai_eval_names_the_items_the_asset_decodes_otherwise(tiny_run: tuple
 
 
 def test_a_gemma3_student_is_refused_before_the_first_step_naming_what_is_missing(tmp_path: Path) -> None:
-    """Gemma 3 converts (tests/test_hf.py) and trains, but the engine and the export do not compute its features yet:
-    refused by the preflight, not minutes later in the student step."""
+    """Gemma 3 converts (tests/test_hf.py), trains and runs in the engine, but the export does not compute its
+    features yet: refused by the preflight, not minutes later in the export step."""
     from distillgates.pipeline import preflight
 
     data = yaml.safe_load(tiny_config(tmp_path).read_text())

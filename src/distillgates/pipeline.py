@@ -390,8 +390,8 @@ def preflight(cfg: Config) -> None:
         raise ValueError(f"device: {err}") from err
     for role in ("student", "drafter"):
         if (section := getattr(cfg, role)) is not None and (features := section.gemma_features()):
-            raise ValueError(f"{role}: Gemma 3's {', '.join(features)} convert to and from Hugging Face and train, but "
-                             "the inference engine and the export do not compute them yet (issue #42)")  # fmt: skip
+            raise ValueError(f"{role}: Gemma 3's {', '.join(features)} convert to and from Hugging Face, train and run "
+                             "in the PyTorch engine, but the export does not compute them yet (issue #42)")  # fmt: skip
     for role, train in (("student", cfg.train), ("drafter", cfg.drafter_train or cfg.train)):
         if train.pretrained is None or (role == "drafter" and cfg.drafter is None):
             continue

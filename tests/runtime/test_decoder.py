@@ -56,11 +56,14 @@ def _run(forward: Forward, idx: torch.Tensor, start: int) -> torch.Tensor:
 @given(start=st.integers(1, 10), n=st.integers(1, 8), batch=st.integers(1, 2), seed=st.integers(0, 50),
        n_kv=st.sampled_from([1, 2, 4]), fold_rotation=st.booleans(),
        matmuls=st.sampled_from(AVAILABLE),
-       family=st.sampled_from(["llama", "attention_bias", "qk_norm"]))  # fmt: skip
+       family=st.sampled_from(["llama", "attention_bias", "qk_norm", "gemma3"]))  # fmt: skip
 def test_decoder_matches_module_path(
     start: int, n: int, batch: int, seed: int, n_kv: int, fold_rotation: bool, matmuls: Matmuls, family: str
 ) -> None:
-    extra = {"attention_bias": {"attention_bias": True}, "qk_norm": {"qk_norm": True}}.get(family, {})
+    gemma3 = {"qk_norm": True, "embed_scale": True, "activation": "gelu_tanh", "sandwich_norm": True,
+              "query_pre_attn_scalar": 6, "sliding_window": 3, "layer_types": ["sliding_attention", "full_attention"],
+              "rope_local_theta": 100.0}  # a window shorter than most prompts  # fmt: skip
+    extra = {"attention_bias": {"attention_bias": True}, "qk_norm": {"qk_norm": True}, "gemma3": gemma3}.get(family, {})
     cfg = ModelConfig(**{**CFG.__dict__, "n_kv_heads": n_kv, **extra})
     model = _model(seed, cfg)
     if family == "attention_bias":  # non-zero biases, so that folding them is exercised

@@ -23,8 +23,11 @@ Design choices (measured in docs/benchmarks.md section 1):
   reductions over the weight rows: twice the read bandwidth of MKL's one-row kernels on CPU
   (docs/benchmarks.md section 8); several rows run oneDNN over packed weights;
 - the optional features of other families: q/k/v biases (Qwen2) become one ``addmm`` bias (rotated
-  like the weights); per-head q/k RMSNorm (Qwen3) runs after the matmul, on ``R q`` with its weight
-  halves swapped (``rotate_half(w * q) == swap(w) * rotate_half(q)``, and the norm of ``R q`` is that of ``q``).
+  like the weights); per-head q/k RMSNorm (Qwen3, Gemma 3) runs after the matmul, on ``R q`` with its weight
+  halves swapped (``rotate_half(w * q) == swap(w) * rotate_half(q)``, and the norm of ``R q`` is that of ``q``);
+  Gemma 3's norms after attention and the MLP run on the matmul's output before the residual add (no fused add
+  there), its sliding layers take their own RoPE rows and window masks (the compiled one-row step narrows the
+  cache to the window instead of masking).
 """
 
 from __future__ import annotations
@@ -40,7 +43,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from distillgates.model import Transformer
+from distillgates.model import Transformer, gate_activation
 
 
 def _rms(x: Tensor, d_eps: float) -> Tensor:
@@ -82,13 +85,15 @@ def _attn_in(x: Tensor, w: Tensor, bias: Tensor | None, d_eps: float) -> Tensor:
     return (out if bias is None else out + bias).view(1, -1)
 
 
-def _layer_out(y: Tensor, x: Tensor, o: Tensor, gate_up: Tensor, down: Tensor, d_eps: float) -> Tensor:
+def _layer_out(y: Tensor, x: Tensor, layer: _Layer, d_eps: float, activation: str) -> Tensor:
     """One row: the residual stream after attention output ``y``: ``x + o y``, then ``+`` its MLP, every
     matmul a reduction over the weight's rows (``o`` ``(d, H*hd)``, ``gate_up`` ``(2 ffn, d)``, ``down``
-    ``(d, ffn)``)."""
-    x = x + (o * y).sum(-1)
-    gate, up = (gate_up * _rms(x, d_eps)).sum(-1).chunk(2)
-    return x + (down * (F.silu(gate) * up)).sum(-1)
+    ``(d, ffn)``); Gemma's post norms on both before the adds."""
+    a = (layer.o * y).sum(-1)
+    x = x + (a if layer.post is None else _rms(a, d_eps) * layer.post[0])
+    gate, up = (layer.gate_up * _rms(x, d_eps)).sum(-1).chunk(2)
+    m = (layer.down * (gate_activation(gate, activation) * up)).sum(-1)
+    return x + (m if layer.post is None else _rms(m, d_eps) * layer.post[1])
 
 
 def _mkl_linear(x: Tensor, w_t: Tensor, bias: Tensor | None) -> Tensor:
@@ -122,6 +127,8 @@ class _Layer(NamedTuple):
     down: Tensor  # (d, ffn): the model's own weight, not transposed (mkl: see forward; compiled), or packed down
     qkv_r_bias: Tensor | None  # biases of the rows of qkv_r (attention_bias)
     qk_norm: tuple[Tensor, Tensor] | None  # (H+n_kv, 1, hd) weights for [q; k] and [R q; R k] (qk_norm)
+    post: tuple[Tensor, Tensor] | None  # Gemma's post-attention and post-MLP norm weights times sqrt(d) (see _rms)
+    sliding: bool  # Gemma 3: attends the last sliding_window positions, with the local RoPE table
 
 
 class _Plan(NamedTuple):
@@ -131,6 +138,7 @@ class _Plan(NamedTuple):
     layers: list[_Layer]
     head: Tensor  # lm_head with the final norm folded in; see Matmuls
     rope_sin: Tensor  # (S_max, hd): the model's sin table; unfolded rotation: first half negated
+    local_rope_sin: Tensor | None  # the same of the sliding layers' table (Gemma 3)
 
 
 def _heads(
@@ -159,30 +167,43 @@ def _heads(
     return q, k, v
 
 
+class _Features(NamedTuple):
+    """What the layers compute beyond Llama's (Gemma 3), fixed per model."""
+
+    scale: float | None  # attention scale (None: 1/sqrt(head_dim))
+    activation: str  # silu | gelu_tanh
+    window: int  # sliding layers attend keys less than this many positions back (0: no sliding layer)
+
+
 def _decode_layer(
     x: Tensor, layer: _Layer, k_cache: Tensor, v_cache: Tensor, input_pos: Tensor, kv_len: int, cos: Tensor,
-    sin: Tensor, dims: tuple[int, int, int, float], fold: bool, d_eps: float,
+    sin: Tensor, dims: tuple[int, int, int, float], fold: bool, d_eps: float, features: _Features,
 ) -> Tensor:
-    """One layer of one row ``x`` ``(1, d)`` at ``input_pos`` ``[pos]`` over a one-row cache: the residual
-    stream after it, every matmul a reduction over the weight's rows (``Matmuls`` ``"compiled"``)."""
-    qkv_r, o, gate_up, down, bias, qk_norm = layer
-    q, k, v = _heads(_attn_in(x, qkv_r, bias, d_eps), 1, 1, dims, fold, qk_norm, cos, sin)
+    """One layer of one row ``x`` ``(1, d)`` at ``input_pos`` ``[pos]`` (the last filled slot, ``kv_len - 1``) over a
+    one-row cache: the residual stream after it, every matmul a reduction over the weight's rows (``Matmuls``
+    ``"compiled"``). A sliding layer attends the window's keys only: the last ``window`` slots, no mask needed."""
+    q, k, v = _heads(_attn_in(x, layer.qkv_r, layer.qkv_r_bias, d_eps), 1, 1, dims, fold, layer.qk_norm, cos, sin)
     k_cache.index_copy_(2, input_pos, k.to(k_cache.dtype))
     v_cache.index_copy_(2, input_pos, v.to(v_cache.dtype))
-    k, v = k_cache.narrow(2, 0, kv_len).to(q.dtype), v_cache.narrow(2, 0, kv_len).to(q.dtype)
+    start = max(0, kv_len - features.window) if layer.sliding else 0
+    k, v = k_cache.narrow(2, start, kv_len - start).to(q.dtype), v_cache.narrow(2, start, kv_len - start).to(q.dtype)
     H, n_kv, hd, _ = dims
-    y = F.scaled_dot_product_attention(q.reshape(1, n_kv, -1, hd), k, v)  # GQA by query grouping
-    return _layer_out(y.reshape(1, H * hd), x, o, gate_up, down, d_eps)
+    y = F.scaled_dot_product_attention(q.reshape(1, n_kv, -1, hd), k, v, scale=features.scale)  # GQA by grouping
+    return _layer_out(y.reshape(1, H * hd), x, layer, d_eps, features.activation)
 
 
 def _decode_step(
     x: Tensor, layers: list[_Layer], caches: list[tuple[Tensor, Tensor]], input_pos: Tensor, kv_len: int,
-    cos: Tensor, sin: Tensor, dims: tuple[int, int, int, float], fold: bool, d_eps: float, head: Tensor,
+    rope: tuple[Tensor, Tensor, Tensor | None, Tensor | None], dims: tuple[int, int, int, float], fold: bool,
+    d_eps: float, head: Tensor, features: _Features,
 ) -> Tensor:
     """Logits ``(1, V)`` of one row ``x`` through every layer (:func:`_decode_layer`) and the LM head: compiled
-    as one graph, one call per token (a call per layer cost 7-8% more time per token at SmolLM-135M)."""
+    as one graph, one call per token (a call per layer cost 7-8% more time per token at SmolLM-135M). ``rope``:
+    cos and sin rows of the global and (Gemma 3) the sliding layers."""
     for layer, (k_cache, v_cache) in zip(layers, caches):
-        x = _decode_layer(x, layer, k_cache, v_cache, input_pos, kv_len, cos, sin, dims, fold, d_eps)
+        cos, sin = (rope[2], rope[3]) if layer.sliding else (rope[0], rope[1])
+        assert cos is not None and sin is not None
+        x = _decode_layer(x, layer, k_cache, v_cache, input_pos, kv_len, cos, sin, dims, fold, d_eps, features)
     return _attn_in(x, head, None, d_eps)
 
 
@@ -215,13 +236,13 @@ class FusedDecoder:
 
     def __init__(self, model: Transformer, fold_rotation: bool | None = None, matmuls: Matmuls | None = None) -> None:
         caches = [layer.attn.kv_cache for layer in model.layers]
-        if features := model.config.gemma_features():
-            raise ValueError(f"FusedDecoder does not compute Gemma 3's {', '.join(features)} yet: "
-                             "Transformer.forward does (issue #42)")  # fmt: skip
         if any(cache is None for cache in caches):
             raise ValueError("FusedDecoder needs the model's KV cache: call model.setup_caches(batch) first")
         self.model = model
-        self.config = model.config
+        self.config = cfg = model.config
+        window = (cfg.sliding_window or 0) if model.has_sliding_layers else 0
+        self.features = _Features(cfg.query_pre_attn_scalar**-0.5 if cfg.query_pre_attn_scalar else None,
+                                  cfg.activation, window)  # fmt: skip
         dispatch_bound = sum(p.numel() * p.element_size() for p in model.parameters()) <= DISPATCH_BOUND_MAX_BYTES
         self.fold_rotation = dispatch_bound if fold_rotation is None else fold_rotation
         weight = model.embed.weight
@@ -298,7 +319,7 @@ class FusedDecoder:
 
         model, layers, sources = self.model, [], []
         with torch.inference_mode(False), torch.no_grad():  # plain tensors: usable outside inference mode
-            for layer in model.layers:
+            for i, layer in enumerate(model.layers):
                 a, m = layer.attn, layer.mlp
                 wq, wk, wv = a.q_proj.weight, a.k_proj.weight, a.v_proj.weight
                 norms = [layer.attn_norm.weight, layer.mlp_norm.weight]
@@ -319,29 +340,42 @@ class FusedDecoder:
                     heads = (wqn,) * cfg.n_heads + (wkn,) * cfg.n_kv_heads  # per head of [q; k]
                     qk_norm = (torch.stack(heads)[:, None], torch.stack([swapped(w) for w in heads])[:, None])
                 down = m.down_proj.weight.detach() if matmuls == "mkl" else laid_out(m.down_proj.weight)
-                layers.append(_Layer(qkv_r, laid_out(a.o_proj.weight), gate_up, down, bias, qk_norm))
+                post = None
+                if layer.post_attn_norm is not None and layer.post_mlp_norm is not None:  # Gemma: normed outputs
+                    sources += [layer.post_attn_norm.weight, layer.post_mlp_norm.weight]
+                    post = (layer.post_attn_norm.weight.detach() * math.sqrt(cfg.d_model),
+                            layer.post_mlp_norm.weight.detach() * math.sqrt(cfg.d_model))  # fmt: skip
+                layers.append(_Layer(qkv_r, laid_out(a.o_proj.weight), gate_up, down, bias, qk_norm, post,
+                                     cfg.sliding(i)))  # fmt: skip
             sources += [model.norm.weight, model.lm_head.weight, model.embed.weight]
             head = folded(model.norm.weight, model.lm_head.weight)
             sign = torch.ones(cfg.head_dim, dtype=model.rope_sin.dtype, device=model.rope_sin.device)
-            rope_sin = model.rope_sin if fold else model.rope_sin * sign.index_fill_(0, torch.arange(half), -1.0)
+            sign.index_fill_(0, torch.arange(half), -1.0)
+            rope_sin = model.rope_sin if fold else model.rope_sin * sign
+            local_sin = None
+            if model.has_sliding_layers:
+                local_sin = model.local_rope_sin if fold else model.local_rope_sin * sign
         stamp = tuple((p.data_ptr(), p._version) for p in sources)
-        self._plan = _Plan(sources, stamp, matmuls, layers, head, rope_sin)
+        self._plan = _Plan(sources, stamp, matmuls, layers, head, rope_sin, local_sin)
         return self._plan
 
-    def _mask(self, input_pos: Tensor, contiguous: bool, kv_len: int, last_row: bool) -> Tensor | None:
+    def _mask(self, input_pos: Tensor, contiguous: bool, kv_len: int, last_row: bool,
+              sliding: bool = False) -> Tensor | None:  # fmt: skip
         """Boolean SDPA mask over the filled prefix ``[:kv_len]`` for GQA-grouped query rows (row ``g*T + t``
-        is query ``t``, see :func:`~distillgates.model.gqa_attention`); ``last_row``: the last query only.
-        None when every query sees the whole prefix (one query at the last slot)."""
+        is query ``t``, see :func:`~distillgates.model.gqa_attention`); ``last_row``: the last query only;
+        ``sliding``: a sliding layer's (Gemma 3). None when every query sees the whole prefix (one query at the
+        last slot, within the window)."""
         T, groups = input_pos.shape[-1], self.config.n_heads // self.config.n_kv_heads
+        table = self.model.local_causal_mask if sliding else self.model.causal_mask
         if input_pos.dim() == 2:  # one position row per batch row: causal in each row's own positions
-            mask = self.model.causal_mask[input_pos][:, None, :, :kv_len]  # (B, 1, T, S)
+            mask = table[input_pos][:, None, :, :kv_len]  # (B, 1, T, S)
             return (mask[..., -1:, :] if last_row else mask).repeat(1, 1, groups, 1)  # (B, 1, G*T | G, S)
         if contiguous:
-            if T == 1 or last_row:
+            if (T == 1 or last_row) and not (sliding and kv_len > self.features.window):
                 return None
-            causal = self.model.causal_mask[kv_len - T : kv_len, :kv_len]  # (T, S): a view
-            return torch.cat([causal] * groups)  # (G*T, S): one copy
-        mask = self.model.make_mask(T, input_pos, None)[..., :kv_len]  # (1, 1, T, S)
+            causal = table[kv_len - (1 if last_row else T) : kv_len, :kv_len]  # (T | 1, S): a view
+            return torch.cat([causal] * groups)  # (G*T | G, S): one copy
+        mask = self.model.make_mask(T, input_pos, None, sliding)[..., :kv_len]  # (1, 1, T, S)
         if last_row:
             mask = mask[..., -1:, :]  # (1, 1, 1, S)
         return mask.repeat(1, 1, groups, 1)  # (1, 1, G*T, S)
@@ -374,9 +408,12 @@ class FusedDecoder:
         linear = _packed_linear if packed else F.linear if compiled else _mkl_linear
         per_row = input_pos.dim() == 2
         positions = input_pos.tolist()  # the one host read per forward
+        tables = [(model.rope_cos, plan.rope_sin)]  # the global layers' RoPE, then the sliding layers' (Gemma 3)
+        if plan.local_rope_sin is not None:
+            tables.append((model.local_rope_cos, plan.local_rope_sin))
         if per_row:
             contiguous, kv_len = False, max(map(max, positions)) + 1
-            cos, sin = model.rope_cos[input_pos][:, None], plan.rope_sin[input_pos][:, None]  # (B, 1, T, hd)
+            rope = [(c[input_pos][:, None], s[input_pos][:, None]) for c, s in tables]  # (B, 1, T, hd) each
             if cache_rows is None or cache_rows.tolist() == list(range(B)):
                 gather, rows = False, torch.arange(B, device=idx.device)[:, None]  # (B, 1): the first B rows
             else:
@@ -386,21 +423,28 @@ class FusedDecoder:
             contiguous = positions == list(range(start, start + T))
             kv_len = start + T if contiguous else max(positions) + 1
             if contiguous:  # views, no gather
-                cos, sin = model.rope_cos[start : start + T], plan.rope_sin[start : start + T]  # (T, hd)
+                rope = [(c[start : start + T], s[start : start + T]) for c, s in tables]  # (T, hd) each
             else:
-                cos, sin = model.rope_cos[input_pos], plan.rope_sin[input_pos]  # (T, hd)
+                rope = [(c[input_pos], s[input_pos]) for c, s in tables]  # (T, hd) each
         # with ``last_only`` the last layer writes every row's K/V but computes the last row's output only
         last_layer = len(plan.layers) - 1 if last_only and T > 1 else -1
-        mask = None if last_layer == 0 else self._mask(input_pos, contiguous, kv_len, False)
+        masks = [None if last_layer == 0 else self._mask(input_pos, contiguous, kv_len, False, sliding)
+                 for sliding in (False, True)[: len(tables)]]  # fmt: skip
         x = F.embedding(idx.reshape(-1), model.embed.weight)  # (B*T, d): 2-D rows for torch.mm
+        if cfg.embed_scale:  # Gemma (as Transformer.embed_tokens)
+            x = x * cfg.d_model**0.5
         cast = self.caches[0][0].dtype != x.dtype
+        feats = self.features
         if compiled and B * T == 1 and self.caches[0][0].shape[0] == 1:  # one row over a one-row cache
-            pos, cos, sin, dims = input_pos.view(1), cos.view(1, hd), sin.view(1, hd), (H, n_kv, hd, cfg.norm_eps)
-            logits = _compiled_step()(x, plan.layers, self.caches, pos, kv_len, cos, sin, dims,
-                                  self.fold_rotation, d_eps, plan.head)  # fmt: skip
+            pos, dims = input_pos.view(1), (H, n_kv, hd, cfg.norm_eps)
+            flat = [t.view(1, hd) for pair in rope for t in pair]
+            rows_rope = (flat[0], flat[1], flat[2] if len(flat) > 2 else None, flat[3] if len(flat) > 2 else None)
+            logits = _compiled_step()(x, plan.layers, self.caches, pos, kv_len, rows_rope, dims,
+                                      self.fold_rotation, d_eps, plan.head, feats)  # fmt: skip
             return logits.view(1, 1, -1)  # (1, 1, V)
         for i, (layer, (k_cache, v_cache)) in enumerate(zip(plan.layers, self.caches)):
-            qkv_r, o, gate_up, down, qkv_r_bias, qk_norm = layer
+            qkv_r, o, gate_up, down, qkv_r_bias, qk_norm, post, sliding = layer
+            (cos, sin), mask = rope[sliding], masks[sliding]
             qkv = linear(_rms(x, d_eps), qkv_r, qkv_r_bias)  # (B*T, (2H+3n_kv)*hd)
             q, k, v = _heads(qkv, B, T, (H, n_kv, hd, cfg.norm_eps), self.fold_rotation, qk_norm, cos, sin)
             if per_row:  # (B_max, S, n_kv, hd) views of the cache, written at (cache row, its position)
@@ -419,14 +463,26 @@ class FusedDecoder:
                 k, v = k.to(q.dtype), v.to(q.dtype)
             if i == last_layer:  # nothing reads the other rows' outputs: one query row from here on
                 q, x, T = q[:, :, -1:], x.view(B, T, -1)[:, -1], 1  # (B, H, 1, hd), (B, d)
-                mask = self._mask(input_pos, contiguous, kv_len, True)
-            y = F.scaled_dot_product_attention(q.reshape(B, n_kv, -1, hd), k, v, attn_mask=mask)  # (B,n_kv,G*T,hd)
+                masks = [self._mask(input_pos, contiguous, kv_len, True, s) for s in (False, True)[: len(tables)]]
+                mask = masks[sliding]
+            y = F.scaled_dot_product_attention(q.reshape(B, n_kv, -1, hd), k, v, attn_mask=mask,
+                                               scale=feats.scale)  # (B, n_kv, G*T, hd)  # fmt: skip
             # GQA by query grouping (see gqa_attention); one query row per head needs no transpose
             y = y.reshape(B, H * hd) if T == 1 else y.view(B, H, T, hd).transpose(1, 2).reshape(B * T, H * hd)
-            x = _packed_linear_add(y, o, x) if packed else torch.addmm(x, y, o.t() if compiled else o)  # x + y @ o^T
+            if post is not None:  # Gemma: the attention's output normed before the add
+                a = _packed_linear(y, o, None) if packed else torch.mm(y, o.t() if compiled else o)  # (B*T, d)
+                x = x + _rms(a, d_eps) * post[0]
+            else:
+                x = _packed_linear_add(y, o, x) if packed else torch.addmm(x, y, o.t() if compiled else o)  # x + y o^T
             gate, up = linear(_rms(x, d_eps), gate_up, None).chunk(2, dim=-1)  # (B*T, ffn) each
-            hidden = F.silu(gate) * up  # (B*T, ffn)
-            if packed:
+            hidden = gate_activation(gate, feats.activation) * up  # (B*T, ffn)
+            if post is not None:  # Gemma: the MLP's output normed before the add
+                if packed:
+                    m = _packed_linear(hidden, down, None)
+                else:
+                    m = torch.mv(down, hidden.view(-1)).view(1, -1) if B * T == 1 else torch.mm(hidden, down.t())
+                x = x + _rms(m, d_eps) * post[1]
+            elif packed:
                 x = _packed_linear_add(hidden, down, x)  # (B*T, d)
             elif B * T == 1:  # one row: dot products over the (d, ffn) rows read faster than x @ W^T for d < ffn
                 x = torch.addmv(x.view(-1), down, hidden.view(-1)).view(1, -1)  # (1, d)
