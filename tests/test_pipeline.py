@@ -587,14 +587,19 @@ def test_coreai_eval_names_the_items_the_asset_decodes_otherwise(tiny_run: tuple
     assert after["identical"] == before["identical"] - (outputs[0]["id"] not in before["differing_ids"])
 
 
-def test_a_gemma3_student_is_refused_before_the_first_step_naming_what_is_missing(tmp_path: Path) -> None:
-    """Gemma 3 converts (tests/test_hf.py), trains and runs in the engine, but the export does not compute its
-    features yet: refused by the preflight, not minutes later in the export step."""
+def test_a_gemma3_student_in_the_ane_layout_is_refused_before_the_first_step(tmp_path: Path) -> None:
+    """The ANE layout does not compute Gemma 3's features (the standard layout does): refused by the preflight, not
+    minutes later in the export step."""
     from distillgates.pipeline import preflight
 
     data = yaml.safe_load(tiny_config(tmp_path).read_text())
     data["train"]["init_from"] = "scratch"
     data["student"].update(embed_scale=True, activation="gelu_tanh", sandwich_norm=True)
+    data["export"]["layout"] = "ane"
     (tmp_path / "gemma.yaml").write_text(yaml.safe_dump(data))
-    with pytest.raises(ValueError, match=r"student: Gemma 3's embed_scale, activation, sandwich_norm .*issue #42"):
+    with pytest.raises(ValueError, match=r"export.layout: ane does not compute Gemma 3's embed_scale, activation, "
+                                         r"sandwich_norm \(the student's\): use layout: standard"):
         preflight(load_config(tmp_path / "gemma.yaml"))
+    data["export"]["layout"] = "standard"
+    (tmp_path / "gemma.yaml").write_text(yaml.safe_dump(data))
+    preflight(load_config(tmp_path / "gemma.yaml"))

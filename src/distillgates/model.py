@@ -219,8 +219,14 @@ class Block(nn.Module):
         self.post_mlp_norm = RMSNorm(cfg.d_model, cfg.norm_eps) if cfg.sandwich_norm else None
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor, input_pos: Tensor | None) -> Tensor:
-        a = self.attn(self.attn_norm(x), cos, sin, mask, input_pos)
-        h = x + (a if self.post_attn_norm is None else self.post_attn_norm(a))
+        return self.add_mlp(self.add_attention(x, self.attn(self.attn_norm(x), cos, sin, mask, input_pos)))
+
+    def add_attention(self, x: Tensor, a: Tensor) -> Tensor:
+        """The residual stream ``x`` plus the attention's output ``a`` (Gemma: normed first)."""
+        return x + (a if self.post_attn_norm is None else self.post_attn_norm(a))
+
+    def add_mlp(self, h: Tensor) -> Tensor:
+        """The residual stream ``h`` plus the MLP's output (Gemma: normed first)."""
         m = self.mlp(self.mlp_norm(h))
         return h + (m if self.post_mlp_norm is None else self.post_mlp_norm(m))
 

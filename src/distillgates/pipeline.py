@@ -388,10 +388,10 @@ def preflight(cfg: Config) -> None:
         resolve_device(cfg.device)
     except ValueError as err:
         raise ValueError(f"device: {err}") from err
-    for role in ("student", "drafter"):
-        if (section := getattr(cfg, role)) is not None and (features := section.gemma_features()):
-            raise ValueError(f"{role}: Gemma 3's {', '.join(features)} convert to and from Hugging Face, train and run "
-                             "in the PyTorch engine, but the export does not compute them yet (issue #42)")  # fmt: skip
+    features = cfg.student.gemma_features() if cfg.student is not None else []
+    if features and cfg.export.layout == "ane":
+        raise ValueError(f"export.layout: ane does not compute Gemma 3's {', '.join(features)} (the student's): use "
+                         "layout: standard")  # fmt: skip
     for role, train in (("student", cfg.train), ("drafter", cfg.drafter_train or cfg.train)):
         if train.pretrained is None or (role == "drafter" and cfg.drafter is None):
             continue

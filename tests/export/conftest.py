@@ -88,3 +88,20 @@ def fake_quant() -> object:
 @pytest.fixture(scope="session")
 def export_lengths() -> list[int]:
     return LENGTHS
+
+
+GEMMA3_FEATURES = {"qk_norm": True, "head_dim": 16, "embed_scale": True, "activation": "gelu_tanh",
+                   "sandwich_norm": True, "query_pre_attn_scalar": 12, "sliding_window": 5,
+                   "layer_types": ["sliding_attention", "full_attention"],
+                   "rope_local_theta": 100.0}  # Gemma 3's, with a window shorter than every enumerated length
+
+
+def gemma3_model(**overrides: object) -> Transformer:
+    """A tiny model with every Gemma 3 feature, its norms away from their init (so that leaving one out shows)."""
+    torch.manual_seed(0)
+    model = Transformer(tiny_model_config(vocab_size=64, max_seq_len=48, **{**GEMMA3_FEATURES, **overrides})).eval()
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("norm.weight"):
+                param.normal_(0.5, 0.3)
+    return model

@@ -94,6 +94,21 @@ def test_the_asset_matches_eager_in_every_function(precision: str, coreai_fp32, 
         assert {s["dtype"] for s in contract["functions"][DECODE]["states"]} == {"FLOAT16"}
 
 
+def test_gemma3_features_reach_the_asset(tmp_path: Path) -> None:
+    """Gemma 3's scaled embeddings, GeGLU, four norms a layer, attention scale and sliding layers (a window shorter
+    than every enumerated length) run in Core AI's runtime as in eager PyTorch (fp32)."""
+    from distillgates.config import ExportConfig
+    from distillgates.export.coreai import coreai_parity, export_coreai
+
+    from .conftest import gemma3_model
+
+    model = gemma3_model()
+    made = export_coreai(model, ExportConfig(compute_precision="fp32"), LENGTHS, tmp_path)
+    parity = coreai_parity(made["path"], model, LENGTHS)
+    assert min(parity["cosine_by_shape"].values()) > 0.99999 and min(parity["decode_cosine"]) > 0.99999
+    assert parity["top1_agreement"] == 1.0
+
+
 def test_a_perturbed_weight_fails_parity(tiny_ckpt: Path, tmp_path: Path) -> None:
     """The injected violation: the asset shipped from a model whose one weight moved, gated against the checkpoint."""
     from distillgates.config import ExportConfig

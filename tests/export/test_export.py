@@ -30,6 +30,7 @@ from distillgates.io import tree_sha256
 from distillgates.model import Transformer, load_model, model_fingerprint, save_model
 
 from ..conftest import tiny_model_config
+from .conftest import GEMMA3_FEATURES
 
 requires_macos = pytest.mark.requires_macos  # skipped off macOS by the plugin, with the reason
 
@@ -508,20 +509,21 @@ def test_an_op_coremltools_cannot_convert_is_an_export_error():
 
 
 @pytest.mark.integration  # a Core ML conversion per family (~6 s each)
-@pytest.mark.parametrize("features", [{"attention_bias": True}, {"qk_norm": True, "head_dim": 16}],
-                         ids=["qwen2-biases", "qwen3-qk-norm"])  # fmt: skip
+@pytest.mark.parametrize("features", [{"attention_bias": True}, {"qk_norm": True, "head_dim": 16}, GEMMA3_FEATURES],
+                         ids=["qwen2-biases", "qwen3-qk-norm", "gemma3"])  # fmt: skip
 def test_pretrained_family_features_export_with_parity(
     features: dict[str, Any], export_lengths: list[int], tmp_path: Path
 ) -> None:
-    """q/k/v biases and q/k norms (a head_dim other than d/H too) reach the package: the weights read back
-    from it give the eager logits (the round trip fails on a parameter the package lacks)."""
+    """q/k/v biases and q/k norms (a head_dim other than d/H too), and Gemma 3's features (sliding layers with a
+    window shorter than the prompts) reach the package: the weights read back from it give the eager logits (the
+    round trip fails on a parameter the package lacks)."""
     from .conftest import TOKENIZER_FP, pipeline_config
 
     torch.manual_seed(0)
     model = Transformer(tiny_model_config(vocab_size=64, max_seq_len=48, **features)).eval()
     with torch.no_grad():  # biases and norm weights away from their 0 / 1 init, so that leaving them out shows
         for name, param in model.named_parameters():
-            if name.endswith(("bias", "q_norm.weight", "k_norm.weight")):
+            if name.endswith(("bias", "norm.weight")):
                 param.normal_(0.5, 0.3)
     save_model(tmp_path / "model.pt", model)
     result = export_model(tmp_path / "model.pt", pipeline_config(quantize="none"), tmp_path / "out", TOKENIZER_FP)

@@ -63,8 +63,6 @@ class StandardLayout(nn.Module):
 
     def __init__(self, model: Transformer) -> None:
         super().__init__()
-        if features := model.config.gemma_features():
-            raise ValueError(f"the export does not compute Gemma 3's {', '.join(features)} yet (issue #42)")
         self.model = model
         self.config: ModelConfig = model.config
         widths = head_widths(model.config.vocab_size)
@@ -75,8 +73,13 @@ class StandardLayout(nn.Module):
     def rope(self) -> tuple[Tensor, Tensor]:
         return self.model.rope_cos, self.model.rope_sin  # (S_max, hd)
 
+    @property
+    def local_rope(self) -> tuple[Tensor, Tensor]:
+        """The sliding layers' tables (Gemma 3; only a model with sliding layers has them)."""
+        return self.model.local_rope_cos, self.model.local_rope_sin  # (S_max, hd)
+
     def embed_tokens(self, ids: Tensor) -> Tensor:
-        return self.model.embed(ids)  # (1, T, d)
+        return self.model.embed_tokens(ids)  # (1, T, d)
 
     def qkv(self, i: int, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         layer = self.model.layers[i]
@@ -84,8 +87,8 @@ class StandardLayout(nn.Module):
 
     def finish_block(self, i: int, x: Tensor, y: Tensor) -> Tensor:
         layer = self.model.layers[i]
-        h = x + layer.attn.o_proj(y.transpose(1, 2).reshape(1, -1, self.config.n_heads * (self.config.head_dim or 0)))
-        return h + layer.mlp(layer.mlp_norm(h))
+        a = layer.attn.o_proj(y.transpose(1, 2).reshape(1, -1, self.config.n_heads * (self.config.head_dim or 0)))
+        return layer.add_mlp(layer.add_attention(x, a))
 
     def select(self, x: Tensor, index: Tensor) -> Tensor:
         return x.index_select(1, index)  # (1, 1, d)
@@ -204,6 +207,10 @@ class ANETransformer(nn.Module):
     @property
     def rope(self) -> tuple[Tensor, Tensor]:
         return self.rope_cos, self.rope_sin
+
+    @property
+    def local_rope(self) -> tuple[Tensor, Tensor]:
+        return self.rope  # no sliding layers here (refused with Gemma 3's other features)
 
     def embed_tokens(self, ids: Tensor) -> Tensor:
         return self.embed(ids).transpose(1, 2).unsqueeze(2)  # (1, d, 1, T)

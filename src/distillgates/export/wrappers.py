@@ -57,6 +57,7 @@ class _KVModule(nn.Module):
         cfg = core.config
         self.n_layers, self.n_heads, self.n_kv_heads = cfg.n_layers, cfg.n_heads, cfg.n_kv_heads
         self.head_dim = cfg.head_dim or 0
+        self.scale = cfg.query_pre_attn_scalar**-0.5 if cfg.query_pre_attn_scalar else None  # None: 1/sqrt(hd)
         shape = (1, cfg.n_kv_heads, cfg.max_seq_len, self.head_dim)
         dtype = next(core.parameters()).dtype  # fp32, or fp16 for Core AI's fp16 compute
         for name in state_names(cfg.n_layers):
@@ -70,8 +71,22 @@ class _KVModule(nn.Module):
         """q ``(1, H, T, hd)``, k/v ``(1, n_kv, S, hd)``, mask ``(T, S)`` bool -> ``(1, H, T, hd)``."""
         groups = self.n_heads // self.n_kv_heads
         qg = q.reshape(1, self.n_kv_heads, -1, self.head_dim)  # (1, n_kv, G*T, hd)
-        y = F.scaled_dot_product_attention(qg, k, v, attn_mask=mask.repeat(groups, 1))  # (1, n_kv, G*T, hd)
+        y = F.scaled_dot_product_attention(qg, k, v, attn_mask=mask.repeat(groups, 1),
+                                           scale=self.scale)  # (1, n_kv, G*T, hd)  # fmt: skip
         return y.reshape(1, self.n_heads, -1, self.head_dim)  # (1, H, T, hd)
+
+    def layer_inputs(self, mask: Tensor, rows: Tensor, keys: Tensor) -> list[tuple[Tensor, Tensor, Tensor]]:
+        """Per layer ``(cos, sin, mask)``: the global tables' ``rows`` and ``mask``; a sliding layer (Gemma 3) its
+        own tables' rows and ``mask`` less the keys a window or more behind the query (``rows`` ``(T,)`` the query
+        positions, ``keys`` ``(S,)`` the key positions, both int32)."""
+        cfg = self.core.config
+        full = (self.core.rope[0][rows], self.core.rope[1][rows], mask)
+        if not cfg.layer_types or "sliding_attention" not in cfg.layer_types:
+            return [full] * self.n_layers
+        near = keys[None, :] > rows[:, None] - (cfg.sliding_window or 0)  # (T, S): within the window
+        local_cos, local_sin = self.core.local_rope
+        local = (local_cos[rows], local_sin[rows], torch.logical_and(mask, near))
+        return [local if cfg.sliding(i) else full for i in range(self.n_layers)]
 
 
 class PrefillModule(_KVModule):
@@ -80,15 +95,14 @@ class PrefillModule(_KVModule):
     def forward(self, input_ids: Tensor, length: Tensor) -> Logits:
         ones = input_ids[0] * 0 + 1  # (L,) int32, elementwise: no fill/shape op
         pos = torch.cumsum(ones, 0, dtype=torch.int32) - 1  # (L,)
-        cos_table, sin_table = self.core.rope
-        cos, sin = cos_table[pos], sin_table[pos]  # (L, hd)
         causal = pos[None, :] <= pos[:, None]  # (L, L)
         real_key = pos[None, :] < length[:, None]  # (1, L): padded keys are never attended
-        mask = torch.logical_and(causal, real_key)  # (L, L)
+        inputs = self.layer_inputs(torch.logical_and(causal, real_key), pos, pos)  # (L, hd) x2, (L, L) a layer
         x = self.core.embed_tokens(input_ids)
         onehot = (pos[:, None] == self.slots[None, :]).to(x.dtype)  # (L, S_max)
         keep = 1.0 - onehot.sum(0)[:, None]  # (S_max, 1)
         for i in range(self.n_layers):
+            cos, sin, mask = inputs[i]
             q, k, v = self.core.qkv(i, x)
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)  # (1, H|n_kv, L, hd)
             for kind, new in (("k", k), ("v", v)):
@@ -109,11 +123,11 @@ class DecodeModule(_KVModule):
         self.kv_write = kv_write
 
     def forward(self, input_ids: Tensor, position: Tensor) -> Logits:
-        cos_table, sin_table = self.core.rope
-        cos, sin = cos_table[position], sin_table[position]  # (1, hd)
         mask = self.slots[None, :] <= position[:, None]  # (1, S_max)
+        inputs = self.layer_inputs(mask, position, self.slots)  # (1, hd) x2, (1, S_max) a layer
         x = self.core.embed_tokens(input_ids)
         for i in range(self.n_layers):
+            cos, sin, mask = inputs[i]
             q, k, v = self.core.qkv(i, x)
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)  # (1, H|n_kv, 1, hd)
             k_cache, v_cache = self.cache("k", i), self.cache("v", i)
