@@ -316,3 +316,32 @@ def test_gemma3_270m_converts_exactly_past_its_sliding_window(gemma3_dir, tmp_pa
         torch.testing.assert_close(model(ids)[:, -96:], hf(input_ids=ids).logits[:, -96:], atol=1e-4, rtol=1e-4)
         again = load_hf(save_hf(model, tmp_path / "hf", tokenizer), max_seq_len=640)
         torch.testing.assert_close(again(ids[:, -32:]), model(ids[:, -32:]), atol=0, rtol=0)
+
+
+def test_gemma3_270m_overflows_fp16_and_scaling_the_residual_stream_fixes_it(gemma3_dir):
+    """Gemma 3 270M's residual stream peaks past fp16's 65,504 (ANEMLL measures 104,162): the headroom scan names the
+    layers over and an fp16 forward's logits are NaN. Scaled by the power of two the export picks (fp16_scaling:
+    auto), the same fp32 logits, a clean scan, and an fp16 forward finite and within the parity gate's cosine."""
+    import copy
+
+    from transformers import AutoTokenizer
+
+    from distillgates.export.headroom import FP16_MAX, fp16_headroom, residual_alpha, scale_residual
+
+    model = load_hf(gemma3_dir, max_seq_len=128)
+    tokenizer = AutoTokenizer.from_pretrained(gemma3_dir)
+    rows = [torch.tensor([tokenizer.encode(text)]) for text in (
+        "Hi, my printer on floor 3 is jammed again. Can you open a ticket and tell me the status of ticket 4521?",
+        "What's the weather in Berlin tomorrow, and convert 30 EUR to USD please.")]  # fmt: skip
+    before = fp16_headroom(model, rows)
+    assert before["max_peak"] > 1.5 * FP16_MAX and "layers.14" in before["over"], before["worst"]
+    alpha = residual_alpha(before)
+    scaled = scale_residual(model, alpha)
+    assert alpha == 0.25 and fp16_headroom(scaled, rows)["over"] == []
+    with torch.no_grad():
+        want = model(rows[0])
+        torch.testing.assert_close(scaled(rows[0]), want, atol=1e-4, rtol=1e-4)
+        assert torch.isnan(copy.deepcopy(model).half()(rows[0])).all()
+        half = copy.deepcopy(scaled).half()(rows[0]).float()
+    assert torch.isfinite(half).all()
+    assert torch.nn.functional.cosine_similarity(half[0], want[0], dim=-1).min() > 0.999

@@ -83,6 +83,9 @@ class ModelConfig:
     sliding_window: int | None = None  # a sliding layer's query attends keys less than this many positions back
     layer_types: list[str] | None = None  # per layer: full_attention or sliding_attention (None: all full)
     rope_local_theta: float | None = None  # the sliding layers' RoPE base (None: rope_theta)
+    # the embeddings times this, and each block's addition to the residual stream: the export's fp16 headroom fix
+    # (distillgates.export.headroom.scale_residual), which leaves the logits as they are
+    residual_scale: float = 1.0
     gradient_checkpointing: bool = False  # recompute blocks in backward (torch.utils.checkpoint)
 
     def __post_init__(self) -> None:
@@ -106,6 +109,12 @@ class ModelConfig:
                                  f"got {len(self.layer_types)}{' with ' + ', '.join(unknown) if unknown else ''}")
             if "sliding_attention" in self.layer_types and (self.sliding_window or 0) <= 0:
                 raise ValueError("layer_types has sliding_attention layers: sliding_window must be > 0")
+
+    @property
+    def residual_norm_eps(self) -> float:
+        """The epsilon of the norms that read the residual stream: ``norm_eps`` times ``residual_scale**2``, so that
+        with a power-of-two scale they compute exactly what the unscaled model's do."""
+        return self.norm_eps * self.residual_scale**2
 
     def gemma_features(self) -> list[str]:
         """The Gemma 3 fields this config sets (each off by default), in field order."""
@@ -527,6 +536,9 @@ class ExportConfig:
     # search minimising its output error on calibration rows of the training data); not with train.qat
     calibration: str = "none"
     calibration_rows: int = 32  # training rows (the first) the fp16 headroom scan and clip_search run on
+    # auto: with fp16 compute, when the scan finds the residual stream above half fp16's limit, export it scaled by a
+    # power of two (logits unchanged: distillgates.export.headroom); none: as trained
+    fp16_scaling: str = "auto"
 
     def __post_init__(self) -> None:
         if self.target not in ("coreml", "both"):
@@ -538,6 +550,8 @@ class ExportConfig:
         if self.calibration != "none" and (self.quantize != "int4" or self.layout != "standard"):
             raise ValueError(f"calibration {self.calibration!r} calibrates int4 weights of layout standard, got "
                              f"quantize {self.quantize!r}, layout {self.layout!r}")
+        if self.fp16_scaling not in ("auto", "none"):
+            raise ValueError(f"fp16_scaling must be auto/none, got {self.fp16_scaling!r}")
         if self.calibration_rows < 1:
             raise ValueError(f"calibration_rows must be >= 1, got {self.calibration_rows}")
         if self.palettize_mode not in ("uniform", "kmeans"):

@@ -96,6 +96,8 @@ def hf_config(cfg: ModelConfig, model_type: str | None = None) -> Any:
     family = _family(model_type, "model_type")
     if cfg.qk_norm != family.qk_norm or cfg.attention_bias != (family.qkv_bias == "always"):
         raise HFConversionError(f"{model_type} cannot hold qk_norm={cfg.qk_norm}, attention_bias={cfg.attention_bias}")
+    if cfg.residual_scale != 1.0:
+        raise HFConversionError(f"residual_scale {cfg.residual_scale} (the export's fp16 scaling) has no HF field")
     if model_type != "gemma3_text" and family_of(cfg) == "gemma3_text":
         raise HFConversionError(f"{model_type} cannot hold Gemma 3's features (write it as gemma3_text)")
     rope: dict[str, Any] = {"rope_type": "default", "rope_theta": cfg.rope_theta}

@@ -210,9 +210,9 @@ class FeedForward(nn.Module):
 class Block(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
-        self.attn_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
+        self.attn_norm = RMSNorm(cfg.d_model, cfg.residual_norm_eps)
         self.attn = Attention(cfg)
-        self.mlp_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
+        self.mlp_norm = RMSNorm(cfg.d_model, cfg.residual_norm_eps)
         self.mlp = FeedForward(cfg)
         # Gemma 3: the attention's and the MLP's outputs normed too, before the residual adds
         self.post_attn_norm = RMSNorm(cfg.d_model, cfg.norm_eps) if cfg.sandwich_norm else None
@@ -246,7 +246,7 @@ class Transformer(nn.Module):
         self.config = cfg
         self.embed = nn.Embedding(cfg.vocab_size, cfg.d_model)
         self.layers = cast("ModuleListOf[Block]", nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers)))
-        self.norm = RMSNorm(cfg.d_model, cfg.norm_eps)
+        self.norm = RMSNorm(cfg.d_model, cfg.residual_norm_eps)
         self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
         if cfg.tie_embeddings:
             self.lm_head.weight = self.embed.weight
@@ -268,11 +268,16 @@ class Transformer(nn.Module):
     def has_sliding_layers(self) -> bool:
         return self.config.layer_types is not None and "sliding_attention" in self.config.layer_types
 
+    @property
+    def embed_multiplier(self) -> float:
+        """What the token embeddings are multiplied by: Gemma's ``sqrt(d_model)``, times ``residual_scale``."""
+        return (self.config.d_model**0.5 if self.config.embed_scale else 1.0) * self.config.residual_scale
+
     def embed_tokens(self, idx: Tensor) -> Tensor:
-        """Token embeddings ``(B, T, d)``; Gemma's times ``sqrt(d_model)`` (a Python float: traceable by fx, and in
+        """Token embeddings ``(B, T, d)`` times :attr:`embed_multiplier` (a Python float: traceable by fx, and in
         float32 the same product as HF's scale tensor)."""
-        x = self.embed(idx)
-        return x * self.config.d_model**0.5 if self.config.embed_scale else x
+        x, multiplier = self.embed(idx), self.embed_multiplier
+        return x * multiplier if multiplier != 1.0 else x
 
     def _init_weights(self, module: nn.Module) -> None:
         if isinstance(module, (nn.Linear, nn.Embedding)):

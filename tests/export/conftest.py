@@ -99,9 +99,26 @@ GEMMA3_FEATURES = {"qk_norm": True, "head_dim": 16, "embed_scale": True, "activa
 def gemma3_model(**overrides: object) -> Transformer:
     """A tiny model with every Gemma 3 feature, its norms away from their init (so that leaving one out shows)."""
     torch.manual_seed(0)
-    model = Transformer(tiny_model_config(vocab_size=64, max_seq_len=48, **{**GEMMA3_FEATURES, **overrides})).eval()
+    model = Transformer(tiny_model_config(**{"vocab_size": 64, "max_seq_len": 48, **GEMMA3_FEATURES, **overrides}))
+    model.eval()
     with torch.no_grad():
         for name, param in model.named_parameters():
             if name.endswith("norm.weight"):
                 param.normal_(0.5, 0.3)
+    return model
+
+
+def overflowing_model(family: str, vocab_size: int = 96) -> Transformer:
+    """A model whose residual stream leaves fp16's range while its logits stay ordinary (the final norm): each
+    block's addition to the stream scaled up (Gemma 3: its post norms; Llama: o_proj and down_proj)."""
+    torch.manual_seed(0)
+    if family == "gemma3":
+        model = gemma3_model(vocab_size=vocab_size)
+    else:
+        model = Transformer(tiny_model_config(vocab_size=vocab_size, max_seq_len=48)).eval()
+    with torch.no_grad():
+        for layer in model.layers:
+            for weight in ((layer.post_attn_norm.weight, layer.post_mlp_norm.weight) if family == "gemma3" else
+                           (layer.attn.o_proj.weight, layer.mlp.down_proj.weight)):  # fmt: skip
+                weight.mul_(1e6 if family == "gemma3" else 5e6)
     return model

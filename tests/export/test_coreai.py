@@ -109,6 +109,31 @@ def test_gemma3_features_reach_the_asset(tmp_path: Path) -> None:
     assert parity["top1_agreement"] == 1.0
 
 
+def test_fp16_scaling_makes_an_overflowing_fp16_asset_finite(tmp_path: Path) -> None:
+    """A model whose residual stream leaves fp16's range: as trained (fp16_scaling none) the fp16 asset's logits are
+    NaN and the headroom scan names the layers over; with fp16_scaling auto the stream is exported scaled by a power
+    of two, the scan is clean and Core AI's fp16 runtime matches eager fp32 within the parity gate."""
+    from distillgates.export.api import export_transformer
+
+    from .conftest import overflowing_model
+
+    model = overflowing_model("gemma3", vocab_size=64)  # Llama's o_proj/down_proj scaling: test_headroom.py
+    rows = [torch.randint(0, 64, (1, n), generator=torch.Generator().manual_seed(n)) for n in (12, 30)]
+    results = {}
+    for scaling in ("none", "auto"):
+        cfg = pipeline_config(target="both", quantize="none", compute_precision="fp16", fp16_scaling=scaling).export
+        results[scaling] = export_transformer(model, cfg, LENGTHS, tmp_path / scaling, TOKENIZER_FP,
+                                              raise_on_error=False, calibration=rows)  # fmt: skip
+    before, after = (results[s].gate_inputs for s in ("none", "auto"))
+    assert before["fp16_headroom"]["over"] and before["fp16_headroom"]["residual_scale"] == 1.0
+    assert before["coreai_parity"]["non_finite"] > 0
+    assert after["fp16_headroom"]["over"] == [] and after["fp16_headroom"]["residual_scale"] < 1.0
+    assert after["fp16_headroom"]["max_peak_unscaled"] == before["fp16_headroom"]["max_peak"]
+    parity = after["coreai_parity"]
+    assert parity["non_finite"] == 0 and min(parity["cosine_by_shape"].values()) >= 0.999
+    assert min(parity["decode_cosine"]) >= 0.999 and parity["top1_agreement"] >= 0.95
+
+
 def test_a_perturbed_weight_fails_parity(tiny_ckpt: Path, tmp_path: Path) -> None:
     """The injected violation: the asset shipped from a model whose one weight moved, gated against the checkpoint."""
     from distillgates.config import ExportConfig

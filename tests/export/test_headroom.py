@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import copy
+import math
+
 import pytest
 import torch
 
@@ -9,6 +12,7 @@ from distillgates.export.headroom import FP16_MAX, activation_peaks, fp16_headro
 from distillgates.model import Transformer
 
 from ..conftest import tiny_model_config
+from .conftest import overflowing_model
 
 
 def _rows() -> list[torch.Tensor]:
@@ -41,3 +45,28 @@ def test_an_activation_pushed_past_fp16_is_named() -> None:
     assert headroom["max_peak"] > FP16_MAX and headroom["margin"] < 1.0
     with pytest.raises(ValueError, match="needs calibration rows"):
         fp16_headroom(model, [])
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma3"])
+def test_scaling_the_residual_stream_brings_it_into_fp16_with_the_same_logits(family: str) -> None:
+    """The fix (export.fp16_scaling: auto): the stream times a power of two; fp32 logits unchanged, the scan clean,
+    and an fp16 forward finite and close to fp32 where the unscaled model's is NaN."""
+    from distillgates.export.headroom import residual_alpha, scale_residual
+
+    model, rows = overflowing_model(family), _rows()
+    before = fp16_headroom(model, rows)
+    assert {"layers.0", "layers.1"} <= set(before["over"])
+    alpha = residual_alpha(before)
+    assert alpha < 1 and math.log2(alpha).is_integer()
+    scaled = scale_residual(model, alpha)
+    after = fp16_headroom(scaled, rows)
+    assert after["over"] == [] and after["max_peak"] <= FP16_MAX / 2
+    assert model.config.residual_scale == 1.0 and scaled.config.residual_scale == alpha  # the original is untouched
+    with torch.no_grad():
+        for row in rows:
+            want = model(row)
+            torch.testing.assert_close(scaled(row), want, atol=1e-4, rtol=1e-4)
+            assert not torch.isfinite(copy.deepcopy(model).half()(row)).all()
+            half = copy.deepcopy(scaled).half()(row).float()
+            assert torch.isfinite(half).all()
+            assert torch.nn.functional.cosine_similarity(half.flatten(), want.flatten(), dim=0) > 0.999

@@ -63,7 +63,7 @@ from distillgates.export.functions import (
     prefill_function,
 )
 from distillgates.export.grid import WeightGrid, input_second_moments
-from distillgates.export.headroom import fp16_headroom
+from distillgates.export.headroom import fp16_headroom, residual_alpha, scale_residual
 from distillgates.export.layout import build_layout, logits_names
 from distillgates.export.lint import ane_op_lint, run_lints
 from distillgates.export.parity import program_parity
@@ -196,6 +196,14 @@ def export_transformer(
     model = model.eval()
     seconds: dict[str, float] = {}
     fingerprint = model_fingerprint(model)  # before compression-info buffers are attached
+    scaling: dict[str, Any] = {"residual_scale": 1.0}
+    if export_cfg.fp16_scaling == "auto" and export_cfg.compute_precision == "fp16" and calibration:
+        with _timed(seconds, "headroom"):
+            before = fp16_headroom(model, calibration)
+        if (alpha := residual_alpha(before)) < 1.0:  # the same logits from a stream fp16 holds (headroom module)
+            scaling = {"residual_scale": alpha, "max_peak_unscaled": before["max_peak"],
+                       "worst_unscaled": before["worst"]}  # fmt: skip
+            model = scale_residual(model, alpha)
     input_moments = None
     exported = model
     if export_cfg.calibration != "none":
@@ -295,7 +303,7 @@ def export_transformer(
         worst = min(parity["decode_cosine"])
         errors.append(f"{package.name} decode weights ({SOURCE}) vs eager cosine below {cosine_min}: {worst:.6f}")
     with _timed(seconds, "headroom"):
-        headroom = fp16_headroom(model, calibration) if calibration else {
+        headroom = {**fp16_headroom(model, calibration), **scaling} if calibration else {
             "skipped": "no calibration rows: the pipeline's export step scans its first export.calibration_rows "
                        "training conversations"}  # fmt: skip
     result = ExportResult(out, packages, contract_path, ane_path, contract, lint, ane, coreai, headroom, parity,

@@ -150,9 +150,9 @@ class _ANEFeedForward(nn.Module):
 class _ANEBlock(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
-        self.attn_norm = ANERMSNorm(cfg.d_model, cfg.norm_eps)
+        self.attn_norm = ANERMSNorm(cfg.d_model, cfg.residual_norm_eps)
         self.attn = _ANEAttention(cfg)
-        self.mlp_norm = ANERMSNorm(cfg.d_model, cfg.norm_eps)
+        self.mlp_norm = ANERMSNorm(cfg.d_model, cfg.residual_norm_eps)
         self.mlp = _ANEFeedForward(cfg)
 
 
@@ -190,7 +190,7 @@ class ANETransformer(nn.Module):
         self.config = cfg
         self.embed = nn.Embedding(cfg.vocab_size, cfg.d_model)
         self.layers = cast("ModuleListOf[_ANEBlock]", nn.ModuleList(_ANEBlock(cfg) for _ in range(cfg.n_layers)))
-        self.norm = ANERMSNorm(cfg.d_model, cfg.norm_eps)
+        self.norm = ANERMSNorm(cfg.d_model, cfg.residual_norm_eps)
         chunks = [_conv(cfg.d_model, w) for w in head_widths(cfg.vocab_size)]
         self.lm_head: nn.Conv2d | nn.ModuleList = chunks[0] if len(chunks) == 1 else nn.ModuleList(chunks)
         cos, sin = rope_tables(cfg)

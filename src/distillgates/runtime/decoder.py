@@ -236,6 +236,9 @@ class FusedDecoder:
 
     def __init__(self, model: Transformer, fold_rotation: bool | None = None, matmuls: Matmuls | None = None) -> None:
         caches = [layer.attn.kv_cache for layer in model.layers]
+        if model.config.residual_scale != 1.0:
+            raise ValueError("FusedDecoder: residual_scale (the export's fp16 scaling) is not for the engine; decode "
+                             "the unscaled model")  # fmt: skip
         if any(cache is None for cache in caches):
             raise ValueError("FusedDecoder needs the model's KV cache: call model.setup_caches(batch) first")
         self.model = model
@@ -431,8 +434,8 @@ class FusedDecoder:
         masks = [None if last_layer == 0 else self._mask(input_pos, contiguous, kv_len, False, sliding)
                  for sliding in (False, True)[: len(tables)]]  # fmt: skip
         x = F.embedding(idx.reshape(-1), model.embed.weight)  # (B*T, d): 2-D rows for torch.mm
-        if cfg.embed_scale:  # Gemma (as Transformer.embed_tokens)
-            x = x * cfg.d_model**0.5
+        if (multiplier := model.embed_multiplier) != 1.0:  # Gemma, fp16 headroom (as Transformer.embed_tokens)
+            x = x * multiplier
         cast = self.caches[0][0].dtype != x.dtype
         feats = self.features
         if compiled and B * T == 1 and self.caches[0][0].shape[0] == 1:  # one row over a one-row cache
