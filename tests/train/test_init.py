@@ -174,3 +174,17 @@ def test_init_from_must_name_a_checkpoint_dir() -> None:
     assert TrainConfig(init_from="hf:models/smollm").pretrained == Path("models/smollm")
     with pytest.raises(ValueError, match="scratch, teacher, hf:<checkpoint dir> or gguf:<file>, got 'hf:'"):
         TrainConfig(init_from="hf:")
+
+
+def test_pruning_refuses_to_drop_a_teachers_sliding_layers_into_a_model_without_them() -> None:
+    """A Gemma 3 teacher's sliding layers kept as full-attention layers would compute another model: refused, naming
+    the kept layers' types."""
+    sliding = {"sliding_window": 3, "rope_local_theta": 100.0}
+    teacher = Transformer(tiny_model_config(n_layers=3, layer_types=["sliding_attention", "full_attention",
+                                                                     "sliding_attention"], **sliding))  # fmt: skip
+    student = Transformer(tiny_model_config(n_layers=2, **sliding))
+    with pytest.raises(ValueError, match=r"kept layers \[0, 1\] are \['sliding_attention', 'full_attention'\]"):
+        init_from_teacher(student, teacher, [0, 1])
+    matching = Transformer(tiny_model_config(n_layers=2, layer_types=["sliding_attention", "full_attention"],
+                                             **sliding))  # fmt: skip
+    init_from_teacher(matching, teacher, [0, 1])

@@ -85,6 +85,11 @@ def init_from_teacher(student: Transformer, teacher: Transformer, layers: Sequen
         raise ValueError(
             f"init layers {list(layers)} must be {s_cfg.n_layers} indices of the teacher's {t_cfg.n_layers}"
         )
+    kept = [t_cfg.layer_types[i] for i in layers] if t_cfg.layer_types else None
+    if (s_cfg.layer_types or None) != (kept if kept and "sliding_attention" in kept else None):
+        raise ValueError(f"train.init_from 'teacher': the kept layers {list(layers)} are {kept or 'all full'}, "
+                         f"the student's layer_types {s_cfg.layer_types or 'all full'}: they must be the same (taking "
+                         "them from the layers the ranking keeps is not built yet, issue #42)")  # fmt: skip
     t_state = teacher.state_dict()
     state = {}
     for name in student.state_dict():
