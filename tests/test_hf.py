@@ -72,10 +72,13 @@ def test_conversion_keeps_the_families_features(pair: tuple[Any, Transformer]) -
 
 @torch.no_grad()
 def test_padded_forward_matches_hf(pair: tuple[Any, Transformer]) -> None:
-    hf, model = pair
+    padded_forward_against_hf(*pair, atol=2e-5)
+
+
+def padded_forward_against_hf(hf: Any, model: Transformer, atol: float) -> None:
     ids, mask = padded_batch()
     real = mask.bool()
-    assert_close(model(ids, attention_mask=real)[real], hf(ids, attention_mask=mask).logits[real], atol=2e-5)
+    assert_close(model(ids, attention_mask=real)[real], hf(ids, attention_mask=mask).logits[real], atol=atol)
 
 
 ENGINES = ["model", "fused", "fused-packed", "fused-compiled"]
@@ -316,10 +319,7 @@ def test_gemma3_conversion_keeps_its_features(gemma_pair: tuple[Any, Transformer
 
 @torch.no_grad()
 def test_gemma3_padded_forward_matches_hf(gemma_pair: tuple[Any, Transformer]) -> None:
-    hf, model = gemma_pair
-    ids, mask = padded_batch()
-    real = mask.bool()
-    assert_close(model(ids, attention_mask=real)[real], hf(ids, attention_mask=mask).logits[real], atol=1e-4)
+    padded_forward_against_hf(*gemma_pair, atol=1e-4)
 
 
 @torch.no_grad()
