@@ -171,6 +171,29 @@ def test_length_loss_exempt_when_coverage_met_or_within_hinge() -> None:
     assert float(long_teacher) == 0.0
 
 
+def test_length_loss_slope_and_cap() -> None:
+    """The penalty is ``slope`` times the hinged excess; a row over ``cap`` adds the cap and no gradient."""
+    ids = torch.tensor([[3, 20, 8, 5, 21, 22, 23, 24, 25, 8]] * 2)
+    logits = torch.zeros(2, ids.shape[1], V, requires_grad=True)
+    mask, start = losses.turn_masks(ids, ASSISTANT, END)
+    stop = losses.stop_probability(logits.log_softmax(-1), [END])
+    needs = torch.tensor([True, True])
+
+    def loss(teacher_len: list[float], **kw: float) -> torch.Tensor:
+        return losses.length_loss(stop, mask, start, torch.tensor(teacher_len), needs, hinge=0.15, max_new_tokens=32,
+                                  **kw)[0]
+
+    plain = loss([3.0, 14.0])
+    assert float(loss([3.0, 14.0], slope=2.5)) == pytest.approx(2.5 * float(plain))
+    # row 0 (target 3) is far over a cap of 0.5, row 1 (target 14) under it: row 0 adds 0.5 and no gradient
+    capped, row1 = loss([3.0, 14.0], cap=0.5), loss([1e9, 14.0])
+    assert 0 < float(row1) * 2 < 0.5 and float(capped) == pytest.approx(0.25 + float(row1))
+    (g_capped,) = torch.autograd.grad(capped, logits, retain_graph=True)
+    (g_row1,) = torch.autograd.grad(row1, logits, retain_graph=True)
+    assert g_capped[0].abs().sum() == 0 and g_capped[1].abs().sum() > 0
+    torch.testing.assert_close(g_capped, g_row1)
+
+
 def test_length_loss_grad_mask_keeps_stops_before_evidence_untouched() -> None:
     ids = torch.tensor([[3, 20, 8, 5, 21, 22, 23, 24, 25, 8]])
     logits = torch.zeros(1, ids.shape[1], V, requires_grad=True)

@@ -409,6 +409,8 @@ class KDLossConfig:
 class LengthLossConfig:
     weight: float = 0.0
     hinge: float = 0.15  # relative excess length tolerated before the penalty starts
+    slope: float = 1.0  # penalty per unit of relative excess beyond the hinge
+    cap: float | None = None  # a row's penalty at most this (then no gradient from it); None: uncapped
     max_new_tokens: int = 64  # generation budget per turn: the tail of a student that never stops
     exempt_when_covered: bool = True  # no penalty for rows whose student prediction covers args/evidence
     # "teacher": target = the teacher's length (spec default); "evidence": target = the reference up to its last
@@ -425,6 +427,10 @@ class LengthLossConfig:
             raise ValueError(f"target must be teacher/evidence, got {self.target!r}")
         if self.max_new_tokens <= 0:
             raise ValueError(f"max_new_tokens must be > 0, got {self.max_new_tokens}")
+        if self.slope <= 0:
+            raise ValueError(f"slope must be > 0, got {self.slope}")
+        if self.cap is not None and self.cap <= 0:
+            raise ValueError(f"cap must be > 0 (or null: uncapped), got {self.cap}")
 
 
 @dataclass

@@ -28,8 +28,9 @@ Design choices:
   model the expected number of emitted tokens is ``E[len] = sum_t S_t + S_end * tail`` with
   survival ``S_t = prod_{j<t} (1 - h_j)``; ``tail`` is the budget the student would ramble on
   for when it does not stop where the sequence ends (``max_new_tokens - turn length``). The
-  penalty ``relu((E[len] - L_teacher) / L_teacher - hinge)`` therefore has a gradient that
-  *raises stop probabilities*, i.e. shortens outputs. It is completeness-aware: it applies
+  penalty ``slope * relu((E[len] - L_teacher) / L_teacher - hinge)`` (capped per row at ``cap`` where one is
+  set) therefore has a gradient that *raises stop probabilities*, i.e. shortens outputs. A capped row adds
+  ``cap`` and no gradient. It is completeness-aware: it applies
   only to rows whose student prediction omits required tool arguments/evidence (see
   :func:`coverage_met`, which reuses the scorer's ``match_call`` and the shared validator);
   rows whose coverage is met are exempt.
@@ -328,6 +329,8 @@ def length_loss(
     hinge: float = 0.15,
     max_new_tokens: int = 64,
     grad_mask: Tensor | None = None,
+    slope: float = 1.0,
+    cap: float | None = None,
 ) -> tuple[Tensor, Tensor]:
     """Hinged, completeness-aware length penalty (module docstring).
 
@@ -338,6 +341,9 @@ def length_loss(
         needs_penalty: ``(B,)`` bool: the student's prediction omits required tool
             args/evidence (coverage not met). Rows with coverage met are exempt.
         hinge: relative excess length tolerated before the penalty starts.
+        slope: penalty per unit of relative excess beyond the hinge.
+        cap: a row's penalty at most this: a row far over its target (a rambling student early in training)
+            adds ``cap`` and no gradient, so it cannot dominate the batch; ``None``: uncapped.
         max_new_tokens: generation budget per turn (defines the tail of a student that never stops).
         grad_mask: ``(B, T)`` bool, positions whose stop probability may receive gradient (e.g.
             only after the last required evidence, so the loss never teaches stopping before it);
@@ -354,7 +360,10 @@ def length_loss(
     exp_len = expected_length(stop_prob, turn_mask, turn_start, tail)  # (B,)
     rel_excess = (exp_len - teacher_len) / teacher_len.clamp_min(1.0)  # (B,)
     active = needs_penalty & (teacher_len > 0)
-    return masked_mean(F.relu(rel_excess - hinge), active), exp_len.detach()
+    penalty = slope * F.relu(rel_excess - hinge)  # (B,)
+    if cap is not None:
+        penalty = penalty.clamp_max(cap)
+    return masked_mean(penalty, active), exp_len.detach()
 
 
 def turn_masks(input_ids: Tensor, assistant_header: int | Sequence[int], end_id: int) -> tuple[Tensor, Tensor]:

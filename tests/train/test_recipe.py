@@ -141,6 +141,29 @@ def test_length_loss_shortens_expected_length(
     assert lengths[2.0] < max_ratio * lengths[0.0], lengths
 
 
+def test_length_slope_scales_and_cap_bounds_the_penalty(artifacts: dict[str, Any], tmp_path: Path) -> None:
+    """``train.length.slope`` multiplies the penalty, ``cap`` bounds each row's: through the recipe's loss on one
+    batch of an untrained student (which rambles: every row far over its target), a capped penalty equals the cap
+    and adds no gradient (the step's gradient is the one without the length term)."""
+    torch.set_num_threads(1)
+    results = {}
+    arms = {"off": {"weight": 0.0}, "slope1": {}, "slope3": {"slope": 3.0}, "capped": {"slope": 3.0, "cap": 1e-3}}
+    for name, length in arms.items():
+        torch.manual_seed(0)
+        recipe = _recipe(artifacts, tmp_path / name, steps=4,
+                         length={"weight": 1.0, "hinge": 0.0, "exempt_when_covered": False} | length)
+        recipe.setup()
+        batch = recipe._micro_batches(0)[0]
+        total, parts = recipe.compute_loss(batch, epoch=1.0)
+        total.backward()
+        results[name] = (parts, recipe.model.layers[0].attn.q_proj.weight.grad.clone())
+    assert results["slope1"][0]["length"] > 0.5  # rambling: the penalty is far over the cap
+    assert results["slope3"][0]["length"] == pytest.approx(3 * results["slope1"][0]["length"], rel=1e-5)
+    assert results["capped"][0]["length"] == pytest.approx(1e-3, rel=1e-5)
+    assert not torch.allclose(results["slope1"][1], results["off"][1])
+    torch.testing.assert_close(results["capped"][1], results["off"][1])
+
+
 def test_qat_writes_probe_and_int8_grid_weights(artifacts: dict[str, Any], tmp_path: Path) -> None:
     torch.set_num_threads(1)
     cfg = artifacts["make_config"](len(artifacts["tokenizer"]), steps=6, qat={"enabled": True, "start_fraction": 0.5,

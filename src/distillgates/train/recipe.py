@@ -440,6 +440,8 @@ class Recipe:
                 needs.to(dev),
                 hinge=cfg.length.hinge,
                 max_new_tokens=cfg.length.max_new_tokens,
+                slope=cfg.length.slope,
+                cap=cfg.length.cap,
                 grad_mask=None if grad_mask is None else grad_mask.to(dev),
             )
         early_w = losses.ramp(cfg.early_tool.weight, epoch, cfg.early_tool.ramp_epochs)
