@@ -214,21 +214,17 @@ def test_detect_hardware_on_this_machine():
 
 
 def test_hardware_header_keys():
-    header = hardware_header(export_path="runs/x/export/decode.mlpackage")
-    assert set(header) == {
-        "soc",
-        "os",
-        "ram_gb",
-        "cores",
-        "torch_version",
-        "coremltools_version",
-        "export_path",
-        "hardware_profile_key",
-    }
-    assert header["export_path"] == "runs/x/export/decode.mlpackage"
+    header = hardware_header("coreml", "runs/x/export")
+    assert set(header) == {"soc", "chip_family", "os", "ram_gb", "cores", "torch_version", "coremltools_version",
+                           "export_path", "export_dir", "hardware_profile_key"}
+    assert header["export_path"] == "pytorch_exportedprogram_coreml" and header["export_dir"] == "runs/x/export"
+    assert header["chip_family"] == detect_hardware().chip_family
+    assert hardware_header("torch")["export_path"] == "pytorch_eager" and hardware_header()["export_path"] is None
     assert header["hardware_profile_key"] == profile_key(detect_hardware())
     assert header["torch_version"].startswith("2.")
     assert hardware_header(profile_key="m1-max-64g")["hardware_profile_key"] == "m1-max-64g"
+    with pytest.raises(ValueError, match="engine must be one of"):
+        hardware_header("onnx")
 
 
 def test_default_profiles_path_is_shipped():

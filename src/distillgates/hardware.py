@@ -309,22 +309,33 @@ def _version(dist: str) -> str | None:
         return None
 
 
-def hardware_header(export_path: str | Path | None = None, profile_key: str | None = None) -> dict[str, Any]:
+# how the timed figures were produced, by ``speed.engine`` (the planning documents' ``export_path`` label)
+EXPORT_PATHS = {"torch": "pytorch_eager", "coreml": "pytorch_exportedprogram_coreml"}
+
+
+def hardware_header(engine: str | None = None, export_dir: str | Path | None = None,
+                    profile_key: str | None = None) -> dict[str, Any]:  # fmt: skip
     """The ``hardware`` header of speed/eval reports (contract.md, report.json).
 
+    ``engine`` (``speed.engine``: ``torch`` or ``coreml``) gives the ``export_path`` label of what was timed
+    (None: nothing timed); ``export_dir`` the exported package's folder where the timed model is one.
     ``profile_key`` defaults to this machine's (matched or generated) key.
     """
+    if engine is not None and engine not in EXPORT_PATHS:
+        raise ValueError(f"engine must be one of {sorted(EXPORT_PATHS)}, got {engine!r}")
     hw = detect_hardware()
     if profile_key is None:
         profile_key = _profile_key_of(hw)
     return {
         "soc": hw.soc,
+        "chip_family": hw.chip_family,
         "os": hw.os,
         "ram_gb": hw.ram_gb,
         "cores": hw.cores,
         "torch_version": _version("torch"),
         "coremltools_version": _version("coremltools"),
-        "export_path": None if export_path is None else str(export_path),
+        "export_path": None if engine is None else EXPORT_PATHS[engine],
+        "export_dir": None if export_dir is None else str(export_dir),
         "hardware_profile_key": profile_key,
     }
 

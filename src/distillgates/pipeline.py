@@ -563,7 +563,7 @@ def step_speed(cfg: Config, run: RunDir) -> dict[str, Any]:
     fmt = chat_format(tokenizer)
     prompts = [fmt.prompt(item) for item in run.items("eval")]
     stop_ids = tuple(fmt.stop_ids)
-    hardware = hardware_header(export_path=str(run.export_dir) if backend == "coreml" else None)
+    hardware = hardware_header(backend, run.export_dir if backend == "coreml" else None)
     speed = report_speed(run, dataclasses.asdict(cfg.speed), run.export_dir if backend == "coreml" else None)
     torch_engine = TorchEngine(run.load_model())
     ids = [tokenizer.encode(p, add_special_tokens=False) for p in prompts[: cfg.speed.n_prompts]]
@@ -679,7 +679,6 @@ def step_coreai_eval(cfg: Config, run: RunDir) -> dict[str, Any]:
 
 def step_report(cfg: Config, run: RunDir) -> dict[str, Any]:
     from distillgates.eval.report import build_report, write_report
-    from distillgates.hardware import hardware_header
 
     quality = run.read_json(run.quality)
     speed_report = run.read_json(run.speed_report)
@@ -702,7 +701,7 @@ def step_report(cfg: Config, run: RunDir) -> dict[str, Any]:
         quality=quality,
         speed=speed_report["speed"],
         gate_inputs=gate_inputs,
-        hardware=hardware_header(export_path=str(run.export_dir)),
+        hardware=speed_report["hardware"],  # the machine and engine that timed the speed figures
         config_sha256=cfg.fingerprint(),
         config=to_dict(cfg),
     )

@@ -82,12 +82,12 @@ def test_ane_figures_are_labelled_by_source(report: dict[str, Any], tmp_path: Pa
         "source": "MLComputePlan",
         "functions": {
             "prefill_192": {"residency": 0.62, "by_op_type": {}},
-            "decode": {"residency": 0.71, "by_op_type": {}},
+            "decode": {"residency": 0.71, "gpu_share": 0.25, "cpu_share": 0.04, "by_op_type": {}},
         },
     }
     loaded = read_report(write_report(tmp_path / "plan.json", report))
     assert "| ANE residency, prefill_192 [MLComputePlan] | 0.6200 |" in report_markdown(loaded)
-    assert "| ANE residency, decode [MLComputePlan] | 0.7100 |" in report_markdown(loaded)
+    assert "| ANE residency, decode [MLComputePlan] | 0.7100 (gpu 0.2500, cpu 0.0400) |" in report_markdown(loaded)
     console = Console(width=200, record=True)
     console.print(render_report(loaded))
     table = console.export_text()

@@ -488,6 +488,8 @@ def test_mlcomputeplan_residency(standard_export) -> None:
     report = ane_residency(standard_export.packages["model"], ["prefill_16", "decode"])
     assert report["source"] == "MLComputePlan" and sorted(report["functions"]) == ["decode", "prefill_16"]
     assert all(0.0 <= f["residency"] <= 1.0 and "linear" in f["by_op_type"] for f in report["functions"].values())
+    # an op's cost counts for the device it prefers (none where the plan gives no usage): the shares add up to <= 1
+    assert all(f["residency"] + f["gpu_share"] + f["cpu_share"] <= 1.0 + 1e-6 for f in report["functions"].values())
     recorded = standard_export.gate_inputs["ane_residency"]  # recorded by the export, per function
     assert recorded["source"] == "MLComputePlan"
     assert sorted(recorded["functions"]) == ["decode", "prefill_16", "prefill_32"]

@@ -209,7 +209,9 @@ def _ane_rows(report: dict[str, Any]) -> list[list[str]]:
                      f"{len(lint['ineligible_ops'])} ineligible ops, {len(lint['over_limits'])} over limits"])
     plan = inputs.get("ane_residency") or {}  # per function of the package (prefill_<L>, decode)
     for function, measured in plan.get("functions", {}).items():
-        rows.append([f"ANE residency, {function} [{plan['source']}]", _fmt(measured["residency"])])
+        shares = ", ".join(f"{d} {_fmt(measured[f'{d}_share'])}" for d in ("gpu", "cpu") if f"{d}_share" in measured)
+        rows.append([f"ANE residency, {function} [{plan['source']}]",
+                     _fmt(measured["residency"]) + (f" ({shares})" if shares else "")])
     return rows
 
 

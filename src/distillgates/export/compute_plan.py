@@ -27,8 +27,9 @@ def ane_residency(package: str | Path, functions: list[str], compute_units: str 
     """``gate_inputs.ane_residency`` measured by ``MLComputePlan`` for ``functions`` of a saved ``.mlpackage``.
 
     Returns ``source``, ``compute_units`` and ``functions``: per function, ``residency`` (share of
-    the plan's estimated cost preferring the ANE) and ``by_op_type`` (per op type: whether every op
-    prefers the ANE, the plan's relative cost, and the part of it on the ANE).
+    the plan's estimated cost preferring the ANE), ``gpu_share`` and ``cpu_share`` (the same for the GPU and
+    the CPU) and ``by_op_type`` (per op type: whether every op prefers the ANE, the plan's relative cost, and
+    the part of it on the ANE).
 
     Raises:
         RuntimeError: off macOS (Core ML is not available).
@@ -58,21 +59,27 @@ def ane_residency(package: str | Path, functions: list[str], compute_units: str 
 
 
 def _function_residency(plan: Any, function: Any) -> dict[str, Any]:
-    from coremltools.models.compute_device import MLNeuralEngineComputeDevice
+    from coremltools.models.compute_device import MLCPUComputeDevice, MLGPUComputeDevice, MLNeuralEngineComputeDevice
 
+    devices = {"ane": MLNeuralEngineComputeDevice, "gpu": MLGPUComputeDevice, "cpu": MLCPUComputeDevice}
     by_op: dict[str, dict[str, Any]] = {}
-    ane_cost = total_cost = 0.0
+    costs = dict.fromkeys(devices, 0.0)
+    total_cost = 0.0
     for op in function.block.operations:
         if op.operator_name == "const":
             continue
         usage = plan.get_compute_device_usage_for_mlprogram_operation(op)
         cost = plan.get_estimated_cost_for_mlprogram_operation(op)
         weight = cost.weight if cost is not None else 0.0
-        on_ane = usage is not None and isinstance(usage.preferred_compute_device, MLNeuralEngineComputeDevice)
+        preferred = None if usage is None else usage.preferred_compute_device
+        device = next((name for name, kind in devices.items() if isinstance(preferred, kind)), None)
         entry = by_op.setdefault(op.operator_name, {"on_ane": True, "cost": 0.0, "ane_cost": 0.0})
-        entry["on_ane"] = entry["on_ane"] and on_ane
+        entry["on_ane"] = entry["on_ane"] and device == "ane"
         entry["cost"] += weight
-        entry["ane_cost"] += weight if on_ane else 0.0
+        entry["ane_cost"] += weight if device == "ane" else 0.0
         total_cost += weight
-        ane_cost += weight if on_ane else 0.0
-    return {"residency": ane_cost / total_cost if total_cost else 0.0, "by_op_type": dict(sorted(by_op.items()))}
+        if device is not None:
+            costs[device] += weight
+    shares = {name: cost / total_cost if total_cost else 0.0 for name, cost in costs.items()}
+    return {"residency": shares["ane"], "gpu_share": shares["gpu"], "cpu_share": shares["cpu"],
+            "by_op_type": dict(sorted(by_op.items()))}
