@@ -47,6 +47,8 @@ GATE_MARKERS = {
                      "function: per enumerated length, over decode steps, top-1 agreement",
     "speed": "speed gate: TTFT p50/p95 and TPS p50/p5 vs the blessed reference of the profile, interleaved A/B "
              "(runs only with -m speed)",
+    "speed_targets": "speed-target gate: the hardware profile's absolute TTFT/TPS bands (whole prompt, per shape) "
+                     "and peak memory; no memory pressure (peak RSS share of RAM)",
     "prompt_cache": "prompt-cache gate: TTFT reduction with a cached prefix, hit rate",
     "speculative": "speculative-decoding gate: identical output, speedup, acceptance",
 }

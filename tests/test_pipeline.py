@@ -50,7 +50,7 @@ def tiny_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
 
 @pytest.mark.integration  # builds the tiny end-to-end run (~25 s)
 def test_every_step_runs_and_the_report_validates(tiny_run: tuple[Path, Path]) -> None:
-    _, run_dir = tiny_run
+    config, run_dir = tiny_run
     manifest = json.loads((run_dir / "manifest.json").read_text())
     assert [s.name for s in STEPS if s.name in manifest] == [s.name for s in STEPS]
     report = read_report(run_dir / "reports" / "report.json")  # schema-validated, no null fingerprint
@@ -75,6 +75,9 @@ def test_every_step_runs_and_the_report_validates(tiny_run: tuple[Path, Path]) -
         assert coreai_eval == report["gate_inputs"]["coreai_parity"] == {"skipped": unavailable()}
     # timed in speed worker processes as the gates time (one thread, compilation in the warm-up), not in this one
     assert "speed worker process" in report["speed"]["measured_in"] and report["speed"]["threads"] == 1
+    lengths = yaml.safe_load(config.read_text())["shapes"]["lengths"]
+    assert list(report["speed"]["per_shape"]) == [str(n) for n in lengths]  # every enumerated shape timed
+    assert report["hardware"]["export_path"] == "pytorch_eager" and report["hardware"]["export_dir"] is None
     speculative = report["gate_inputs"]["speculative"]
     assert [len(p) for p in speculative["tps_plain"]] == [len(p) for p in speculative["tps_speculative"]] == [8] * 3
     low, high = speculative["speedup_ci"]

@@ -16,6 +16,7 @@ from distillgates.speed import (
     first_valid_call,
     kv_bytes,
     measure_prompt_cache,
+    measure_shapes,
     measure_speculative,
     measure_speed,
     percentiles,
@@ -135,6 +136,41 @@ def test_measure_speed_report_validates(tokenizer, model):
     broken["speed"]["backend"] = "mlx"
     with pytest.raises(jsonschema.ValidationError):
         validate_report(broken)
+
+
+class RecordingEngine(TorchEngine):
+    """The real engine, recording each generation's prompt length and tokens emitted."""
+
+    def __init__(self, model: Transformer) -> None:
+        super().__init__(model)
+        self.generations: list[list[int]] = []
+
+    def generate(self, prompt_ids, **kwargs):
+        self.generations.append([len(prompt_ids), 0])
+        for token in super().generate(prompt_ids, **kwargs):
+            self.generations[-1][1] += 1
+            yield token
+
+
+def test_per_shape_speed_takes_each_enumerated_shape(tokenizer, model):
+    """Each shape's prompt falls in that shape's bucket (above the shape below), decodes its tokens without
+    stopping, and is timed ``repeats`` times after one untimed run; the report validates with it."""
+    torch.set_num_threads(1)
+    engine = RecordingEngine(model)
+    end_id = tokenizer.convert_tokens_to_ids(END)
+    cfg = SpeedConfig(n_prompts=1, warmup=1, repeats=2, max_new_tokens=6)
+    speed = measure_speed(engine, tokenizer, [system_prompt("en") + "question"], cfg, model_config=model.config,
+                          stop_ids=[end_id], shapes=[64, 66, 512])  # fmt: skip
+    per_shape = speed["per_shape"]
+    assert list(per_shape) == ["64", "66", "512"]
+    assert [per_shape[k]["prompt_tokens"] for k in per_shape] == [58, 65, 506]  # 65: above the 64 shape
+    for key, figures in per_shape.items():
+        assert figures["new_tokens"] == 6 and len(figures["ttft_ms"]["samples"]) == len(figures["tps"]["samples"]) == 2
+        assert engine.generations.count([figures["prompt_tokens"], 6]) == 3, key  # warm-up + 2, never stopped early
+    validate_report(speed_report(HARDWARE, speed))
+    # the largest shape in a cache that holds it but not one token more: refused, naming the shape
+    with pytest.raises(ValueError, match="shape 512: a 511-token prompt leaves no room in the 511-token cache"):
+        measure_shapes(engine, [1, 2, 3], [512], max_seq_len=511, max_new_tokens=1, repeats=1)
 
 
 def test_prompt_cache_and_speculative_gate_inputs(tokenizer, model):

@@ -709,6 +709,7 @@ class GatesConfig:
     prompt_cache_hit_rate_min: float = 0.95
     speculative_speedup_min: float = 1.0
     speculative_acceptance_min: float = 0.3
+    peak_memory_fraction_max: float = 0.75  # speed_targets: the speed worker's peak resident memory / the machine's RAM
     significance_alpha: float = 0.05  # drift gates: one-sided test level; speed: the session's false-alarm bound
     # gate checks (by name, e.g. privacy_ok_rate) that may be "not measured" (an empty slice) or "underpowered"
     # (a drift gate that cannot detect 3x its tolerance) under CI: waived, they skip with the reason instead of failing

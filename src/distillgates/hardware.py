@@ -63,6 +63,49 @@ class GatingPolicy:
 
 
 @dataclass
+class ShapeTarget:
+    """Absolute speed at one enumerated prefill length (the speed report's ``per_shape``)."""
+
+    length: int  # the enumerated shape, e.g. 4096
+    ttft_ms_p50_max: float | None = None
+    tps_p50_min: float | None = None
+
+    def __post_init__(self) -> None:
+        if self.length < 1:
+            raise ValueError(f"length must be >= 1, got {self.length}")
+        _positive(ttft_ms_p50_max=self.ttft_ms_p50_max, tps_p50_min=self.tps_p50_min)
+
+
+@dataclass
+class SpeedTargets:
+    """Absolute speed bands a student must meet on this profile, besides not regressing vs its baseline: a student
+    that was already slow when blessed fails them. They belong to a model size and precision (the planning
+    documents': the ~9B INT8 worker on an M1 Max 64 GB, TTFT p50 300-500 ms, TPS p50 25-35): a project sets its
+    own in its hardware profiles. TTFT is bounded above and TPS below (faster never fails)."""
+
+    ttft_ms_p50_max: float | None = None
+    ttft_ms_p95_max: float | None = None
+    tps_p50_min: float | None = None
+    tps_p5_min: float | None = None  # the slow tail: the 5th percentile of the TPS samples
+    peak_memory_gb_max: float | None = None  # the speed worker's peak resident memory
+    shapes: list[ShapeTarget] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        _positive(ttft_ms_p50_max=self.ttft_ms_p50_max, ttft_ms_p95_max=self.ttft_ms_p95_max,
+                  tps_p50_min=self.tps_p50_min, tps_p5_min=self.tps_p5_min,
+                  peak_memory_gb_max=self.peak_memory_gb_max)  # fmt: skip
+        lengths = [s.length for s in self.shapes]
+        if len(set(lengths)) != len(lengths):
+            raise ValueError(f"shapes: each length once, got {lengths}")
+
+
+def _positive(**values: float | None) -> None:
+    for name, value in values.items():
+        if value is not None and not value > 0:
+            raise ValueError(f"{name} must be > 0 (or absent), got {value}")
+
+
+@dataclass
 class HardwareProfile:
     """One Apple-silicon tier: how to recognise it and how to gate speed on it."""
 
@@ -70,6 +113,7 @@ class HardwareProfile:
     soc_regex: str  # matched (re.search) against the SoC brand string, e.g. "^Apple M1 Max$"
     min_ram_gb: float  # the machine needs at least this much RAM
     gating: GatingPolicy = field(default_factory=GatingPolicy)  # read by the speed gates (pytest_distillgates.fixtures)
+    speed_targets: SpeedTargets | None = None  # absolute bands (the speed_targets gates); None: relative gates only
     description: str = ""
 
     def __post_init__(self) -> None:

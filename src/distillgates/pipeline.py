@@ -564,7 +564,8 @@ def step_speed(cfg: Config, run: RunDir) -> dict[str, Any]:
     prompts = [fmt.prompt(item) for item in run.items("eval")]
     stop_ids = tuple(fmt.stop_ids)
     hardware = hardware_header(backend, run.export_dir if backend == "coreml" else None)
-    speed = report_speed(run, dataclasses.asdict(cfg.speed), run.export_dir if backend == "coreml" else None)
+    speed = report_speed(run, dataclasses.asdict(cfg.speed), run.export_dir if backend == "coreml" else None,
+                         cfg.shapes.lengths)
     torch_engine = TorchEngine(run.load_model())
     ids = [tokenizer.encode(p, add_special_tokens=False) for p in prompts[: cfg.speed.n_prompts]]
     # milliseconds a sample: 10+ rounds steady the medians the gate compares

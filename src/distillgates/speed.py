@@ -12,6 +12,8 @@ Definitions (DESIGN.md "Speed metrics"), per prompt at batch 1 after warm-up:
 - Percentiles p50/p90/p95 over prompts x repeats; the raw samples are kept for the gates'
   significance tests. ``warmup`` generations run first, untimed: the first decode of a process
   compiles (the fused decoder's one-row step for models over 16 MiB: a minute or more at SmolLM2-135M on 2 cores).
+- ``per_shape``: TTFT and TPS per enumerated prefill shape, with a prompt that takes that shape
+  (:func:`measure_shapes`), decoded without stopping.
 - ``peak_memory_bytes``: the measuring process's peak resident set size, ``resource.getrusage(
   RUSAGE_SELF).ru_maxrss`` (KiB on Linux, bytes on macOS), model and framework included. The
   pipeline measures in a speed worker process of its own (:func:`distillgates.gates.speed_ab.report_speed`),
@@ -106,6 +108,38 @@ def _one_run(
     return sample
 
 
+def measure_shapes(
+    engine: EngineBase, prompt_ids: Sequence[int], lengths: Sequence[int], *, max_seq_len: int, max_new_tokens: int,
+    repeats: int,
+) -> dict[str, dict[str, Any]]:
+    """Speed per enumerated prefill shape: for each length ``L`` (ascending), a prompt that takes shape ``L`` (the
+    prompt's tokens tiled to ``max(L_prev + 1, L - max_new_tokens)`` tokens, ``L_prev`` the shape below), then
+    ``max_new_tokens`` greedy tokens (fewer where the cache ends) without stopping. One untimed run per shape,
+    then ``repeats`` timed ones. ``ttft_ms`` is prefill + the first token (ids given: no tokenizer time)."""
+    if not prompt_ids:
+        raise ValueError("measure_shapes needs a non-empty prompt")
+    out: dict[str, dict[str, Any]] = {}
+    previous = 0
+    for length in lengths:
+        n = max(previous + 1, length - max_new_tokens)
+        new = min(max_new_tokens, max_seq_len - n)
+        if new < 1:
+            raise ValueError(f"shape {length}: a {n}-token prompt leaves no room in the {max_seq_len}-token cache")
+        ids = (list(prompt_ids) * (n // len(prompt_ids) + 1))[:n]
+        runs = []
+        for i in range(repeats + 1):
+            start = time.perf_counter()
+            stamps = [time.perf_counter() for _ in engine.generate(ids, max_new_tokens=new)]
+            if i:  # the first run is the warm-up
+                runs.append({"ttft_ms": (stamps[0] - start) * 1e3,
+                             "tps": (len(stamps) - 1) / (stamps[-1] - stamps[0]) if len(stamps) > 1 else None})
+        out[str(length)] = {"prompt_tokens": n, "new_tokens": new,
+                            "ttft_ms": percentiles([r["ttft_ms"] for r in runs]),
+                            "tps": percentiles([r["tps"] for r in runs if r["tps"] is not None])}  # fmt: skip
+        previous = length
+    return out
+
+
 def measure_speed(
     engine: EngineBase | SpeculativeDecoder,
     tokenizer: Any,
@@ -119,8 +153,10 @@ def measure_speed(
     stop_ids: Sequence[int] = (),
     kv_bytes_per_elem: int | None = None,
     tools: Sequence[Sequence[Mapping[str, Any]]] | None = None,
+    shapes: Sequence[int] = (),
 ) -> dict[str, Any]:
-    """The SPEED section (contract.md): warm-up, then every prompt x ``cfg.repeats`` at batch 1.
+    """The SPEED section (contract.md): warm-up, then every prompt x ``cfg.repeats`` at batch 1; with ``shapes``
+    (the enumerated prefill lengths) also ``per_shape`` (:func:`measure_shapes`, on the first prompt's tokens).
 
     Args:
         engine: any engine (``TorchEngine``, ``CoreMLEngine``, wrappers) or a ``SpeculativeDecoder``.
@@ -149,6 +185,13 @@ def measure_speed(
     def collect(key: str) -> dict[str, Any]:
         return percentiles([r[key] for r in runs if r.get(key) is not None])
 
+    per_shape = {}
+    if shapes:
+        if isinstance(engine, SpeculativeDecoder):
+            raise ValueError("per-shape speed is measured on the engine alone, not with speculative decoding")
+        per_shape = measure_shapes(engine, tokenizer.encode(chosen[0], add_special_tokens=False), shapes,
+                                   max_seq_len=model_config.max_seq_len, max_new_tokens=cfg.max_new_tokens,
+                                   repeats=cfg.repeats)
     ttft = [r["tokenizer_ms"] + r["first_step_ms"] for r in runs]
     if kv_bytes_per_elem is None:
         kv_bytes_per_elem = 2 if backend == "coreml" else _cache_elem_size(engine)
@@ -170,6 +213,7 @@ def measure_speed(
         "threads": torch.get_num_threads(),
         "peak_memory_bytes": peak_memory_bytes(),
         "peak_memory_source": "resource.getrusage(RUSAGE_SELF).ru_maxrss of the measuring process",
+        **({"per_shape": per_shape} if per_shape else {}),
     }
 
 

@@ -16,8 +16,9 @@ batch 1 after the worker's warm-up, prompts rotating; a generation of fewer than
 no TPS sample), and ``quit`` (or end of input) ends it. Errors are answered as ``{"error": ...}``.
 Requests the speed gates never send (so a blessed commit's worker need not know them):
 ``measure-speculative N`` (a worker started with ``--drafter``: the same, decoding speculatively
-with that drafter) and ``report {SpeedConfig fields}`` (the speed report's ``speed`` section,
-:func:`distillgates.speed.measure_speed` on the run's eval prompts with their tools; its
+with that drafter) and ``report {"speed": SpeedConfig fields, "shapes": [lengths]}`` (the speed report's
+``speed`` section, :func:`distillgates.speed.measure_speed` on the run's eval prompts with their tools, and per
+enumerated prefill shape; its
 ``peak_memory_bytes`` is this process's: model, tokenizer and engine, not the pipeline's).
 
     python -m distillgates.speed_worker --run-dir runs/toy --model runs/toy/student/model.pt
@@ -44,7 +45,7 @@ N_PROMPTS = 8  # eval prompts measured, in rotation
 MAX_NEW_TOKENS = 32
 
 Sampler = Callable[[int, bool], dict[str, list[float]]]  # (n generations, speculative) -> samples per metric
-Reporter = Callable[[dict[str, Any]], dict[str, Any]]  # SpeedConfig fields -> the speed report's speed section
+Reporter = Callable[[dict[str, Any]], dict[str, Any]]  # {speed: SpeedConfig fields, shapes} -> the speed section
 
 
 def speed_sampler(run_dir: Path, model_path: Path, export_dir: Path | None = None,
@@ -97,12 +98,12 @@ def speed_sampler(run_dir: Path, model_path: Path, export_dir: Path | None = Non
                                model_config=model.config, stop_ids=stop_ids, backend=backend)
         return {metric: result[metric]["samples"] for metric in METRICS}
 
-    def report(fields: dict[str, Any]) -> dict[str, Any]:
-        cfg = SpeedConfig(**fields)
+    def report(request: dict[str, Any]) -> dict[str, Any]:
+        cfg = SpeedConfig(**request["speed"])
         result = measure_speed(engine, tokenizer, [fmt.prompt(item) for item in items], cfg,
                                model_config=model.config, backend=backend, export=backend == "coreml",
                                stop_ids=stop_ids, hardware_profile_key=hardware_header()["hardware_profile_key"],
-                               tools=[item_tools(item) for item in items])
+                               tools=[item_tools(item) for item in items], shapes=request.get("shapes", ()))
         return {**result, "measured_in": f"a speed worker process of its own (python -m distillgates.speed_worker, "
                                          f"{result['threads']} torch thread): model, tokenizer and engine only; "
                                          f"{cfg.warmup} untimed warm-up generation(s) first, which hold the "
@@ -232,9 +233,10 @@ class SpeedWorker:
             raise WorkerError(f"{self.name} speed worker failed {request!r}: {answer!r}")
         return {metric: [float(s) for s in answer[metric]] for metric in METRICS}
 
-    def report(self, speed_config: dict[str, Any]) -> dict[str, Any]:
-        """The speed report's ``speed`` section, measured in this process with these ``SpeedConfig`` fields."""
-        return self._ask(f"report {json.dumps(speed_config)}")
+    def report(self, speed_config: dict[str, Any], shapes: Sequence[int] = ()) -> dict[str, Any]:
+        """The speed report's ``speed`` section, measured in this process with these ``SpeedConfig`` fields (and
+        per enumerated prefill shape of ``shapes``)."""
+        return self._ask(f"report {json.dumps({'speed': speed_config, 'shapes': list(shapes)})}")
 
     def close(self) -> None:
         if self.process.poll() is None:

@@ -106,6 +106,11 @@ def good_report() -> dict[str, Any]:
             "tps": {"p50": 100.0, "p90": 110.0, "p95": 120.0, "samples": [100.0, 110.0, 120.0]},
             "kv_bytes": {"layers": 4, "kv_heads": 2, "head_dim": 32, "seq_len": 256, "bytes_per_elem": 4,
                          "bytes": 262144},
+            "peak_memory_bytes": 2**29,  # 0.5 GiB of the header's 8 GB
+            "per_shape": {s: {"prompt_tokens": int(s) - 40, "new_tokens": 32,
+                              "ttft_ms": {"p50": 8.0, "p90": 9.0, "p95": 9.5, "samples": [8.0, 9.0, 9.5]},
+                              "tps": {"p50": 90.0, "p90": 95.0, "p95": 99.0, "samples": [85.0, 90.0, 99.0]}}
+                          for s in SHAPES},
         },
         "gate_inputs": {
             "determinism": {"coverage": 1.0, "duplicates": 0, "missing": 0, "mismatches": 0, "sharded_equal": True,

@@ -36,7 +36,7 @@ import os
 import shutil
 import sys
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -290,15 +290,17 @@ class _Lazy(SpeedWorker):
 # -- the pipeline's speed step: measured in speed workers, as the gates measure -----------------------
 
 
-def report_speed(run: RunDir, speed_config: dict[str, Any], export_dir: Path | None = None) -> dict[str, Any]:
-    """The speed report's ``speed`` section (``SpeedConfig`` fields ``speed_config``), measured in one fresh speed
-    worker process: one torch thread, the first decode's compilation in the untimed warm-up, and
-    ``peak_memory_bytes`` of a process that holds only the model, the tokenizer and the engine."""
+def report_speed(run: RunDir, speed_config: dict[str, Any], export_dir: Path | None = None,
+                 shapes: Sequence[int] = ()) -> dict[str, Any]:  # fmt: skip
+    """The speed report's ``speed`` section (``SpeedConfig`` fields ``speed_config``; ``per_shape`` for the
+    enumerated prefill lengths ``shapes``), measured in one fresh speed worker process: one torch thread, the first
+    decode's compilation in the untimed warm-up, and ``peak_memory_bytes`` of a process that holds only the model,
+    the tokenizer and the engine."""
     args = _worker_args(run, run.require(run.model_path()), export_dir)
     worker = SpeedWorker("speed report", PACKAGE_DIR.parent, args)
     try:
         worker.handshake()
-        return worker.report(speed_config)
+        return worker.report(speed_config, shapes)
     finally:
         worker.close()
 
