@@ -126,16 +126,17 @@ def measure_shapes(
         if new < 1:
             raise ValueError(f"shape {length}: a {n}-token prompt leaves no room in the {max_seq_len}-token cache")
         ids = (list(prompt_ids) * (n // len(prompt_ids) + 1))[:n]
-        runs = []
+        ttft: list[float] = []
+        tps: list[float] = []
         for i in range(repeats + 1):
             start = time.perf_counter()
             stamps = [time.perf_counter() for _ in engine.generate(ids, max_new_tokens=new)]
             if i:  # the first run is the warm-up
-                runs.append({"ttft_ms": (stamps[0] - start) * 1e3,
-                             "tps": (len(stamps) - 1) / (stamps[-1] - stamps[0]) if len(stamps) > 1 else None})
-        out[str(length)] = {"prompt_tokens": n, "new_tokens": new,
-                            "ttft_ms": percentiles([r["ttft_ms"] for r in runs]),
-                            "tps": percentiles([r["tps"] for r in runs if r["tps"] is not None])}  # fmt: skip
+                ttft.append((stamps[0] - start) * 1e3)
+                if len(stamps) > 1 and stamps[-1] > stamps[0]:
+                    tps.append((len(stamps) - 1) / (stamps[-1] - stamps[0]))
+        out[str(length)] = {"prompt_tokens": n, "new_tokens": new, "ttft_ms": percentiles(ttft),
+                            "tps": percentiles(tps)}  # fmt: skip
         previous = length
     return out
 
