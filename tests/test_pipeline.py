@@ -80,6 +80,10 @@ def test_every_step_runs_and_the_report_validates(tiny_run: tuple[Path, Path]) -
     assert report["hardware"]["export_path"] == "pytorch_eager" and report["hardware"]["export_dir"] is None
     speculative = report["gate_inputs"]["speculative"]
     assert [len(p) for p in speculative["tps_plain"]] == [len(p) for p in speculative["tps_speculative"]] == [8] * 3
+    # the drafter alone too, and the TTFT of each mode, in the same processes
+    assert all([len(p) for p in speculative[key]] == [8] * 3
+               for key in ("tps_drafter", "ttft_plain", "ttft_speculative", "ttft_drafter"))
+    assert 0 < len(speculative["rollback_rate_per_item"]) <= 12  # the eval items (12 here, speculative_items 32)
     low, high = speculative["speedup_ci"]
     assert low <= speculative["speedup"] <= high
 

@@ -184,6 +184,10 @@ def test_prompt_cache_and_speculative_gate_inputs(tokenizer, model):
     drafter = TorchEngine(Transformer(model.config).eval())
     spec = measure_speculative(engine, drafter, ids, max_new_tokens=8)
     assert spec["identical"] is True and 0 <= spec["acceptance_rate"] <= 1
+    # one rate per prompt drafted for; none rolled back where no verification did
+    per_item = spec["rollback_rate_per_item"]
+    assert len(per_item) == 3 and all(0 <= r <= 1 for r in per_item)
+    assert (max(per_item) > 0) == (spec["rollback_rate"] > 0)
     assert "speedup" not in spec  # timed in speed worker processes (gates.speed_ab.speculative_speedup), never here
     speed = measure_speed(engine, tokenizer, ["x"], SpeedConfig(n_prompts=1, warmup=1, repeats=1, max_new_tokens=3),
                           model_config=model.config)  # fmt: skip

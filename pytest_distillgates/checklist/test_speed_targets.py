@@ -88,3 +88,14 @@ def test_no_memory_pressure(gate, report, speed, thresholds):
     gate.at_most("speed.peak_memory_ram_share", None if peak is None or not ram else peak / (ram * 2**30),
                  thresholds.peak_memory_fraction_max,
                  f"peak resident memory of the speed worker process / the measuring machine's RAM ({ram} GB)")
+
+
+@pytest.mark.speed_targets
+def test_drafter_ttft_target(gate, report, speed, targets):
+    if targets.drafter_ttft_ms_p50_max is None:
+        pytest.skip("no speed_targets.drafter_ttft_ms_p50_max band in the profile")
+    processes = (report.get("gate_inputs").get("speculative") or {}).get("ttft_drafter") or []
+    samples = [s for process in processes for s in process]
+    _check(gate, speed, "speed_targets.drafter_ttft_ms.p50", statistics.median(samples) if samples else None,
+           targets.drafter_ttft_ms_p50_max, True,
+           "TTFT p50 of the drafter decoding alone, in the speculative speed worker processes (None: no drafter)")

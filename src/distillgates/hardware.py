@@ -88,12 +88,14 @@ class SpeedTargets:
     tps_p50_min: float | None = None
     tps_p5_min: float | None = None  # the slow tail: the 5th percentile of the TPS samples
     peak_memory_gb_max: float | None = None  # the speed worker's peak resident memory
+    drafter_ttft_ms_p50_max: float | None = None  # the drafter decoding alone (the documents: 120-200 ms on M1 Max)
     shapes: list[ShapeTarget] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         _positive(ttft_ms_p50_max=self.ttft_ms_p50_max, ttft_ms_p95_max=self.ttft_ms_p95_max,
                   tps_p50_min=self.tps_p50_min, tps_p5_min=self.tps_p5_min,
-                  peak_memory_gb_max=self.peak_memory_gb_max)  # fmt: skip
+                  peak_memory_gb_max=self.peak_memory_gb_max,
+                  drafter_ttft_ms_p50_max=self.drafter_ttft_ms_p50_max)  # fmt: skip
         lengths = [s.length for s in self.shapes]
         if len(set(lengths)) != len(lengths):
             raise ValueError(f"shapes: each length once, got {lengths}")

@@ -573,7 +573,8 @@ def step_speed(cfg: Config, run: RunDir) -> dict[str, Any]:
     prompt_cache = measure_prompt_cache(torch_engine, ids, prefix_until(stop_ids[0]), repeats=repeats)
     speculative = None
     if run.has_model("drafter"):
-        speculative = measure_speculative(torch_engine, TorchEngine(run.load_model("drafter")), ids,
+        items = [tokenizer.encode(p, add_special_tokens=False) for p in prompts[: cfg.speed.speculative_items]]
+        speculative = measure_speculative(torch_engine, TorchEngine(run.load_model("drafter")), items,
                                           max_new_tokens=cfg.speed.max_new_tokens, stop_ids=stop_ids)
         tps = speculative_speedup(run, workers=cfg.speed.speculative_workers, samples=cfg.speed.speculative_samples)
         interval = compare_speedup(tps["tps_plain"], tps["tps_speculative"], minimum=1.0)  # the gate decides

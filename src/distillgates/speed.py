@@ -287,15 +287,20 @@ def measure_speculative(
     """
     decoder = SpeculativeDecoder(worker, drafter, k=k)
     identical = True
+    stats = decoder.stats
+    per_item: list[float] = []  # each prompt's rollbacks / worker steps (prompts the drafter never drafted for: none)
     for prompt in prompts:
         reference = list(worker.generate(prompt, max_new_tokens=max_new_tokens, stop_ids=stop_ids))
+        steps, rollbacks = stats.worker_steps, stats.rollbacks
         identical &= list(decoder.generate(prompt, max_new_tokens=max_new_tokens, stop_ids=stop_ids)) == reference
-    stats = decoder.stats
+        if stats.worker_steps > steps:
+            per_item.append((stats.rollbacks - rollbacks) / (stats.worker_steps - steps))
     return {
         "identical": identical,
         "acceptance_rate": stats.acceptance_rate,
         "tokens_per_worker_step": stats.tokens_per_worker_step,
         "rollback_rate": stats.rollback_rate,
+        "rollback_rate_per_item": per_item,
         "final_k": decoder.k,
     }
 

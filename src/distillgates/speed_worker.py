@@ -16,10 +16,10 @@ batch 1 after the worker's warm-up, prompts rotating; a generation of fewer than
 no TPS sample), and ``quit`` (or end of input) ends it. Errors are answered as ``{"error": ...}``.
 Requests the speed gates never send (so a blessed commit's worker need not know them):
 ``measure-speculative N`` (a worker started with ``--drafter``: the same, decoding speculatively
-with that drafter) and ``report {"speed": SpeedConfig fields, "shapes": [lengths]}`` (the speed report's
-``speed`` section, :func:`distillgates.speed.measure_speed` on the run's eval prompts with their tools, and per
-enumerated prefill shape; its
-``peak_memory_bytes`` is this process's: model, tokenizer and engine, not the pipeline's).
+with that drafter), ``measure-drafter N`` (the same, the drafter decoding alone) and
+``report {"speed": SpeedConfig fields, "shapes": [lengths]}`` (the speed report's ``speed`` section,
+:func:`distillgates.speed.measure_speed` on the run's eval prompts with their tools, and per enumerated prefill
+shape; its ``peak_memory_bytes`` is this process's: model, tokenizer and engine, not the pipeline's).
 
     python -m distillgates.speed_worker --run-dir runs/toy --model runs/toy/student/model.pt
 """
@@ -44,7 +44,9 @@ METRICS = ("ttft_ms", "tps")
 N_PROMPTS = 8  # eval prompts measured, in rotation
 MAX_NEW_TOKENS = 32
 
-Sampler = Callable[[int, bool], dict[str, list[float]]]  # (n generations, speculative) -> samples per metric
+Sampler = Callable[[int, str], dict[str, list[float]]]  # (n generations, mode) -> samples per metric
+# request -> decoding mode: the student alone, speculatively with the --drafter, the drafter alone
+MODES = {"measure": "plain", "measure-speculative": "speculative", "measure-drafter": "drafter"}
 Reporter = Callable[[dict[str, Any]], dict[str, Any]]  # {speed: SpeedConfig fields, shapes} -> the speed section
 
 
@@ -52,7 +54,8 @@ def speed_sampler(run_dir: Path, model_path: Path, export_dir: Path | None = Non
                   drafter_path: Path | None = None) -> tuple[Sampler, str, Reporter]:
     """``(sampler, backend, reporter)``: the speed harness (:func:`distillgates.speed.measure_speed`) on the run's
     eval prompts, with the PyTorch engine on ``model_path`` or (``export_dir``, macOS) Core ML; with
-    ``drafter_path`` the sampler also decodes speculatively (PyTorch only; the drafter loads at its first use)."""
+    ``drafter_path`` the sampler also decodes speculatively, or with the drafter alone (PyTorch only; the drafter
+    loads at its first use)."""
     import torch
 
     from distillgates.config import SpeedConfig
@@ -83,19 +86,20 @@ def speed_sampler(run_dir: Path, model_path: Path, export_dir: Path | None = Non
         engine, backend = TorchEngine(model), "torch"
     stop_ids = fmt.stop_ids
     calls = [0]  # successive requests rotate the prompts, so small requests still cover them all
-    speculative: list[SpeculativeDecoder] = []  # built at the first speculative request
+    engines: dict[str, Any] = {"plain": engine}  # the drafter's built at the first request that needs it
 
-    def sample(n: int, speculative_decoding: bool = False) -> dict[str, list[float]]:
-        if speculative_decoding and not speculative:
+    def sample(n: int, mode: str = "plain") -> dict[str, list[float]]:
+        if mode not in engines:
             if drafter_path is None:
-                raise ValueError("no drafter: start the worker with --drafter to measure speculative decoding")
-            speculative.append(SpeculativeDecoder(engine, TorchEngine(load_model(drafter_path))))
+                raise ValueError(f"no drafter: start the worker with --drafter to measure {mode} decoding")
+            drafter = TorchEngine(load_model(drafter_path))
+            engines.update(drafter=drafter, speculative=SpeculativeDecoder(engine, drafter))
         start = calls[0] % len(prompts)
         calls[0] += 1
         rotated = (prompts[start:] + prompts[:start]) * math.ceil(n / len(prompts))
         cfg = SpeedConfig(n_prompts=n, warmup=1, repeats=1, max_new_tokens=MAX_NEW_TOKENS)
-        result = measure_speed(speculative[0] if speculative_decoding else engine, tokenizer, rotated[:n], cfg,
-                               model_config=model.config, stop_ids=stop_ids, backend=backend)
+        result = measure_speed(engines[mode], tokenizer, rotated[:n], cfg, model_config=model.config,
+                               stop_ids=stop_ids, backend=backend)
         return {metric: result[metric]["samples"] for metric in METRICS}
 
     def report(request: dict[str, Any]) -> dict[str, Any]:
@@ -123,9 +127,8 @@ def serve(sampler: Sampler, backend: str, stdin: IO[str], stdout: IO[str], repor
         try:
             if words == ["quit"]:
                 return
-            if len(words) == 2 and words[0] in ("measure", "measure-speculative") and words[1].strip().isdigit() \
-                    and int(words[1]) > 0:
-                answer = sampler(int(words[1]), words[0] == "measure-speculative")
+            if len(words) == 2 and words[0] in MODES and words[1].strip().isdigit() and int(words[1]) > 0:
+                answer = sampler(int(words[1]), MODES[words[0]])
             elif len(words) == 2 and words[0] == "report" and reporter is not None:
                 answer = reporter(json.loads(words[1]))
             else:
@@ -141,7 +144,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--model", type=Path, required=True, help="student checkpoint (model.pt) to measure")
     parser.add_argument("--export-dir", type=Path, default=None, help="Core ML export (contract.json) to measure")
     parser.add_argument("--drafter", type=Path, default=None,
-                        help="drafter checkpoint: also answer 'measure-speculative N' (speculative decoding)")
+                        help="drafter checkpoint: also answer 'measure-speculative N' and 'measure-drafter N'")
     args = parser.parse_args(argv)
     sampler, backend, reporter = speed_sampler(args.run_dir, args.model, args.export_dir, args.drafter)
     serve(sampler, backend, sys.stdin, sys.stdout, reporter)
@@ -225,9 +228,9 @@ class SpeedWorker:
             raise WorkerError(f"{self.name} speed worker failed {request[:200]!r}: {answer['error']}")
         return answer
 
-    def measure(self, n: int, speculative: bool = False) -> dict[str, list[float]]:
-        """``n`` samples per metric (decoding speculatively with the worker's ``--drafter``)."""
-        request = f"{'measure-speculative' if speculative else 'measure'} {n}"
+    def measure(self, n: int, mode: str = "plain") -> dict[str, list[float]]:
+        """``n`` samples per metric (``mode``: speculatively with the worker's ``--drafter``, or the drafter alone)."""
+        request = f"{next(r for r, m in MODES.items() if m == mode)} {n}"
         answer = self._ask(request)
         if any(not isinstance(answer.get(m), list) for m in METRICS):
             raise WorkerError(f"{self.name} speed worker failed {request!r}: {answer!r}")

@@ -174,6 +174,12 @@ VIOLATIONS = [
     ("speculative_one_process", {"gate_inputs.speculative.tps_plain": tps_per_process(100.0, processes=1),
                                  "gate_inputs.speculative.tps_speculative": tps_per_process(160.0, processes=1)},
      "speculative", ["test_speculative_speedup"], "need samples of at least 2 worker processes"),
+    # drafting before the first token: TTFT 25% slower than the worker alone
+    ("speculative_ttft_slower", {"gate_inputs.speculative.ttft_speculative": tps_per_process(12.5, shift=2)},
+     "speculative", ["test_speculative_ttft"], "speculative.ttft_speedup: speedup below the minimum"),
+    # one item in ten rolls back on every verification
+    ("speculative_rollbacks", {"gate_inputs.speculative.rollback_rate_per_item": [0.0] * 54 + [1.0] * 6},
+     "speculative", ["test_speculative_rollback_p95"], "speculative.rollback_rate_p95 = 1 violates <= 0.1 (n=60"),
 ]
 
 
@@ -188,7 +194,7 @@ def test_good_run_passes_every_gate(pytester, gates_project, make_run, own_profi
     pytester.runpytest(*BASELINED, *common, "--bless").assert_outcomes(passed=13)
     result = pytester.runpytest("gates", *common, "-rA")
     # the speed_targets bands skip: the embedded profiles set none (tests/plugin/test_speed_targets.py sets them)
-    result.assert_outcomes(passed=78, skipped=11, deselected=4)
+    result.assert_outcomes(passed=80, skipped=12, deselected=4)
     for name in GATE_FILES:
         assert f"PASSED gates/test_{name}.py::" in result.stdout.str(), name
 

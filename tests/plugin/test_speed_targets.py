@@ -21,6 +21,7 @@ BANDS = """    speed_targets:
       tps_p50_min: 50
       tps_p5_min: 95
       peak_memory_gb_max: 1
+      drafter_ttft_ms_p50_max: 5
       shapes:
         - {length: 256, ttft_ms_p50_max: 20, tps_p50_min: 50}
 """
@@ -43,8 +44,9 @@ def run(pytester, make_run, **changes):
 def test_a_run_within_the_bands_passes(pytester, project, make_run):
     project()
     result = run(pytester, make_run)
-    # 4 whole-prompt bands, 2 at shape 256 (128 and 192 have none: skipped), peak memory, memory pressure
-    result.assert_outcomes(passed=8, skipped=4)
+    # 4 whole-prompt bands, 2 at shape 256 (128 and 192 have none: skipped), peak memory, drafter TTFT, memory
+    # pressure
+    result.assert_outcomes(passed=9, skipped=4)
     result.stdout.fnmatch_lines(["*no speed_targets.shapes entry for length 128*"])
 
 
@@ -56,6 +58,8 @@ def test_a_run_within_the_bands_passes(pytester, project, make_run):
     ({"speed.per_shape": DELETE}, 2, "speed_targets.shape[[]256[]].ttft_ms.p50 = None violates <= 20"),
     # 7 GiB of the header's 8 GB: over the 1 GiB band and past 0.75 of the RAM
     ({"speed.peak_memory_bytes": 7 * 2**30}, 2, "speed.peak_memory_ram_share = 0.875 violates <= 0.75"),
+    ({"gate_inputs.speculative.ttft_drafter": [[6.0] * 8] * 3}, 1,
+     "speed_targets.drafter_ttft_ms.p50 = 6 violates <= 5"),
 ])
 def test_a_violated_band_fails(pytester, project, make_run, changes, failed, message):
     project()
@@ -67,7 +71,7 @@ def test_a_violated_band_fails(pytester, project, make_run, changes, failed, mes
 def test_a_profile_without_bands_skips_them_but_gates_memory_pressure(pytester, project, make_run):
     project(targets="")
     result = run(pytester, make_run, **{"speed.peak_memory_bytes": 7 * 2**30})
-    result.assert_outcomes(failed=1, skipped=11)
+    result.assert_outcomes(failed=1, skipped=12)
     result.stdout.fnmatch_lines(["*hardware profile 'ci-box' has no speed_targets in *profiles.yaml*"])
 
 
@@ -76,4 +80,4 @@ def test_a_speed_report_of_another_profile_fails_the_bands(pytester, project, ma
     result = pytester.runpytest(GATES, f"--run-dir={make_run(**{'speed.hardware_profile_key': 'm1-max-64g'})}")
     result.stdout.fnmatch_lines(["*the speed report was measured on hardware profile 'm1-max-64g', this session "
                                  "gates hardware profile 'ci-box'*"])
-    assert result.parseoutcomes()["failed"] >= 7
+    assert result.parseoutcomes()["failed"] >= 8

@@ -274,7 +274,7 @@ class _Lazy(SpeedWorker):
         self.rebless = rebless
         self.ready = False
 
-    def measure(self, n: int, speculative: bool = False) -> dict[str, list[float]]:
+    def measure(self, n: int, mode: str = "plain") -> dict[str, list[float]]:
         if not self.ready:
             try:
                 self.handshake()
@@ -284,7 +284,7 @@ class _Lazy(SpeedWorker):
                 raise StaleReference(f"the blessed code cannot serve speed measurements: {err}; re-bless: "
                                      f"{self.rebless}") from err
             self.ready = True
-        return super().measure(n, speculative)
+        return super().measure(n, mode)
 
 
 # -- the pipeline's speed step: measured in speed workers, as the gates measure -----------------------
@@ -306,35 +306,37 @@ def report_speed(run: RunDir, speed_config: dict[str, Any], export_dir: Path | N
 
 
 class _Decoding:
-    """One decoding mode (plain or speculative) of a speed worker process, as an :class:`Arm`."""
+    """One decoding mode (plain, speculative, the drafter alone) of a speed worker process, as an :class:`Arm`."""
 
-    def __init__(self, worker: SpeedWorker, speculative: bool) -> None:
-        self.worker, self.speculative = worker, speculative
+    def __init__(self, worker: SpeedWorker, mode: str) -> None:
+        self.worker, self.mode = worker, mode
 
     def measure(self, n: int) -> dict[str, list[float]]:
-        return self.worker.measure(n, self.speculative)
+        return self.worker.measure(n, self.mode)
 
     def close(self) -> None:  # the process has one owner: speculative_speedup
         pass
 
 
 def speculative_speedup(run: RunDir, *, workers: int, samples: int) -> dict[str, list[list[float]]]:
-    """TPS samples of plain and of speculative decoding of the run's student (with the run's drafter), per fresh
-    speed worker process. Each process measures both modes interleaved (:func:`measure_interleaved`, after a
-    warm-up block of each), so its lasting speed offset cancels in its ratio; the processes are the replicates
-    of :func:`distillgates.gates.stats.compare_speedup`. One process at a time, started when its turn comes: nothing
-    loads while one measures, and the memory is one process's, whatever the model's size and ``workers``."""
+    """TPS and TTFT samples of plain and of speculative decoding of the run's student (with the run's drafter), and
+    of the drafter alone, per fresh speed worker process. Each process measures the three interleaved
+    (:func:`measure_interleaved`, after a warm-up block of each), so its lasting speed offset cancels in its ratios;
+    the processes are the replicates of :func:`distillgates.gates.stats.compare_speedup`. One process at a time,
+    started when its turn comes: nothing loads while one measures, and the memory is one process's, whatever the
+    model's size and ``workers``."""
     model, drafter = run.require(run.model_path()), run.require(run.model_path("drafter"))
     args = [*_worker_args(run, model, None), "--drafter", str(drafter.absolute())]
     cpu = max(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None
-    plain: list[list[float]] = []
-    speculative: list[list[float]] = []
+    modes = ("plain", "speculative", "drafter")
+    out: dict[str, list[list[float]]] = {f"{metric}_{mode}": [] for metric in ("tps", "ttft") for mode in modes}
     for _ in range(workers):
         worker = _Lazy("speculative", PACKAGE_DIR.parent, args, cpu=cpu)
         try:
-            got = measure_interleaved([_Decoding(worker, False), _Decoding(worker, True)], samples)
+            got = measure_interleaved([_Decoding(worker, mode) for mode in modes], samples)
         finally:
             worker.close()
-        plain.append(got[0]["tps"])
-        speculative.append(got[1]["tps"])
-    return {"tps_plain": plain, "tps_speculative": speculative}
+        for mode, samples_of in zip(modes, got, strict=True):
+            out[f"tps_{mode}"].append(samples_of["tps"])
+            out[f"ttft_{mode}"].append(samples_of["ttft_ms"])
+    return out

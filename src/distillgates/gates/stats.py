@@ -435,3 +435,16 @@ def mean_interval(values: Sequence[float], alpha: float = 0.05) -> Interval | No
         return Interval(int(array.size), mean, mean)  # one value, or all equal: the point (t has no spread)
     ci = stats.ttest_1samp(array, 0.0).confidence_interval(confidence_level=1.0 - alpha)
     return Interval(int(array.size), float(ci.low), float(ci.high))
+
+
+def rate_quantile_interval(rates: Sequence[float], quantile: float, alpha: float = 0.05) -> Interval | None:
+    """Distribution-free interval of the ``quantile`` of per-item rates in [0, 1] (``scipy.stats.quantile_test``'s
+    order-statistic interval); an end the items cannot bound (too few of them) is the range's end, 0 or 1. None
+    without rates."""
+    array = np.asarray(rates, dtype=np.float64)
+    if array.size == 0:
+        return None
+    ci = stats.quantile_test(array, q=float(np.quantile(array, quantile)), p=quantile).confidence_interval(
+        confidence_level=1.0 - alpha)
+    low, high = float(ci.low), float(ci.high)
+    return Interval(int(array.size), 0.0 if np.isnan(low) else low, 1.0 if np.isnan(high) else high)
