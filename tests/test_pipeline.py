@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shutil
@@ -77,7 +78,8 @@ def test_every_step_runs_and_the_report_validates(tiny_run: tuple[Path, Path]) -
     assert "speed worker process" in report["speed"]["measured_in"] and report["speed"]["threads"] == 1
     lengths = yaml.safe_load(config.read_text())["shapes"]["lengths"]
     assert list(report["speed"]["per_shape"]) == [str(n) for n in lengths]  # every enumerated shape timed
-    assert report["hardware"]["export_path"] == "pytorch_eager" and report["hardware"]["export_dir"] is None
+    hardware = report["header"]["hardware"]  # what timed the speed figures
+    assert hardware["export_path"] == "pytorch_eager" and hardware["export_dir"] is None
     speculative = report["gate_inputs"]["speculative"]
     assert [len(p) for p in speculative["tps_plain"]] == [len(p) for p in speculative["tps_speculative"]] == [8] * 3
     # the drafter alone too, and the TTFT of each mode, in the same processes
@@ -583,7 +585,10 @@ def test_coreai_eval_names_the_items_the_asset_decodes_otherwise(tiny_run: tuple
     run_dir = Path(shutil.copytree(run_dir, tmp_path / "run"))
     cfg, _ = load_run(config, run_dir)
     run = RunDir(run_dir)
-    before = json.loads(coreai_eval_path(run).read_text())
+    before = json.loads(coreai_eval_path(run).read_text())  # decoded by 2 runtime workers side by side (default)
+    one = dataclasses.replace(cfg, export=dataclasses.replace(cfg.export, coreai_eval_workers=1))
+    step_coreai_eval(one, run)
+    assert json.loads(coreai_eval_path(run).read_text()) == before  # the same outputs and scores, in item order
     outputs = read_outputs(run.eval_outputs)
     outputs[0] = {**outputs[0], "answer": outputs[0]["answer"] + " (another model's answer)"}
     write_outputs(run.eval_outputs, outputs)

@@ -529,6 +529,9 @@ class ExportConfig:
     # coreai_eval step) and compared with the PyTorch engine's outputs; 0: not run. On Linux the runtime is a
     # single-threaded reference implementation: size it for the machine
     coreai_eval_items: int = 32
+    # Core AI runtime worker processes the coreai_eval step decodes those items in, in parallel (the Linux runtime
+    # is single-threaded: one per core)
+    coreai_eval_workers: int = 2
     compute_precision: str = "fp16"  # "fp16" or "fp32"
     quantize: str = "none"  # "none", "int8", "int4", "palettize4", "palettize6", "palettize8"
     int4_block_size: int = 32  # int4: input channels per block sharing one scale (per-block, macOS 15)
@@ -551,6 +554,8 @@ class ExportConfig:
             raise ValueError(f"target must be coreml/both, got {self.target!r}")
         if self.coreai_eval_items < 0:
             raise ValueError(f"coreai_eval_items must be >= 0, got {self.coreai_eval_items}")
+        if self.coreai_eval_workers < 1:
+            raise ValueError(f"coreai_eval_workers must be >= 1, got {self.coreai_eval_workers}")
         if self.calibration not in ("none", "clip_search"):
             raise ValueError(f"calibration must be none/clip_search, got {self.calibration!r}")
         if self.calibration != "none" and (self.quantize != "int4" or self.layout != "standard"):

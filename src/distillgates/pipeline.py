@@ -639,14 +639,16 @@ def coreai_eval_path(run: RunDir) -> Path:
 
 def step_coreai_eval(cfg: Config, run: RunDir) -> dict[str, Any]:
     """The first ``export.coreai_eval_items`` drawn eval items decoded greedily through ``export/model.aimodel``
-    (Core AI's runtime, in a worker process: what ships), scored, and compared output by output with the PyTorch
-    engine's outputs of the eval step; the per-item scores give the gates their intervals. ``{"skipped": reason}`` when
-    there is no asset (target coreml, no coreai extra)."""
+    (Core AI's runtime, in ``export.coreai_eval_workers`` worker processes side by side: what ships), scored, and
+    compared output by output with the PyTorch engine's outputs of the eval step; the per-item scores give the gates
+    their intervals. ``{"skipped": reason}`` when there is no asset (target coreml, no coreai extra)."""
+    from concurrent.futures import ThreadPoolExecutor
+
     from distillgates.data.dataset import drawn_items
     from distillgates.eval.broker import FixturePolicy
     from distillgates.eval.evaluate import evaluate
     from distillgates.eval.runners import EngineRunner
-    from distillgates.eval.scorer import item_rows
+    from distillgates.eval.scorer import ItemScore, item_rows, summarize
     from distillgates.eval.sharding import read_outputs
     from distillgates.export.functions import COREAI_SOURCE
     from distillgates.runtime.coreai_engine import open_engine
@@ -662,14 +664,29 @@ def step_coreai_eval(cfg: Config, run: RunDir) -> dict[str, Any]:
     tokenizer = run.tokenizer()
     items = drawn_items(run.items("eval"))[: cfg.export.coreai_eval_items]
     pytorch = {o["id"]: o for o in read_outputs(run.eval_outputs)}
-    engine, worker = open_engine(run.export_dir)
-    with worker:
-        runner = EngineRunner(engine, tokenizer, contract["model_fingerprint"],
-                              cfg.eval.max_new_tokens, cfg.eval.constrained_tool_calls)  # fmt: skip
-        figures, outputs, scores = evaluate(runner, items, tokenizer, return_outputs=True, lengths=cfg.shapes.lengths,
-                                       max_calls=cfg.eval.max_calls, max_new_tokens=cfg.eval.max_new_tokens,
-                                       policy=FixturePolicy(cfg.eval.missing_fixture, cfg.eval.mock_result),
-                                       privacy=cfg.eval.privacy, progress=True)  # fmt: skip
+
+    def decode(shard: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], list[ItemScore]]:
+        """One runtime worker process decodes and scores ``shard`` (items are independent, decoding greedy)."""
+        engine, worker = open_engine(run.export_dir)
+        with worker:
+            runner = EngineRunner(engine, tokenizer, contract["model_fingerprint"],
+                                  cfg.eval.max_new_tokens, cfg.eval.constrained_tool_calls)  # fmt: skip
+            _, outputs, scores = evaluate(runner, shard, tokenizer, return_outputs=True, lengths=cfg.shapes.lengths,
+                                          max_calls=cfg.eval.max_calls, max_new_tokens=cfg.eval.max_new_tokens,
+                                          policy=FixturePolicy(cfg.eval.missing_fixture, cfg.eval.mock_result),
+                                          privacy=cfg.eval.privacy)  # fmt: skip
+        return outputs, scores
+
+    # the Linux runtime computes on one thread: its worker processes decode interleaved shards side by side
+    workers = min(cfg.export.coreai_eval_workers, len(items))
+    shards = [items[i::workers] for i in range(workers)]
+    with ThreadPoolExecutor(len(shards)) as pool:
+        decoded = list(pool.map(decode, shards))
+    order = {item["id"]: i for i, item in enumerate(items)}
+    pairs = sorted(((o, s) for outputs, scores in decoded for o, s in zip(outputs, scores, strict=True)),
+                   key=lambda pair: order[pair[0]["id"]])
+    outputs, scores = [o for o, _ in pairs], [s for _, s in pairs]
+    figures = summarize(scores)
     differing = [o["id"] for o in outputs if o != pytorch.get(o["id"])]
     keys = ("f1_lax_macro", "tool_selection", "json_validity", "fixture_hit_rate")
     measured = {"source": COREAI_SOURCE.split(" vs ")[0], "items": len(outputs),
