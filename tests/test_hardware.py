@@ -33,6 +33,7 @@ def mac(brand: str, ram_gb: float, cores: int = 12) -> DetectedHardware:
     return DetectedHardware("darwin", "arm64", brand, "macOS 15.1", ram_gb, cores)
 
 
+REPO = Path(__file__).parents[1]
 LINUX_BOX = DetectedHardware("linux", "x86_64", "Intel(R) Xeon(R) CPU E5-2686 v4 @ 2.30GHz", "Linux 6.8", 62.8, 8)
 
 
@@ -154,6 +155,16 @@ def test_minimal_yaml_loads_with_defaults(tmp_path):
     assert profile.key == "m9-max-64g" and profile.gating.max_regression == 0.05 and profile.gating.min_samples == 20
 
 
+def test_speed_targets_load_from_the_documented_example(tmp_path):
+    """docs/macos.md's example: the bands, per shape, of a profile."""
+    text = (REPO / "docs" / "macos.md").read_text().split("**Absolute bands per profile.**")[1]
+    example = text.split("```yaml\n")[1].split("```")[0]
+    (profile,) = load_profiles(write(tmp_path, "version: 1\n" + example))
+    targets = profile.speed_targets
+    assert targets is not None and targets.ttft_ms_p50_max == 500 and targets.drafter_ttft_ms_p50_max == 200
+    assert [(t.length, t.ttft_ms_p50_max, t.tps_p50_min) for t in targets.shapes] == [(4096, 2000, 25)]
+
+
 @pytest.mark.parametrize(
     ("text", "pattern"),
     [
@@ -186,6 +197,11 @@ def test_minimal_yaml_loads_with_defaults(tmp_path):
         ),
         # a section that was dropped (nothing read it) is an unknown key, not silently ignored
         ("profiles:\n" + GOOD_PROFILE + "    kv: {max_context: 2048}\n", r"hw\.yaml:5: profiles\[0\]\.kv"),
+        # speed targets: a band of the wrong sign, a misspelt shape field
+        ("profiles:\n" + GOOD_PROFILE + "    speed_targets: {tps_p50_min: -25}\n",
+         r"hw\.yaml:5: profiles\[0\]\.speed_targets.*tps_p50_min must be > 0"),
+        ("profiles:\n" + GOOD_PROFILE + "    speed_targets:\n      shapes:\n        - {length: 4096, tps_min: 25}\n",
+         r"hw\.yaml:7: profiles\[0\]\.speed_targets\.shapes\[0\]\.tps_min: unknown key"),
         ("profiles:\n" + GOOD_PROFILE.replace("    min_ram_gb: 64\n", ""), r"missing required field\(s\): min_ram_gb"),
         ("profile:\n" + GOOD_PROFILE, r"hw\.yaml:1: profile: unknown key"),
         ("profiles: []\n", r"profiles: expected a non-empty list"),
