@@ -27,7 +27,8 @@ SMALL_MODEL = {"d_model": 64, "n_layers": 2, "n_heads": 2, "n_kv_heads": 1, "ffn
 SMALL_THRESHOLDS = {"f1_lax_min": 0.0, "tool_selection_min": 0.5, "json_validity_min": 0.5, "fixture_hit_rate_min": 0.0,
                     "median_tokens_ratio_max": 2.0, "ttfa_p95_tokens_max": 64.0,
                     "prompt_cache_ttft_reduction_min": -1.0, "speculative_speedup_min": 0.0,
-                    "speculative_acceptance_min": 0.0}
+                    "speculative_acceptance_min": 0.0, "speculative_ttft_speedup_min": 0.0,
+                    "speculative_rollback_p95_max": 1.0}
 
 
 def small_config(config: dict) -> dict:

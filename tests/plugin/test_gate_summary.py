@@ -29,7 +29,7 @@ def test_terminal_table(pytester, gates_project, make_run, own_profile):
     run = make_run()
     result = pytester.runpytest("gates/test_speculative.py", "gates/test_determinism.py", f"--run-dir={run}",
                                 f"--hw-profile={own_profile}")
-    result.assert_outcomes(passed=21)
+    result.assert_outcomes(passed=23)
     # one line per check, even in an 80-column log: names whole, sha256 digests as a 12-character prefix
     result.stdout.fnmatch_lines(["*distillgates gates*", "*verdict*gate*check*measured*threshold*baseline*",
                                  "*pass*speculative*speculative.identical *",
