@@ -10,8 +10,7 @@ the hardware profile's ``speed_targets.drafter_ttft_ms_p50_max`` (test_speed_tar
 
 from __future__ import annotations
 
-import statistics
-
+import numpy as np
 import pytest
 
 from distillgates.gates.stats import rate_quantile_interval
@@ -37,22 +36,26 @@ def test_speculative_acceptance(gate, report, thresholds):
                   thresholds.speculative_acceptance_min, "accepted / proposed drafter tokens")
 
 
+@pytest.fixture
+def speculative(report) -> dict:
+    return report.get("gate_inputs.speculative")
+
+
 @pytest.mark.speculative
-def test_speculative_ttft(gate, report, thresholds):
+def test_speculative_ttft(gate, speculative, thresholds):
     # the documents ask TTFT -25% (a TTFT speedup of 1.33); exact speculative decoding takes its first token from the
     # worker's own prefill, so its TTFT is the worker's: the gate checks that drafting costs the first token nothing
     # beyond the threshold (docs/gates.md)
-    gate.speedup_at_least("speculative.ttft_speedup", report.get("gate_inputs.speculative").get("ttft_speculative"),
-                          report.get("gate_inputs.speculative").get("ttft_plain"),
-                          thresholds.speculative_ttft_speedup_min, alpha=thresholds.significance_alpha,
+    gate.speedup_at_least("speculative.ttft_speedup", speculative.get("ttft_speculative"),
+                          speculative.get("ttft_plain"), thresholds.speculative_ttft_speedup_min,
+                          alpha=thresholds.significance_alpha,
                           definition="TTFT p50 plain / speculative per speed worker process, t interval over processes")
 
 
 @pytest.mark.speculative
-def test_speculative_rollback_p95(gate, report, thresholds):
-    rates = report.get("gate_inputs.speculative").get("rollback_rate_per_item")
-    p95 = None if not rates else statistics.quantiles(rates, n=20, method="inclusive")[-1] if len(rates) > 1 \
-        else rates[0]
-    gate.at_most("speculative.rollback_rate_p95", p95, thresholds.speculative_rollback_p95_max,
+def test_speculative_rollback_p95(gate, speculative, thresholds):
+    rates = speculative.get("rollback_rate_per_item") or []
+    gate.at_most("speculative.rollback_rate_p95", float(np.quantile(rates, 0.95)) if rates else None,
+                 thresholds.speculative_rollback_p95_max,
                  "95th percentile over eval items of the item's rollback rate (verifications that rejected a draft / "
-                 "worker steps); its interval is distribution-free", interval=rate_quantile_interval(rates or [], 0.95))
+                 "worker steps); its interval is distribution-free", interval=rate_quantile_interval(rates, 0.95))
