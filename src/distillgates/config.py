@@ -441,6 +441,31 @@ class EarlyToolLossConfig:
 
 
 @dataclass
+class OnPolicyConfig:
+    """On-policy distillation (``train.on_policy``; :mod:`distillgates.train.on_policy`): on a share of the steps the
+    student samples each conversation of its batch from the prompt, tools answered by the item's fixtures as in
+    eval, and learns the teacher's distribution on its own tokens (generalized JSD). Needs a local teacher that
+    shares the student's vocabulary (an API teacher cannot score given tokens)."""
+
+    share: float = 0.0  # fraction of steps whose batch the student samples (0: off-policy only)
+    beta: float = 0.5  # generalized JSD: 0 forward KL(teacher || student), 1 reverse KL, 0.5 the symmetric JSD
+    temperature: float = 1.0  # sampling temperature (> 0)
+    top_p: float = 1.0
+    max_new_tokens: int = 64  # per sampled assistant turn
+    max_turns: int = 4  # tool calls per sampled conversation
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.share <= 1.0:
+            raise ValueError(f"share must be in [0, 1], got {self.share}")
+        if not 0.0 <= self.beta <= 1.0:
+            raise ValueError(f"beta must be in [0, 1], got {self.beta}")
+        if self.temperature <= 0 or not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"need temperature > 0 and 0 < top_p <= 1, got {self.temperature}, {self.top_p}")
+        if self.max_new_tokens <= 0 or self.max_turns <= 0:
+            raise ValueError("max_new_tokens and max_turns must be > 0")
+
+
+@dataclass
 class QATConfig:
     """Late QAT of the grid ``export.quantize`` writes: int4 per block for int4, else int8 per channel."""
 
@@ -477,6 +502,7 @@ class TrainConfig:
     kd: KDLossConfig = field(default_factory=KDLossConfig)
     length: LengthLossConfig = field(default_factory=LengthLossConfig)
     early_tool: EarlyToolLossConfig = field(default_factory=EarlyToolLossConfig)
+    on_policy: OnPolicyConfig = field(default_factory=OnPolicyConfig)
     qat: QATConfig = field(default_factory=QATConfig)
     ckpt_every: int = 100
     eval_every: int = 100
@@ -506,6 +532,9 @@ class TrainConfig:
             raise ValueError("batch_size and grad_accum must be > 0")
         if self.loss_chunk < 0:
             raise ValueError(f"loss_chunk must be >= 0 (0: off), got {self.loss_chunk}")
+        if self.on_policy.share > 0 and self.fsdp:
+            raise ValueError("train.on_policy with train.fsdp is not supported: the student samples from an unsharded "
+                             "copy of itself")
 
     @property
     def pretrained(self) -> Path | None:
@@ -771,6 +800,11 @@ class Config:
         if self.train.qat.enabled and self.export.calibration != "none":
             raise ValueError(f"train.qat.enabled with export.calibration {self.export.calibration!r}: QAT'd weights "
                              f"lie on their int4 grid already, calibration would move them (choose one)")
+        if self.train.on_policy.share > 0 and self.teacher is not None and self.teacher.kind == "openai":
+            raise ValueError("train.on_policy needs the teacher's log-probs of the student's own tokens; teacher.kind "
+                             "openai is an OpenAI-compatible chat API, which returns log-probs of the tokens it "
+                             "samples only (scoring given tokens needs e.g. vLLM's prompt_logprobs, which the client "
+                             "does not speak): use a local teacher (teacher.kind local) or train.on_policy.share 0")
 
     @property
     def student_qat_int4_block(self) -> int | None:

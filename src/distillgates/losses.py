@@ -89,20 +89,29 @@ def _kl(log_p: Tensor, log_q: Tensor) -> Tensor:
     return torch.where(p > 0, p * (log_p - log_q), torch.zeros_like(p)).sum(-1)
 
 
-def divergence(teacher_logp: Tensor, student_logp: Tensor, kind: str) -> Tensor:
-    """Per-position divergence ``(...,)`` between two distributions given as log-probs ``(..., K)``."""
-    if kind == "forward":
+def divergence(teacher_logp: Tensor, student_logp: Tensor, kind: str, beta: float = 0.5) -> Tensor:
+    """Per-position divergence ``(...,)`` between two distributions given as log-probs ``(..., K)``.
+
+    ``jsd`` is the generalized Jensen-Shannon divergence of on-policy distillation (Agarwal et al. 2024, eq. 1;
+    TRL's ``generalized_jsd_loss``): with the mixture ``M = beta * teacher + (1 - beta) * student``,
+    ``beta * KL(teacher || M) + (1 - beta) * KL(student || M)``; ``beta`` 0 is forward KL, 1 reverse KL (the
+    limits of the formula vanish, so the endpoints are the KLs, as in TRL), 0.5 the symmetric JSD.
+    """
+    if kind == "forward" or (kind == "jsd" and beta == 0.0):
         return _kl(teacher_logp, student_logp)
-    if kind == "reverse":
+    if kind == "reverse" or (kind == "jsd" and beta == 1.0):
         return _kl(student_logp, teacher_logp)
     if kind == "jsd":
-        mix = torch.logsumexp(torch.stack([teacher_logp, student_logp]), dim=0) - math.log(2.0)  # (..., K)
-        return 0.5 * _kl(teacher_logp, mix) + 0.5 * _kl(student_logp, mix)
+        if not 0.0 < beta < 1.0:
+            raise ValueError(f"jsd beta must be in [0, 1], got {beta}")
+        mix = torch.logsumexp(torch.stack([teacher_logp + math.log(beta), student_logp + math.log1p(-beta)]), dim=0)
+        return beta * _kl(teacher_logp, mix) + (1.0 - beta) * _kl(student_logp, mix)
     raise ValueError(f"KD kind must be one of {KD_KINDS}, got {kind!r}")
 
 
 def kd_loss_dense(
-    student_logits: Tensor, teacher_logits: Tensor, mask: Tensor, kind: str = "forward", temperature: float = 1.0
+    student_logits: Tensor, teacher_logits: Tensor, mask: Tensor, kind: str = "forward", temperature: float = 1.0,
+    beta: float = 0.5,
 ) -> Tensor:
     """KD against full teacher logits, ``T^2``-scaled, averaged over masked positions.
 
@@ -113,7 +122,7 @@ def kd_loss_dense(
     """
     s = F.log_softmax(student_logits.float() / temperature, dim=-1)  # (B, T, V)
     t = F.log_softmax(teacher_logits.float() / temperature, dim=-1)  # (B, T, V)
-    return masked_mean(divergence(t, s, kind), mask) * temperature**2
+    return masked_mean(divergence(t, s, kind, beta), mask) * temperature**2
 
 
 def _log1mexp(x: Tensor) -> Tensor:
@@ -179,6 +188,7 @@ def position_stats(
     teacher_logits: Tensor | None = None,
     kind: str = "forward",
     temperature: float = 1.0,
+    beta: float = 0.5,
 ) -> dict[str, Tensor]:
     """Per-position values over the vocabulary, ``chunk`` positions at a time (module docstring).
 
@@ -222,7 +232,7 @@ def position_stats(
                 t, s = topk_pair(s, ids, lps)  # (n, k+1) each
                 if temperature != 1.0:
                     t = F.log_softmax(t / temperature, dim=-1)
-            out.append(divergence(t, s, kind) * temperature**2)
+            out.append(divergence(t, s, kind, beta) * temperature**2)
         return torch.stack(out, dim=-1)  # (n, len(names))
 
     def rows(x: Tensor | None) -> Tensor | None:

@@ -494,7 +494,13 @@ def step_kd(cfg: Config, run: RunDir) -> dict[str, Any]:
 def train_role(cfg: Config, run: RunDir, role: str) -> dict[str, Any]:
     from distillgates.train.recipe import train_student
 
-    path = train_student(cfg, role, run, device=cfg.device)
+    train_cfg = cfg.drafter_train if role == "drafter" and cfg.drafter_train is not None else cfg.train
+    teacher = None
+    if train_cfg.teacher_mode == "online" or train_cfg.on_policy.share > 0:  # the teacher scores the batches
+        from distillgates.teacher.local import LocalTeacher
+
+        teacher = LocalTeacher(run.teacher_model_dir(cfg), device=resolve_device(cfg.device))
+    path = train_student(cfg, role, run, teacher=teacher, device=cfg.device)
     summary: dict[str, Any] = {"model": str(path)}
     probe = run.optional_json(run.qat_probe(role))
     if probe is not None:

@@ -73,6 +73,9 @@ class Row:
     length: int = 0  # tokens of the full conversation before truncation (sampler bucketing)
     early: list[int] = field(default_factory=list)  # tool-call prefix ids for the early-tool loss (may be empty)
     excess: list[int] = field(default_factory=list)  # prediction positions of preamble/filler (see excess_positions)
+    # a row the student sampled (train.on_policy): (first prediction position, tokens) of each of its turns, the
+    # turn masks whether the turn stopped on <|end|>, another stop id or its budget (turn_masks reads <|end|> only)
+    generated: list[tuple[int, int]] = field(default_factory=list)
 
 
 @dataclass
@@ -95,6 +98,7 @@ class Batch:
     early_mask: Tensor  # (R, L) those positions
     items: list[dict[str, Any]]
     shape: int
+    on_policy: bool = False  # rows the student sampled (train.on_policy): no reference, the teacher scores them
 
     @property
     def n_tokens(self) -> int:
@@ -269,6 +273,13 @@ def collate(rows: Sequence[Row], pad_id: int, assistant_header: int | Sequence[i
                 early_mask[i, q] = 1.0
     targets = torch.cat([input_ids[:, 1:], torch.zeros(R, 1, dtype=torch.long)], 1)  # (R, L)
     turn_mask, turn_start = turn_masks(input_ids, assistant_header, end_id)  # (R, L)
+    for i, r in enumerate(rows):
+        if r.generated:
+            turn_mask[i], turn_start[i] = False, False
+            for start, n in r.generated:
+                if start < len(r.ids) - 1:  # positions whose target (the sampled token) is in the row
+                    turn_mask[i, start : min(start + n, len(r.ids) - 1)] = True
+                    turn_start[i, start] = True
     return Batch(
         input_ids=input_ids,
         targets=targets,

@@ -17,6 +17,9 @@ Design choices:
 - **Latency losses.** The length loss needs to know whether the student *covers* the item; we
   use its teacher-forced argmax predictions over the assistant turns as the proxy for its
   output (no generation in the loop) and the scorer's coverage check.
+- **On-policy** (``train.on_policy``, :mod:`distillgates.train.on_policy`): on a share of the steps the
+  student samples its batch's conversations and learns the teacher's dense distribution on its own tokens
+  (generalized JSD); the teacher is then needed as in online mode.
 - **Late QAT** (:mod:`distillgates.train.qat`) for the last ``1 - start_fraction`` of steps at
   ``lr * lr_scale``; a probe writes ``qat_probe.json``.
 - Validation every ``eval_every`` steps: CE/KD per enumerated shape plus TTFT/TPS proxies of
@@ -50,6 +53,7 @@ from distillgates.io import atomic_write_json, atomic_write_text, load_checksumm
 from distillgates.model import Transformer, save_model
 from distillgates.rundir import RunDir
 from distillgates.train.data import Batch, Row, build_row, collate, read_kd_set
+from distillgates.train.on_policy import on_policy_step, sample_rows
 from distillgates.train.qat import QAT, probe
 from distillgates.train.schedule import warmup_cosine
 
@@ -180,6 +184,9 @@ class Recipe:
             raise ValueError("teacher_mode 'offline' needs a KD set (kd_path); got none")
         if train_cfg.teacher_mode == "online" and teacher is None and train_cfg.kd.weight > 0:
             raise ValueError("teacher_mode 'online' needs a teacher; got none")
+        if train_cfg.on_policy.share > 0 and (teacher is None or train_cfg.kd.weight <= 0):
+            raise ValueError("train.on_policy needs a teacher that scores the student's tokens (a local teacher of the "
+                             "student's vocabulary) and kd.weight > 0")
         if train_cfg.init_from == "teacher" and init_teacher is None:
             raise ValueError("train.init_from 'teacher' needs the teacher model; got none")
         if train_cfg.pretrained is not None and (init_model is None or init_model.config != model_cfg):
@@ -372,18 +379,27 @@ class Recipe:
         """What :meth:`compute_loss` needs per position, ``train.loss_chunk`` positions at a time."""
         cfg, dev = self.cfg, self.device
         teacher = topk_ids = topk_logprobs = None
-        if cfg.kd.weight > 0 and cfg.teacher_mode == "online":
+        if cfg.kd.weight > 0 and self._dense_teacher(batch):
             with torch.no_grad():
                 teacher = self.teacher(input_ids)  # (R, L, V), cast to fp32 per chunk
         elif cfg.kd.weight > 0 and batch.kd_ids is not None and batch.kd_logprobs is not None:
             topk_ids, topk_logprobs = batch.kd_ids.to(dev), batch.kd_logprobs.to(dev)
+        kind, beta = self._divergence(batch)
         return losses.position_stats(
             logits, batch.targets.to(dev), cfg.loss_chunk,
             early_targets=batch.early_targets.to(dev) if cfg.early_tool.weight > 0 else None,
             stop_ids=[self.end_id] if cfg.length.weight > 0 else (),
             topk_ids=topk_ids, topk_logprobs=topk_logprobs, teacher_logits=teacher,
-            kind=cfg.kd.kind, temperature=cfg.kd.temperature,
+            kind=kind, temperature=cfg.kd.temperature, beta=beta,
         )  # fmt: skip
+
+    def _dense_teacher(self, batch: Batch) -> bool:
+        """The teacher's logits on the batch itself: online mode, and every on-policy batch."""
+        return self.cfg.teacher_mode == "online" or batch.on_policy
+
+    def _divergence(self, batch: Batch) -> tuple[str, float]:
+        """KD kind and beta: ``kd.kind`` on the training rows, the generalized JSD on the student's samples."""
+        return ("jsd", self.cfg.on_policy.beta) if batch.on_policy else (self.cfg.kd.kind, 0.5)
 
     def compute_loss(self, batch: Batch, epoch: float) -> tuple[Tensor, dict[str, float]]:
         """Weighted loss of one micro-batch and its logged components.
@@ -405,18 +421,21 @@ class Recipe:
             logits = logits.float()
             log_probs = logits.log_softmax(-1)  # (R, L, V)
             nll = losses.token_nll(log_probs, batch.targets.to(dev))  # (R, L)
-        comp: dict[str, Tensor] = {"ce": losses.masked_mean(nll, batch.ce_mask.to(dev))}
-        if cfg.process_weight > 0:
+        comp: dict[str, Tensor] = {}
+        if not batch.on_policy:  # a sampled row has no reference to imitate
+            comp["ce"] = losses.masked_mean(nll, batch.ce_mask.to(dev))
+        if cfg.process_weight > 0 and not batch.on_policy:
             comp["process"] = losses.masked_mean(nll, batch.process_mask.to(dev))
         if cfg.kd.weight > 0:
             if "kd" in per_pos:
-                mask = batch.ce_mask if cfg.teacher_mode == "online" else batch.kd_mask
+                mask = batch.ce_mask if self._dense_teacher(batch) else batch.kd_mask
                 comp["kd"] = losses.masked_mean(per_pos["kd"], mask.to(dev))
-            elif cfg.teacher_mode == "online":
+            elif self._dense_teacher(batch):
                 with torch.no_grad():
                     t_logits = self.teacher(input_ids).float()  # (R, L, V)
                 mask = batch.ce_mask.to(dev)  # dense teacher on the same rows: every generated position
-                comp["kd"] = losses.kd_loss_dense(logits, t_logits, mask, cfg.kd.kind, cfg.kd.temperature)
+                kind, beta = self._divergence(batch)
+                comp["kd"] = losses.kd_loss_dense(logits, t_logits, mask, kind, cfg.kd.temperature, beta)
             elif batch.kd_ids is not None and batch.kd_logprobs is not None:
                 comp["kd"] = losses.kd_loss_topk(
                     logits, batch.kd_ids.to(dev), batch.kd_logprobs.to(dev), batch.kd_mask.to(dev),
@@ -466,12 +485,23 @@ class Recipe:
     # ------------------------------------------------------------------ train
 
     def _micro_batches(self, step: int) -> list[Batch]:
-        """This rank's micro-batches of global step ``step`` (rank r takes every world-th chunk)."""
+        """This rank's micro-batches of global step ``step`` (rank r takes every world-th chunk); on an on-policy
+        step (:func:`~distillgates.train.on_policy.on_policy_step`) the student's samples of those rows."""
         indices = self.sampler.batch_at(step).indices
         chunks = self.cfg.grad_accum * self.dist.world
         size = len(indices) // chunks
         mine = [indices[(a * self.dist.world + self.dist.rank) * size :][:size] for a in range(self.cfg.grad_accum)]
-        return [collate([self.rows[i] for i in idx], self.pad_id, self.assistant_id, self.end_id) for idx in mine]
+        on_policy = on_policy_step(self.cfg.seed, step, self.cfg.on_policy.share)
+        batches = []
+        for idx in mine:
+            rows = [self.rows[i] for i in idx]
+            if on_policy:
+                rows, _ = sample_rows(self.model, self.tokenizer, rows, self.cfg.on_policy, self.cfg.seed, step,
+                                      self.shapes.lengths)  # fmt: skip
+            batch = collate(rows, self.pad_id, self.assistant_id, self.end_id)
+            batch.on_policy = on_policy
+            batches.append(batch)
+        return batches
 
     def train(self) -> dict[str, Any]:
         cfg = self.cfg
@@ -510,7 +540,8 @@ class Recipe:
                 logged = _all_reduce_mean(logged, self.device)
             if self.dist.main:
                 record = {"step": self.step, "lr": lr, "grad_norm": float(grad_norm),
-                          "qat": self.qat is not None, "shape": micro[0].shape, **logged}
+                          "qat": self.qat is not None, "on_policy": micro[0].on_policy, "shape": micro[0].shape,
+                          **logged}
                 if self.step % cfg.log_every == 0 or self.step == last or self.step == 1:
                     record["tokens_per_s"] = tokens / max(time.perf_counter() - t0, 1e-9)
                 with open(self.log_path, "a") as f:
