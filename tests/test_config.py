@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -103,6 +104,84 @@ def test_bad_config_names_file_line_and_field(tmp_path: Path, text: str, fragmen
         load_config(_write(tmp_path, text))
     assert fragment in str(err.value)
     assert "bad.yaml" in str(err.value)
+
+
+# one invalid value per validation of every section: the error names the file, the line and the section
+EVERY_CHECK = [
+    (MODEL + "  max_seq_len: 512\n  rope_scaling: {kind: yarn}\n", "student.rope_scaling", "kind must be"),
+    (MODEL + "  max_seq_len: 512\n  rope_scaling: {kind: linear, factor: 0}\n", "student.rope_scaling", "factor"),
+    (MODEL.replace("n_layers: 1", "n_layers: 0") + "  max_seq_len: 512\n", "student", "n_layers must be > 0"),
+    (MODEL.replace("d_model: 32", "d_model: 30") + "  max_seq_len: 512\n", "student", "divisible by n_heads"),
+    (MODEL + "  max_seq_len: 512\n  activation: relu\n", "student", "activation"),
+    (MODEL + "  max_seq_len: 512\n  layer_types: [full_attention, full_attention]\n", "student", "layer_types"),
+    (MODEL + "  max_seq_len: 512\n  layer_types: [sliding_attention]\n", "student", "sliding_window"),
+    (MODEL + "  max_seq_len: 4096\ndrafter:" + MODEL.removeprefix("student:").replace("64", "65", 1)
+     + "  max_seq_len: 4096\n", "Config", "drafter.vocab_size must equal student.vocab_size"),
+    ("tokenizer:\n  chat_template: my-template\n", "tokenizer"),
+    ("tokenizer:\n  tool_call_format: xml\n", "tokenizer"),
+    ("shapes:\n  concentration_start: 0\n", "shapes"),
+    ("shapes:\n  anneal_fraction: 0\n", "shapes"),
+    ("shapes:\n  rare_every: -1\n", "shapes"),
+    ("shapes:\n  lengths: []\n  mix: []\n", "shapes"),
+    ("shapes:\n  lengths: [256, 128]\n  mix: [0.5, 0.5]\n", "shapes"),
+    ("shapes:\n  lengths: [128, 256]\n  mix: [0.7, 0.7]\n", "shapes"),
+    ("data:\n  verbose_share: 2\n", "data"),
+    ("data:\n  eval_min_per_shape: -1\n", "data"),
+    ("data:\n  max_skipped_share: 1\n", "data"),
+    ("data:\n  source: csv\n", "data"),
+    ("data:\n  source: jsonl\n", "data"),
+    ("data:\n  eval_fraction: 1.5\n", "data"),
+    ("teacher:\n  train: {steps: 0}\n", "teacher.train"),
+    ("teacher:\n  train: {value_weight: 0}\n", "teacher.train"),
+    ("teacher:\n  path: m\n  finetune: {lora: {r: 0}}\n", "teacher.finetune.lora"),
+    ("teacher:\n  path: m\n  finetune: {steps: 0}\n", "teacher.finetune"),
+    ("teacher:\n  path: m\n  finetune: {steps: 10, warmup_steps: 10}\n", "teacher.finetune"),
+    ("teacher:\n  check: {items: -1}\n", "teacher.check"),
+    ("teacher:\n  kind: remote\n", "teacher"),
+    ("teacher:\n  kind: openai\n", "teacher"),
+    ("teacher:\n  chat_template: fancy\n", "teacher"),
+    ("kd:\n  top_k: 0\n", "kd"),
+    ("kd:\n  max_turns: 0\n", "kd"),
+    ("train:\n  kd: {temperature: 0}\n", "train.kd"),
+    ("train:\n  length: {mask_excess: true}\n", "train.length"),
+    ("train:\n  length: {target: shortest}\n", "train.length"),
+    ("train:\n  length: {max_new_tokens: 0}\n", "train.length"),
+    ("train:\n  length: {slope: 0}\n", "train.length"),
+    ("train:\n  length: {cap: 0}\n", "train.length"),
+    ("train:\n  on_policy: {temperature: 0}\n", "train.on_policy"),
+    ("train:\n  on_policy: {max_turns: 0}\n", "train.on_policy"),
+    ("train:\n  qat: {start_fraction: 1.0}\n", "train.qat"),
+    ("train:\n  mixed_precision: fp8\n", "train"),
+    ("train:\n  teacher_mode: hybrid\n", "train"),
+    ("train:\n  steps: 10\n  warmup_steps: 10\n", "train"),
+    ("train:\n  grad_accum: 0\n", "train"),
+    ("train:\n  loss_chunk: -1\n", "train"),
+    ("train:\n  init_from: gguf:model.bin\n", "train"),
+    ("export:\n  target: onnx\n", "export"),
+    ("export:\n  coreai_eval_items: -1\n", "export"),
+    ("export:\n  coreai_eval_workers: 0\n", "export"),
+    ("export:\n  fp16_scaling: always\n", "export"),
+    ("export:\n  palettize_mode: random\n", "export"),
+    ("export:\n  compute_units: GPU\n", "export"),
+    ("export:\n  compute_precision: bf16\n", "export"),
+    ("export:\n  layout: nchw\n", "export"),
+    ("speed:\n  engine: mlx\n", "speed"),
+    ("speed:\n  speculative_items: 0\n", "speed"),
+    ("speed:\n  repeats: 0\n", "speed"),
+    ("eval:\n  privacy: {allow: [a.b.c]}\n", "eval.privacy"),
+    ("eval:\n  missing_fixture: ignore\n", "eval"),
+    ("eval:\n  threads: 0\n", "eval"),
+    ("eval:\n  max_calls: 0\n", "eval"),
+]
+
+
+@pytest.mark.parametrize(("text", "where", "fragment"), [c if len(c) == 3 else (*c, "") for c in EVERY_CHECK])
+def test_every_validation_names_file_line_and_section(tmp_path: Path, text: str, where: str, fragment: str) -> None:
+    path = _write(tmp_path, text)
+    with pytest.raises(ConfigError) as err:
+        load_config(path)
+    assert re.match(rf"{re.escape(str(path))}(:\d+)?: {re.escape(where)}: ", str(err.value)), str(err.value)
+    assert fragment in str(err.value)
 
 
 def test_model_config_checks_hold_in_python_too() -> None:
