@@ -49,7 +49,9 @@ from distillgates.config import Config, load_config
 from distillgates.rundir import RunDir
 
 
-def arm_config(cfg: Config, arm: str) -> Config:
+def arm_config(cfg: Config, arm: str, steps: int | None = None) -> Config:
+    if steps is not None:  # a shorter budget than the config's: every arm's schedule fits it
+        cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, steps=steps))
     if arm in ("off", "trl"):
         return cfg
     share, beta = (int(x) / 100 for x in arm.removeprefix("on").split("b"))
@@ -152,7 +154,7 @@ def evaluate_student(cfg: Config, run: RunDir) -> dict[str, Any]:
 def run_arm(args: argparse.Namespace) -> None:
     """One arm in this process: calibrate (unless ``off``), train to the budget, evaluate; JSON on stdout."""
     torch.set_num_threads(args.threads)
-    cfg = arm_config(load_config(args.config), args.arm)
+    cfg = arm_config(load_config(args.config), args.arm, args.off_steps)
     src = RunDir(args.run_dir)
     result: dict[str, Any] = {"arm": args.arm}
     steps = None
@@ -186,6 +188,8 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--work", type=Path, default=Path("/tmp/bench_on_policy"))
     parser.add_argument("--out", type=Path, default=None)
+    parser.add_argument("--off-steps", type=int, default=None,
+                        help="the off arm's steps (default: the config's train.steps); its wall time is the budget")
     parser.add_argument("--arm", default=None, help=argparse.SUPPRESS)  # a child process: one arm
     parser.add_argument("--budget", type=float, default=0.0, help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -196,6 +200,7 @@ def main() -> None:
         cmd = [sys.executable, __file__, str(args.run_dir), str(args.config), "--arm", arm, "--budget", str(budget),
                "--calib-steps", str(args.calib_steps), "--trl-beta", str(args.trl_beta), "--threads",
                str(args.threads), "--work", str(args.work)]  # fmt: skip
+        cmd += ["--off-steps", str(args.off_steps)] if args.off_steps else []
         out = subprocess.run(cmd, capture_output=True, text=True, check=False)
         line = next((ln for ln in out.stdout.splitlines() if ln.startswith("RESULT ")), None)
         if line is None:
@@ -204,7 +209,8 @@ def main() -> None:
         budget = budget or result["train_seconds"]
         results.append(result)
         print(json.dumps(result), flush=True)
-    report = {"config": str(args.config), "budget_seconds": budget, "threads": args.threads,
+    report = {"config": str(args.config), "off_steps": args.off_steps, "budget_seconds": budget,
+              "threads": args.threads,
               "machine": f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} threads available",
               "torch": torch.__version__, "arms": results}  # fmt: skip
     if args.out:

@@ -16,8 +16,10 @@ import yaml
 from distillgates.cli import main as cli_main
 from distillgates.config import load_config
 from distillgates.eval.report import read_report
-from distillgates.pipeline import STEPS, Pipeline, run_pipeline
+from distillgates.pipeline import STEPS, Pipeline, run_pipeline, train_role
 from distillgates.project import EMBEDDED_CONFIG as TOY
+from distillgates.rundir import RunDir
+from distillgates.train.on_policy import on_policy_step
 
 
 def tiny_config(path: Path) -> Path:
@@ -135,6 +137,25 @@ def test_constrained_tool_calls_rerun_only_eval(tiny_run: tuple[Path, Path], tmp
     determinism = new["gate_inputs"]["determinism"]
     assert determinism["coverage"] == 1.0 and determinism["mismatches"] == 0
 
+
+
+@pytest.mark.integration
+def test_an_on_policy_student_step_scores_its_samples_with_the_runs_teacher(tiny_run: tuple[Path, Path],
+                                                                             tmp_path: Path) -> None:
+    """``train.on_policy``: the student step loads the run's local teacher (as for ``teacher_mode: online``) and
+    the drawn steps train on the student's samples."""
+    config, run_dir = tiny_run
+    run_dir = Path(shutil.copytree(run_dir, tmp_path / "run"))
+    data = yaml.safe_load(config.read_text())
+    data["train"]["on_policy"] = {"share": 0.5, "max_new_tokens": 8, "max_turns": 1}
+    changed = tmp_path / "on_policy.yaml"
+    changed.write_text(yaml.safe_dump(data))
+    cfg = load_config(changed)
+    shutil.rmtree(run_dir / "student")
+    train_role(cfg, RunDir(run_dir), "student")
+    log = [json.loads(line) for line in (run_dir / "student" / "train_log.jsonl").read_text().splitlines()]
+    drawn = [r["on_policy"] for r in log if "total" in r]
+    assert drawn == [on_policy_step(cfg.train.seed, step, 0.5) for step in range(cfg.train.steps)] and any(drawn)
 
 @pytest.mark.integration
 def test_eval_batch_size_reruns_only_eval_with_the_same_outputs(tiny_run: tuple[Path, Path], tmp_path: Path) -> None:

@@ -72,6 +72,18 @@ def test_writer_is_deterministic(tmp_path, toy_items):
         (1, _set("prompt_wrapper_sha256", "0" * 64), "prompt_wrapper_sha256"),
         (1, _set("total", 3), "total"),
         (1, _drop("seed"), "seed"),
+        (1, _set("dataset_version", 99), "dataset_version"),
+        (2, lambda line: "[1, 2]", "<item>"),
+        (2, _set("kind", 5), "kind"),
+        (2, _set("locale", "xx"), "locale"),
+        (2, _set("fixtures", ["get_weather"]), "fixtures[0]"),
+        (2, _set("tool_should_be_used", False), "tool_should_be_used"),
+        (2, _set("argument_alternatives", {"city": ["Paris"]}), "argument_alternatives"),
+        (2, _set("argument_alternatives", ["Paris"]), "argument_alternatives[0]"),
+        (2, _set("optional_arguments", "unit"), "optional_arguments"),
+        (2, _set("optional_arguments", [5]), "optional_arguments[0]"),
+        (2, _set("messages", [{"role": "user", "content": 5}]), "messages[0].content"),
+        (2, _set("messages", [{"role": "system", "content": "tools"}]), "messages"),
     ],
 )
 def test_reader_errors_name_file_line_field(written, line, mutate, field):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shutil
@@ -364,3 +365,41 @@ def test_chunked_losses_equal_the_unchunked_step(artifacts: dict[str, Any], tmp_
     for name, value in plain.items():
         assert chunked[name] == pytest.approx(value, rel=1e-5, abs=1e-6), name
     torch.testing.assert_close(chunked_grad, plain_grad, atol=1e-6, rtol=1e-4)
+
+
+def test_the_recipe_refuses_what_it_cannot_train(artifacts: dict[str, Any], tmp_path: Path) -> None:
+    """Each refusal names the setting: a missing KD set or teacher, an init it cannot build, a batch it cannot split,
+    a KD set of other items, a checkpoint of another model, an unknown role."""
+    tok, vocab = artifacts["tokenizer"], len(artifacts["tokenizer"])
+    kd = read_kd_set(artifacts["kd_path"])
+
+    def recipe(kd_records: Any = kd, **train: Any) -> Recipe:
+        cfg = artifacts["make_config"](vocab, **train)
+        return Recipe(cfg.train, cfg.student, cfg.shapes, tok, artifacts["train"], artifacts["eval"], tmp_path / "r",
+                      kd_records=kd_records, device="cpu", progress=False, speed_prompts=0)  # fmt: skip
+
+    with pytest.raises(ValueError, match="teacher_mode 'offline' needs a KD set"):
+        recipe(kd_records=None)
+    with pytest.raises(ValueError, match="teacher_mode 'online' needs a teacher"):
+        recipe(teacher_mode="online")
+    with pytest.raises(ValueError, match=r"train\.init_from 'teacher' needs the teacher model"):
+        recipe(init_from="teacher")
+    with pytest.raises(ValueError, match="needs the converted checkpoint as init_model"):
+        recipe(init_from="hf:/nowhere")
+    with pytest.raises(ValueError, match="no training item has a KD record"):
+        recipe(kd_records={"other-item": next(iter(kd.values()))}).setup()
+    with pytest.raises(ValueError, match=r"batch_size 4 must be divisible by world_size\*grad_accum = 3"):
+        recipe(grad_accum=3).setup()
+    trained = recipe(steps=3, ckpt_every=1)
+    trained.setup()
+    trained.train()
+    cfg = artifacts["make_config"](vocab)
+    wider = Recipe(cfg.train, dataclasses.replace(cfg.student, d_model=48, ffn_hidden=96), cfg.shapes, tok,
+                   artifacts["train"], artifacts["eval"], tmp_path / "r", kd_records=kd, device="cpu", progress=False,
+                   speed_prompts=0)  # fmt: skip
+    with pytest.raises(ValueError, match="checkpoint was written for another model config"):
+        wider.setup()
+    with pytest.raises(ValueError, match="role must be 'student' or 'drafter', got 'teacher'"):
+        train_student(cfg, "teacher", tmp_path)
+    with pytest.raises(ValueError, match="config has no 'drafter' section"):
+        train_student(cfg, "drafter", tmp_path, tokenizer=tok, train_items=[], eval_items=[])
