@@ -5,9 +5,10 @@ where an uninterrupted one does) the student plays each conversation of its batc
 eval plays it: the item's tools in the system prompt, every call validated and answered by the item's
 fixtures (:func:`distillgates.eval.runners.run_item`), at most ``max_turns`` calls. It samples at
 ``temperature``/``top_p`` with a seed drawn from (seed, step, item, turn), on the PyTorch engine over a
-copy of the weights of that step (during late QAT: the float weights the QAT graph fake-quantizes). The row is exactly the token sequence the student saw: the prompt, its
-turns with their stop tokens, and the tool results between them, with the positions of each sampled turn
-(its loss mask: a turn the budget cut or another stop id ended counts too).
+copy of the weights of that step (during late QAT: the float weights the QAT graph fake-quantizes). The row
+is exactly the token sequence the student saw: the prompt, its turns with their stop tokens, and the tool
+results between them, with the positions of each sampled turn (its loss mask: a turn the budget cut or
+another stop id ended counts too).
 
 The recipe scores the row with the teacher's dense logits (one forward) and trains the student's turn
 positions on the generalized JSD (:func:`distillgates.losses.divergence`, ``beta``). There is no CE on a
