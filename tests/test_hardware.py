@@ -205,6 +205,17 @@ def test_speed_targets_load_from_the_documented_example(tmp_path):
         ("profiles:\n" + GOOD_PROFILE.replace("    min_ram_gb: 64\n", ""), r"missing required field\(s\): min_ram_gb"),
         ("profile:\n" + GOOD_PROFILE, r"hw\.yaml:1: profile: unknown key"),
         ("profiles: []\n", r"profiles: expected a non-empty list"),
+        ("profiles:\n" + GOOD_PROFILE + "    gating: {min_samples: 1}\n", r"hw\.yaml:5: .*min_samples must be >= 2"),
+        ("profiles:\n" + GOOD_PROFILE + "    speed_targets:\n      shapes:\n        - {length: 0}\n",
+         r"hw\.yaml:6: profiles\[0\]\.speed_targets\.shapes\[0\]: length must be >= 1"),
+        ("profiles:\n" + GOOD_PROFILE + "    speed_targets:\n      shapes: [{length: 512}, {length: 512}]\n",
+         r"hw\.yaml:5: .*each length once"),
+        ("profiles:\n" + GOOD_PROFILE.replace("m9-max-64g", "M9_Max"), r"hw\.yaml:2: .*key must be lowercase"),
+        ("profiles:\n" + GOOD_PROFILE.replace("min_ram_gb: 64", "min_ram_gb: 0"),
+         r"hw\.yaml:2: .*min_ram_gb must be > 0"),
+        ("profiles: [unclosed\n", r"hw\.yaml: invalid YAML"),
+        ("- a\n- b\n", r"hw\.yaml: <root>: expected a mapping with 'version' and 'profiles'"),
+        ("version: 2\nprofiles:\n" + GOOD_PROFILE, r"hw\.yaml:1: version: expected 1, got 2"),
     ],
 )
 def test_yaml_validation_errors(tmp_path, text, pattern):

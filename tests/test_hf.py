@@ -4,6 +4,8 @@ is downloaded."""
 
 from __future__ import annotations
 
+import dataclasses
+import re
 from pathlib import Path
 from typing import Any
 
@@ -18,7 +20,7 @@ from distillgates.model import Transformer, apply_rope
 from distillgates.runtime.decoder import FusedDecoder, compiled_available, packed_available
 from distillgates.tokenizer import train_tokenizer
 
-from .conftest import assert_close
+from .conftest import assert_close, tiny_model_config
 
 VOCAB, MAX_SEQ = 96, 48
 COMMON = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
@@ -379,3 +381,20 @@ def test_unsupported_gemma3_settings_are_errors_naming_them(override: dict[str, 
         setattr(config, key, value)
     with pytest.raises(HFConversionError, match=fragment):
         from_hf(transformers.AutoModelForCausalLM.from_config(config), max_seq_len=MAX_SEQ)
+
+
+@pytest.mark.parametrize(("overrides", "model_type", "fragment"), [
+    ({"qk_norm": True, "attention_bias": True}, None, "no supported family has q/k norm and q/k/v biases"),
+    ({"embed_scale": True}, None, "embed_scale are Gemma 3's, but gemma3_text also needs"),
+    ({"qk_norm": True}, "llama", "llama cannot hold qk_norm=True, attention_bias=False"),
+    ({"residual_scale": 0.5}, None, "residual_scale 0.5 (the export's fp16 scaling) has no HF field"),
+    ({"embed_scale": True, "sandwich_norm": True, "qk_norm": True, "activation": "gelu_tanh"}, "qwen3",
+     "qwen3 cannot hold Gemma 3's features"),
+])  # fmt: skip
+def test_a_model_no_hf_family_can_hold_is_refused(overrides: dict[str, Any], model_type: str | None,
+                                                  fragment: str) -> None:
+    from distillgates.hf import hf_config
+
+    cfg = dataclasses.replace(tiny_model_config(), **overrides)
+    with pytest.raises(HFConversionError, match=re.escape(fragment)):
+        hf_config(cfg, model_type)

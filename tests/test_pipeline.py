@@ -636,3 +636,21 @@ def test_a_gemma3_student_in_the_ane_layout_is_refused_before_the_first_step(tmp
     data["export"]["layout"] = "standard"
     (tmp_path / "gemma.yaml").write_text(yaml.safe_dump(data))
     preflight(load_config(tmp_path / "gemma.yaml"))
+
+
+def test_the_preflight_names_a_missing_teacher_checkpoint_and_a_pretrained_student_without_its_tokenizer(
+    tmp_path: Path,
+) -> None:
+    """Found before the first step, naming the setting: a ``teacher.path`` with no checkpoint, an ``init_from``
+    checkpoint without ``tokenizer.path`` (the data step's trained tokenizer cannot index its embeddings)."""
+    from distillgates.pipeline import preflight, step_teacher
+
+    (tmp_path / "a.yaml").write_text(f"teacher:\n  kind: local\n  path: {tmp_path / 'nothing'}\n")
+    with pytest.raises(FileNotFoundError, match=r"teacher\.path: no checkpoint at"):
+        preflight(load_config(tmp_path / "a.yaml"))
+    (tmp_path / "ckpt").mkdir()
+    (tmp_path / "b.yaml").write_text(f"train:\n  init_from: hf:{tmp_path / 'ckpt'}\n")
+    with pytest.raises(ValueError, match=r"train\.init_from 'hf:.*': needs tokenizer\.path"):
+        preflight(load_config(tmp_path / "b.yaml"))
+    with pytest.raises(ValueError, match="config has no teacher section"):
+        step_teacher(dataclasses.replace(load_config(tmp_path / "b.yaml"), teacher=None), RunDir(tmp_path / "run"))

@@ -16,6 +16,7 @@ from distillgates.data.chat import render_conversation
 from distillgates.data.generator import generate_items
 from distillgates.tokenizer import (
     SPECIAL_TOKENS,
+    chat_template_text,
     decode,
     encode,
     gpt2_byte_decoder,
@@ -118,3 +119,19 @@ def test_offsets_cover_the_text(tok):
 def test_load_missing_directory_is_a_clear_error(tmp_path: Path):
     with pytest.raises(FileNotFoundError, match=r"no tokenizer\.json"):
         load_tokenizer(tmp_path)
+
+
+def test_a_tokenizer_without_a_chat_template_is_refused_naming_the_field(tmp_path: Path):
+    """``load_tokenizer`` names the file and the field of a tokenizer with no chat template (and none of the toy's
+    special tokens to give it the toy's); ``chat_template_text`` names the setting."""
+    from tokenizers import Tokenizer, models
+    from transformers import PreTrainedTokenizerFast
+
+    plain = PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.WordLevel({"a": 0, "[UNK]": 1}, "[UNK]")))
+    plain.save_pretrained(tmp_path / "plain")
+    with pytest.raises(ValueError, match=r"tokenizer_config\.json: chat_template: the tokenizer has no chat template"):
+        load_tokenizer(tmp_path / "plain")
+    with pytest.raises(ValueError, match=r"tokenizer\.chat_template: expected one of .* or a \.jinja file"):
+        chat_template_text("fancy", "tokenizer.chat_template")
+    with pytest.raises(FileNotFoundError, match=r"tokenizer\.chat_template: no template file"):
+        chat_template_text(str(tmp_path / "missing.jinja"), "tokenizer.chat_template")

@@ -23,6 +23,7 @@ from distillgates.data.chat import (
     reference_messages,
     render_conversation,
     render_prompt,
+    system_prompt,
     template_chat_format,
     toy_chat_format,
 )
@@ -360,3 +361,13 @@ def test_an_api_message_renders_as_turns_its_family_parses_back(family, request,
     assert fmt.assistant_text("It is 3.") == "It is 3."
     bad = {"id": "c9", "type": "function", "function": {"name": "create_ticket", "arguments": "{not json"}}
     assert fmt.parse_turn(fmt.assistant_text(None, [bad])).calls == [None]  # an unparsable call stays one
+
+
+def test_rendering_names_the_message_it_cannot_render():
+    fmt = toy_chat_format()
+    with pytest.raises(ValueError, match=r"messages\[1\]\.role: expected one of assistant/system/tool/user, got 'r"):
+        fmt.render([{"role": "user", "content": "hi"}, {"role": "robot", "content": "beep"}])
+    with pytest.raises(ValueError, match=r"messages\[0\]\.content: expected a string, got int"):
+        fmt.render([{"role": "user", "content": 5}])
+    with pytest.raises(ValueError, match="unknown locale 'xx'"):
+        system_prompt("xx")

@@ -332,3 +332,15 @@ def test_8_skip_policy_lists_every_skipped_row_and_a_threshold_fails_the_step(tm
     assert (tmp_path / "run" / "data" / "train.jsonl").read_bytes() == before
     assert step_data(_config(path, invalid_rows="skip", max_skipped_share=0.1), RunDir(tmp_path / "run"))[
         "skipped_rows"] == 2  # fmt: skip
+
+
+def test_a_missing_or_empty_file_and_a_split_without_training_rows_are_named(tmp_path):
+    for fmt in ("jsonl", "hf"):
+        with pytest.raises(DatasetError, match=re.escape(f"{tmp_path / 'none.jsonl'}: <file>: not found")):
+            read_items(tmp_path / "none.jsonl", fmt=fmt)
+    blank = tmp_path / "blank.jsonl"
+    blank.write_text("\n\n")
+    with pytest.raises(DatasetError, match=re.escape(f"{blank}: <file>: no rows")):
+        read_items(blank)
+    with pytest.raises(DatasetError, match=r"eval_fraction 0\.9 leaves no training items out of 2"):
+        split_items([{"id": "a"}, {"id": "b"}], 0.9, seed=0)

@@ -332,6 +332,46 @@ def test_unsupported_schemas_fail_up_front(vocab):
         build({"type": "object", "properties": {"x": {"type": "integer", "minimum": 3, "maximum": 2}}})
 
 
+
+def _string(**kw):
+    return {"type": "object", "properties": {"x": {"type": "string", **kw}}}
+
+
+@pytest.mark.parametrize(
+    ("tools", "fragment"),
+    [
+        ([], "non-empty list with unique names"),
+        ([{"name": "t", "parameters": {}}, {"name": "t", "parameters": {}}], "unique names"),
+        ([{"name": "t", "parameters": {"type": "string"}}], "t.parameters: the arguments must be an object schema"),
+        ([{"name": "t", "parameters": {"type": "object", "properties": {"x": "string"}}}],
+         "t.parameters.properties.x: expected a schema object, got str"),
+        ([{"name": "t", "parameters": {"type": "object", "properties": {"x": {"type": "integer", "enum": ["a"]}}}}],
+         "enum/const has no value of type 'integer'"),
+        ([{"name": "t", "parameters": _string(minLength=500)}], "minLength 500 > length bound"),
+        ([{"name": "t", "parameters": _string(pattern="^[0-9]{5}$", maxLength=3)}], "pattern cannot match within"),
+        ([{"name": "t", "parameters": {"type": "object", "properties": {"x": {"type": "array"}}}}],
+         "need 'items' and minItems"),
+        ([{"name": "t", "parameters": _string(pattern="^\\q+$")}], "escape \\q is not supported"),
+        ([{"name": "t", "parameters": _string(pattern="^[a-z$")}], "unterminated class"),
+        ([{"name": "t", "parameters": _string(pattern="^*a$")}], "without an atom"),
+        ([{"name": "t", "parameters": _string(pattern="^a{2,x}$")}], "bad {n,m} quantifier"),
+        ([{"name": "t", "parameters": _string(pattern="^é$")}], "outside printable ASCII"),
+    ],
+)  # fmt: skip
+def test_every_unsupported_schema_is_named_up_front(vocab, tools, fragment):
+    with pytest.raises(UnsupportedSchemaError, match=re.escape(fragment)):
+        ToolCallConstraint(tools, vocab, end_id=8)
+
+
+def test_constraint_settings_are_checked(vocab):
+    tools = [{"name": "t", "parameters": {"type": "object", "properties": {}}}]
+    with pytest.raises(ValueError, match="reserved texts must start with '<'"):
+        ToolCallConstraint(tools, vocab, end_id=8, reserved=("|x",))
+    with pytest.raises(ValueError, match="max_int_digits"):
+        Bounds(max_int_digits=0)
+    with pytest.raises(ValueError, match="max_string_chars and max_array_items"):
+        Bounds(max_string_chars=0)
+
 def test_vocab_without_byte_tokens_is_refused():
     with pytest.raises(ValueError, match="single-byte tokens"):
         TokenVocab([b"a", b"b", None])

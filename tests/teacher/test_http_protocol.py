@@ -143,6 +143,34 @@ def test_server_rejects_what_real_servers_reject(tiny_teacher):
         assert len(server.requests) == 1
 
 
+
+_USER = {"role": "user", "content": "weather in Paris?"}
+_CALL = {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city":"Paris"}'}}
+_CALLS = {"role": "assistant", "content": None, "tool_calls": [_CALL]}
+_RESULT = {"role": "tool", "tool_call_id": "c1", "content": "{}"}
+
+
+@pytest.mark.parametrize(
+    ("body", "why"),
+    [
+        ([_USER], "body must be a JSON object"),
+        ({"messages": []}, "messages must be a non-empty list"),
+        ({"messages": [_USER], "tools": [{"type": "retrieval"}]}, "tools[0] must be {'type': 'function'"),
+        ({"messages": [{"role": "robot", "content": "hi"}]}, "messages[0].role is invalid"),
+        ({"messages": [_USER, {**_CALLS, "tool_calls": {"id": "c1"}}]}, "messages[1].tool_calls must be a list"),
+        ({"messages": [_USER, {**_CALLS, "tool_calls": [{**_CALL, "type": "code"}]}, _RESULT]},
+         "messages[1].tool_calls[0] must be {'type': 'function'"),
+        ({"messages": [_USER, {**_CALLS, "content": 5}, _RESULT]}, "messages[1].content must be a string or null"),
+        ({"messages": [{"role": "user", "content": 5}]}, "messages[0].content must be a string"),
+        ({"messages": [_USER, _CALLS]}, "the last assistant message has tool_calls without tool messages: ['c1']"),
+    ],
+)  # fmt: skip
+def test_the_server_names_what_is_wrong_with_a_request(body: Any, why: str) -> None:
+    from distillgates.teacher.server import _validate
+
+    assert (_validate(body) or "").startswith(why)
+    assert _validate({"messages": [_USER, _CALLS, _RESULT]}) is None
+
 def test_logprobs_off_gives_a_text_only_kd_set(tiny_teacher, toy_items, client_for, tmp_path):
     with TeacherServer(tiny_teacher) as server:
         client = client_for(server, logprobs=False)
@@ -196,3 +224,21 @@ def test_evaluating_an_api_teacher_plays_its_parallel_calls(tiny_teacher_dir, to
         assert [b["tools"] for b in server.requests] == [_wire_tools(multi)] * 2
     assert [c["call"] for c in output["calls"]] == multi["expected_calls"]
     assert all(c["fixture_hit"] for c in output["calls"]) and output["answer"] == answer
+
+
+def test_the_server_answers_routes_keys_and_bodies_as_an_api_does(tiny_teacher):
+    """A wrong key is 401 (the key never echoed), an unknown route 404, a body that is not JSON 400; the models
+    route lists the model."""
+    ok = {"messages": [_USER], "max_tokens": 2}
+    server = TeacherServer(tiny_teacher, api_key="sk-right")
+    with server, httpx.Client(base_url=server.base_url + "/") as http:
+        wrong = http.post("chat/completions", json=ok, headers={"Authorization": "Bearer sk-wrong"})
+        assert wrong.status_code == 401 and "sk-wrong" not in wrong.text
+        assert http.get("models", headers={"Authorization": "Bearer sk-wrong"}).status_code == 401
+        key = {"Authorization": "Bearer sk-right"}
+        assert http.get("models", headers=key).json()["data"][0]["id"] == server.model_name
+        assert http.get("nowhere", headers=key).status_code == 404
+        assert http.post("embeddings", json=ok, headers=key).status_code == 404
+        bad = http.post("chat/completions", content=b"{not json", headers=key)
+        assert bad.status_code == 400 and "invalid JSON" in bad.text
+        assert http.post("chat/completions", json=ok, headers=key).status_code == 200

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -258,6 +259,36 @@ def test_bad_kd_record_names_file_line_field(artifacts: dict[str, Any], tmp_path
     with pytest.raises(KDSetError, match=r"kd.jsonl:3: topk_ids"):
         read_kd_set(path)
 
+
+
+def _header(fn: Any) -> Any:
+    return lambda lines: [json.dumps(fn(json.loads(lines[0]))), *lines[1:]]
+
+
+def _record(n: int, fn: Any) -> Any:
+    return lambda lines: [*lines[: n - 1], fn(json.loads(lines[n - 1])), *lines[n:]]
+
+
+@pytest.mark.parametrize(
+    ("edit", "where"),
+    [
+        (lambda lines: [], "kd.jsonl:1: __header__"),
+        (_header(lambda h: {k: v for k, v in h.items() if k != "top_k"}), "kd.jsonl:1: top_k"),
+        (_header(lambda h: {**h, "kd_version": 0}), "kd.jsonl:1: kd_version"),
+        (lambda lines: lines[:-1], "total"),
+        (_record(3, lambda r: "[1, 2]"), "kd.jsonl:3: <line>"),
+        (_record(3, lambda r: json.dumps({**r, "completion_text": 5})), "kd.jsonl:3: completion_text"),
+        (_record(3, lambda r: json.dumps({**r, "completion_ids": ["a"] * len(r["completion_ids"])})),
+         "kd.jsonl:3: completion_ids"),
+    ],
+)
+def test_a_bad_kd_set_names_file_line_field(artifacts: dict[str, Any], tmp_path: Path, edit: Any, where: str) -> None:
+    path = tmp_path / "kd.jsonl"
+    path.write_text("".join(f"{line}\n" for line in edit(artifacts["kd_path"].read_text().splitlines())))
+    with pytest.raises(KDSetError, match=re.escape(where)):
+        read_kd_set(path)
+    with pytest.raises(FileNotFoundError, match="KD set not found"):
+        read_kd_set(tmp_path / "missing.jsonl")
 
 def _run(args: list[str], **kw: Any) -> subprocess.CompletedProcess[str]:
     env = {**os.environ, "OMP_NUM_THREADS": "1"}

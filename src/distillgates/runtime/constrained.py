@@ -241,7 +241,7 @@ def _compile_pattern(pattern: str, where: str) -> tuple[_Atom, ...]:
             if s[i] == "{":
                 end = s.find("}", i)
                 parts = s[i + 1 : end].split(",")
-                if end < 0 or not parts[0].isdigit() or len(parts) > 2:
+                if end < 0 or not parts[0].isdigit() or len(parts) > 2 or not (parts[-1].isdigit() or parts[-1] == ""):
                     raise fail("bad {n,m} quantifier")
                 lo = int(parts[0])
                 hi = lo if len(parts) == 1 else (int(parts[1]) if parts[1] else None)
