@@ -806,6 +806,10 @@ class Config:
                              "samples only (scoring given tokens needs e.g. vLLM's prompt_logprobs, which the client "
                              "does not speak): use a local teacher (teacher.kind local) or train.on_policy.share 0")
 
+    def train_section(self, role: str) -> TrainConfig:
+        """The recipe ``role`` trains with: ``drafter_train`` for the drafter when given, else ``train``."""
+        return self.drafter_train if role == "drafter" and self.drafter_train is not None else self.train
+
     @property
     def student_qat_int4_block(self) -> int | None:
         """The student's QAT grid (it follows ``export.quantize``): int4 per block of this many input channels,

@@ -494,7 +494,7 @@ def step_kd(cfg: Config, run: RunDir) -> dict[str, Any]:
 def train_role(cfg: Config, run: RunDir, role: str) -> dict[str, Any]:
     from distillgates.train.recipe import train_student
 
-    train_cfg = cfg.drafter_train if role == "drafter" and cfg.drafter_train is not None else cfg.train
+    train_cfg = cfg.train_section(role)
     teacher = None
     if train_cfg.teacher_mode == "online" or train_cfg.on_policy.share > 0:  # the teacher scores the batches
         from distillgates.teacher.local import LocalTeacher

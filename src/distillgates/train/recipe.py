@@ -707,7 +707,7 @@ def train_student(
     if role not in ("student", "drafter"):
         raise ValueError(f"role must be 'student' or 'drafter', got {role!r}")
     model_cfg = getattr(cfg, role)
-    train_cfg = cfg.drafter_train if role == "drafter" and cfg.drafter_train is not None else cfg.train
+    train_cfg = cfg.train_section(role)
     run = run_dir if isinstance(run_dir, RunDir) else RunDir(run_dir)
     tokenizer = tokenizer if tokenizer is not None else run.tokenizer()
     init_model = None
@@ -787,7 +787,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
 def run(args: argparse.Namespace) -> int:
     cfg = load_config(args.config)
     teacher = None
-    train_cfg = cfg.drafter_train if args.role == "drafter" and cfg.drafter_train is not None else cfg.train
+    train_cfg = cfg.train_section(args.role)
     if train_cfg.teacher_mode == "online":
         from distillgates.teacher.local import LocalTeacher
 
