@@ -95,6 +95,11 @@ MODEL = "student:\n  vocab_size: 64\n  d_model: 32\n  n_layers: 1\n  n_heads: 4\
          "calibrates int4 weights of layout standard, got quantize 'int8', layout 'standard'"),
         ("export:\n  quantize: int4\n  layout: ane\n  calibration: clip_search\n", "got quantize 'int4', layout 'ane'"),
         ("export:\n  quantize: int4\n  calibration: gptq\n", "calibration must be none/clip_search, got 'gptq'"),
+        ("export:\n  target: coreai\n  layout: ane\n", "bad.yaml:1: export: target 'coreai' with layout 'ane': the "
+         "Core AI target converts layout standard only"),
+        ("export:\n  target: both\n  layout: ane\n", "target 'both' with layout 'ane'"),
+        ("export:\n  target: coreai\nspeed:\n  engine: coreml\n", "speed.engine coreml times export/model.mlpackage, "
+         "and export.target coreai writes none"),
         ("export:\n  quantize: int4\n  calibration: clip_search\n  calibration_rows: 0\n",
          "calibration_rows must be >= 1, got 0"),
     ],

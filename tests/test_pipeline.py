@@ -628,7 +628,7 @@ def test_a_gemma3_student_in_the_ane_layout_is_refused_before_the_first_step(tmp
     data = yaml.safe_load(tiny_config(tmp_path).read_text())
     data["train"]["init_from"] = "scratch"
     data["student"].update(embed_scale=True, activation="gelu_tanh", sandwich_norm=True)
-    data["export"]["layout"] = "ane"
+    data["export"].update(layout="ane", target="coreml")  # the Core AI target converts layout standard only
     (tmp_path / "gemma.yaml").write_text(yaml.safe_dump(data))
     with pytest.raises(ValueError, match=r"export.layout: ane does not compute Gemma 3's embed_scale, activation, "
                                          r"sandwich_norm \(the student's\): use layout: standard"):
@@ -654,3 +654,36 @@ def test_the_preflight_names_a_missing_teacher_checkpoint_and_a_pretrained_stude
         preflight(load_config(tmp_path / "b.yaml"))
     with pytest.raises(ValueError, match="config has no teacher section"):
         step_teacher(dataclasses.replace(load_config(tmp_path / "b.yaml"), teacher=None), RunDir(tmp_path / "run"))
+
+
+@pytest.mark.integration
+def test_target_coreai_ships_the_asset_alone_through_the_pipeline(tiny_run: tuple[Path, Path], tmp_path: Path) -> None:
+    """``export.target: coreai``: the export step writes ``model.aimodel`` only (the earlier package removed), the
+    coreai_eval step decodes through it, the report validates, and the checklist gates the asset: its parity as the
+    export gates' cosines, the identity gate over its digest; the Core ML lints skip, saying why."""
+    import subprocess
+    import sys
+
+    from distillgates.runtime.coreai_engine import unavailable
+
+    if unavailable() is not None:
+        pytest.skip(str(unavailable()))
+    config, run_dir = tiny_run
+    run_dir = Path(shutil.copytree(run_dir, tmp_path / "run"))
+    data = yaml.safe_load(config.read_text())
+    data["export"] = {**data.get("export", {}), "target": "coreai"}
+    changed = tmp_path / "coreai.yaml"
+    changed.write_text(yaml.safe_dump(data))
+    Pipeline(load_config(changed), run_dir).run(["export", "coreai_eval", "report"])
+    assert sorted(p.name for p in (run_dir / "export").iterdir() if p.is_dir()) == ["model.aimodel"]
+    report = read_report(run_dir / "reports" / "report.json")
+    assert report["gate_inputs"]["export"]["source"].startswith("model.aimodel run by Core AI's runtime")
+    assert report["gate_inputs"]["coreai_eval"]["items"] == report["quality"]["student"]["n"]
+    gates = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rs",
+                            str(Path(__file__).parents[1] / "pytest_distillgates" / "checklist"),
+                            f"--run-dir={run_dir}", "-m", "export or coreai_parity or determinism",
+                            "-k", "not coreai_quality"],  # the tiny student's quality is not the toy's
+                           capture_output=True, text=True, cwd=tmp_path)  # fmt: skip
+    assert gates.returncode == 0, gates.stdout[-3000:]
+    assert "export.target coreai: the export lints" in gates.stdout
+    assert " failed" not in gates.stdout.splitlines()[-1]

@@ -550,11 +550,12 @@ class TrainConfig:
 class ExportConfig:
     """Core ML export, and Core AI's beside it."""
 
-    # "coreml": model.mlpackage; "both": also model.aimodel (Core AI: converted by coreai-torch, compressed by
-    # coreai-opt, run and gated on Linux by Core AI's runtime), where the coreai extra is installed (else
+    # "coreml": model.mlpackage (Core ML: macOS 15 / iOS 18 and later); "coreai": model.aimodel alone (Core AI:
+    # converted by coreai-torch, compressed by coreai-opt, run and gated on Linux by Core AI's runtime; macOS / iOS
+    # 27 and later; needs the coreai extra); "both": the two, where the coreai extra is installed (else the asset is
     # recorded as skipped, with the reason, and the coreai gates skip saying so)
     target: str = "coreml"
-    # target both: the first drawn eval items decoded greedily through model.aimodel by Core AI's runtime (the
+    # target both/coreai: the first drawn eval items decoded greedily through model.aimodel by Core AI's runtime (the
     # coreai_eval step) and compared with the PyTorch engine's outputs; 0: not run. On Linux the runtime is a
     # single-threaded reference implementation: size it for the machine
     coreai_eval_items: int = 32
@@ -579,8 +580,11 @@ class ExportConfig:
     fp16_scaling: str = "auto"
 
     def __post_init__(self) -> None:
-        if self.target not in ("coreml", "both"):
-            raise ValueError(f"target must be coreml/both, got {self.target!r}")
+        if self.target not in ("coreml", "coreai", "both"):
+            raise ValueError(f"target must be coreml/coreai/both, got {self.target!r}")
+        if self.target != "coreml" and self.layout != "standard":
+            raise ValueError(f"target {self.target!r} with layout {self.layout!r}: the Core AI target converts layout "
+                             "standard only (set layout standard, or target coreml)")
         if self.coreai_eval_items < 0:
             raise ValueError(f"coreai_eval_items must be >= 0, got {self.coreai_eval_items}")
         if self.coreai_eval_workers < 1:
@@ -800,6 +804,9 @@ class Config:
         if self.train.qat.enabled and self.export.calibration != "none":
             raise ValueError(f"train.qat.enabled with export.calibration {self.export.calibration!r}: QAT'd weights "
                              f"lie on their int4 grid already, calibration would move them (choose one)")
+        if self.speed.engine == "coreml" and self.export.target == "coreai":
+            raise ValueError("speed.engine coreml times export/model.mlpackage, and export.target coreai writes none: "
+                             "set export.target coreml/both, or speed.engine torch")
         if self.train.on_policy.share > 0 and self.teacher is not None and self.teacher.kind == "openai":
             raise ValueError("train.on_policy needs the teacher's log-probs of the student's own tokens; teacher.kind "
                              "openai is an OpenAI-compatible chat API, which returns log-probs of the tokens it "

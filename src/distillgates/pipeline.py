@@ -539,7 +539,8 @@ def step_export(cfg: Config, run: RunDir) -> dict[str, Any]:
     atomic_write_json(run.export_gate_inputs, result.gate_inputs)
     return {
         "packages": {name: str(path) for name, path in result.packages.items()},
-        "ane_op_eligible_share": result.gate_inputs["ane_lint"]["op_eligible_share"],  # a lint figure, not residency
+        # a lint figure, not residency (none with target coreai: the lint reads the Core ML package)
+        "ane_op_eligible_share": result.gate_inputs["ane_lint"].get("op_eligible_share"),
         "cosine_by_shape": result.gate_inputs["export"]["cosine_by_shape"],
         "fp16_max_activation": result.headroom.get("max_peak"),
     }
@@ -779,7 +780,8 @@ STEPS: list[Step] = [
          ("drafter", "drafter_train", "train", "shapes", "speed.n_prompts"), ("data", "teacher", "kd"), step_drafter,
          lambda cfg, run: (run.model_dir("drafter"),), resumable=True,
          files=lambda cfg: _checkpoint_files(cfg.drafter_train or cfg.train), libraries=("torch", "tokenizers")),
-    Step("export", "export the student to one Core ML package (prefill_<L> + stateful decode), lint, parity",
+    Step("export", "export the student (prefill_<L> + stateful decode) to a Core ML package and/or a Core AI asset "
+         "(export.target), lint, parity",
          ("export", "shapes", "gates"), ("data", "student"), step_export, lambda cfg, run: (run.export_dir,),
          libraries=("torch", "coremltools", "coreai-torch", "coreai-core", "coreai-opt"), machine=True),
     Step("speed", "measure TTFT/TPS/TTFA, prompt cache and speculative decoding", ("speed",),

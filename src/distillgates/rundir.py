@@ -130,13 +130,13 @@ class RunDir:
 
     def package_digests(self) -> tuple[dict[str, str | None], Any]:
         """(the sha256 (:func:`distillgates.io.tree_sha256`) of every package the export recorded and of every
-        ``*.mlpackage`` in ``export/``, None where one is missing; the ``package_sha256`` the export recorded
-        in ``contract.json``)."""
+        ``*.mlpackage`` and ``*.aimodel`` in ``export/``, None where one is missing; the ``package_sha256`` the export
+        recorded in ``contract.json``)."""
         from distillgates.io import tree_sha256
 
         recorded = self.read_json(self.contract).get("package_sha256")
         names = set(recorded) if isinstance(recorded, dict) else set()
-        names |= {p.name for p in self.export_dir.glob("*.mlpackage")}
+        names |= {p.name for pattern in ("*.mlpackage", "*.aimodel") for p in self.export_dir.glob(pattern)}
         return {n: tree_sha256(self.export_dir / n) if (self.export_dir / n).exists() else None
                 for n in sorted(names)}, recorded
 

@@ -159,3 +159,23 @@ def test_zero_rate_is_valid_and_kept(report: dict[str, Any], tmp_path: Path) -> 
     report["quality"]["student"]["privacy_ok_rate"] = 0.0
     loaded = read_report(write_report(tmp_path / "r.json", report))
     assert loaded["quality"]["student"]["privacy_ok_rate"] == 0.0
+
+
+def test_a_coreai_only_export_validates_and_renders(report: dict[str, Any], tmp_path: Path) -> None:
+    """``export.target coreai``: the export figures are the asset's, the lints and the ANE op lint skipped with a
+    reason; a skipped lint without its reason, or a lint figure missing without one, is refused."""
+    from distillgates.export.api import ANE_LINT_SKIPPED, LINTS_SKIPPED
+    from distillgates.export.functions import COREAI_SOURCE
+
+    report["gate_inputs"]["export"] = {"source": COREAI_SOURCE, "cosine_by_shape": {"192": 0.9999},
+                                       "decode_cosine": [0.9999], "lints_skipped": LINTS_SKIPPED, "contract_ok": True}
+    report["gate_inputs"]["ane_lint"] = {"skipped": ANE_LINT_SKIPPED}
+    md = report_markdown(read_report(write_report(tmp_path / "coreai.json", report)))
+    assert f"| ANE op lint | skipped: {ANE_LINT_SKIPPED} |" in md
+    del report["gate_inputs"]["export"]["lints_skipped"]  # no lint figure, and no reason
+    with pytest.raises(ReportError, match=r"gate_inputs\.export.*int64_on_attention"):
+        validate_report(report)
+    report["gate_inputs"]["export"]["lints_skipped"] = LINTS_SKIPPED
+    report["gate_inputs"]["ane_lint"] = {"skipped": ""}
+    with pytest.raises(ReportError, match=r"gate_inputs\.ane_lint\.skipped"):
+        validate_report(report)

@@ -1,5 +1,5 @@
-"""The Core AI target (export.target both): model.aimodel converted by coreai-torch, compressed by coreai-opt, and run
-here by Core AI's runtime (coreai-core's Linux reference runtime) in a worker process.
+"""The Core AI target (export.target both, or coreai alone): model.aimodel converted by coreai-torch, compressed by
+coreai-opt, and run here by Core AI's runtime (coreai-core's Linux reference runtime) in a worker process.
 
 Real conversions and a real runtime (no stand-in): every test skips, naming the coreai extra, where it is not
 installed (coreai-core has wheels for Linux x86-64 and macOS 26+ arm64 only).
@@ -317,6 +317,74 @@ def test_an_asset_of_an_earlier_target_is_removed(tiny_ckpt: Path, coreai_fp32: 
     shutil.copytree(coreai_fp32.out_dir / ASSET, tmp_path / ASSET)
     result = export_model(tiny_ckpt, pipeline_config(target="coreml"), tmp_path, TOKENIZER_FP)
     assert "coreai_parity" not in result.gate_inputs and not (tmp_path / ASSET).exists()
+
+
+@pytest.fixture(scope="session")
+def coreai_alone(tiny_ckpt: Path, coreai_fp32: ExportResult, tmp_path_factory: pytest.TempPathFactory) -> ExportResult:
+    """``target: coreai`` at the toy's settings (fp16, int8), into a folder that held a target-both export."""
+    out = tmp_path_factory.mktemp("coreai_alone")
+    shutil.copytree(coreai_fp32.out_dir, out, dirs_exist_ok=True)
+    cfg = pipeline_config(target="coreai", quantize="int8", compute_precision="fp16")
+    return export_model(tiny_ckpt, cfg, out, TOKENIZER_FP, calibration=[torch.arange(1, 40)[None] % 60])
+
+
+def test_target_coreai_ships_the_asset_alone(coreai_alone: ExportResult, tiny_ckpt: Path, tmp_path: Path) -> None:
+    """No Core ML package (an earlier one is removed); the contract holds the asset to the functions; the export
+    gates read the asset's own parity; the identity check covers it; the engine decodes through it."""
+    out = coreai_alone.out_dir
+    assert sorted(p.name for p in out.iterdir() if p.suffix in (".mlpackage", ".aimodel")) == [ASSET]
+    contract = json.loads(coreai_alone.contract_path.read_text())
+    model = load_model(tiny_ckpt)
+    assert contract["packages"] == {} and coreai_alone.packages == {} and contract["ok"]
+    assert sorted(contract["coreai"]["functions"]) == sorted(function_names(LENGTHS))
+    assert contract["kv"]["shared_state"] and verify_contract(contract, model.config, LENGTHS) == []
+    assert contract["package_sha256"] == {ASSET: tree_sha256(out / ASSET)}
+    export = coreai_alone.gate_inputs["export"]
+    assert export["source"] == COREAI_SOURCE and export["contract_ok"] and "lints_skipped" in export
+    assert min(export["cosine_by_shape"].values()) >= 0.999 and min(export["decode_cosine"]) >= 0.999
+    assert export["cosine_by_shape"] == coreai_alone.gate_inputs["coreai_parity"]["cosine_by_shape"]
+    assert "skipped" in coreai_alone.gate_inputs["ane_lint"] and coreai_alone.headroom["max_peak"] > 0
+    run = RunDir(tmp_path / "run")
+    shutil.copytree(out, run.export_dir)
+    assert set(run.verify_packages()) == {ASSET}
+    engine, worker = open_engine(run.export_dir)  # reads the asset from a contract without a Core ML package
+    with worker:
+        tokens = list(engine.generate([5, 9, 3], max_new_tokens=6))
+    assert len(tokens) == 6 and all(0 <= t < model.config.vocab_size for t in tokens)
+
+
+def test_target_coreai_fails_its_parity_on_a_perturbed_asset(tiny_ckpt: Path, tmp_path: Path,
+                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    """The injected violation on the Core AI-only path: the asset's functions built from a moved weight fail the
+    export (its parity is the export gate's figure)."""
+    from distillgates.export import coreai
+    from distillgates.export.errors import ExportError
+
+    built = coreai.coreai_modules
+
+    def perturbed(*args: object, **kwargs: object) -> dict[str, torch.nn.Module]:
+        modules = built(*args, **kwargs)  # type: ignore[arg-type]
+        with torch.no_grad():
+            modules["prefill"].core.model.layers[0].mlp.down_proj.weight.mul_(3.0)  # type: ignore[union-attr, operator]
+        return modules
+
+    monkeypatch.setattr(coreai, "coreai_modules", perturbed)
+    cfg = pipeline_config(target="coreai", quantize="none", compute_precision="fp32")
+    with pytest.raises(ExportError, match=rf"{ASSET} prefill \(model.aimodel run by Core AI's runtime.*cosine below"):
+        export_model(tiny_ckpt, cfg, tmp_path, TOKENIZER_FP)
+    result = export_model(tiny_ckpt, cfg, tmp_path, TOKENIZER_FP, raise_on_error=False)
+    assert min(result.gate_inputs["export"]["cosine_by_shape"].values()) < 0.999
+
+
+def test_target_coreai_without_the_extra_is_an_export_error(tiny_ckpt: Path, tmp_path: Path,
+                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    from distillgates.export.errors import ExportError
+
+    reason = "Core AI needs the coreai extra (coreai_torch is not installed): pip install 'distillgates[coreai]'"
+    monkeypatch.setattr("distillgates.export.api.unavailable", lambda: reason)
+    with pytest.raises(ExportError, match=r"export.target coreai: Core AI needs the coreai extra"):
+        export_model(tiny_ckpt, pipeline_config(target="coreai"), tmp_path, TOKENIZER_FP)
+    assert not list(tmp_path.iterdir())  # nothing written
 
 
 def test_the_worker_refuses_a_missing_asset(tmp_path: Path) -> None:

@@ -9,6 +9,8 @@ import sys
 
 import pytest
 
+from distillgates.export.api import ANE_LINT_SKIPPED, LINTS_SKIPPED
+from distillgates.export.functions import COREAI_SOURCE
 from distillgates.model import model_fingerprint, save_model
 from distillgates.rundir import RunDir
 
@@ -391,6 +393,27 @@ def test_coreai_parity_gates_skip_naming_why_no_asset_was_exported(pytester, gat
                                 "-rs")
     result.assert_outcomes(skipped=3 + len(SHAPES) + 5)
     assert reason in result.stdout.str()
+
+
+COREAI_ALONE = {"gate_inputs.export.source": COREAI_SOURCE, "gate_inputs.export.int64_on_attention": DELETE,
+                "gate_inputs.export.lint_errors": DELETE, "gate_inputs.export.lints_skipped": LINTS_SKIPPED,
+                "gate_inputs.ane_lint": {"skipped": ANE_LINT_SKIPPED}}
+
+
+@pytest.mark.parametrize(("cosine", "expected"), [(0.9999, {"passed": len(SHAPES) + 3, "skipped": 4}),
+                                                  (0.99, {"failed": len(SHAPES), "passed": 3, "skipped": 4})])
+def test_a_coreai_only_export_is_gated_on_the_asset(pytester, gates_project, make_run, own_profile, cosine, expected):
+    """``export.target: coreai``: the export gates' cosines are the asset's own, run by Core AI's runtime (a low one
+    fails naming it); the lints of the Core ML conversion and the ANE op lint skip, saying why; none passes empty."""
+    gates_project()
+    cosines = {f"gate_inputs.export.cosine_by_shape.{s}": cosine for s in SHAPES}
+    run = make_run("coreai_alone", **COREAI_ALONE, **cosines)
+    result = pytester.runpytest("gates/test_export.py", f"--run-dir={run}", f"--hw-profile={own_profile}", "-rs")
+    result.assert_outcomes(**expected)
+    out = result.stdout.str()
+    assert "export.target coreai: the export lints" in out and "export.target coreai: the ANE op-eligibility" in out
+    if cosine < 0.999:
+        assert "cosine(model.aimodel run by Core AI's runtime" in out
 
 
 def test_an_aimodel_changed_since_the_export_fails_its_parity_gates(pytester, gates_project, make_run, own_profile):

@@ -202,7 +202,9 @@ def _ane_rows(report: dict[str, Any]) -> list[list[str]]:
     """The ANE figures, each named with its source: a static op-eligibility lint is not residency."""
     inputs = report.get("gate_inputs") or {}
     rows = []
-    if "ane_lint" in inputs:
+    if "skipped" in inputs.get("ane_lint", {}):
+        rows.append(["ANE op lint", f"skipped: {inputs['ane_lint']['skipped']}"])
+    elif "ane_lint" in inputs:
         lint = inputs["ane_lint"]
         rows.append([f"ANE op-eligible share [{lint['source']}]", _fmt(lint["op_eligible_share"])])
         rows.append([f"ANE lint findings [{lint['source']}]",

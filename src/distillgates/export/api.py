@@ -7,7 +7,9 @@ enumerated length and ``decode``, weights stored once), ``export/contract.json``
 PyTorch, ``MLModel.predict``). With ``export.target: both`` also ``export/model.aimodel`` (Core AI,
 :mod:`distillgates.export.coreai`): the same functions, run by Core AI's runtime here (Linux too) for
 its parity gate (``gate_inputs.coreai_parity``); without the coreai extra it is recorded as skipped,
-with the reason (``contract.coreai.skipped``).
+with the reason (``contract.coreai.skipped``). With ``export.target: coreai`` the asset alone: no Core ML
+conversion, the export's parity is the asset's (``export.source``), the Core ML lints and the ANE op lint are
+recorded as skipped with the reason, and a missing coreai extra is an :class:`ExportError`.
 
 One package, as Apple's LLM guide and ANEMLL ship them: each function is converted (and
 compressed) on its own, saved to a scratch package, and ``save_multifunction`` joins them; its const
@@ -64,7 +66,7 @@ from distillgates.export.functions import (
 )
 from distillgates.export.grid import WeightGrid, input_second_moments
 from distillgates.export.headroom import fp16_headroom, residual_alpha, scale_residual
-from distillgates.export.layout import build_layout, logits_names
+from distillgates.export.layout import ANETransformer, StandardLayout, build_layout, logits_names
 from distillgates.export.lint import ane_op_lint, run_lints
 from distillgates.export.parity import program_parity
 from distillgates.export.roundtrip import (
@@ -82,6 +84,12 @@ from distillgates.runtime.coreai_engine import unavailable
 log = logging.getLogger(__name__)
 
 KINDS = ("prefill", "decode")
+ANE_LINT_SKIPPED = ("export.target coreai: the ANE op-eligibility lint reads the Core ML package's MIL programs; Core "
+                    "AI's own placement is its compute plan (contract.coreai.compute_plan, macOS 27)")
+# the export lints read what coremltools converts. Not run on the asset's programs: its decode writes the KV slot with
+# index_copy, whose index PyTorch holds as int64 (Core AI's runtime dies on index_put's int32 write)
+LINTS_SKIPPED = ("export.target coreai: the export lints (int64 on the attention path, MIL ops, shapes) read the Core "
+                 "ML conversion, and there is none")
 # ExportResult.seconds: our int8/int4 grids, torch.export, coremltools.convert, coremltools compression of what is
 # left, saving the functions and joining them (save_multifunction), reading the package back (spec + dequantized
 # weights), the parity runs, the lints
@@ -101,7 +109,7 @@ class ExportResult:
     contract_path: Path
     ane_lint_path: Path
     contract: dict[str, Any]
-    lint: dict[str, list[str]]  # lint name -> messages (all empty: clean)
+    lint: dict[str, list[str]]  # lint name -> messages (all empty: clean); {} with target coreai (no lint ran)
     ane: dict[str, Any]  # gate_inputs.ane_lint; on macOS also .ane_residency (per function) and .coreml_parity
     coreai: dict[str, Any]  # gate_inputs.coreai_parity ({} with target coreml; {"skipped": reason} without the extra)
     headroom: dict[str, Any]  # gate_inputs.fp16_headroom ({"skipped": reason} without calibration rows)
@@ -109,6 +117,12 @@ class ExportResult:
     qat_exact: list[str]  # weights exported on their own int8 grid (no re-quantization)
     errors: list[str]  # every reason the export fails (lints, parity, contract, weights not shared)
     seconds: dict[str, float]  # wall seconds per phase (PHASES; the macOS-only measurements under "macos")
+
+    @property
+    def _lints(self) -> dict[str, list[str]]:
+        lint = self.lint
+        return {"int64_on_attention": lint["int64_on_attention"],
+                "lint_errors": [m for name, msgs in lint.items() for m in msgs if name != "int64_on_attention"]}
 
     @property
     def gate_inputs(self) -> dict[str, Any]:
@@ -119,8 +133,7 @@ class ExportResult:
                 "source": self.parity["source"],
                 "cosine_by_shape": self.parity["cosine_by_shape"],
                 "decode_cosine": self.parity["decode_cosine"],
-                "int64_on_attention": self.lint["int64_on_attention"],
-                "lint_errors": [m for name, msgs in self.lint.items() for m in msgs if name != "int64_on_attention"],
+                **(self._lints if self.lint else {"lints_skipped": LINTS_SKIPPED}),
                 "contract_ok": self.contract["ok"],
             },
             **self.ane,
@@ -222,6 +235,86 @@ def export_transformer(
         with _timed(seconds, "weight_grids"):
             grids = attach_weight_grids(core, export_cfg.quantize, export_cfg.int4_block_size, input_moments)
     qat_exact = [name for name, grid in grids.items() if grid.exact]
+    if export_cfg.target == "coreai":
+        coreml: dict[str, Any] = {"packages": {}, "lint": {}, "ane": {"ane_lint": {"skipped": ANE_LINT_SKIPPED}},
+                                  "errors": []}  # fmt: skip
+    else:
+        coreml = _export_coreml(model, core, export_cfg, lengths, out, seconds)
+    coreai, coreai_section = _export_coreai(model, exported, grids, export_cfg, lengths, out, seconds, calibration)
+    packages, lint, ane = coreml["packages"], coreml["lint"], coreml["ane"]
+    shipped_paths = [*packages.values(), *([out / ASSET] if "path" in coreai_section else [])]
+    for stale in (set(out.glob("*.mlpackage")) | set(out.glob("*.aimodel"))) - set(shipped_paths):
+        shutil.rmtree(stale)  # an earlier layout's (prefill/decode), or an asset of an earlier target
+    if packages:
+        artifact, weights, parity = packages[PACKAGE].name, " weights", coreml["parity"]  # the weights read back
+    else:  # Core AI alone: the export gates read the asset's own parity, run by Core AI's runtime
+        artifact, weights = ASSET, ""
+        parity = {"source": COREAI_SOURCE, **{k: coreai[k] for k in ("cosine_by_shape", "decode_cosine")}}
+    contract: dict[str, Any] = {
+        "contract_version": CONTRACT_VERSION,
+        "packages": {PACKAGE: {"path": packages[PACKAGE].name, **coreml["described"]}} if packages else {},
+        "enumerated_lengths": lengths,
+        "kv": kv_layout(cfg),
+        "model_config": to_dict(cfg),
+        "model_fingerprint": fingerprint,
+        "tokenizer_fingerprint": tokenizer_fingerprint,
+        "export": to_dict(export_cfg),
+        "qat_exact_weights": qat_exact,
+        "versions": {"coremltools": ct.__version__, "torch": torch.__version__, **coreai_section.pop("versions", {})},
+        # every package as saved (every file in it), the .aimodel too: the identity gate and the Core ML speed worker
+        # check them
+        "package_sha256": {path.name: tree_sha256(path) for path in shipped_paths},
+        **({"coreai": coreai_section} if coreai_section else {}),
+    }
+    contract["kv"]["shared_state"] = shared_state(contract["packages"] or {"coreai": coreai_section})
+    contract_errors = verify_contract(contract, cfg, lengths)
+    contract["ok"] = not contract_errors
+    contract_path, ane_path = out / "contract.json", out / "ane_lint.json"
+    if sys.platform == "darwin" and packages:  # residency (the compute plan) and Core ML's own logits: on the machine
+        from distillgates.export.compute_plan import COREML_SOURCE, RESIDENCY_KEY, ane_residency
+        from distillgates.export.parity import coreml_parity
+        from distillgates.hardware import hardware_header
+
+        package = packages[PACKAGE]
+        measured_on = {"hardware_profile_key": hardware_header()["hardware_profile_key"]}  # the gates bind to it
+        with _timed(seconds, "macos"):
+            ane[RESIDENCY_KEY] = {**ane_residency(package, function_names(lengths), export_cfg.compute_units),
+                                  **measured_on}  # fmt: skip
+            atomic_write_json(out / f"{RESIDENCY_KEY}.json", ane[RESIDENCY_KEY])
+            ane["coreml_parity"] = {"source": COREML_SOURCE, **measured_on, **coreml_parity(
+                package, model, lengths, contract["kv"]["shared_state"], export_cfg.compute_units)}  # fmt: skip
+            atomic_write_json(out / "coreml_parity.json", ane["coreml_parity"])
+    atomic_write_json(contract_path, contract)
+    atomic_write_json(ane_path, ane["ane_lint"])
+    low = {shape: c for shape, c in parity["cosine_by_shape"].items() if c < cosine_min}
+    errors = [m for msgs in lint.values() for m in msgs] + [f"contract: {m}" for m in contract_errors]
+    errors += coreml["errors"]
+    if low:
+        errors.append(f"{artifact} prefill{weights} ({parity['source']}) vs eager cosine below {cosine_min} for "
+                      f"shapes {low}")
+    if min(parity["decode_cosine"], default=1.0) < cosine_min:
+        worst = min(parity["decode_cosine"])
+        errors.append(f"{artifact} decode{weights} ({parity['source']}) vs eager cosine below {cosine_min}: "
+                      f"{worst:.6f}")
+    with _timed(seconds, "headroom"):
+        headroom = {**fp16_headroom(model, calibration), **scaling} if calibration else {
+            "skipped": "no calibration rows: the pipeline's export step scans its first export.calibration_rows "
+                       "training conversations"}  # fmt: skip
+    result = ExportResult(out, packages, contract_path, ane_path, contract, lint, ane, coreai, headroom, parity,
+                          qat_exact, errors, seconds)  # fmt: skip
+    if errors and raise_on_error:
+        raise ExportError("export failed:\n  " + "\n  ".join(errors))
+    return result
+
+
+def _export_coreml(
+    model: Transformer, core: StandardLayout | ANETransformer, export_cfg: ExportConfig, lengths: list[int], out: Path,
+    seconds: dict[str, float],
+) -> dict[str, Any]:
+    """``out/model.mlpackage`` of ``core`` (the layout, its int8/int4 grids attached), read back from disk:
+    ``{"packages", "described", "parity", "lint", "ane", "errors"}`` (parity: the exported programs with the weights
+    read back from each function vs eager ``model``; errors: weights not stored once)."""
+    cfg = model.config
     modules = {"prefill": PrefillModule(core), "decode": DecodeModule(core)}
     with _timed(seconds, "torch_export"):
         eps = {kind: export_program(modules[kind], kind, lengths) for kind in KINDS}
@@ -239,11 +332,6 @@ def export_transformer(
     package = out / f"{PACKAGE}.mlpackage"
     with _timed(seconds, "save_multifunction"):
         save_functions(models, package)
-    packages = {PACKAGE: package}
-    coreai, coreai_section = _export_coreai(model, exported, grids, export_cfg, lengths, out, seconds, calibration)
-    shipped_paths = [*packages.values(), *([out / ASSET] if "path" in coreai_section else [])]
-    for stale in (set(out.glob("*.mlpackage")) | set(out.glob("*.aimodel"))) - set(shipped_paths):
-        shutil.rmtree(stale)  # an earlier layout's (prefill/decode), or an asset of an earlier target
     with _timed(seconds, "read_back"):
         described = describe_package(package)  # read back from disk
         stored = package_weights(package)  # function -> dequantized weights, read back from disk
@@ -260,71 +348,29 @@ def export_transformer(
     for name, fn in described["functions"].items():
         fn["kind"] = function_kind(name)
         fn["logits"] = logits_semantics(function_kind(name), cfg.vocab_size)
-    contract: dict[str, Any] = {
-        "contract_version": CONTRACT_VERSION,
-        "packages": {PACKAGE: {"path": package.name, **described}},
-        "enumerated_lengths": lengths,
-        "kv": kv_layout(cfg),
-        "model_config": to_dict(cfg),
-        "model_fingerprint": fingerprint,
-        "tokenizer_fingerprint": tokenizer_fingerprint,
-        "export": to_dict(export_cfg),
-        "qat_exact_weights": qat_exact,
-        "versions": {"coremltools": ct.__version__, "torch": torch.__version__, **coreai_section.pop("versions", {})},
-        # every package as saved (every file in it), the .aimodel too: the identity gate and the Core ML speed worker
-        # check them
-        "package_sha256": {path.name: tree_sha256(path) for path in shipped_paths},
-        **({"coreai": coreai_section} if coreai_section else {}),
-    }
-    contract["kv"]["shared_state"] = shared_state(contract["packages"])
-    contract_errors = verify_contract(contract, cfg, lengths)
-    contract["ok"] = not contract_errors
-    contract_path, ane_path = out / "contract.json", out / "ane_lint.json"
-    if sys.platform == "darwin":  # residency (the compute plan) and Core ML's own logits exist only on the machine
-        from distillgates.export.compute_plan import COREML_SOURCE, RESIDENCY_KEY, ane_residency
-        from distillgates.export.parity import coreml_parity
-        from distillgates.hardware import hardware_header
-
-        measured_on = {"hardware_profile_key": hardware_header()["hardware_profile_key"]}  # the gates bind to it
-        with _timed(seconds, "macos"):
-            ane[RESIDENCY_KEY] = {**ane_residency(package, functions, export_cfg.compute_units), **measured_on}
-            atomic_write_json(out / f"{RESIDENCY_KEY}.json", ane[RESIDENCY_KEY])
-            ane["coreml_parity"] = {"source": COREML_SOURCE, **measured_on, **coreml_parity(
-                package, model, lengths, contract["kv"]["shared_state"], export_cfg.compute_units)}  # fmt: skip
-            atomic_write_json(out / "coreml_parity.json", ane["coreml_parity"])
-    atomic_write_json(contract_path, contract)
-    atomic_write_json(ane_path, ane["ane_lint"])
-    low = {shape: c for shape, c in parity["cosine_by_shape"].items() if c < cosine_min}
-    errors = [m for msgs in lint.values() for m in msgs] + [f"contract: {m}" for m in contract_errors]
-    errors += [f"{package.name}: {m} (weights are stored once for all functions)" for m in sharing_errors]
-    if low:
-        errors.append(f"{package.name} prefill weights ({SOURCE}) vs eager cosine below {cosine_min} for shapes {low}")
-    if min(parity["decode_cosine"], default=1.0) < cosine_min:
-        worst = min(parity["decode_cosine"])
-        errors.append(f"{package.name} decode weights ({SOURCE}) vs eager cosine below {cosine_min}: {worst:.6f}")
-    with _timed(seconds, "headroom"):
-        headroom = {**fp16_headroom(model, calibration), **scaling} if calibration else {
-            "skipped": "no calibration rows: the pipeline's export step scans its first export.calibration_rows "
-                       "training conversations"}  # fmt: skip
-    result = ExportResult(out, packages, contract_path, ane_path, contract, lint, ane, coreai, headroom, parity,
-                          qat_exact, errors, seconds)  # fmt: skip
-    if errors and raise_on_error:
-        raise ExportError("export failed:\n  " + "\n  ".join(errors))
-    return result
+    errors = [f"{package.name}: {m} (weights are stored once for all functions)" for m in sharing_errors]
+    return {"packages": {PACKAGE: package}, "described": described, "parity": parity, "lint": lint, "ane": ane,
+            "errors": errors}
 
 
 def _export_coreai(
     model: Transformer, shipped: Transformer, grids: dict[str, WeightGrid], export_cfg: ExportConfig,
     lengths: list[int], out: Path, seconds: dict[str, float], rows: list[torch.Tensor] | None,
 ) -> tuple[dict[str, Any], dict[str, Any]]:
-    """With ``target: both``: ``out/model.aimodel`` of ``shipped`` (``model``, or its copy snapped to the calibrated
-    int4 grid), its int8/int4 weights on the Core ML package's ``grids``, and its parity against ``model`` run by
-    Core AI's runtime;
-    ``(gate_inputs.coreai_parity, contract.coreai)``, both ``{"skipped": reason}`` without the coreai extra,
-    both ``{}`` with target coreml."""
-    if export_cfg.target != "both":
+    """With ``target: both`` or ``coreai``: ``out/model.aimodel`` of ``shipped`` (``model``, or its copy snapped to the
+    calibrated int4 grid), its int8/int4 weights on the Core ML package's ``grids``, and its parity against ``model``
+    run by Core AI's runtime;
+    ``(gate_inputs.coreai_parity, contract.coreai)``, both ``{"skipped": reason}`` without the coreai extra (target
+    both), both ``{}`` with target coreml.
+
+    Raises:
+        ExportError: target coreai without the coreai extra (the reason names it).
+    """
+    if export_cfg.target == "coreml":
         return {}, {}
     reason = unavailable()
+    if reason is not None and export_cfg.target == "coreai":
+        raise ExportError(f"export.target coreai: {reason}")
     if reason is not None:
         log.warning("export.target both: %s; exported Core ML only", reason)
         return {"skipped": reason}, {"skipped": reason}

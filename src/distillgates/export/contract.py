@@ -144,18 +144,22 @@ def function_errors(packages: dict[str, Any], cfg: ModelConfig, lengths: list[in
 
 def verify_contract(contract: dict[str, Any], cfg: ModelConfig, lengths: list[int]) -> list[str]:
     """Mismatches between a contract and what the model config and shapes require (empty: ok); the Core AI
-    asset's functions (``coreai``, target both) are held to the same requirements, and must share one state."""
-    errors = function_errors(contract["packages"], cfg, lengths)
+    asset's functions (``coreai``, target both or coreai) are held to the same requirements, and must share one
+    state. ``kv.shared_state`` describes the Core ML package, or with target coreai (no package) the asset."""
     coreai = contract.get("coreai", {})
+    if not contract["packages"] and "functions" not in coreai:
+        return ["no exported artifact: neither a Core ML package (packages) nor a Core AI asset (coreai.functions)"]
+    errors = function_errors(contract["packages"], cfg, lengths) if contract["packages"] else []
     if "functions" in coreai:
         errors += function_errors({"coreai": coreai}, cfg, lengths, where=f"{coreai.get('path')}: ")
         if not shared_state({"coreai": coreai}):
             errors.append(f"{coreai.get('path')}: its functions do not declare the same states")
     if contract.get("enumerated_lengths") != sorted(lengths):
         errors.append(f"enumerated lengths {contract.get('enumerated_lengths')} != {sorted(lengths)}")
-    if contract["kv"].get("shared_state") != shared_state(contract["packages"]):
+    states = shared_state(contract["packages"] or {"coreai": coreai})
+    if contract["kv"].get("shared_state") != states:
         errors.append(f"kv.shared_state is {contract['kv'].get('shared_state')}, but the functions' states say "
-                      f"{shared_state(contract['packages'])}")  # fmt: skip
+                      f"{states}")  # fmt: skip
     for key in ("model_fingerprint", "tokenizer_fingerprint"):
         if not contract.get(key):
             errors.append(f"{key} is missing")

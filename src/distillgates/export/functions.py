@@ -3,14 +3,14 @@ checklist and the runtime can import it.
 
 The export writes one multifunction package, ``model.mlpackage``: a static ``prefill_<L>`` function
 per enumerated prompt length ``L``, and ``decode`` (the default function); with ``export.target: both``
-also ``model.aimodel``, Core AI's asset with the same functions.
+also ``model.aimodel``, Core AI's asset with the same functions (with ``coreai``, the asset alone).
 """
 
 from __future__ import annotations
 
 PACKAGE = "model"  # the package's name in contract.json; its file is ``model.mlpackage``
 DECODE = "decode"
-ASSET = f"{PACKAGE}.aimodel"  # the Core AI asset (export.target both)
+ASSET = f"{PACKAGE}.aimodel"  # the Core AI asset (export.target both or coreai)
 # what gate_inputs.coreai_parity measured: the saved asset itself, every function, run by Core AI's runtime
 COREAI_SOURCE = "model.aimodel run by Core AI's runtime (coreai-core; on Linux its reference runtime) vs eager PyTorch"
 
