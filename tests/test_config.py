@@ -100,6 +100,9 @@ MODEL = "student:\n  vocab_size: 64\n  d_model: 32\n  n_layers: 1\n  n_heads: 4\
         ("export:\n  target: both\n  layout: ane\n", "target 'both' with layout 'ane'"),
         ("export:\n  target: coreai\nspeed:\n  engine: coreml\n", "speed.engine coreml times export/model.mlpackage, "
          "and export.target coreai writes none"),
+        ("speed:\n  engine: coreai\n", "speed.engine coreai times export/model.aimodel, and export.target coreml "
+         "writes none"),
+        ("speed:\n  engine: mlx\n", "engine must be torch/coreml/coreai, got 'mlx'"),
         ("export:\n  quantize: int4\n  calibration: clip_search\n  calibration_rows: 0\n",
          "calibration_rows must be >= 1, got 0"),
     ],

@@ -661,9 +661,6 @@ def test_target_coreai_ships_the_asset_alone_through_the_pipeline(tiny_run: tupl
     """``export.target: coreai``: the export step writes ``model.aimodel`` only (the earlier package removed), the
     coreai_eval step decodes through it, the report validates, and the checklist gates the asset: its parity as the
     export gates' cosines, the identity gate over its digest; the Core ML lints skip, saying why."""
-    import subprocess
-    import sys
-
     from distillgates.runtime.coreai_engine import unavailable
 
     if unavailable() is not None:
@@ -687,3 +684,49 @@ def test_target_coreai_ships_the_asset_alone_through_the_pipeline(tiny_run: tupl
     assert gates.returncode == 0, gates.stdout[-3000:]
     assert "export.target coreai: the export lints" in gates.stdout
     assert " failed" not in gates.stdout.splitlines()[-1]
+
+
+def _coreai_speed_run(tiny_run: tuple[Path, Path], tmp_path: Path) -> tuple[Pipeline, Path]:
+    """A copy of the tiny run configured to export the Core AI asset alone and time it (``speed.engine: coreai``)."""
+    config, run_dir = tiny_run
+    run_dir = Path(shutil.copytree(run_dir, tmp_path / "run"))
+    data = yaml.safe_load(config.read_text())
+    data["export"] = {**data.get("export", {}), "target": "coreai"}
+    data["speed"]["engine"] = "coreai"
+    changed = tmp_path / "coreai_speed.yaml"
+    changed.write_text(yaml.safe_dump(data))
+    return Pipeline(load_config(changed), run_dir), run_dir
+
+
+@pytest.mark.integration
+def test_speed_engine_coreai_off_macos_is_refused_naming_why(tiny_run: tuple[Path, Path], tmp_path: Path) -> None:
+    """Core AI's Linux runtime computes what the asset computes, one thread, no device: the speed step refuses to
+    time it (the speed worker says why), rather than report its seconds as the model's speed."""
+    from distillgates.runtime.coreai_engine import unavailable
+    from distillgates.speed_worker import WorkerError
+
+    if sys.platform == "darwin":
+        pytest.skip("on macOS the asset is timed: test_speed_engine_coreai_times_the_asset_on_macos")
+    if unavailable() is not None:
+        pytest.skip(str(unavailable()))
+    pipeline, _ = _coreai_speed_run(tiny_run, tmp_path)
+    pipeline.run(["export"])
+    with pytest.raises(WorkerError, match=r"speed.engine coreai needs macOS 27 \(Core AI.s OS framework\)"):
+        pipeline.run(["speed"])
+
+
+@pytest.mark.integration
+@pytest.mark.requires_macos
+def test_speed_engine_coreai_times_the_asset_on_macos(tiny_run: tuple[Path, Path], tmp_path: Path) -> None:
+    """macOS 27: the speed step's worker runs ``export/model.aimodel`` through Core AI's OS framework in its own
+    process (its peak memory holds the model) and the report says what was timed."""
+    from distillgates.runtime.coreai_engine import unavailable
+
+    if unavailable() is not None:
+        pytest.skip(str(unavailable()))
+    pipeline, run_dir = _coreai_speed_run(tiny_run, tmp_path)
+    pipeline.run(["export", "speed"])
+    speed = json.loads((run_dir / "reports" / "speed.json").read_text())
+    assert speed["speed"]["backend"] == "coreai" and speed["speed"]["export"] is True
+    assert speed["hardware"]["export_path"] == "pytorch_exportedprogram_coreai"
+    assert speed["speed"]["tps"]["p50"] > 0 and speed["speed"]["ttft_ms"]["p50"] > 0

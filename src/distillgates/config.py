@@ -627,7 +627,9 @@ class SpeedConfig:
     warmup: int = 2
     repeats: int = 3
     max_new_tokens: int = 48
-    engine: str = "torch"  # "torch" or "coreml"
+    # "torch"; "coreml": export/model.mlpackage (macOS); "coreai": export/model.aimodel in the speed worker's own
+    # process (macOS 27: Core AI's OS framework; off macOS refused, its reference runtime times nothing real)
+    engine: str = "torch"
     # speculative speedup: fresh speed worker processes, each measuring plain and speculative decoding interleaved;
     # the speedup's interval is over these processes (K - 1 degrees of freedom)
     speculative_workers: int = 6
@@ -636,8 +638,8 @@ class SpeedConfig:
     speculative_items: int = 32
 
     def __post_init__(self) -> None:
-        if self.engine not in ("torch", "coreml"):
-            raise ValueError(f"engine must be torch/coreml, got {self.engine!r}")
+        if self.engine not in ("torch", "coreml", "coreai"):
+            raise ValueError(f"engine must be torch/coreml/coreai, got {self.engine!r}")
         if self.speculative_items < 1:
             raise ValueError(f"speculative_items must be >= 1, got {self.speculative_items}")
         if self.n_prompts < 1 or self.repeats < 1:
@@ -807,6 +809,9 @@ class Config:
         if self.speed.engine == "coreml" and self.export.target == "coreai":
             raise ValueError("speed.engine coreml times export/model.mlpackage, and export.target coreai writes none: "
                              "set export.target coreml/both, or speed.engine torch")
+        if self.speed.engine == "coreai" and self.export.target == "coreml":
+            raise ValueError("speed.engine coreai times export/model.aimodel, and export.target coreml writes none: "
+                             "set export.target coreai/both, or speed.engine torch")
         if self.train.on_policy.share > 0 and self.teacher is not None and self.teacher.kind == "openai":
             raise ValueError("train.on_policy needs the teacher's log-probs of the student's own tokens; teacher.kind "
                              "openai is an OpenAI-compatible chat API, which returns log-probs of the tokens it "

@@ -356,14 +356,15 @@ def _version(dist: str) -> str | None:
 
 
 # how the timed figures were produced, by ``speed.engine`` (the planning documents' ``export_path`` label)
-EXPORT_PATHS = {"torch": "pytorch_eager", "coreml": "pytorch_exportedprogram_coreml"}
+EXPORT_PATHS = {"torch": "pytorch_eager", "coreml": "pytorch_exportedprogram_coreml",
+                "coreai": "pytorch_exportedprogram_coreai"}
 
 
 def hardware_header(engine: str | None = None, export_dir: str | Path | None = None,
                     profile_key: str | None = None) -> dict[str, Any]:  # fmt: skip
     """The ``hardware`` header of speed/eval reports (contract.md, report.json).
 
-    ``engine`` (``speed.engine``: ``torch`` or ``coreml``) gives the ``export_path`` label of what was timed
+    ``engine`` (``speed.engine``: ``torch``, ``coreml`` or ``coreai``) gives the ``export_path`` label of what was timed
     (None: nothing timed); ``export_dir`` the exported package's folder where the timed model is one.
     ``profile_key`` defaults to this machine's (matched or generated) key.
     """

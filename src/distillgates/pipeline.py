@@ -547,7 +547,8 @@ def step_export(cfg: Config, run: RunDir) -> dict[str, Any]:
 
 
 def step_speed(cfg: Config, run: RunDir) -> dict[str, Any]:
-    """The student's TTFT/TPS/TTFA (the Core ML export with ``speed.engine: coreml``), the prompt cache and
+    """The student's TTFT/TPS/TTFA (the Core ML export with ``speed.engine: coreml``, the Core AI asset with
+    ``coreai``: macOS), the prompt cache and
     speculative decoding (when a drafter exists), written to ``reports/speed.json``.
 
     The timed figures are measured as the speed gates measure, in speed worker processes
@@ -570,9 +571,9 @@ def step_speed(cfg: Config, run: RunDir) -> dict[str, Any]:
     fmt = chat_format(tokenizer)
     prompts = [fmt.prompt(item) for item in run.items("eval")]
     stop_ids = tuple(fmt.stop_ids)
-    hardware = hardware_header(backend, run.export_dir if backend == "coreml" else None)
-    speed = report_speed(run, dataclasses.asdict(cfg.speed), run.export_dir if backend == "coreml" else None,
-                         cfg.shapes.lengths)
+    export_dir = run.export_dir if backend != "torch" else None
+    hardware = hardware_header(backend, export_dir)
+    speed = report_speed(run, dataclasses.asdict(cfg.speed), export_dir, cfg.shapes.lengths, backend)
     torch_engine = TorchEngine(run.load_model())
     ids = [tokenizer.encode(p, add_special_tokens=False) for p in prompts[: cfg.speed.n_prompts]]
     # milliseconds a sample: 10+ rounds steady the medians the gate compares

@@ -164,11 +164,11 @@ def measure_speed(
         tokenizer: a ``PreTrainedTokenizerFast`` (``encode``/``decode``).
         prompts: rendered prompt texts; the first ``cfg.n_prompts`` are used.
         model_config: the model's config (KV bytes at ``max_seq_len``: the static cache's size).
-        kv_bytes_per_elem: cache element size (default: 4 for fp32 torch weights, 2 for coreml fp16).
+        kv_bytes_per_elem: cache element size (default: 4 for fp32 torch weights, 2 for an exported model's fp16).
         tools: each prompt's tools (TTFA counts calls valid against them); default: the toy registry.
     """
-    if backend not in ("torch", "coreml"):
-        raise ValueError(f"backend must be 'torch' or 'coreml', got {backend!r}")
+    if backend not in ("torch", "coreml", "coreai"):
+        raise ValueError(f"backend must be 'torch', 'coreml' or 'coreai', got {backend!r}")
     chosen = list(prompts[: cfg.n_prompts])
     if not chosen:
         raise ValueError("measure_speed needs at least one prompt")
@@ -195,7 +195,7 @@ def measure_speed(
                                    repeats=cfg.repeats)
     ttft = [r["tokenizer_ms"] + r["first_step_ms"] for r in runs]
     if kv_bytes_per_elem is None:
-        kv_bytes_per_elem = 2 if backend == "coreml" else _cache_elem_size(engine)
+        kv_bytes_per_elem = 2 if backend != "torch" else _cache_elem_size(engine)
     return {
         "backend": backend,
         "export": export,

@@ -47,15 +47,24 @@ MAX_NEW_TOKENS = 32
 Sampler = Callable[[int, str], dict[str, list[float]]]  # (n generations, mode) -> samples per metric
 # request -> decoding mode: the student alone, speculatively with the --drafter, the drafter alone
 MODES = {"measure": "plain", "measure-speculative": "speculative", "measure-drafter": "drafter"}
+COREAI_NOT_TIMED = ("speed.engine coreai needs macOS 27 (Core AI's OS framework): Core AI's Linux runtime is a "
+                    "single-threaded reference implementation, an oracle of what the asset computes, and what it times "
+                    "is no device's speed (use speed.engine torch here)")
 Reporter = Callable[[dict[str, Any]], dict[str, Any]]  # {speed: SpeedConfig fields, shapes} -> the speed section
 
 
 def speed_sampler(run_dir: Path, model_path: Path, export_dir: Path | None = None,
-                  drafter_path: Path | None = None) -> tuple[Sampler, str, Reporter]:
+                  drafter_path: Path | None = None, engine_name: str = "coreml") -> tuple[Sampler, str, Reporter]:
     """``(sampler, backend, reporter)``: the speed harness (:func:`distillgates.speed.measure_speed`) on the run's
-    eval prompts, with the PyTorch engine on ``model_path`` or (``export_dir``, macOS) Core ML; with
-    ``drafter_path`` the sampler also decodes speculatively, or with the drafter alone (PyTorch only; the drafter
-    loads at its first use)."""
+    eval prompts, with the PyTorch engine on ``model_path`` or with ``export_dir`` (macOS) the export's
+    ``engine_name``: ``coreml`` (the package) or ``coreai`` (the asset, run by Core AI in this process: macOS 27);
+    with ``drafter_path`` the sampler also decodes speculatively, or with the drafter alone (PyTorch only; the
+    drafter loads at its first use).
+
+    Raises:
+        ValueError: ``coreai`` off macOS (Core AI's Linux runtime is a single-threaded reference implementation:
+            what it times is no device's speed).
+    """
     import torch
 
     from distillgates.config import SpeedConfig
@@ -71,6 +80,8 @@ def speed_sampler(run_dir: Path, model_path: Path, export_dir: Path | None = Non
     torch.set_num_threads(1)  # shared CI cores: one thread gives the least noisy samples
     if export_dir is not None and drafter_path is not None:
         raise ValueError("speculative decoding is measured on the PyTorch engine: give --drafter or --export-dir")
+    if export_dir is not None and engine_name == "coreai" and sys.platform != "darwin":
+        raise ValueError(COREAI_NOT_TIMED)
     run = RunDir(run_dir)
     tokenizer = run.tokenizer()
     fmt = chat_format(tokenizer)
@@ -78,7 +89,16 @@ def speed_sampler(run_dir: Path, model_path: Path, export_dir: Path | None = Non
     prompts = [fmt.prompt(item) for item in items[:N_PROMPTS]]
     model = load_model(model_path)
     engine: Any
-    if export_dir is not None:  # macOS only: MLModel.predict cannot run elsewhere
+    if export_dir is not None and engine_name == "coreai":  # macOS 27: the OS framework, in this process
+        import atexit
+
+        from distillgates.runtime.coreai_engine import open_engine
+
+        contract = json.loads((export_dir / "contract.json").read_text(encoding="utf-8"))
+        engine, runtime = open_engine(export_dir, contract["export"]["compute_units"], in_process=True)
+        atexit.register(runtime.close)
+        backend = "coreai"
+    elif export_dir is not None:  # macOS only: MLModel.predict cannot run elsewhere
         from distillgates.runtime.coreml_engine import CoreMLEngine
 
         engine, backend = CoreMLEngine.from_export_dir(export_dir), "coreml"
@@ -105,7 +125,7 @@ def speed_sampler(run_dir: Path, model_path: Path, export_dir: Path | None = Non
     def report(request: dict[str, Any]) -> dict[str, Any]:
         cfg = SpeedConfig(**request["speed"])
         result = measure_speed(engine, tokenizer, [fmt.prompt(item) for item in items], cfg,
-                               model_config=model.config, backend=backend, export=backend == "coreml",
+                               model_config=model.config, backend=backend, export=backend != "torch",
                                stop_ids=stop_ids, hardware_profile_key=hardware_header()["hardware_profile_key"],
                                tools=[item_tools(item) for item in items], shapes=request.get("shapes", ()))
         return {**result, "measured_in": f"a speed worker process of its own (python -m distillgates.speed_worker, "
@@ -142,11 +162,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m distillgates.speed_worker", description=__doc__.splitlines()[0])
     parser.add_argument("--run-dir", type=Path, required=True, help="run whose tokenizer and eval prompts are used")
     parser.add_argument("--model", type=Path, required=True, help="student checkpoint (model.pt) to measure")
-    parser.add_argument("--export-dir", type=Path, default=None, help="Core ML export (contract.json) to measure")
+    parser.add_argument("--export-dir", type=Path, default=None, help="export (contract.json) to measure")
+    parser.add_argument("--engine", choices=("coreml", "coreai"), default="coreml",
+                        help="with --export-dir: its Core ML package, or its Core AI asset (macOS 27)")
     parser.add_argument("--drafter", type=Path, default=None,
                         help="drafter checkpoint: also answer 'measure-speculative N' and 'measure-drafter N'")
     args = parser.parse_args(argv)
-    sampler, backend, reporter = speed_sampler(args.run_dir, args.model, args.export_dir, args.drafter)
+    sampler, backend, reporter = speed_sampler(args.run_dir, args.model, args.export_dir, args.drafter, args.engine)
     serve(sampler, backend, sys.stdin, sys.stdout, reporter)
     return 0
 

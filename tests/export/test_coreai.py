@@ -23,7 +23,13 @@ from distillgates.export.functions import ASSET, COREAI_SOURCE, DECODE, function
 from distillgates.io import tree_sha256
 from distillgates.model import load_model
 from distillgates.rundir import RunArtifactError, RunDir
-from distillgates.runtime.coreai_engine import CoreAIRuntimeError, CoreAIWorker, open_engine, unavailable
+from distillgates.runtime.coreai_engine import (
+    CoreAIRuntime,
+    CoreAIRuntimeError,
+    CoreAIWorker,
+    open_engine,
+    unavailable,
+)
 from distillgates.runtime.torch_engine import TorchEngine
 
 from .conftest import LENGTHS, TOKENIZER_FP, pipeline_config
@@ -264,6 +270,18 @@ def test_the_engine_over_the_asset_decodes_as_pytorch(coreai_fp32: ExportResult,
         list(engine.generate([7, 8], max_new_tokens=3))
         assert list(engine.continue_generate([11, 12], max_new_tokens=5)) == list(
             torch_engine.continue_generate([11, 12], max_new_tokens=5))
+
+
+def test_the_in_process_runtime_decodes_as_the_worker_process(coreai_fp32: ExportResult) -> None:
+    """The speed worker's path (macOS 27: the asset run in its own process, whose peak memory holds it) computes what
+    the worker process computes: one runtime class serves both."""
+    prompt = [7 * i % 60 + 1 for i in range(20)]
+    engine, worker = open_engine(coreai_fp32.out_dir)
+    with worker:
+        want = list(engine.generate(prompt, max_new_tokens=8))
+    engine, runtime = open_engine(coreai_fp32.out_dir, in_process=True)
+    with runtime:
+        assert isinstance(runtime, CoreAIRuntime) and list(engine.generate(prompt, max_new_tokens=8)) == want
 
 
 def test_a_runtime_fatal_error_is_an_error_naming_the_function_and_call(tiny_ckpt: Path, tmp_path: Path) -> None:

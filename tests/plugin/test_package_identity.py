@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import sys
 
 import pytest
 
@@ -83,7 +84,7 @@ def test_core_ml_speed_worker_refuses_a_changed_package(make_run, tmp_path):
     (run.export_dir / "model.mlpackage" / "Data" / "weight.bin").write_bytes(b"junk")
     arms = WorkerArms(run, ReferenceStore(tmp_path / "store"))
     try:
-        arms.coreml = True  # as on macOS with an export
+        arms.backend = "coreml"  # as on macOS with an export
         with pytest.raises(RunArtifactError, match=r"not the packages the export wrote: model\.mlpackage"):
             arms.candidate()
         with pytest.raises(RunArtifactError, match="not the packages the export wrote"):
@@ -91,3 +92,50 @@ def test_core_ml_speed_worker_refuses_a_changed_package(make_run, tmp_path):
         assert arms.workers == []  # no worker started
     finally:
         arms.close()
+
+
+@pytest.mark.parametrize(("platform", "contract", "backend"), [
+    ("linux", {"packages": {"model": {}}, "coreai": {"path": "model.aimodel"}}, "torch"),
+    ("darwin", {"packages": {"model": {"path": "model.mlpackage"}}, "coreai": {"path": "model.aimodel"}}, "coreml"),
+    ("darwin", {"packages": {}, "coreai": {"path": "model.aimodel"}}, "coreai"),  # export.target coreai
+    ("darwin", {"packages": {}, "coreai": {"skipped": "no extra"}}, "torch"),
+], ids=["linux", "mac-both", "mac-coreai-alone", "mac-nothing"])
+def test_the_speed_gates_measure_what_the_export_wrote(tmp_path, monkeypatch, platform, contract, backend):
+    """On macOS the export is timed: its Core ML package, or the Core AI asset where it wrote that alone (the worker
+    is told so); elsewhere the PyTorch engine."""
+    from distillgates.gates.speed_ab import _worker_args, measured_backend
+
+    run = RunDir(tmp_path)
+    run.export_dir.mkdir(parents=True)
+    run.contract.write_text(json.dumps(contract))
+    monkeypatch.setattr(sys, "platform", platform)
+    assert measured_backend(run) == backend
+    args = _worker_args(run, tmp_path / "model.pt", run.export_dir if backend != "torch" else None, backend)
+    assert ("--engine" in args) == (backend == "coreai") and ("--export-dir" in args) == (backend != "torch")
+
+
+@pytest.mark.parametrize("blessed", ["coreml", "torch"])
+def test_a_reference_blessed_on_another_backend_is_stale(make_run, tmp_path, blessed):
+    """A session timing the Core AI asset is never compared with a reference that timed the Core ML package or
+    PyTorch: the re-bless command is named."""
+    from distillgates.gates.references import ReferenceStore, StaleReference
+    from distillgates.gates.speed_ab import WorkerArms
+
+    arms = WorkerArms(RunDir(make_run()), ReferenceStore(tmp_path / "store"))
+    try:
+        arms.backend = "coreai"  # as on macOS 27 with export.target coreai
+        record = {"artifacts": {"model": "m", **({"export": "e"} if blessed == "coreml" else {})}, "backend": blessed}
+        with pytest.raises(StaleReference, match=rf"blessed on backend '{blessed}'.*this session measures coreai; "
+                                                 r"re-bless: make bless"):
+            arms.reference(record, "make bless")
+    finally:
+        arms.close()
+
+
+def test_the_speed_worker_refuses_to_time_core_ai_off_macos(tmp_path, monkeypatch):
+    from distillgates.speed_worker import COREAI_NOT_TIMED, speed_sampler
+
+    monkeypatch.setattr(sys, "platform", "linux")
+    with pytest.raises(ValueError, match=r"Linux runtime is a single-threaded reference implementation"):
+        speed_sampler(tmp_path, tmp_path / "model.pt", tmp_path / "export", engine_name="coreai")
+    assert "macOS 27" in COREAI_NOT_TIMED

@@ -187,14 +187,20 @@ class SpeedRounds:
 # -- workers on the real path --------------------------------------------------------------------
 
 
-def _worker_args(run: RunDir, model: Path, export_dir: Path | None) -> list[str]:
+def _worker_args(run: RunDir, model: Path, export_dir: Path | None, backend: str = "coreml") -> list[str]:
     return ["--run-dir", str(run.root.absolute()), "--model", str(model.absolute()),
-            *(["--export-dir", str(export_dir.absolute())] if export_dir else [])]
+            *(["--export-dir", str(export_dir.absolute())] if export_dir else []),
+            *(["--engine", "coreai"] if export_dir and backend == "coreai" else [])]  # older workers know no --engine
 
 
-def measures_coreml(run: RunDir) -> bool:
-    """On macOS with an export the Core ML packages are measured; elsewhere the PyTorch engine."""
-    return sys.platform == "darwin" and run.contract.exists()
+def measured_backend(run: RunDir) -> str:
+    """What the speed gates measure: on macOS with an export its Core ML package (``coreml``), or where the export
+    wrote the Core AI asset alone (``export.target: coreai``) that asset (``coreai``); elsewhere the PyTorch engine
+    (``torch``)."""
+    if sys.platform != "darwin" or not run.contract.exists():
+        return "torch"
+    contract = run.read_json(run.contract)
+    return "coreml" if contract.get("packages") else "coreai" if "path" in contract.get("coreai", {}) else "torch"
 
 
 class WorkerArms:
@@ -209,7 +215,7 @@ class WorkerArms:
     def __init__(self, run: RunDir, store: ReferenceStore) -> None:
         self.run = run
         self.store = store
-        self.coreml = measures_coreml(run)
+        self.backend = measured_backend(run)
         self.workdir = Path(tempfile.mkdtemp(prefix="distillgates-speed-"))
         self.workers: list[SpeedWorker] = []
         # both processes of a pair on one CPU once loaded (they take turns): the same neighbours for both
@@ -223,19 +229,19 @@ class WorkerArms:
         """A fresh candidate worker, started now (loading in the background); its first request waits for its
         handshake."""
         model = self.run.require(self.run.model_path())
-        export = self.run.require(self.run.export_dir) if self.coreml else None
-        if self.coreml:  # Core ML measures only the packages the export wrote (and the gates vouch for)
+        export = self.run.require(self.run.export_dir) if self.backend != "torch" else None
+        if export is not None:  # an export measures only the packages it wrote (and the gates vouch for)
             self.run.verify_packages()
-        return self._start(_Lazy("candidate", PACKAGE_DIR.parent, _worker_args(self.run, model, export), cpu=self.cpu))
+        args = _worker_args(self.run, model, export, self.backend)
+        return self._start(_Lazy("candidate", PACKAGE_DIR.parent, args, cpu=self.cpu))
 
     def record(self) -> dict[str, Any]:
         """At bless: store the measured artifacts and the code identity; the record for the baselines."""
         artifacts = {"model": self.store.put(self.run.require(self.run.model_path()))}
-        if self.coreml:
+        if self.backend != "torch":
             self.run.verify_packages()
             artifacts["export"] = self.store.put(self.run.require(self.run.export_dir))
-        return {"code": code_identity(self.store).to_json(), "artifacts": artifacts, "backend":
-                "coreml" if self.coreml else "torch"}
+        return {"code": code_identity(self.store).to_json(), "artifacts": artifacts, "backend": self.backend}
 
     def reference(self, record: dict[str, Any], rebless: str) -> Callable[[], SpeedWorker]:
         """Starts fresh workers of the blessed code on the blessed artifacts (checked out here, once).
@@ -248,14 +254,16 @@ class WorkerArms:
         artifacts = record.get("artifacts") or {}
         if "model" not in artifacts:
             raise StaleReference(f"the speed reference records no model artifact; re-bless: {rebless}")
-        if self.coreml and "export" not in artifacts:
-            raise StaleReference(f"the speed reference was blessed without a Core ML export (backend "
-                                 f"{record.get('backend')!r}), this session measures Core ML; re-bless: {rebless}")
+        if self.backend != "torch" and ("export" not in artifacts or record.get("backend") != self.backend):
+            raise StaleReference(f"the speed reference was blessed on backend {record.get('backend')!r}"
+                                 f"{'' if 'export' in artifacts else ' without an export'}, this session measures "
+                                 f"{self.backend}; re-bless: {rebless}")
         model = self.store.get(artifacts["model"], self.workdir / "artifacts", rebless)
-        export = self.store.get(artifacts["export"], self.workdir / "artifacts", rebless) if self.coreml else None
+        export = (self.store.get(artifacts["export"], self.workdir / "artifacts", rebless)
+                  if self.backend != "torch" else None)  # fmt: skip
         source = checkout_code(record.get("code") or {}, self.store, self.workdir / "code", rebless)
         env = {k: v for k, v in os.environ.items() if k != SLOWDOWN_ENV}
-        args = _worker_args(self.run, model, export)
+        args = _worker_args(self.run, model, export, self.backend)
         return lambda: self._start(_Lazy("reference", source, args, env, rebless, self.cpu))
 
     def close(self) -> None:
@@ -291,12 +299,13 @@ class _Lazy(SpeedWorker):
 
 
 def report_speed(run: RunDir, speed_config: dict[str, Any], export_dir: Path | None = None,
-                 shapes: Sequence[int] = ()) -> dict[str, Any]:  # fmt: skip
+                 shapes: Sequence[int] = (), backend: str = "coreml") -> dict[str, Any]:  # fmt: skip
     """The speed report's ``speed`` section (``SpeedConfig`` fields ``speed_config``; ``per_shape`` for the
     enumerated prefill lengths ``shapes``), measured in one fresh speed worker process: one torch thread, the first
     decode's compilation in the untimed warm-up, and ``peak_memory_bytes`` of a process that holds only the model,
-    the tokenizer and the engine."""
-    args = _worker_args(run, run.require(run.model_path()), export_dir)
+    the tokenizer and the engine. With ``export_dir``, ``backend`` says which of the export is timed (``coreml``,
+    ``coreai``)."""
+    args = _worker_args(run, run.require(run.model_path()), export_dir, backend)
     worker = SpeedWorker("speed report", PACKAGE_DIR.parent, args)
     try:
         worker.handshake()

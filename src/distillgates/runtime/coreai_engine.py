@@ -26,7 +26,7 @@ import multiprocessing
 import os
 import sys
 import tempfile
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
@@ -76,54 +76,77 @@ def _describe(fn: Any) -> dict[str, Any]:
             "states": arrays(desc.state_names, desc.state_descriptor)}  # fmt: skip
 
 
+class CoreAIRuntime:
+    """One ``.aimodel`` loaded by Core AI's runtime in this process, holding one KV state: what the worker process
+    runs (:class:`CoreAIWorker`), and what the speed worker runs on macOS 27 (already a process of its own, whose
+    peak memory must hold the model). A runtime fatal error kills this process."""
+
+    def __init__(self, path: str | Path, compute_units: str = "ALL") -> None:
+        from coreai.authoring import AIModelAsset
+
+        self.path = Path(path)
+        self._loop = asyncio.new_event_loop()  # the runtime's API is async; one loop serves every call
+        self._executable = AIModelAsset.load(str(path)).executable(specialization(compute_units))
+        model = self._loop.run_until_complete(self._executable.__aenter__())
+        self._functions = {name: model.load_function(name) for name in model.function_names}
+        self.functions = {name: _describe(fn) for name, fn in self._functions.items()}
+        self._states = next(iter(self.functions.values()))["states"]
+        self._state: dict[str, Any] = {}
+        self.reset()
+
+    def call(self, function: str, inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+        from coreai.runtime import NDArray
+
+        feed: dict[str, Any] = {k: NDArray(np.ascontiguousarray(v, dtype=np.int32)) for k, v in inputs.items()}
+        out = self._loop.run_until_complete(self._functions[function](inputs=feed, state=self._state))
+        return {k: v.numpy() for k, v in out.items() if isinstance(v, NDArray)}
+
+    def reset(self) -> None:
+        from coreai.runtime import NDArray
+
+        self._state.clear()
+        self._state.update({s["name"]: NDArray(np.zeros(s["shape"], dtype=s["dtype"].lower())) for s in self._states})
+
+    def read_state(self, name: str) -> np.ndarray:
+        return self._state[name].numpy().copy()  # type: ignore[no-any-return]
+
+    def write_state(self, name: str, value: np.ndarray) -> None:
+        from coreai.runtime import NDArray
+
+        self._state[name] = NDArray(np.ascontiguousarray(value, dtype=self._state[name].numpy().dtype))
+
+    def close(self) -> None:
+        if not self._loop.is_closed():
+            self._loop.run_until_complete(self._executable.__aexit__(None, None, None))
+            self._loop.close()
+
+    def __enter__(self) -> CoreAIRuntime:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
 def _serve(conn: Connection, path: str, compute_units: str, stderr_path: str) -> None:
     """The worker: load the asset, then answer ``(op, *args)`` requests until ``close`` or EOF."""
     fd = os.open(stderr_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
     os.dup2(fd, 2)  # the runtime's fatal errors land here, for the parent's error message
-    from coreai.authoring import AIModelAsset
-    from coreai.runtime import NDArray
-
-    async def main() -> None:
-        async with AIModelAsset.load(path).executable(specialization(compute_units)) as model:
-            functions = {name: model.load_function(name) for name in model.function_names}
-            described = {name: _describe(fn) for name, fn in functions.items()}
-            states = next(iter(described.values()))["states"]
-            state: dict[str, Any] = {}
-
-            def reset() -> None:
-                state.clear()
-                state.update({s["name"]: NDArray(np.zeros(s["shape"], dtype=s["dtype"].lower())) for s in states})
-
-            reset()
-            conn.send(("ok", described))
-            while True:
-                try:
-                    op, *args = conn.recv()
-                except EOFError:
-                    return
-                try:
-                    if op == "close":
-                        conn.send(("ok", None))
-                        return
-                    if op == "call":
-                        name, inputs = args
-                        out = await functions[name](inputs={k: NDArray(v) for k, v in inputs.items()}, state=state)
-                        conn.send(("ok", {k: v.numpy() for k, v in out.items() if isinstance(v, NDArray)}))
-                    elif op == "reset":
-                        reset()
-                        conn.send(("ok", None))
-                    elif op == "read":
-                        conn.send(("ok", state[args[0]].numpy().copy()))
-                    elif op == "write":
-                        name, value = args
-                        state[name] = NDArray(np.ascontiguousarray(value, dtype=state[name].numpy().dtype))
-                        conn.send(("ok", None))
-                    else:
-                        conn.send(("error", f"unknown request {op!r}"))
-                except Exception as err:  # reported to the parent, which raises CoreAIRuntimeError
-                    conn.send(("error", f"{type(err).__name__}: {err}"))
-
-    asyncio.run(main())
+    with CoreAIRuntime(path, compute_units) as runtime:
+        conn.send(("ok", runtime.functions))
+        ops: dict[str, Callable[..., Any]] = {"call": runtime.call, "reset": runtime.reset, "read": runtime.read_state,
+                                              "write": runtime.write_state}  # fmt: skip
+        while True:
+            try:
+                op, *args = conn.recv()
+            except EOFError:
+                return
+            if op == "close":
+                conn.send(("ok", None))
+                return
+            try:
+                conn.send(("ok", ops[op](*args)) if op in ops else ("error", f"unknown request {op!r}"))
+            except Exception as err:  # reported to the parent, which raises CoreAIRuntimeError
+                conn.send(("error", f"{type(err).__name__}: {err}"))
 
 
 class CoreAIWorker:
@@ -216,10 +239,10 @@ class CoreAIRunner:
     """One function of a :class:`CoreAIWorker`'s asset: a package runner of :class:`CoreMLEngine`. Its state is
     the worker's (every function shares it)."""
 
-    def __init__(self, worker: CoreAIWorker, function: str) -> None:
+    def __init__(self, worker: CoreAIWorker | CoreAIRuntime, function: str) -> None:
         self.worker, self.function = worker, function
 
-    def new_state(self) -> CoreAIWorker:
+    def new_state(self) -> CoreAIWorker | CoreAIRuntime:
         self.worker.reset()
         return self.worker
 
@@ -243,15 +266,19 @@ def coreai_contract(contract: dict[str, Any], contract_path: Path | str = "contr
     return {**contract, "packages": {"model": section}, "kv": {**contract["kv"], "shared_state": True}}
 
 
-def open_engine(export_dir: str | Path, compute_units: str = "ALL") -> tuple[CoreMLEngine, CoreAIWorker]:
-    """The engine over ``export_dir``'s ``model.aimodel`` (as ``contract.json`` lists it) and its worker;
-    close the worker when done."""
+def open_engine(
+    export_dir: str | Path, compute_units: str = "ALL", in_process: bool = False
+) -> tuple[CoreMLEngine, CoreAIWorker | CoreAIRuntime]:
+    """The engine over ``export_dir``'s ``model.aimodel`` (as ``contract.json`` lists it) and what runs it: a
+    worker process (:class:`CoreAIWorker`), or with ``in_process`` this process (:class:`CoreAIRuntime`: the speed
+    worker's, on macOS 27); close it when done."""
     from distillgates.export.functions import DECODE, prefill_function
 
     export_dir = Path(export_dir)
     contract_path = export_dir / "contract.json"
     contract = coreai_contract(json.loads(contract_path.read_text(encoding="utf-8")), contract_path)
-    worker = CoreAIWorker(export_dir / contract["packages"]["model"]["path"], compute_units)
+    asset = export_dir / contract["packages"]["model"]["path"]
+    worker = CoreAIRuntime(asset, compute_units) if in_process else CoreAIWorker(asset, compute_units)
     lengths = sorted(int(n) for n in contract["enumerated_lengths"])
     prefill = {n: CoreAIRunner(worker, prefill_function(n)) for n in lengths}
     return CoreMLEngine(prefill, CoreAIRunner(worker, DECODE), contract), worker
