@@ -131,7 +131,36 @@ def test_a_tokenizer_without_a_chat_template_is_refused_naming_the_field(tmp_pat
     plain.save_pretrained(tmp_path / "plain")
     with pytest.raises(ValueError, match=r"tokenizer_config\.json: chat_template: the tokenizer has no chat template"):
         load_tokenizer(tmp_path / "plain")
+    # a config's template stands in
+    assert load_tokenizer(tmp_path / "plain", "{{ messages }}").chat_template == "{{ messages }}"
     with pytest.raises(ValueError, match=r"tokenizer\.chat_template: expected one of .* or a \.jinja file"):
         chat_template_text("fancy", "tokenizer.chat_template")
     with pytest.raises(FileNotFoundError, match=r"tokenizer\.chat_template: no template file"):
         chat_template_text(str(tmp_path / "missing.jinja"), "tokenizer.chat_template")
+
+
+def test_the_builtin_template_names_are_the_configs() -> None:
+    from distillgates.config import BUILTIN_CHAT_TEMPLATES
+    from distillgates.tokenizer import CHAT_TEMPLATES
+
+    assert tuple(CHAT_TEMPLATES) == BUILTIN_CHAT_TEMPLATES
+
+
+def test_the_gemma_template_writes_gemma_turns_with_hermes_calls() -> None:
+    """``chat_template: gemma``: Gemma 3's turns (no system role: the system message opens the first user turn),
+    calls as Hermes JSON in a model turn, consecutive results in one user turn; its stop token is ``<end_of_turn>``."""
+    from distillgates.data.chat import ChatFormat
+    from distillgates.tokenizer import template_tokenizer
+
+    fmt = ChatFormat(template_tokenizer("gemma"))
+    assert fmt.tool_call_format == "hermes" and fmt.stop_tokens == ["<end_of_turn>", "<eos>"]
+    call = {"type": "function", "function": {"name": "f", "arguments": {"a": 1}}}
+    text = fmt.render([{"role": "system", "content": "S"}, {"role": "user", "content": "Q"},
+                       {"role": "assistant", "content": "", "tool_calls": [call]}, {"role": "tool", "content": "1"},
+                       {"role": "tool", "content": "2"}, {"role": "assistant", "content": "done"}])
+    assert text == ("<bos><start_of_turn>user\nS\n\nQ<end_of_turn>\n<start_of_turn>model\n<tool_call>\n"
+                    '{"name": "f", "arguments": {"a": 1}}\n</tool_call><end_of_turn>\n<start_of_turn>user\n'
+                    "<tool_response>\n1\n</tool_response>\n<tool_response>\n2\n</tool_response><end_of_turn>\n"
+                    "<start_of_turn>model\ndone<end_of_turn>\n")
+    assert fmt.parse_turn(fmt.assistant_text("", [{"name": "f", "arguments": {"a": 1}}])).calls == [
+        {"name": "f", "arguments": {"a": 1}}]

@@ -147,6 +147,10 @@ class ModelConfig:
 # Pipeline sections
 
 
+# the chat templates built in (distillgates.tokenizer.CHAT_TEMPLATES: a test keeps the two lists equal)
+BUILTIN_CHAT_TEMPLATES = ("toy", "chatml", "gemma")
+
+
 @dataclass
 class TokenizerConfig:
     """The student's tokenizer and chat template: a tokenizer directory (``path``) or a trained byte-level BPE.
@@ -156,18 +160,19 @@ class TokenizerConfig:
 
     vocab_size: int = 1024
     min_frequency: int = 2
-    # the template everything renders with: a built-in (toy | chatml, distillgates.tokenizer.CHAT_TEMPLATES) or a
-    # .jinja file (with ``path`` only); None: a trained tokenizer's toy, a tokenizer directory's own. The template
-    # must write tool calls its parser reads back (checked by the data step)
+    # the template everything renders with: a built-in (toy | chatml | gemma, distillgates.tokenizer.CHAT_TEMPLATES;
+    # gemma: Gemma 3's turns with Hermes tool calls) or a .jinja file (with ``path`` only); None: a trained
+    # tokenizer's toy, a tokenizer directory's own. The template must write tool calls its parser reads back
+    # (checked by the data step)
     chat_template: str | None = None
     path: str | None = None  # a save_pretrained directory with a chat template (local files only), or a .gguf file
     tool_call_format: str | None = None  # toy | hermes | llama3; None: detected from the chat template
 
     def __post_init__(self) -> None:
-        builtin = self.chat_template in (None, "toy", "chatml")
+        builtin = self.chat_template is None or self.chat_template in BUILTIN_CHAT_TEMPLATES
         if not builtin and not (self.path and str(self.chat_template).endswith(".jinja")):
-            raise ValueError(f"tokenizer.chat_template: expected toy, chatml or (with path) a .jinja file, "
-                             f"got {self.chat_template!r}")
+            raise ValueError(f"tokenizer.chat_template: expected {', '.join(BUILTIN_CHAT_TEMPLATES)} or (with path) "
+                             f"a .jinja file, got {self.chat_template!r}")
         if self.tool_call_format not in (None, "toy", "hermes", "llama3"):
             raise ValueError(f"tokenizer.tool_call_format: expected toy, hermes or llama3, "
                              f"got {self.tool_call_format!r}")
@@ -347,8 +352,8 @@ class TeacherConfig:
 
     kind: str = "local"  # "local" (AutoModelForCausalLM dir) or "openai" (chat completions)
     path: str | None = None  # local: model directory or .gguf file (None: the pipeline trains the toy teacher)
-    # local: the template the teacher renders with (toy | chatml | a .jinja file); None: the run's template when the
-    # teacher has the run's vocabulary, else its own
+    # local: the template the teacher renders with (toy | chatml | gemma | a .jinja file); None: the run's template
+    # when the teacher has the run's vocabulary, else its own
     chat_template: str | None = None
     model: ModelConfig | None = None  # local toy teacher architecture (trained from scratch)
     train: ToyTeacherTrainConfig = field(default_factory=ToyTeacherTrainConfig)  # the toy teacher's training
@@ -363,8 +368,9 @@ class TeacherConfig:
             raise ValueError("api.base_url is required when kind is 'openai'")
         if self.finetune is not None and not (self.kind == "local" and self.path):
             raise ValueError("finetune needs a pretrained local teacher (kind: local and path)")
-        if self.chat_template not in (None, "toy", "chatml") and not self.chat_template.endswith(".jinja"):
-            raise ValueError(f"chat_template: expected toy, chatml or a .jinja file, got {self.chat_template!r}")
+        if self.chat_template not in (None, *BUILTIN_CHAT_TEMPLATES) and not self.chat_template.endswith(".jinja"):
+            raise ValueError(f"chat_template: expected {', '.join(BUILTIN_CHAT_TEMPLATES)} or a .jinja file, got "
+                             f"{self.chat_template!r}")
 
 
 @dataclass

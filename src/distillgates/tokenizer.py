@@ -104,6 +104,39 @@ CHATML_CHAT_TEMPLATE = (
 )
 
 
+GEMMA_SPECIAL_TOKENS: tuple[str, ...] = ("<pad>", "<eos>", "<bos>", "<start_of_turn>", "<end_of_turn>")
+"""Special tokens of Gemma's turn format (single tokens in Gemma 3's vocabulary, ids 0, 1, 2, 105, 106 there)."""
+
+# Gemma 3's turns (its own template: <start_of_turn>user|model ... <end_of_turn>, the system message opening the
+# first user turn, since Gemma has no system role) with Hermes tool calls, as the chatml template writes them:
+# <tool_call>\n{"name": ..., "arguments": {...}}\n</tool_call> in a model turn, results in a user turn as
+# <tool_response>...</tool_response>. Gemma's own template renders no tool calls (a tool-calling fine-tune such as
+# FunctionGemma brings its own format, a .jinja file with tokenizer.tool_call_format).
+GEMMA_CHAT_TEMPLATE = (
+    "{{- bos_token }}"
+    "{%- if messages[0].role == 'system' %}{%- set first_user_prefix = messages[0].content + '\n\n' %}"
+    "{%- set loop_messages = messages[1:] %}"
+    "{%- else %}{%- set first_user_prefix = '' %}{%- set loop_messages = messages %}{%- endif %}"
+    "{%- for message in loop_messages %}"
+    "{%- if message.role == 'user' or (message.role == 'assistant' and not message.tool_calls) %}"
+    "{{- '<start_of_turn>' + ('model' if message.role == 'assistant' else 'user') + '\n' "
+    "+ (first_user_prefix if loop.first else '') + message.content + '<end_of_turn>\n' }}"
+    "{%- elif message.role == 'assistant' %}{{- '<start_of_turn>model' }}"
+    "{%- if message.content %}{{- '\n' + message.content }}{%- endif %}"
+    "{%- for tool_call in message.tool_calls %}"
+    "{{- '\n<tool_call>\n{\"name\": \"' + tool_call.function.name + '\", \"arguments\": ' "
+    "+ (tool_call.function.arguments | tojson) + '}\n</tool_call>' }}"
+    "{%- endfor %}{{- '<end_of_turn>\n' }}"
+    "{%- elif message.role == 'tool' %}"
+    "{%- if loop.first or loop_messages[loop.index0 - 1].role != 'tool' %}{{- '<start_of_turn>user' }}{%- endif %}"
+    "{{- '\n<tool_response>\n' + message.content + '\n</tool_response>' }}"
+    "{%- if loop.last or loop_messages[loop.index0 + 1].role != 'tool' %}{{- '<end_of_turn>\n' }}{%- endif %}"
+    "{%- else %}{{- raise_exception('unknown role ' ~ message.role) }}"
+    "{%- endif %}{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<start_of_turn>model\n' }}{%- endif %}"
+)
+
+
 @dataclass(frozen=True)
 class ChatTemplate:
     """A chat template a trained tokenizer can carry, with the special tokens it writes."""
@@ -118,6 +151,7 @@ class ChatTemplate:
 CHAT_TEMPLATES = {
     "toy": ChatTemplate(TOY_CHAT_TEMPLATE, SPECIAL_TOKENS, BOS, EOS, PAD),
     "chatml": ChatTemplate(CHATML_CHAT_TEMPLATE, CHATML_SPECIAL_TOKENS, None, "<|im_end|>", "<|endoftext|>"),
+    "gemma": ChatTemplate(GEMMA_CHAT_TEMPLATE, GEMMA_SPECIAL_TOKENS, "<bos>", "<eos>", "<pad>"),
 }
 """Templates of trained tokenizers (``tokenizer.chat_template``); a tokenizer directory brings its own."""
 
@@ -235,8 +269,10 @@ def save_tokenizer(tok: PreTrainedTokenizerFast, path: str | Path) -> Path:
     return path
 
 
-def load_tokenizer(path: str | Path) -> PreTrainedTokenizerFast:
-    """Load a Hugging Face tokenizer directory (``AutoTokenizer``, local files only) with its chat template.
+def load_tokenizer(path: str | Path, chat_template: str | None = None) -> PreTrainedTokenizerFast:
+    """Load a Hugging Face tokenizer directory (``AutoTokenizer``, local files only) with its chat template, or
+    with ``chat_template`` (a template's text) in place of its own (a base checkpoint, such as Gemma 3's GGUF, may
+    have none).
 
     A toy tokenizer (the nine chat specials, no template of its own: one saved before the toy format
     became a template) gets :data:`TOY_CHAT_TEMPLATE`; its specials must be single tokens.
@@ -254,6 +290,8 @@ def load_tokenizer(path: str | Path) -> PreTrainedTokenizerFast:
     if not isinstance(tok, PreTrainedTokenizerFast):  # offsets (masks) need the fast tokenizer
         raise ValueError(f"{path}: {type(tok).__name__} is not a fast tokenizer (tokenizer.json)")
     vocab = tok.get_vocab()
+    if chat_template is not None:
+        tok.chat_template = chat_template
     if tok.chat_template is None and all(t in vocab for t in SPECIAL_TOKENS):
         tok.chat_template = TOY_CHAT_TEMPLATE
     if tok.chat_template is None:

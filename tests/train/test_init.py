@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import json
 from pathlib import Path
@@ -176,15 +177,54 @@ def test_init_from_must_name_a_checkpoint_dir() -> None:
         TrainConfig(init_from="hf:")
 
 
-def test_pruning_refuses_to_drop_a_teachers_sliding_layers_into_a_model_without_them() -> None:
-    """A Gemma 3 teacher's sliding layers kept as full-attention layers would compute another model: refused, naming
-    the kept layers' types."""
+def test_pruning_keeps_the_attention_kind_of_each_kept_layer() -> None:
+    """A Gemma 3 teacher's sliding layers kept as full-attention layers would compute another model: the student
+    takes the kept layers' kinds (kept_layer_types); a student section naming other kinds is refused, naming both."""
+    from distillgates.train.init import kept_layer_types
+
     sliding = {"sliding_window": 3, "rope_local_theta": 100.0}
     teacher = Transformer(tiny_model_config(n_layers=3, layer_types=["sliding_attention", "full_attention",
                                                                      "sliding_attention"], **sliding))  # fmt: skip
-    student = Transformer(tiny_model_config(n_layers=2, **sliding))
-    with pytest.raises(ValueError, match=r"kept layers \[0, 1\] are \['sliding_attention', 'full_attention'\]"):
-        init_from_teacher(student, teacher, [0, 1])
-    matching = Transformer(tiny_model_config(n_layers=2, layer_types=["sliding_attention", "full_attention"],
-                                             **sliding))  # fmt: skip
-    init_from_teacher(matching, teacher, [0, 1])
+    plain = tiny_model_config(n_layers=2, **sliding)
+    assert kept_layer_types(plain, teacher.config, [0, 1]).layer_types == ["sliding_attention", "full_attention"]
+    assert kept_layer_types(plain, teacher.config, [1, 1]).layer_types is None  # only global layers kept
+    with pytest.raises(ValueError, match=r"kept layers \[0, 1\] are \['sliding_attention', 'full_attention'\], the "
+                                         r"student's layer_types \['full_attention', 'sliding_attention'\]"):
+        kept_layer_types(dataclasses.replace(plain, layer_types=["full_attention", "sliding_attention"]),
+                         teacher.config, [0, 1])  # fmt: skip
+    with pytest.raises(ValueError, match=r"built with layer_types all full, the kept layers \[0, 1\]"):
+        init_from_teacher(Transformer(plain), teacher, [0, 1])
+    student = Transformer(kept_layer_types(plain, teacher.config, [0, 2]))
+    init_from_teacher(student, teacher, [0, 2])
+    ids = torch.randint(0, 96, (1, 9))
+    pruned = copy.deepcopy(teacher)
+    del pruned.layers[1]
+    pruned.config = student.config  # the teacher with its global layer removed computes what the student does
+    torch.testing.assert_close(student(ids), pruned(ids))
+
+
+def test_a_pruned_gemma_student_trains_and_resumes_with_the_kept_layer_types(artifacts: dict[str, Any],
+                                                                           tmp_path: Path) -> None:
+    """Through the recipe: a student section without layer_types, pruned from a teacher with sliding layers, is built
+    with the kept layers' kinds, saved with them, and a resume rebuilds the same model from init.json."""
+    from distillgates.config import TeacherConfig
+
+    torch.set_num_threads(1)
+    cfg = artifacts["make_config"](len(artifacts["tokenizer"]), steps=4, lr=1e-3, warmup_steps=1, init_from="teacher",
+                                   ckpt_every=2)  # fmt: skip
+    sliding = {"sliding_window": 8, "rope_local_theta": 100.0, "embed_scale": True, "sandwich_norm": True,
+               "qk_norm": True, "activation": "gelu_tanh", "query_pre_attn_scalar": 8}  # Gemma 3 (gemma3_text in HF)
+    cfg.student = dataclasses.replace(cfg.student, **sliding)
+    types = ["sliding_attention", "sliding_attention", "full_attention", "sliding_attention"]
+    torch.manual_seed(7)
+    teacher = Transformer(dataclasses.replace(cfg.student, n_layers=4, layer_types=types)).eval()
+    to_hf(teacher).save_pretrained(tmp_path / "teacher")
+    artifacts["tokenizer"].save_pretrained(tmp_path / "teacher")
+    cfg.teacher = TeacherConfig(kind="local")
+    kwargs = dict(kd_path=artifacts["kd_path"], tokenizer=artifacts["tokenizer"], train_items=artifacts["train"],
+                  eval_items=artifacts["eval"], progress=False, device="cpu")
+    train_student(cfg, "student", tmp_path, max_steps=2, **kwargs)  # type: ignore[arg-type]
+    init = json.loads((tmp_path / "student" / "init.json").read_text())
+    kept = [types[i] for i in init["layers"]]
+    path = train_student(cfg, "student", tmp_path, **kwargs)  # type: ignore[arg-type]  # resumes at step 2
+    assert load_model(path).config.layer_types == (kept if "sliding_attention" in kept else None)

@@ -153,9 +153,9 @@ def student_tokenizer(cfg: Config, train_items: list[dict[str, Any]]) -> PreTrai
     if tcfg.path is not None:
         from distillgates.checkpoints import checkpoint_dir
 
-        tok = load_tokenizer(checkpoint_dir(tcfg.path))
-        if tcfg.chat_template is not None:  # the config's template replaces the checkpoint's own
-            tok.chat_template = chat_template_text(tcfg.chat_template, "tokenizer.chat_template")
+        # the config's template replaces the checkpoint's own (or stands in for a missing one)
+        template = chat_template_text(tcfg.chat_template, "tokenizer.chat_template") if tcfg.chat_template else None
+        tok = load_tokenizer(checkpoint_dir(tcfg.path), template)
     else:
         fmt = template_chat_format(tcfg.chat_template or "toy")
         texts = (fmt.conversation(item) for item in train_items)

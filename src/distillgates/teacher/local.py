@@ -242,12 +242,12 @@ def teacher_tokenizer(path: str | Path, tokenizer: Any, chat_template: str | Non
     given; else a teacher with the run's vocabulary renders with the run's template (the run's
     ``tokenizer.chat_template``, which may replace the checkpoint's own); else its own.
     """
-    own = load_tokenizer(path)
     if chat_template is not None:
-        own.chat_template = chat_template_text(chat_template, "teacher.chat_template")
-    elif own.get_vocab() == tokenizer.get_vocab():
-        own = tokenizer
-    return own
+        return load_tokenizer(path, chat_template_text(chat_template, "teacher.chat_template"))
+    # the run's template stands in until the vocabularies are compared (a base checkpoint may have no template)
+    if load_tokenizer(path, tokenizer.chat_template).get_vocab() == tokenizer.get_vocab():
+        return tokenizer
+    return load_tokenizer(path)  # another vocabulary renders with its own template
 
 
 def local_teacher(path: str | Path, tokenizer: Any, chat_template: str | None = None, device: str = "cpu"

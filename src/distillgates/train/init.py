@@ -67,6 +67,25 @@ def select_layers(influence: Sequence[float], n_layers: int) -> list[int]:
     return sorted(ranked[:n_layers])
 
 
+def kept_layer_types(student: ModelConfig, teacher: ModelConfig, layers: Sequence[int]) -> ModelConfig:
+    """``student`` with the attention kinds of the teacher layers it keeps (Gemma 3: five sliding-window layers to
+    one global): each kept block attends as it did in the teacher. A student section that sets ``layer_types``
+    must name those same kinds.
+
+    Raises:
+        ValueError: the section's ``layer_types`` differ from the kept layers' (naming both).
+    """
+    kept = [teacher.layer_types[i] for i in layers] if teacher.layer_types else None
+    kept = kept if kept and "sliding_attention" in kept else None
+    if student.layer_types is None and kept is not None:
+        return dataclasses.replace(student, layer_types=kept)
+    if (student.layer_types or None) != kept:
+        raise ValueError(f"train.init_from 'teacher': the kept layers {list(layers)} are {kept or 'all full'}, the "
+                         f"student's layer_types {student.layer_types or 'all full'}: drop student.layer_types (the "
+                         "kept layers' are taken) or name the same")  # fmt: skip
+    return student
+
+
 def init_from_teacher(student: Transformer, teacher: Transformer, layers: Sequence[int]) -> None:
     """Copy the teacher's embeddings, final norm (and untied head) and blocks ``layers`` into ``student``.
 
@@ -85,11 +104,10 @@ def init_from_teacher(student: Transformer, teacher: Transformer, layers: Sequen
         raise ValueError(
             f"init layers {list(layers)} must be {s_cfg.n_layers} indices of the teacher's {t_cfg.n_layers}"
         )
-    kept = [t_cfg.layer_types[i] for i in layers] if t_cfg.layer_types else None
-    if (s_cfg.layer_types or None) != (kept if kept and "sliding_attention" in kept else None):
-        raise ValueError(f"train.init_from 'teacher': the kept layers {list(layers)} are {kept or 'all full'}, "
-                         f"the student's layer_types {s_cfg.layer_types or 'all full'}: they must be the same (taking "
-                         "them from the layers the ranking keeps is not built yet, issue #42)")  # fmt: skip
+    if kept_layer_types(s_cfg, t_cfg, layers) != s_cfg:
+        raise ValueError(f"train.init_from 'teacher': the student is built with layer_types "
+                         f"{s_cfg.layer_types or 'all full'}, the kept layers {list(layers)} are another pattern "
+                         "(build it from kept_layer_types)")  # fmt: skip
     t_state = teacher.state_dict()
     state = {}
     for name in student.state_dict():

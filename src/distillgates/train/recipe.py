@@ -222,10 +222,16 @@ class Recipe:
             raise ValueError(f"batch_size {cfg.batch_size} must be divisible by world_size*grad_accum = {per_step}")
         # batch_at(step) is a pure function of (seed, step): the data position is the step itself
         self.sampler = ShapeSampler([r.length for r in self.rows], self.shapes, cfg.batch_size, cfg.steps, cfg.seed)
+        init = self._teacher_layers() if cfg.init_from == "teacher" else None
+        if init is not None:  # the student attends as the teacher's kept layers did (Gemma 3's sliding windows)
+            from distillgates.train.init import kept_layer_types
+
+            assert self.init_teacher is not None
+            self.model_cfg = kept_layer_types(self.model_cfg, self.init_teacher.config, init["layers"])
         self.model = self.init_model if self.init_model is not None else Transformer(self.model_cfg)
         if not (self.out_dir / CKPT_NAME).exists():  # a resume loads its own
-            if cfg.init_from == "teacher":
-                self._init_from_teacher()
+            if init is not None:
+                self._init_from_teacher(init)
             elif cfg.pretrained is not None and self.dist.main:
                 self.out_dir.mkdir(parents=True, exist_ok=True)
                 atomic_write_json(self.out_dir / "init.json", {"from": cfg.init_from})
@@ -253,19 +259,28 @@ class Recipe:
             atomic_write_text(self.log_path, "")
         self._wrap()
 
-    def _init_from_teacher(self) -> None:
-        """Depth-pruned teacher init (:mod:`distillgates.train.init`); the choice goes to ``init.json``."""
-        from distillgates.train.init import block_influence, init_from_teacher, select_layers
+    def _teacher_layers(self) -> dict[str, Any]:
+        """Which teacher blocks the depth-pruned student keeps (:mod:`distillgates.train.init`): ``init.json``'s
+        choice on a resume, else ``train.init_layers`` or the most influential blocks on the first 32 rows."""
+        from distillgates.train.init import block_influence, select_layers
 
         assert self.init_teacher is not None
+        if (self.out_dir / CKPT_NAME).exists() and (self.out_dir / "init.json").exists():
+            return json.loads((self.out_dir / "init.json").read_text(encoding="utf-8"))  # type: ignore[no-any-return]
         probe_ids = [torch.tensor([r.ids]) for r in self.rows[:32]]
         influence = block_influence(self.init_teacher, probe_ids)
         layers = self.cfg.init_layers or select_layers(influence, self.model_cfg.n_layers)
-        init_from_teacher(self.model, self.init_teacher, layers)
+        return {"from": "teacher", "layers": list(layers), "block_influence": influence, "probe_items": len(probe_ids)}
+
+    def _init_from_teacher(self, init: dict[str, Any]) -> None:
+        """Depth-pruned teacher init of the kept blocks ``init["layers"]``; the choice goes to ``init.json``."""
+        from distillgates.train.init import init_from_teacher
+
+        assert self.init_teacher is not None
+        init_from_teacher(self.model, self.init_teacher, init["layers"])
         if self.dist.main:
             self.out_dir.mkdir(parents=True, exist_ok=True)
-            atomic_write_json(self.out_dir / "init.json", {"from": "teacher", "layers": list(layers),
-                                                         "block_influence": influence, "probe_items": len(probe_ids)})
+            atomic_write_json(self.out_dir / "init.json", init)
 
     def _wrap(self) -> None:
         """The module the training forward calls: QAT graph or model, under DDP/FSDP if distributed."""
