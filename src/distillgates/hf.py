@@ -244,6 +244,13 @@ def _sliding_window(hf_cfg: Any, model_type: str) -> int | None:
     return int(window)
 
 
+def hf_model_class(cfg: ModelConfig) -> Any:
+    """The ``transformers`` ``*ForCausalLM`` class of the family ``cfg`` describes (:func:`family_of`)."""
+    import transformers
+
+    return getattr(transformers, _family(family_of(cfg), "model_type").model_class)
+
+
 def to_hf(model: Transformer, model_type: str | None = None) -> Any:
     """Copy weights into a new HF ``*ForCausalLM`` (same logits); ``model_type`` default: :func:`family_of`."""
     import transformers

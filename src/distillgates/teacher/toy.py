@@ -1,4 +1,4 @@
-"""The toy teacher recipe: train a small ``LlamaForCausalLM`` on the toy conversations on CPU.
+"""The toy teacher recipe: train a small ``LlamaForCausalLM`` (or the family ``teacher.model`` describes) on CPU.
 
 Design choices:
 - Architecture from ``cfg.teacher.model`` through :func:`distillgates.hf.hf_config`, so the
@@ -52,7 +52,7 @@ import torch.nn.functional as F
 from distillgates.config import Config
 from distillgates.data.targets import encode_item
 from distillgates.devices import resolve_device
-from distillgates.hf import hf_config
+from distillgates.hf import hf_config, hf_model_class
 from distillgates.io import atomic_write_json
 from distillgates.progress import ProgressBar
 from distillgates.train.schedule import warmup_cosine
@@ -131,8 +131,6 @@ def train_toy_teacher(
     Returns:
         training stats: steps, final loss (mean of the last 20 steps), seconds, parameters.
     """
-    from transformers import LlamaForCausalLM
-
     if cfg.teacher is None or cfg.teacher.model is None:
         raise ValueError("teacher.model is required to train the toy teacher")
     arch, tcfg = cfg.teacher.model, cfg.teacher.train
@@ -151,7 +149,8 @@ def train_toy_teacher(
         )))
     phases.append((tcfg.steps, rows))
     device = resolve_device(cfg.device)
-    model = LlamaForCausalLM(hf_config(arch)).to(device).train()  # type: ignore[arg-type]
+    # the family teacher.model describes (LlamaForCausalLM for the toy; Gemma 3's features: Gemma3ForCausalLM)
+    model = hf_model_class(arch)(hf_config(arch)).to(device).train()
     decay = [p for n, p in model.named_parameters() if p.ndim >= 2]
     no_decay = [p for n, p in model.named_parameters() if p.ndim < 2]
     optimizer = torch.optim.AdamW(
