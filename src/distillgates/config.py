@@ -449,8 +449,8 @@ class EarlyToolLossConfig:
 @dataclass
 class OnPolicyConfig:
     """On-policy distillation (``train.on_policy``; :mod:`distillgates.train.on_policy`): on a share of the steps the
-    student samples each conversation of its batch from the prompt, tools answered by the item's fixtures as in
-    eval, and learns the teacher's distribution on its own tokens (generalized JSD). Needs a local teacher that
+    student samples each conversation of its batch from the prompt (the batch decoded together), tools answered by
+    the item's fixtures as in eval, and learns the teacher's distribution on its own tokens (generalized JSD). Needs a local teacher that
     shares the student's vocabulary (an API teacher cannot score given tokens)."""
 
     share: float = 0.0  # fraction of steps whose batch the student samples (0: off-policy only)

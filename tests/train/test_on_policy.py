@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import json
 import re
 from pathlib import Path
@@ -12,11 +13,12 @@ import torch
 
 from distillgates.config import ConfigError, OnPolicyConfig, TrainConfig, from_dict, load_config
 from distillgates.data.chat import chat_format
-from distillgates.eval.runners import eval_prompt_item
+from distillgates.eval.runners import EngineSession, eval_prompt_item, run_item
 from distillgates.losses import divergence
 from distillgates.model import Transformer
+from distillgates.runtime.torch_engine import TorchEngine
 from distillgates.train.data import collate, read_kd_set
-from distillgates.train.on_policy import on_policy_step, sample_rows
+from distillgates.train.on_policy import on_policy_step, sample_rows, sample_seed
 from distillgates.train.recipe import Recipe
 
 from .conftest import SHAPES
@@ -85,6 +87,43 @@ def test_a_sampled_row_is_the_conversation_the_student_played(artifacts: dict[st
     again, _ = sample_rows(recipe.model, tok, recipe.rows, on_policy, seed=0, step=0, lengths=cfg.shapes.lengths)
     assert [r.ids for r in again] == [r.ids for r in sampled[: len(again)]]
     assert [r.ids for r in again] != [r.ids for r in sampled[len(again) : 2 * len(again)]]  # step 1 samples anew
+
+
+class _SampledSession(EngineSession):
+    """The eval's batch-1 session sampling turn ``t`` with seed + ``t``: one conversation at a time."""
+
+    def __init__(self, engine: Any, tokenizer: Any, cfg: OnPolicyConfig, seed: int) -> None:
+        super().__init__(engine, tokenizer, cfg.max_new_tokens)
+        self.cfg, self.seed, self.turns = cfg, seed, 0
+
+    def _decode(self) -> dict[str, Any]:
+        self.turns += 1
+        return {"stop_ids": self.stop_ids, "temperature": self.cfg.temperature, "top_p": self.cfg.top_p,
+                "seed": self.seed + self.turns}  # fmt: skip
+
+
+def test_the_batch_is_played_together_as_each_item_alone(artifacts: dict[str, Any], tmp_path: Path) -> None:
+    """The batch's conversations are decoded together on one engine (a cache row each); each is the conversation
+    the eval's batch-1 session samples for its item with the same seeds: the same turns, tool results and tokens."""
+    torch.set_num_threads(1)
+    tok = artifacts["tokenizer"]
+    cfg = artifacts["make_config"](len(tok), steps=15, lr=1e-2)
+    recipe = Recipe(cfg.train, cfg.student, cfg.shapes, tok, artifacts["train"], artifacts["eval"], tmp_path,
+                    kd_records=read_kd_set(artifacts["kd_path"]), device="cpu", progress=False, speed_prompts=0)
+    recipe.setup()
+    recipe.train()
+    on_policy = OnPolicyConfig(temperature=1.0, max_new_tokens=48, max_turns=2)
+    engine = TorchEngine(copy.deepcopy(recipe.model).float())
+    fed = 0
+    for step in range(3):
+        rows, outputs = sample_rows(recipe.model, tok, recipe.rows, on_policy, 0, step, cfg.shapes.lengths)
+        for row, out in zip(rows, outputs, strict=True):
+            session = _SampledSession(engine, tok, on_policy, sample_seed(0, step, str(row.item["id"])))
+            assert run_item(row.item, session, max_calls=on_policy.max_turns) == out
+            ids = [*engine.tokens, *([engine.pending] if engine.pending is not None else [])]
+            assert row.ids == ids[: cfg.shapes.lengths[-1]] and row.length == len(ids)
+            fed += sum(t["role"] == "tool" for t in out["turns"])
+    assert fed > 0  # multi-turn conversations among them
 
 
 def _recipe(art: dict[str, Any], out: Path, teacher: Any, **train: Any) -> Recipe:

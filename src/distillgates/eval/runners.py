@@ -45,7 +45,7 @@ per item and token: the batched path refuses it.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -219,64 +219,109 @@ class _Row:
     chunk: list[int]  # tokens to write next: the prompt, the pending stop token + tool results, or the last token
     budget: int  # new tokens the current turn may still reach (EngineSession._budget at the turn's start)
     turn: list[int]  # the current turn's tokens so far
+    ids: list[int]  # the conversation's tokens: the prompt, its turns (stop tokens included), the tool results
+    prompt_len: int
+    turns: int = 0  # turns started (the current one's number, from 1)
+    generated: list[tuple[int, int]] = field(default_factory=list)  # (first prediction position, tokens) a turn
+
+
+@dataclass
+class Played:
+    """One item's conversation on the batched path: what the scorer reads, and the tokens the model saw."""
+
+    output: dict[str, Any]  # the per-item output (module docstring)
+    ids: list[int]  # the prompt, each turn with its stop token, the tool results between turns
+    prompt_len: int
+    generated: list[tuple[int, int]]  # each generated turn: (position whose logits predict its first token, tokens)
+
+
+PickToken = Callable[[int, int, torch.Tensor], int]
+"""``(item index, turn number from 1, (V,) logits) -> token``: how the batched path picks each generated token."""
+
+
+def _greedy(index: int, turn: int, logits: torch.Tensor) -> int:
+    return int(torch.argmax(logits))  # as sample_token at temperature 0
 
 
 def run_items_batched(
     runner: EngineRunner, items: Sequence[Mapping[str, Any]], max_calls: int = 4,
     policy: FixturePolicy | None = None, on_item_done: Callable[[], object] = lambda: None,
 ) -> list[dict[str, Any]]:  # fmt: skip
-    """Per-item outputs of ``items``, up to ``runner.batch_size`` decoded together (module docstring).
+    """Per-item outputs of ``items``, up to ``runner.batch_size`` decoded together, greedy (module docstring).
 
     Raises:
         ValueError: constrained decoding is on, or the engine has fewer rows than ``batch_size``.
     """
-    engine, batch_size = runner.engine, runner.batch_size
     if runner.constrained:
         raise ValueError("eval.batch_size > 1 cannot decode with constrained tool calls (a constraint per "
                          "item and token): set eval.batch_size: 1 or eval.constrained_tool_calls: false")  # fmt: skip
+    played = play_batched(runner.engine, runner.tokenizer, items, runner.batch_size, runner.max_new_tokens,
+                          max_calls, policy, on_item_done)  # fmt: skip
+    return [p.output for p in played]
+
+
+def play_batched(
+    engine: Any, tokenizer: Any, items: Sequence[Mapping[str, Any]], batch_size: int, max_new_tokens: int,
+    max_calls: int = 4, policy: FixturePolicy | None = None, on_item_done: Callable[[], object] = lambda: None,
+    pick: PickToken = _greedy,
+) -> list[Played]:  # fmt: skip
+    """Each item's conversation, up to ``batch_size`` decoded together on the engine's cache rows (module
+    docstring), every token chosen by ``pick`` (greedy by default; on-policy training samples,
+    :mod:`distillgates.train.on_policy`).
+
+    Raises:
+        ValueError: the engine has fewer rows than ``batch_size``.
+    """
     if getattr(engine, "max_batch_size", 1) < batch_size or not hasattr(engine, "write_rows"):
         have = getattr(engine, "max_batch_size", 1)
         raise ValueError(f"eval.batch_size {batch_size} needs an engine with write_rows and at least that many "
                          f"cache rows, got a {type(engine).__name__} with {have}")  # fmt: skip
-    session = _TokenSession(runner.tokenizer, runner.max_new_tokens)  # encoding, stop ids, turns
+    session = _TokenSession(tokenizer, max_new_tokens)  # encoding, stop ids, turns
     fmt, max_seq_len, stops = session.chat_format, int(engine.max_seq_len), frozenset(session.stop_ids)
-    outputs: list[dict[str, Any]] = [{} for _ in items]
+    played: list[Played | None] = [None] * len(items)
     waiting = list(enumerate(items))[::-1]  # popped from the end: in order
     rows: list[_Row | None] = [None] * batch_size
 
     def start_turn(row: _Row, chunk: list[int]) -> bool:
         """Set the row's next turn; False when the context is full (an empty turn ended the item, as at batch 1)."""
-        row.chunk, row.turn = chunk, []
-        row.budget = max(0, min(runner.max_new_tokens, max_seq_len - row.written - len(chunk)))
+        row.chunk, row.turn, row.turns = chunk, [], row.turns + 1
+        row.budget = max(0, min(max_new_tokens, max_seq_len - row.written - len(chunk)))
         return row.budget > 0 or end_turn(row)
 
     def end_turn(row: _Row) -> bool:
         """Record the turn; True when the conversation goes on (its next turn is set)."""
+        if row.turn:
+            row.generated.append((len(row.ids) - len(row.turn) - 1, len(row.turn)))
         results = row.conversation.add_turn(session.turn(row.turn))
         if results is None:
-            outputs[row.index] = row.conversation.output()
+            played[row.index] = Played(row.conversation.output(), row.ids, row.prompt_len, row.generated)
             on_item_done()
             return False
         # the batch-1 path's extend: the pending last token, then the tool results
-        return start_turn(row, row.turn[-1:] + session.encode(fmt.tool_results_text(results)))
+        results_ids = session.encode(fmt.tool_results_text(results))
+        row.ids += results_ids
+        return start_turn(row, row.turn[-1:] + results_ids)
 
     while True:
         for slot in range(batch_size):
             while rows[slot] is None and waiting:
                 index, item = waiting.pop()
-                row = _Row(index, Conversation(item, max_calls, policy, fmt), 0, [], 0, [])
-                rows[slot] = row if start_turn(row, session.encode(fmt.prompt(eval_prompt_item(item)))) else None
+                prompt = session.encode(fmt.prompt(eval_prompt_item(item)))
+                row = _Row(index, Conversation(item, max_calls, policy, fmt), 0, [], 0, [], list(prompt), len(prompt))
+                rows[slot] = row if start_turn(row, prompt) else None
         open_rows = {slot: row for slot, row in enumerate(rows) if row is not None}
         if not open_rows:
-            return outputs
+            assert all(p is not None for p in played)  # every item ends (its turns are bounded)
+            return played  # type: ignore[return-value]
         # prompts and tool results first, apart: padding a one-token step to their length would waste the step
         slots = [slot for slot, row in open_rows.items() if len(row.chunk) > 1] or list(open_rows)
         batch = [open_rows[slot] for slot in slots]
         logits = engine.write_rows(slots, [row.chunk for row in batch], [row.written for row in batch])  # (B, V)
         for slot, row, row_logits in zip(slots, batch, logits, strict=True):
             row.written += len(row.chunk)
-            token = int(torch.argmax(row_logits))  # greedy, as sample_token at temperature 0
+            token = pick(row.index, row.turns, row_logits)
             row.turn.append(token)
+            row.ids.append(token)
             row.chunk = [token]
             if (token in stops or len(row.turn) == row.budget) and not end_turn(row):
                 rows[slot] = None

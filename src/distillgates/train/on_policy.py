@@ -3,7 +3,8 @@
 On a share of the steps (:func:`on_policy_step`: a pure function of seed and step, so a resumed run samples
 where an uninterrupted one does) the student plays each conversation of its batch from the prompt, as the
 eval plays it: the item's tools in the system prompt, every call validated and answered by the item's
-fixtures (:func:`distillgates.eval.runners.run_item`), at most ``max_turns`` calls. It samples at
+fixtures, at most ``max_turns`` calls; the batch's conversations are decoded together
+(:func:`distillgates.eval.runners.play_batched`, the batched eval's loop). It samples at
 ``temperature``/``top_p`` with a seed drawn from (seed, step, item, turn), on the PyTorch engine over a
 copy of the weights of that step (during late QAT: the float weights the QAT graph fake-quantizes). The row
 is exactly the token sequence the student saw: the prompt, its turns with their stop tokens, and the tool
@@ -29,8 +30,9 @@ from typing import Any
 import torch
 
 from distillgates.config import OnPolicyConfig
-from distillgates.eval.runners import EngineSession, run_item
+from distillgates.eval.runners import play_batched
 from distillgates.model import Transformer
+from distillgates.runtime.base import make_generator, sample_token
 from distillgates.train.data import Row, shape_for
 
 
@@ -47,34 +49,6 @@ def sample_seed(seed: int, step: int, item_id: str) -> int:
     return int.from_bytes(digest[:4], "little")
 
 
-class SamplingSession(EngineSession):
-    """:class:`~distillgates.eval.runners.EngineSession` sampling at the config's temperature, one seed per turn;
-    :meth:`ids` is the conversation's token sequence (the engine's state and its pending stop token)."""
-
-    def __init__(self, engine: Any, tokenizer: Any, cfg: OnPolicyConfig, seed: int) -> None:
-        super().__init__(engine, tokenizer, cfg.max_new_tokens)
-        self.cfg, self.seed, self.turn_index = cfg, seed, 0
-        self.prompt_len = 0
-        self.generated: list[tuple[int, int]] = []  # (first prediction position, tokens) of each sampled turn
-
-    def _decode(self) -> dict[str, Any]:
-        self.turn_index += 1
-        return {"stop_ids": self.stop_ids, "temperature": self.cfg.temperature, "top_p": self.cfg.top_p,
-                "seed": self.seed + self.turn_index}  # fmt: skip
-
-    def first_turn(self, item: Any, prompt_text: str) -> Any:
-        self.prompt_len = len(self.encode(prompt_text))
-        return super().first_turn(item, prompt_text)
-
-    def turn(self, ids: Sequence[int]) -> Any:
-        self.generated.append((len(self.ids()) - len(ids) - 1, len(ids)))  # the turn's tokens end the sequence
-        return super().turn(ids)
-
-    def ids(self) -> list[int]:
-        pending = [self.engine.pending] if self.engine.pending is not None else []
-        return [*self.engine.tokens, *pending]
-
-
 @torch.no_grad()
 def sample_rows(
     model: Transformer, tokenizer: Any, rows: Sequence[Row], cfg: OnPolicyConfig, seed: int, step: int,
@@ -82,21 +56,31 @@ def sample_rows(
 ) -> tuple[list[Row], list[dict[str, Any]]]:  # fmt: skip
     """The student's sampled conversation of each row's item, as a training row, and the eval outputs of them.
 
-    A sampled row keeps its item's length target and tool-call prefix (``teacher_len``, ``early``); it has no
-    process spans, no answer-evidence position and no top-k KD (the teacher scores it densely).
+    The batch's conversations are played together (:func:`~distillgates.eval.runners.play_batched`: one cache row
+    each, a forward per token over the rows still open), each turn sampled with its own generator, seeded by
+    :func:`sample_seed` + the turn's number. A sampled row keeps its item's length target and tool-call prefix
+    (``teacher_len``, ``early``); it has no process spans, no answer-evidence position and no top-k KD (the
+    teacher scores it densely).
     """
     from distillgates.runtime.torch_engine import TorchEngine
 
-    engine = TorchEngine(copy.deepcopy(model).float())  # the step's weights; the training model keeps no cache
-    sampled, outputs = [], []
-    for row in rows:
-        session = SamplingSession(engine, tokenizer, cfg, sample_seed(seed, step, str(row.item["id"])))
-        outputs.append(run_item(row.item, session, max_calls=cfg.max_turns))
-        full = session.ids()
-        sampled.append(Row(item=row.item, ids=full[: lengths[-1]], prompt_len=session.prompt_len,
-                           shape=shape_for(len(full), lengths), process=[], teacher_len=row.teacher_len,
-                           length=len(full), early=list(row.early), generated=session.generated))  # fmt: skip
-    return sampled, outputs
+    # the step's weights on their own static cache; the training model keeps none
+    engine = TorchEngine(copy.deepcopy(model).float(), max_batch_size=len(rows))
+    seeds = [sample_seed(seed, step, str(row.item["id"])) for row in rows]
+    generators: dict[tuple[int, int], torch.Generator] = {}
+
+    def pick(index: int, turn: int, logits: torch.Tensor) -> int:
+        if (index, turn) not in generators:
+            generators[(index, turn)] = make_generator(seeds[index] + turn)
+        return sample_token(logits, cfg.temperature, cfg.top_p, generators[(index, turn)])
+
+    played = play_batched(engine, tokenizer, [row.item for row in rows], len(rows), cfg.max_new_tokens,
+                          max_calls=cfg.max_turns, pick=pick)  # fmt: skip
+    sampled = [Row(item=row.item, ids=p.ids[: lengths[-1]], prompt_len=p.prompt_len,
+                   shape=shape_for(len(p.ids), lengths), process=[], teacher_len=row.teacher_len, length=len(p.ids),
+                   early=list(row.early), generated=p.generated)
+               for row, p in zip(rows, played, strict=True)]  # fmt: skip
+    return sampled, [p.output for p in played]
 
 
-__all__ = ["SamplingSession", "on_policy_step", "sample_rows", "sample_seed"]
+__all__ = ["on_policy_step", "sample_rows", "sample_seed"]
