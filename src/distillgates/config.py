@@ -127,6 +127,18 @@ class ModelConfig:
         return self.layer_types is not None and self.layer_types[layer] == "sliding_attention"
 
     @property
+    def ring_len(self) -> int | None:
+        """The sliding layers' exported KV state length when their window is narrower than ``max_seq_len``: a ring of
+        ``sliding_window`` slots (position ``p`` in slot ``p mod sliding_window``); None when no layer has one."""
+        window = self.sliding_window or 0
+        rings = self.layer_types is not None and "sliding_attention" in self.layer_types and window < self.max_seq_len
+        return window if rings else None
+
+    def state_len(self, layer: int) -> int:
+        """Positions the exported KV state of layer ``layer`` holds (:attr:`ring_len` for a sliding layer)."""
+        return self.ring_len if self.ring_len is not None and self.sliding(layer) else self.max_seq_len
+
+    @property
     def n_params(self) -> int:
         """Parameter count computed from the shape (no allocation)."""
         hd = self.head_dim or self.d_model // self.n_heads
@@ -450,8 +462,8 @@ class EarlyToolLossConfig:
 class OnPolicyConfig:
     """On-policy distillation (``train.on_policy``; :mod:`distillgates.train.on_policy`): on a share of the steps the
     student samples each conversation of its batch from the prompt (the batch decoded together), tools answered by
-    the item's fixtures as in eval, and learns the teacher's distribution on its own tokens (generalized JSD). Needs a local teacher that
-    shares the student's vocabulary (an API teacher cannot score given tokens)."""
+    the item's fixtures as in eval, and learns the teacher's distribution on its own tokens (generalized JSD). Needs
+    a local teacher that shares the student's vocabulary (an API teacher cannot score given tokens)."""
 
     share: float = 0.0  # fraction of steps whose batch the student samples (0: off-policy only)
     beta: float = 0.5  # generalized JSD: 0 forward KL(teacher || student), 1 reverse KL, 0.5 the symmetric JSD

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from distillgates.export.api import ExportResult, export_model
-from distillgates.export.contract import verify_contract
+from distillgates.export.contract import kv_layout, verify_contract
 from distillgates.export.functions import ASSET, COREAI_SOURCE, DECODE, function_names, prefill_function
 from distillgates.io import tree_sha256
 from distillgates.model import load_model
@@ -102,7 +102,7 @@ def test_the_asset_matches_eager_in_every_function(precision: str, coreai_fp32, 
 
 def test_gemma3_features_reach_the_asset(tmp_path: Path) -> None:
     """Gemma 3's scaled embeddings, GeGLU, four norms a layer, attention scale and sliding layers (a window shorter
-    than every enumerated length) run in Core AI's runtime as in eager PyTorch (fp32)."""
+    than every enumerated length, its state a ring) run in Core AI's runtime as in eager PyTorch (fp32)."""
     from distillgates.config import ExportConfig
     from distillgates.export.coreai import coreai_parity, export_coreai
 
@@ -113,6 +113,9 @@ def test_gemma3_features_reach_the_asset(tmp_path: Path) -> None:
     parity = coreai_parity(made["path"], model, LENGTHS)
     assert min(parity["cosine_by_shape"].values()) > 0.99999 and min(parity["decode_cosine"]) > 0.99999
     assert parity["top1_agreement"] == 1.0
+    # the sliding layer's state is a ring of its window (5 slots), which the 16 decode steps wrap
+    states = {s["name"]: s["shape"] for s in parity["functions"][DECODE]["states"]}
+    assert states == kv_layout(model.config)["state_shapes"] and states["k_cache_0"][2] == 5
 
 
 def test_fp16_scaling_makes_an_overflowing_fp16_asset_finite(tmp_path: Path) -> None:

@@ -66,7 +66,7 @@ def test_standard_export_contract_read_back(standard_export, tiny_ckpt, export_l
     assert contract["tokenizer_fingerprint"] == "tok-fingerprint-test"
     assert contract["enumerated_lengths"] == export_lengths
     assert contract["ok"] is True and verify_contract(contract, cfg, export_lengths) == []
-    assert contract["contract_version"] == 2 and list(contract["packages"]) == ["model"]
+    assert contract["contract_version"] == 3 and list(contract["packages"]) == ["model"]
     package = contract["packages"]["model"]
     assert package["path"] == "model.mlpackage" and package["default_function"] == "decode"
     assert sorted(package["functions"]) == ["decode", "prefill_16", "prefill_32"]
@@ -212,6 +212,65 @@ def test_both_kv_writes_write_the_same_slot(tiny_ckpt, dtype: torch.dtype) -> No
     torch.testing.assert_close(decodes[0].v_cache_1, decodes[1].v_cache_1, rtol=0, atol=0)
     with pytest.raises(ValueError, match="kv_write must be one of"):
         DecodeModule(core, kv_write="scatter")
+
+
+@pytest.mark.parametrize("kv_write", ["slice_update", "index_copy"])
+@pytest.mark.parametrize("length", [3, 9])  # a prompt inside the window (5), and one past it
+def test_sliding_layers_keep_a_ring_of_their_window(kv_write: str, length: int) -> None:
+    """A sliding layer's state is a ring of its window's slots (Gemma 3: 5 of 48 here), the global layer's the whole
+    context; prefill (padded to 12) then decode 14 steps, wrapping the ring three times, give the eager model's
+    logits, as the full cache with a window mask does. Padding written into the ring would overwrite slots the window
+    still holds: the decode after it fails."""
+    from .conftest import gemma3_model
+
+    model = gemma3_model()
+    cfg = model.config
+    assert (cfg.ring_len, [cfg.state_len(i) for i in range(2)]) == (5, [5, 48])
+    core = build_layout(model, "standard").eval()
+    ids = torch.randint(0, 64, (1, length + 14), generator=torch.Generator().manual_seed(length))
+    got = {}
+    for ring in (True, False):
+        prefill, decode = PrefillModule(core, ring=ring).eval(), DecodeModule(core, kv_write, ring=ring).eval()
+        assert [tuple(getattr(decode, f"k_cache_{i}").shape) for i in range(2)] == \
+            [(1, cfg.n_kv_heads, 5 if ring else 48, 16), (1, cfg.n_kv_heads, 48, 16)]  # fmt: skip
+        padded = torch.zeros(1, 12, dtype=torch.int32)
+        padded[0, :length] = ids[0, :length]
+        logits = []
+        with torch.no_grad():
+            prefill(padded, torch.tensor([length], dtype=torch.int32))
+            for name, buffer in decode.named_buffers():
+                if "cache" in name:
+                    buffer.copy_(dict(prefill.named_buffers())[name])
+            for t in range(length, length + 14):
+                logits.append(decode(ids[:, t : t + 1].int(), torch.tensor([t], dtype=torch.int32)))
+                torch.testing.assert_close(logits[-1][0], model(ids[:, : t + 1])[0, -1], rtol=1e-4, atol=1e-4)
+        got[ring] = torch.cat(logits)
+    torch.testing.assert_close(got[True], got[False], rtol=1e-5, atol=1e-5)
+
+
+def test_the_contract_holds_each_states_shape() -> None:
+    """``kv.state_shapes``: the sliding layers' rings and the global layers' whole context; bytes count every state;
+    a package whose state has the other shape is named."""
+    from distillgates.export.contract import function_errors
+
+    from .conftest import gemma3_model
+
+    cfg = gemma3_model().config
+    kv = kv_layout(cfg)
+    assert kv["ring_len"] == 5 and kv["state_shapes"]["k_cache_0"] == [1, cfg.n_kv_heads, 5, 16]
+    assert kv["state_shapes"]["v_cache_1"] == [1, cfg.n_kv_heads, 48, 16]
+    assert kv["bytes"] == 2 * (5 + 48) * cfg.n_kv_heads * 16 * 2
+    outputs = [{"name": "logits", "shape": [1, 64]}]
+    inputs = {"decode": ["input_ids", "position"], "prefill_8": ["input_ids", "length"]}
+    functions = {name: {"inputs": [{"name": n, "dtype": "INT32", "shape": [1, 1 if name == "decode" else 8]}
+                                   for n in inputs[name]],
+                        "outputs": outputs,
+                        "states": [{"name": n, "shape": kv["state_shapes"][n]} for n in kv["state_names"]]}
+                 for name in ("prefill_8", "decode")}  # fmt: skip
+    assert function_errors({"model": {"functions": functions}}, cfg, [8]) == []
+    functions["decode"]["states"][0]["shape"] = [1, cfg.n_kv_heads, 48, 16]  # a full cache where the ring belongs
+    assert function_errors({"model": {"functions": functions}}, cfg, [8]) == \
+        [f"decode: state k_cache_0 has shape [1, {cfg.n_kv_heads}, 48, 16], expected [1, {cfg.n_kv_heads}, 5, 16]"]
 
 
 @pytest.mark.integration  # torch.export of both wrappers (~5 s)

@@ -12,6 +12,7 @@ states, so that one ``MLState`` serves them all.
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import Any
 
@@ -23,7 +24,7 @@ from distillgates.export.functions import function_kind, function_names
 from distillgates.export.layout import head_widths, logits_names
 from distillgates.export.wrappers import state_names
 
-CONTRACT_VERSION = 2  # 2: one multifunction package, functions prefill_<L> and decode
+CONTRACT_VERSION = 3  # 2: one multifunction package, functions prefill_<L> and decode; 3: kv.state_shapes per state
 INPUTS = {"prefill": ["input_ids", "length"], "decode": ["input_ids", "position"]}
 LOGITS_SEMANTICS = {
     "prefill": "logits (1, V) of the last real token (index length-1); input_ids right-padded to an enumerated length",
@@ -90,15 +91,20 @@ def find_function(contract: dict[str, Any], name: str) -> tuple[str, dict[str, A
 
 
 def kv_layout(cfg: ModelConfig, bytes_per_elem: int = 2) -> dict[str, Any]:
-    """KV-cache figures (Core ML states are fp16: 2 bytes per element)."""
+    """KV-cache figures (Core ML states are fp16: 2 bytes per element). Each layer's K and V states hold
+    ``max_seq_len`` positions, a sliding layer's ``ring_len`` when its window is narrower
+    (``ModelConfig.state_len``)."""
+    shapes = {f"{kind}_cache_{i}": [1, cfg.n_kv_heads, cfg.state_len(i), int(cfg.head_dim or 0)]
+              for i in range(cfg.n_layers) for kind in ("k", "v")}  # fmt: skip
     return {
         "layers": cfg.n_layers,
         "kv_heads": cfg.n_kv_heads,
         "head_dim": cfg.head_dim,
         "seq_len": cfg.max_seq_len,
+        "ring_len": cfg.ring_len,
         "bytes_per_elem": bytes_per_elem,
-        "bytes": cfg.kv_cache_bytes(cfg.max_seq_len, bytes_per_elem),
-        "state_shape": [1, cfg.n_kv_heads, cfg.max_seq_len, cfg.head_dim],
+        "bytes": sum(math.prod(shape) for shape in shapes.values()) * bytes_per_elem,
+        "state_shapes": shapes,
         "state_names": state_names(cfg.n_layers),
     }
 
@@ -133,8 +139,8 @@ def function_errors(packages: dict[str, Any], cfg: ModelConfig, lengths: list[in
         states = {s["name"]: s for s in fn["states"]}
         if sorted(states) != sorted(kv["state_names"]):
             errors.append(f"{name}: states {sorted(states)} != {sorted(kv['state_names'])}")
-        errors += [f"{name}: state {n} has shape {s['shape']}, expected {kv['state_shape']}"
-                   for n, s in states.items() if s["shape"] != kv["state_shape"]]  # fmt: skip
+        errors += [f"{name}: state {n} has shape {s['shape']}, expected {kv['state_shapes'][n]}"
+                   for n, s in states.items() if s["shape"] != kv["state_shapes"].get(n)]  # fmt: skip
         widths = [f["shape"][-1] for f in fn["outputs"]]
         if widths != head_widths(cfg.vocab_size) or sum(widths) != cfg.vocab_size:
             errors.append(f"{name}: logits last dims {widths}, expected {head_widths(cfg.vocab_size)} "

@@ -190,7 +190,7 @@ class CoreMLEngine(EngineBase):
         contract_path = export_dir / "contract.json"
         contract = json.loads(contract_path.read_text(encoding="utf-8"))
         if "packages" not in contract or "enumerated_lengths" not in contract:
-            raise ValueError(f"{contract_path}: packages/enumerated_lengths missing (contract_version 2 expected)")
+            raise ValueError(f"{contract_path}: packages/enumerated_lengths missing (contract_version >= 2 expected)")
 
         def runner(function: str) -> MLPackageRunner:
             found = find_function(contract, function)
