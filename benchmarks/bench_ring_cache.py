@@ -65,12 +65,10 @@ def main() -> None:
             order = (True, False) if i % 2 == 0 else (False, True)
             seconds = {ring: step(modules[ring], token, position)[0] for ring in order}
             pairs.append((seconds[True], seconds[False]))
-        full_kv = kv_layout(cfg)["bytes"] if cfg.ring_len is None else 2 * cfg.n_layers * cfg.n_kv_heads * int(
-            cfg.head_dim or 0) * context * 2  # every layer holding the whole context
         row = {
             "context": context, "window": cfg.sliding_window, "ring_len": cfg.ring_len,
             "sliding_layers": sum(cfg.sliding(i) for i in range(cfg.n_layers)), "layers": cfg.n_layers,
-            "kv_bytes_ring": kv_layout(cfg)["bytes"], "kv_bytes_full": full_kv,
+            "kv_bytes_ring": kv_layout(cfg)["bytes"], "kv_bytes_full": cfg.kv_cache_bytes(context),  # fp16
             "ms_ring": 1000 * statistics.median(p[0] for p in pairs),
             "ms_full": 1000 * statistics.median(p[1] for p in pairs),
             "speedup_median": statistics.median(p[1] / p[0] for p in pairs),

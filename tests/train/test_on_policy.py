@@ -43,16 +43,23 @@ def test_generalized_jsd_is_trls(beta: float) -> None:
     torch.testing.assert_close(ours, trls, rtol=1e-5, atol=1e-6)
 
 
-def test_a_sampled_row_is_the_conversation_the_student_played(artifacts: dict[str, Any], tmp_path: Path) -> None:
-    """The row is the eval prompt, then exactly the student's sampled turns (stop tokens included) and the tool
-    results the item's fixtures gave back; sampling is seeded by (seed, step, item)."""
+def _trained_student(artifacts: dict[str, Any], tmp_path: Path) -> tuple[Any, Any, Recipe]:
+    """(tokenizer, config, recipe) of a student trained 15 steps: it writes the format's calls and stops, now and
+    then."""
     torch.set_num_threads(1)
     tok = artifacts["tokenizer"]
     cfg = artifacts["make_config"](len(tok), steps=15, lr=1e-2)
     recipe = Recipe(cfg.train, cfg.student, cfg.shapes, tok, artifacts["train"], artifacts["eval"], tmp_path,
                     kd_records=read_kd_set(artifacts["kd_path"]), device="cpu", progress=False, speed_prompts=0)
     recipe.setup()
-    recipe.train()  # a student that writes the format's calls and stops, now and then
+    recipe.train()
+    return tok, cfg, recipe
+
+
+def test_a_sampled_row_is_the_conversation_the_student_played(artifacts: dict[str, Any], tmp_path: Path) -> None:
+    """The row is the eval prompt, then exactly the student's sampled turns (stop tokens included) and the tool
+    results the item's fixtures gave back; sampling is seeded by (seed, step, item)."""
+    tok, cfg, recipe = _trained_student(artifacts, tmp_path)
     fmt = chat_format(tok)
     on_policy = OnPolicyConfig(temperature=1.0, max_new_tokens=48)
     sampled, outputs = [], []
@@ -105,13 +112,7 @@ class _SampledSession(EngineSession):
 def test_the_batch_is_played_together_as_each_item_alone(artifacts: dict[str, Any], tmp_path: Path) -> None:
     """The batch's conversations are decoded together on one engine (a cache row each); each is the conversation
     the eval's batch-1 session samples for its item with the same seeds: the same turns, tool results and tokens."""
-    torch.set_num_threads(1)
-    tok = artifacts["tokenizer"]
-    cfg = artifacts["make_config"](len(tok), steps=15, lr=1e-2)
-    recipe = Recipe(cfg.train, cfg.student, cfg.shapes, tok, artifacts["train"], artifacts["eval"], tmp_path,
-                    kd_records=read_kd_set(artifacts["kd_path"]), device="cpu", progress=False, speed_prompts=0)
-    recipe.setup()
-    recipe.train()
+    tok, cfg, recipe = _trained_student(artifacts, tmp_path)
     on_policy = OnPolicyConfig(temperature=1.0, max_new_tokens=48, max_turns=2)
     engine = TorchEngine(copy.deepcopy(recipe.model).float())
     fed = 0

@@ -80,9 +80,6 @@ class _KVModule(nn.Module):
     def state_len(self, i: int) -> int:
         return self.core.config.state_len(i) if self.ring else self.core.config.max_seq_len
 
-    def ringed(self, i: int) -> bool:
-        return self.ring is not None and self.core.config.sliding(i)
-
     def cache(self, kind: str, i: int) -> Tensor:
         return getattr(self, f"{kind}_cache_{i}")
 
@@ -131,7 +128,7 @@ class PrefillModule(_KVModule):
             cos, sin, mask = inputs[i]
             q, k, v = self.core.qkv(i, x)
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)  # (1, H|n_kv, L, hd)
-            hot, keep = ring if ring is not None and self.ringed(i) else full
+            hot, keep = ring if ring is not None and self.core.config.sliding(i) else full
             for kind, new in (("k", k), ("v", v)):
                 cache = self.cache(kind, i)
                 cache.copy_(cache * keep + torch.matmul(hot.t(), new))  # (1, n_kv, S_max | W, hd)
@@ -161,7 +158,7 @@ class DecodeModule(_KVModule):
             q, k, v = self.core.qkv(i, x)
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)  # (1, H|n_kv, 1, hd)
             k_cache, v_cache = self.cache("k", i), self.cache("v", i)
-            slot, mask = ring if ring is not None and self.ringed(i) else (position, mask)
+            slot, mask = ring if ring is not None and self.core.config.sliding(i) else (position, mask)
             if self.kv_write == "index_copy":
                 index = slot.long()  # index_copy takes int64 indices; the program's input stays int32
                 k_cache.index_copy_(2, index, k)
