@@ -279,10 +279,13 @@ class ToyTeacherTrainConfig:
     value_weight: float = 1.0  # loss weight of argument-value and integration tokens (the facts)
     curriculum_steps: int = 0  # first N steps without the system prompt (see teacher/toy.py)
     copy_steps: int = 0  # first N steps on synthetic copy rows, before the curriculum (teacher/toy.py)
+    ema_decay: float = 0.0  # > 0: save an exponential moving average of the weights over the last phase's steps
 
     def __post_init__(self) -> None:
         if self.steps <= 0 or self.batch_size <= 0:
             raise ValueError("steps and batch_size must be > 0")
+        if not 0.0 <= self.ema_decay < 1.0:
+            raise ValueError(f"ema_decay must be in [0, 1), got {self.ema_decay}")
         if self.value_weight <= 0 or self.curriculum_steps < 0 or self.copy_steps < 0:
             raise ValueError("value_weight must be > 0, curriculum_steps and copy_steps >= 0")
 

@@ -142,3 +142,31 @@ def test_the_toy_teacher_trains_on_the_configured_device(toy_items, tiny_tokeniz
         return
     train_toy_teacher(cfg, tiny_tokenizer, toy_items[:4], tmp_path, seed=0)
     assert LlamaForCausalLM.from_pretrained(tmp_path).device.type == "cpu"
+
+
+@pytest.mark.parametrize("decay", [0.0, 0.5])
+def test_ema_saves_the_average_of_the_last_phase_weights(toy_items, tiny_tokenizer, tmp_path, decay):
+    """``ema_decay`` saves the exponential moving average of the weights after each step of the last phase (the
+    curriculum's steps excluded), 0 the last step's: checked against the trajectory ``on_step`` sees."""
+    from transformers import LlamaForCausalLM
+
+    seen: list[dict[str, torch.Tensor]] = []
+    cfg = _cfg(tiny_tokenizer, steps=8, curriculum_steps=3, warmup_steps=1, ema_decay=decay)
+    stats = train_toy_teacher(cfg, tiny_tokenizer, toy_items[:8], tmp_path, seed=0,
+                              on_step=lambda step, model: seen.append(
+                                  {n: p.detach().clone() for n, p in model.named_parameters()}))  # fmt: skip
+    assert len(seen) == 8 and stats["ema_decay"] == decay
+    expected = dict(seen[-1])
+    if decay:
+        expected = dict(seen[3])  # the first step of the last phase
+        for weights in seen[4:]:
+            expected = {n: decay * expected[n] + (1 - decay) * w for n, w in weights.items()}
+    saved = dict(LlamaForCausalLM.from_pretrained(tmp_path).named_parameters())
+    for name, value in expected.items():
+        torch.testing.assert_close(saved[name].detach(), value, rtol=0, atol=1e-6)
+    assert not torch.equal(seen[-1]["model.norm.weight"], seen[3]["model.norm.weight"])  # the weights did move
+
+
+def test_ema_decay_outside_zero_to_one_is_refused():
+    with pytest.raises(ValueError, match=r"ema_decay must be in \[0, 1\), got 1.0"):
+        ToyTeacherTrainConfig(ema_decay=1.0)

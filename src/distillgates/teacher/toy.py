@@ -34,6 +34,9 @@ Design choices:
   head runs only at target positions (a third of the tokens; measured 0.28 -> 0.26 s a step).
   Length-grouped batches (HF's ``group_by_length``) were 1.5x faster still, but the teacher got
   worse at equal steps (argument match 0.92 -> 0.84) and no better at equal time.
+- Optionally (``ema_decay``) the saved weights are an exponential moving average over the last phase's steps
+  (``torch.optim.swa_utils.AveragedModel``): the last step's weights still move with the learning rate's floor,
+  and where they land differs by seed (docs/benchmarks.md 11.1).
 - No evaluation here: the pipeline's eval step scores the trained teacher once, on the held-out
   items, with the same engine, runner and scorer as the student.
 """
@@ -43,11 +46,13 @@ from __future__ import annotations
 import logging
 import random
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.nn.functional as F
+from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
 
 from distillgates.config import Config
 from distillgates.data.targets import encode_item
@@ -124,9 +129,13 @@ def target_ce(model: Any, ids: torch.Tensor, weights: torch.Tensor) -> torch.Ten
 
 
 def train_toy_teacher(
-    cfg: Config, tokenizer: Any, train_items: list[dict[str, Any]], out_dir: str | Path, seed: int = 0
+    cfg: Config, tokenizer: Any, train_items: list[dict[str, Any]], out_dir: str | Path, seed: int = 0,
+    on_step: Callable[[int, torch.nn.Module], None] | None = None,
 ) -> dict[str, Any]:
     """Train the toy teacher and ``save_pretrained`` it (with the tokenizer) to ``out_dir``.
+
+    ``on_step(step, model)`` is called after each optimizer step (benchmarks/bench_teacher_averaging.py keeps
+    its own averages of the same trajectory with it).
 
     Returns:
         training stats: steps, final loss (mean of the last 20 steps), seconds, parameters.
@@ -148,6 +157,7 @@ def train_toy_teacher(
             tokenizer, without_system_prompt(train_items), arch.max_seq_len, tcfg.value_weight
         )))
     phases.append((tcfg.steps, rows))
+    last_phase = phases[-2][0] if len(phases) > 1 else 0  # the EMA averages the full conversations' steps only
     device = resolve_device(cfg.device)
     # the family teacher.model describes (LlamaForCausalLM for the toy; Gemma 3's features: Gemma3ForCausalLM)
     model = hf_model_class(arch)(hf_config(arch)).to(device).train()
@@ -158,6 +168,7 @@ def train_toy_teacher(
         lr=tcfg.lr,
         betas=(0.9, 0.95),
     )
+    ema = AveragedModel(model, multi_avg_fn=get_ema_multi_avg_fn(tcfg.ema_decay)) if tcfg.ema_decay else None
     losses: list[float] = []
     order: list[int] = []
     start = time.perf_counter()
@@ -180,6 +191,10 @@ def train_toy_teacher(
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
+        if ema is not None and step >= last_phase:
+            ema.update_parameters(model)  # the first update copies the weights
+        if on_step is not None:
+            on_step(step, model)
         losses.append(float(loss.detach()))
         bar.update(1, loss=losses[-1])
         if step % 50 == 0 or step == tcfg.steps - 1:
@@ -187,6 +202,8 @@ def train_toy_teacher(
     bar.close()
     seconds = time.perf_counter() - start
     out = Path(out_dir)
+    if ema is not None:
+        model = ema.module
     model.cpu().eval().save_pretrained(out)
     tokenizer.save_pretrained(out)
     stats = {
@@ -200,6 +217,7 @@ def train_toy_teacher(
         "value_weight": tcfg.value_weight,
         "curriculum_steps": tcfg.curriculum_steps,
         "copy_steps": tcfg.copy_steps,
+        "ema_decay": tcfg.ema_decay,
     }
     atomic_write_json(out / "teacher_train.json", stats)
     return stats
