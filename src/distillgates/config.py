@@ -525,6 +525,9 @@ class TrainConfig:
     early_tool: EarlyToolLossConfig = field(default_factory=EarlyToolLossConfig)
     on_policy: OnPolicyConfig = field(default_factory=OnPolicyConfig)
     qat: QATConfig = field(default_factory=QATConfig)
+    # > 0: an exponential moving average of the weights, updated every step before QAT; the model takes its weights
+    # when QAT starts (or at the end without QAT)
+    ema_decay: float = 0.0
     ckpt_every: int = 100
     eval_every: int = 100
     log_every: int = 10
@@ -553,6 +556,10 @@ class TrainConfig:
             raise ValueError("batch_size and grad_accum must be > 0")
         if self.loss_chunk < 0:
             raise ValueError(f"loss_chunk must be >= 0 (0: off), got {self.loss_chunk}")
+        if not 0.0 <= self.ema_decay < 1.0:
+            raise ValueError(f"ema_decay must be in [0, 1), got {self.ema_decay}")
+        if self.ema_decay and self.fsdp:
+            raise ValueError("train.ema_decay with train.fsdp is not supported: it averages the unsharded weights")
         if self.on_policy.share > 0 and self.fsdp:
             raise ValueError("train.on_policy with train.fsdp is not supported: the student samples from an unsharded "
                              "copy of itself")

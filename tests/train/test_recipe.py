@@ -238,6 +238,53 @@ def test_int4_qat_resumes_bit_exact(artifacts: dict[str, Any], tmp_path: Path) -
         assert torch.equal(a, b), name
 
 
+@pytest.mark.parametrize("qat", [False, True], ids=["no-qat", "qat"])
+def test_ema_decay_gives_the_model_the_average_of_the_steps_before_qat(
+    artifacts: dict[str, Any], tmp_path: Path, qat: bool
+) -> None:
+    """``train.ema_decay``: the weights QAT starts from (or, without QAT, the saved ones) are the exponential moving
+    average of the weights after each step before QAT, checked against the trajectory the optimizer produced."""
+    torch.set_num_threads(1)
+    qat_cfg = {"enabled": qat, "start_fraction": 0.5, "lr_scale": 0.1}
+    recipe = _recipe(artifacts, tmp_path, steps=6, lr=1e-2, warmup_steps=1, ema_decay=0.5, qat=qat_cfg)
+    recipe.setup()
+    seen: list[dict[str, torch.Tensor]] = []
+    step = recipe.optimizer.step
+
+    def record(*args: Any, **kwargs: Any) -> Any:
+        out = step(*args, **kwargs)
+        seen.append({n: p.detach().clone() for n, p in recipe.model.named_parameters()})
+        return out
+
+    recipe.optimizer.step = record  # type: ignore[method-assign]
+    recipe.train()
+    averaged = seen[:3] if qat else seen  # QAT starts at step 3 of 6
+    expected = dict(averaged[0])
+    for weights in averaged[1:]:
+        expected = {n: 0.5 * expected[n] + 0.5 * w for n, w in weights.items()}
+    model = recipe.qat_reference if qat else load_model(recipe.cleanup())
+    assert model is not None
+    for name, value in model.named_parameters():
+        torch.testing.assert_close(value.detach(), expected[name], rtol=0, atol=1e-6)
+    assert not torch.equal(expected["norm.weight"], seen[len(averaged) - 1]["norm.weight"])  # not the last step's
+
+
+def test_ema_resumes_bit_exact(artifacts: dict[str, Any], tmp_path: Path) -> None:
+    """A run stopped with the moving average in its checkpoint (step 3, before QAT at 4) and resumed ends where an
+    uninterrupted run does."""
+    torch.set_num_threads(1)
+    cfg = artifacts["make_config"](len(artifacts["tokenizer"]), steps=8, ckpt_every=3, ema_decay=0.7,
+                                   qat={"enabled": True, "start_fraction": 0.5})  # fmt: skip
+    kw = dict(kd_path=artifacts["kd_path"], tokenizer=artifacts["tokenizer"], train_items=artifacts["train"],
+              eval_items=artifacts["eval"], progress=False, device="cpu")  # fmt: skip
+    full = load_model(train_student(cfg, "student", tmp_path / "full", **kw))
+    train_student(cfg, "student", tmp_path / "cut", max_steps=4, **kw)
+    assert load_checksummed(tmp_path / "cut" / "student" / "checkpoint.pt")["ema"] is not None
+    resumed = load_model(train_student(cfg, "student", tmp_path / "cut", **kw))
+    for (name, a), b in zip(full.state_dict().items(), resumed.state_dict().values(), strict=True):
+        assert torch.equal(a, b), name
+
+
 def test_online_teacher_and_bf16_autocast(artifacts: dict[str, Any], tmp_path: Path) -> None:
     torch.set_num_threads(1)
     cfg = artifacts["make_config"](len(artifacts["tokenizer"]), steps=3, teacher_mode="online", mixed_precision="bf16")
@@ -434,3 +481,12 @@ def test_the_recipe_refuses_what_it_cannot_train(artifacts: dict[str, Any], tmp_
         train_student(cfg, "teacher", tmp_path)
     with pytest.raises(ValueError, match="config has no 'drafter' section"):
         train_student(cfg, "drafter", tmp_path, tokenizer=tok, train_items=[], eval_items=[])
+
+
+def test_ema_decay_out_of_range_or_with_fsdp_is_refused() -> None:
+    from distillgates.config import TrainConfig, from_dict
+
+    with pytest.raises(ValueError, match=r"ema_decay must be in \[0, 1\), got 1.5"):
+        from_dict(TrainConfig, {"ema_decay": 1.5})
+    with pytest.raises(ValueError, match=r"train\.ema_decay with train\.fsdp is not supported"):
+        from_dict(TrainConfig, {"ema_decay": 0.99, "fsdp": True})

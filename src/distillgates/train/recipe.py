@@ -22,6 +22,9 @@ Design choices:
   (generalized JSD); the teacher is then needed as in online mode.
 - **Late QAT** (:mod:`distillgates.train.qat`) for the last ``1 - start_fraction`` of steps at
   ``lr * lr_scale``; a probe writes ``qat_probe.json``.
+- **Averaged weights** (``ema_decay``): an exponential moving average of the weights (``AveragedModel``) over the
+  steps before QAT, which the model takes when QAT starts (or at the end): where the last step lands swings by
+  seed, the average less (docs/benchmarks.md 11.1).
 - Validation every ``eval_every`` steps: CE/KD per enumerated shape plus TTFT/TPS proxies of
   the PyTorch engine (``export=False``, tagged with the hardware key).
 """
@@ -42,6 +45,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 from torch import Tensor
+from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
 
 from distillgates import losses
 from distillgates.config import Config, ModelConfig, ShapesConfig, SpeedConfig, TrainConfig, load_config, to_dict
@@ -249,6 +253,8 @@ class Recipe:
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda(cfg))
         self.qat: QAT | None = None
         self.qat_reference: Transformer | None = None
+        self.ema = (AveragedModel(self.model, multi_avg_fn=get_ema_multi_avg_fn(cfg.ema_decay))
+                    if cfg.ema_decay else None)  # until QAT starts; None after
         self.step = 0
         self.log_path = self.out_dir / "train_log.jsonl"
         self.ckpt_path = self.out_dir / CKPT_NAME
@@ -293,8 +299,17 @@ class Recipe:
         self.forward_module = module
 
     def _start_qat(self) -> None:
+        self._take_ema()
         self.qat_reference = copy.deepcopy(self.model).eval()
         self.qat = QAT(self.model, ema=self.cfg.qat.ema, int4_block=self.qat_int4_block)
+
+    def _take_ema(self) -> None:
+        """The model takes the moving average's weights (in place: the optimizer keeps its parameters)."""
+        if self.ema is not None:
+            with torch.no_grad():
+                for p, averaged in zip(self.model.parameters(), self.ema.module.parameters()):
+                    p.copy_(averaged)
+            self.ema = None
 
     # ------------------------------------------------------------------ checkpoints
 
@@ -330,6 +345,7 @@ class Recipe:
             "rng": rng_state(),
             "qat": self.qat.state_dict() if self.qat is not None else None,
             "qat_reference": self.qat_reference.state_dict() if self.qat_reference is not None else None,
+            "ema": self.ema.state_dict() if self.ema is not None else None,
             "train_config": to_dict(self.cfg),
             "model_config": to_dict(self.model_cfg),
         }
@@ -354,6 +370,10 @@ class Recipe:
             self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
         self.step = int(state["step"])
+        if self.ema is not None and state.get("ema") is None:  # QAT had started (or the checkpoint had no average)
+            self.ema = None
+        elif self.ema is not None:
+            self.ema.load_state_dict(state["ema"])
         if state["qat"] is not None:
             self.qat_reference = Transformer(self.model_cfg).to(self.device)
             self.qat_reference.load_state_dict(state["qat_reference"])
@@ -550,6 +570,8 @@ class Recipe:
             self.scheduler.step()
             if self.qat is not None:
                 self.qat.step()
+            elif self.ema is not None:
+                self.ema.update_parameters(self.model)  # the first update copies the weights
             self.step += 1
             if self.dist.world > 1:
                 logged = _all_reduce_mean(logged, self.device)
@@ -624,6 +646,7 @@ class Recipe:
     def cleanup(self) -> Path:
         """Finalize QAT (+ probe), save the final model (config travels with weights) and its Hugging Face
         copy with the run's tokenizer (``hf/``: ``from_pretrained`` works on it)."""
+        self._take_ema()  # no QAT: the saved weights are the average
         final = self.model
         extra: dict[str, Any] = {"train_config": to_dict(self.cfg), "steps": self.step}
         if self.qat is not None and self.qat_reference is not None:
