@@ -60,6 +60,20 @@ def drift(run_dir: Path, baselines: Path, tolerance: float, alpha: float) -> dic
     return out
 
 
+def by_tool(run_dir: Path) -> dict[str, float]:
+    """The student's mean F1 lax per expected tool over the whole eval set, two-call items pooled: where the builds'
+    spread lives (docs/benchmarks.md 11.1)."""
+    from distillgates.rundir import RunDir
+
+    tools = {item["id"]: item["expected_calls"][0]["name"] if len(item["expected_calls"]) == 1 else "two-call"
+             for item in RunDir(run_dir).items("eval") if item["expected_calls"]}
+    groups: dict[str, list[float]] = {}
+    for row in json.loads((run_dir / "eval" / "item_scores.json").read_text())["items"]:
+        if row["f1_lax"] is not None:
+            groups.setdefault(tools.get(row["id"], "no call"), []).append(row["f1_lax"])
+    return {tool: sum(v) / len(v) for tool, v in sorted(groups.items())}
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--config", default=str(EMBEDDED_CONFIG))
@@ -93,6 +107,12 @@ def main() -> int:
         took = f"{seconds[seed]:.0f}" if seed in seconds else "-"
         print(f"| {seed} | " + " | ".join(cells) + f" | {teacher['f1_lax_macro']:.3f} | {took} |")
         drifts[seed] = drift(run_dir, args.baselines, gates.shape_drift_max, gates.significance_alpha)
+    tools = {seed: by_tool(args.runs_root / f"seed{seed}") for seed in args.seeds}
+    names = list(tools[args.seeds[0]])
+    print("\nstudent F1 lax by expected tool, whole eval set\n| seed | " + " | ".join(names) + " |")
+    print("|---" * (len(names) + 1) + "|")
+    for seed, means in tools.items():
+        print(f"| {seed} | " + " | ".join(f"{means.get(t, float('nan')):.3f}" for t in names) + " |")
     print("\nworst seed's margin to each gate: " + ", ".join(f"{f} {m:+.3f}" for f, m in worst.items()))
     print(f"\ndrift vs {args.baselines} (tolerance {gates.shape_drift_max}, alpha {gates.significance_alpha}; "
           f"powered: detects {POWER_FACTOR:g}x the tolerance)")
