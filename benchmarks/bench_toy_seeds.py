@@ -29,6 +29,7 @@ from typing import Any
 from distillgates.config import load_config
 from distillgates.gates.stats import POWER_FACTOR, compare_paired
 from distillgates.project import EMBEDDED_CONFIG
+from distillgates.rundir import RunDir
 
 QUALITY_STEPS = ("data", "teacher", "check", "kd", "student", "eval")
 # (report field, gate threshold field, higher is better)
@@ -63,8 +64,6 @@ def drift(run_dir: Path, baselines: Path, tolerance: float, alpha: float) -> dic
 def by_tool(run_dir: Path) -> dict[str, float]:
     """The student's mean F1 lax per expected tool over the whole eval set, two-call items pooled: where the builds'
     spread lives (docs/benchmarks.md 11.1)."""
-    from distillgates.rundir import RunDir
-
     tools = {item["id"]: item["expected_calls"][0]["name"] if len(item["expected_calls"]) == 1 else "two-call"
              for item in RunDir(run_dir).items("eval") if item["expected_calls"]}
     groups: dict[str, list[float]] = {}

@@ -286,6 +286,8 @@ class ToyTeacherTrainConfig:
             raise ValueError("steps and batch_size must be > 0")
         if not 0.0 <= self.ema_decay < 1.0:
             raise ValueError(f"ema_decay must be in [0, 1), got {self.ema_decay}")
+        if self.ema_decay and self.copy_steps + self.curriculum_steps >= self.steps:
+            raise ValueError("ema_decay averages the steps after copy_steps + curriculum_steps: there are none")
         if self.value_weight <= 0 or self.curriculum_steps < 0 or self.copy_steps < 0:
             raise ValueError("value_weight must be > 0, curriculum_steps and copy_steps >= 0")
 

@@ -170,3 +170,5 @@ def test_ema_saves_the_average_of_the_last_phase_weights(toy_items, tiny_tokeniz
 def test_ema_decay_outside_zero_to_one_is_refused():
     with pytest.raises(ValueError, match=r"ema_decay must be in \[0, 1\), got 1.0"):
         ToyTeacherTrainConfig(ema_decay=1.0)
+    with pytest.raises(ValueError, match="ema_decay averages the steps after copy_steps"):
+        ToyTeacherTrainConfig(steps=10, curriculum_steps=10, ema_decay=0.9)

@@ -157,7 +157,7 @@ def train_toy_teacher(
             tokenizer, without_system_prompt(train_items), arch.max_seq_len, tcfg.value_weight
         )))
     phases.append((tcfg.steps, rows))
-    last_phase = phases[-2][0] if len(phases) > 1 else 0  # the EMA averages the full conversations' steps only
+    last_phase = tcfg.copy_steps + tcfg.curriculum_steps  # the EMA averages the full conversations' steps only
     device = resolve_device(cfg.device)
     # the family teacher.model describes (LlamaForCausalLM for the toy; Gemma 3's features: Gemma3ForCausalLM)
     model = hf_model_class(arch)(hf_config(arch)).to(device).train()

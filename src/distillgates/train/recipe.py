@@ -370,10 +370,11 @@ class Recipe:
             self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
         self.step = int(state["step"])
-        if self.ema is not None and state.get("ema") is None:  # QAT had started (or the checkpoint had no average)
-            self.ema = None
-        elif self.ema is not None:
-            self.ema.load_state_dict(state["ema"])
+        if self.ema is not None:  # None in the checkpoint: QAT had started (or it was written without an average)
+            if state.get("ema") is None:
+                self.ema = None
+            else:
+                self.ema.load_state_dict(state["ema"])
         if state["qat"] is not None:
             self.qat_reference = Transformer(self.model_cfg).to(self.device)
             self.qat_reference.load_state_dict(state["qat_reference"])
