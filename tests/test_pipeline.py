@@ -33,7 +33,8 @@ def tiny_config(path: Path) -> Path:
     cfg["student"].update(small)
     cfg["drafter"].update(small)
     cfg["teacher"]["model"].update(small)
-    cfg["teacher"]["train"].update(steps=4, copy_steps=1, curriculum_steps=1, batch_size=4)  # the EMA averages 2
+    # 2 of the 4 steps after the copy rows and the curriculum: a teacher.train.ema_decay has steps to average
+    cfg["teacher"]["train"].update(steps=4, copy_steps=1, curriculum_steps=1, batch_size=4)
     cfg["teacher"]["check"] = {"items": 4, "min_call_rate": 0.0}  # a 4-step teacher calls no tool: checked, not refused
     cfg["kd"].update(batch_size=16, max_new_tokens=24)
     cfg["train"].update(steps=6, batch_size=4, warmup_steps=1, ckpt_every=3, eval_every=6, log_every=1)
