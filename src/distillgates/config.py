@@ -440,7 +440,8 @@ class LengthLossConfig:
     # required evidence value, and only positions after that evidence get the stop gradient (cuts filler only)
     target: str = "teacher"
     # do not imitate what the latency losses call excess: tool items are trained without the preamble before
-    # the first call, and no CE/KD/process on the answer after its last required evidence (target "evidence")
+    # the first call and without the filler after the sentence of the answer's last required evidence (that
+    # sentence, then the end of the turn; target "evidence")
     mask_excess: bool = False
 
     def __post_init__(self) -> None:

@@ -1,4 +1,4 @@
-"""Training rows: the excess mask of the latency objective (preamble and post-evidence filler)."""
+"""Training rows: what the latency objective calls excess (the preamble and the filler after the facts)."""
 
 from __future__ import annotations
 
@@ -25,25 +25,51 @@ def items() -> list[dict[str, Any]]:
     return generate_items(0, 60, split="train")
 
 
-def test_verbose_tool_item_drops_the_preamble_and_masks_the_filler(artifacts: dict[str, Any], items) -> None:
+def _answer(item: dict[str, Any]) -> str:
+    return item["reference"].rsplit("<|assistant|>", 1)[-1].split("<|end|>")[0]
+
+
+def test_without_filler_ends_the_answer_with_the_sentence_of_its_last_fact(items) -> None:
+    from distillgates.data.generator import _FILLERS
+    from distillgates.train.data import without_filler
+
+    fillers = [f for pool in _FILLERS.values() for f in pool]
+    tool_items = [i for i in items if i["tool_should_be_used"]]
+    assert {i["style"] for i in tool_items} == {"verbose", "terse"} and any(i["kind"] == "multi" for i in tool_items)
+    for item in tool_items:
+        cut = without_filler(item)
+        answer = _answer(cut)
+        assert answer.endswith(".") and all(fact in answer for fact in item["integration_fields"])
+        assert not any(f in answer for f in fillers), answer
+        assert cut["reference"].endswith("<|end|><|eos|>")
+        if item["style"] == "terse":
+            assert cut == item  # nothing follows the facts
+        else:
+            assert _answer(item) == f"{answer} {next(f for f in fillers if _answer(item).endswith(f))}"
+    control = next(i for i in items if i["kind"] == "control" and i["style"] == "verbose")
+    assert without_filler(control) == control  # no evidence: no cut
+
+
+def test_verbose_tool_item_drops_the_preamble_and_the_filler(artifacts: dict[str, Any], items) -> None:
     tok = artifacts["tokenizer"]
     verbose = [i for i in items if i["kind"] == "single" and i["style"] == "verbose"]
     rows = [build_row(i, tok, WIDE, mask_excess=True) for i in verbose]
     row = next(r for r in rows if r.length <= WIDE[-1])  # the whole answer fits the largest shape
     item = row.item
-    preamble = next(i for i in verbose if i["id"] == item["id"])["reference"].split("<|tool_call|>")[0]
+    original = next(i for i in verbose if i["id"] == item["id"])
+    preamble = original["reference"].split("<|tool_call|>")[0]
     assert preamble and item["reference"].startswith("<|tool_call|>")
-    assert tok.decode(row.ids[row.prompt_len :]).startswith("<|tool_call|>")  # trained to call first
-    excess = _decode(tok, row.ids, row.excess)
-    answer = item["reference"].rsplit("<|assistant|>", 1)[1].split("<|end|>")[0]
-    last_fact = max(answer.rfind(f) + len(f) for f in item["integration_fields"])
-    assert excess == answer[last_fact:]
-    for fact in item["integration_fields"]:
-        assert fact not in excess
+    text = tok.decode(row.ids[row.prompt_len :])
+    assert text.startswith("<|tool_call|>")  # trained to call first
+    facts = _answer(item)
+    assert facts != _answer(original) and _answer(original).startswith(facts)
+    assert text.replace(" ", "").endswith((facts + "<|end|><|eos|>").replace(" ", ""))  # the facts, then the end
+    assert row.excess == []
     batch = collate([row], *_ids(tok))
-    for q in row.excess:
-        assert batch.ce_mask[0, q] == 0 and batch.kd_mask[0, q] == 0 and batch.turn_mask[0, q]
-    assert batch.ce_mask.sum() == batch.turn_mask.sum() - len(row.excess)
+    end_at = max(j for j, t in enumerate(row.ids) if t == _ids(tok)[2])
+    assert batch.ce_mask[0, end_at - 1] == 1  # the position after the sentence predicts the end of the turn
+    assert batch.ce_mask.sum() == batch.turn_mask.sum()
+    assert build_row(original, tok, WIDE).item == original  # off by default
 
 
 def test_terse_and_control_items_keep_their_targets(artifacts: dict[str, Any], items) -> None:
@@ -52,9 +78,27 @@ def test_terse_and_control_items_keep_their_targets(artifacts: dict[str, Any], i
     assert build_row(control, tok, WIDE, mask_excess=True).excess == []
     rows = [build_row(i, tok, WIDE, mask_excess=True) for i in items if i["kind"] == "single" and i["style"] == "terse"]
     row = next(r for r in rows if r.length <= WIDE[-1])
-    terse = row.item
-    assert _decode(tok, row.ids, row.excess) == "."  # the full stop after the last fact
-    assert build_row(terse, tok, WIDE).excess == []  # off by default
+    assert row.excess == [] and _answer(row.item) in tok.decode(row.ids[row.prompt_len :])
+
+
+def test_no_kd_where_the_filler_was_cut(artifacts: dict[str, Any], items) -> None:
+    """A teacher that says the facts' sentence and goes on with the filler: KD up to the sentence's end, not
+    at the end of the turn the row now predicts there (the teacher's next token is filler)."""
+    from distillgates.data.targets import encode_item
+    from distillgates.train.data import without_preamble
+
+    tok = artifacts["tokenizer"]
+    end = _ids(tok)[2]
+    item = next(i for i in items if i["kind"] == "single" and i["style"] == "verbose"
+                and len(encode_item(tok, i).input_ids) <= WIDE[-1])
+    said = encode_item(tok, without_preamble(item))  # the teacher, filler and all (no preamble to cut)
+    completion = said.input_ids[said.prompt_len :]
+    record = {"completion_ids": completion, "topk_ids": [[t] for t in completion],
+              "topk_logprobs": [[0.0] for _ in completion], "completion_text": tok.decode(completion), "finish": "stop"}
+    row = build_row(item, tok, WIDE, kd=record, mask_excess=True)
+    answer_end = max(j for j, t in enumerate(row.ids) if t == end) - row.prompt_len  # the row's <|end|> after the facts
+    assert completion[answer_end] != end  # the teacher's filler where the row ends the turn
+    assert row.kd_ids == record["topk_ids"][:answer_end]  # KD on everything the teacher said before it
 
 
 def test_kd_record_loses_the_same_preamble(artifacts: dict[str, Any]) -> None:

@@ -90,11 +90,18 @@ def reference_spans(item: dict[str, Any], fmt: ChatFormat | None = None) -> dict
         cursor = _call_spans(text, call, call_at, spans)
     answer_start = spans["generated"][-1][0]
     for value in item["integration_fields"]:
-        # Prefer a whole-token occurrence: "2" should not match inside a date "2025-02-03".
-        bounded = re.compile(rf"(?<![\w.]){re.escape(value)}(?!\w|\.\d)").search(text, answer_start)
-        at = bounded.start() if bounded else _find(text, value, answer_start)
+        at = find_value(text, value, answer_start)
+        if at < 0:
+            raise ValueError(f"{value!r} not found in the rendered text after position {answer_start}")
         spans["integration"].append((at, at + len(value)))
     return spans
+
+
+def find_value(text: str, value: str, start: int = 0) -> int:
+    """Where ``value`` (an integration field) first occurs in ``text`` at or after ``start`` (-1: nowhere),
+    preferring a whole-token occurrence: "2" should not match inside a date "2025-02-03"."""
+    bounded = re.compile(rf"(?<![\w.]){re.escape(value)}(?!\w|\.\d)").search(text, start)
+    return bounded.start() if bounded else text.find(value, start)
 
 
 def process_masks(

@@ -23,6 +23,7 @@ process spans: they are the reference's); an item the teacher did not finish kee
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -33,7 +34,7 @@ from torch import Tensor
 
 from distillgates.data.chat import chat_format
 from distillgates.losses import early_tool_positions, early_tool_target, turn_masks
-from distillgates.tokenizer import TOOL_CALL
+from distillgates.tokenizer import ASSISTANT, END, TOOL_CALL
 
 
 def read_kd_set(path: str | Path, tokenizer: Any = None) -> dict[str, dict[str, Any]]:
@@ -120,26 +121,43 @@ def without_preamble(item: dict[str, Any]) -> dict[str, Any]:
     return {**item, "reference": reference[at:]} if at > 0 else item
 
 
-def excess_positions(ids: Sequence[int], prompt_len: int, evidence_end: int, tool_call_id: int | None, end_id: int,
-                     tool_item: bool) -> list[int]:
-    """Prediction positions whose targets the latency objective calls excess.
+_SENTENCE_END = re.compile(r"[.!?](?=\s|$)")
 
-    - the preamble of a tool item: the tokens of the first assistant turn before its call token
-      ``tool_call_id`` (toy ``<|tool_call|>``; none when the format opens calls with no single token);
-    - the answer after its last required evidence token, up to (not including) the position
-      that predicts the closing ``<|end|>`` (the "evidence" length target ends there).
-    """
-    out: list[int] = []
-    if tool_item and tool_call_id is not None:
-        call = next((j for j in range(prompt_len, len(ids)) if ids[j] == tool_call_id), None)
-        if call is not None:
-            out += range(prompt_len - 1, call - 1)  # position q predicts token q + 1
-    if evidence_end >= 0:
-        q = evidence_end + 1
-        while q + 1 < len(ids) and ids[q + 1] != end_id:
-            out.append(q)
-            q += 1
-    return out
+
+def without_filler(item: dict[str, Any]) -> dict[str, Any]:
+    """``item`` with its final answer cut after the sentence that holds the answer's last required evidence
+    value (``integration_fields``): what follows that sentence is filler (toy: "Anything else?"), and the
+    student learns to close the turn where the facts end. Unchanged when the answer holds no evidence or no
+    sentence end follows it."""
+    from distillgates.data.targets import find_value
+
+    reference = item["reference"]
+    start = reference.rfind(ASSISTANT) + len(ASSISTANT) if ASSISTANT in reference else 0
+    stop = reference.find(END, start)
+    answer = reference[start : stop if stop >= 0 else len(reference)]
+    last = -1  # where the answer's last evidence value ends (the last occurrence of each)
+    for value in item.get("integration_fields") or []:
+        at = find_value(answer, value)
+        while at >= 0:
+            last = max(last, at + len(value))
+            at = find_value(answer, value, at + 1)
+    if last < 0:
+        return item
+    end = _SENTENCE_END.search(answer, last)
+    if end is None or not answer[end.end() :].strip():
+        return item
+    return {**item, "reference": reference[: start + end.end()] + reference[start + len(answer) :]}
+
+
+def excess_positions(ids: Sequence[int], prompt_len: int, tool_call_id: int | None) -> list[int]:
+    """Prediction positions whose targets the latency objective calls excess: the preamble of a tool
+    item, the tokens of the first assistant turn before its call token ``tool_call_id`` (toy
+    ``<|tool_call|>``; none when the format opens calls with no single token). Rows of the reference
+    lose the preamble instead (:func:`without_preamble`); rows of the teacher's text mask it."""
+    if tool_call_id is None:
+        return []
+    call = next((j for j in range(prompt_len, len(ids)) if ids[j] == tool_call_id), None)
+    return [] if call is None else list(range(prompt_len - 1, call - 1))  # position q predicts token q + 1
 
 
 def build_row(
@@ -155,8 +173,9 @@ def build_row(
     With ``mask_excess`` a tool item's row is its reference *without the preamble* (the student
     is trained in the context it generates in: the call first; the teacher's completion and its
     top-k lose the same leading turn text, the rest of its distribution was conditioned on the
-    preamble: an approximation), and the answer after its last fact is masked
-    (:func:`excess_positions`).
+    preamble: an approximation) and *without the filler* after the sentence of its last fact
+    (:func:`without_filler`: that sentence's end is followed by the end of the turn, a CE target; no
+    KD there, the teacher would go on with the filler).
     """
     from distillgates.data.targets import encode_item
 
@@ -164,7 +183,7 @@ def build_row(
         return teacher_row(item, tokenizer, lengths, kd, early_first_n, mask_excess)
     strip = mask_excess and bool(item.get("tool_should_be_used"))
     if strip:
-        item = without_preamble(item)
+        item = without_filler(without_preamble(item))
     enc = encode_item(tokenizer, item)  # ids of render_conversation(item) + per-kind token masks
     p = enc.prompt_len
     full = enc.input_ids
@@ -189,6 +208,9 @@ def build_row(
         while agree < min(len(completion), len(ref_ids)) and completion[agree] == ref_ids[agree]:
             agree += 1
         n = min(agree + 1, len(completion), len(ids) - p + 1)  # position `agree` still has the right prefix
+        if strip and agree < len(completion) and agree < len(ref_ids) and ref_ids[agree] == end \
+                and end not in ref_ids[agree + 1 :]:
+            n = min(n, agree)  # the answer's end, where the filler was cut: the teacher's next token is no target
         row.kd_ids = [list(r) for r in topk_ids[:n]]
         row.kd_logprobs = [list(r) for r in topk_lps[:n]]
         teacher_text = kd.get("completion_text")
@@ -201,9 +223,6 @@ def build_row(
         target = early_tool_target(item, teacher_text, encode, early_first_n, chat_format(tokenizer))
         if target is not None:
             row.early = target.ids
-    if mask_excess:
-        row.excess = excess_positions(ids, p, row.evidence_end, call_id, end,
-                                      bool(item.get("tool_should_be_used")))
     return row
 
 
@@ -228,8 +247,8 @@ def teacher_row(
         target = early_tool_target(item, kd["completion_text"], encode, early_first_n, fmt)
         if target is not None:
             row.early = target.ids
-    if mask_excess:
-        row.excess = excess_positions(ids, p, -1, call_id, end, bool(item.get("tool_should_be_used")))
+    if mask_excess and item.get("tool_should_be_used"):
+        row.excess = excess_positions(ids, p, call_id)
     return row
 
 
