@@ -322,6 +322,17 @@ def gates_project(pytester: pytest.Pytester) -> Callable[..., Path]:
     return make
 
 
+@pytest.fixture(scope="session")
+def toy_data(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The embedded toy's data folder (its tokenizer and items: the speed sampler's prompts), built once a session
+    (a minute of CPU); ``shutil.copytree(toy_data, run / "data", dirs_exist_ok=True)`` puts it in a run."""
+    from distillgates.data.build import build_data
+
+    out = tmp_path_factory.mktemp("toy-data") / "data"
+    build_data(load_config(EMBEDDED_CONFIG), out)
+    return out
+
+
 @pytest.fixture
 def make_run(tmp_path: Path) -> Callable[..., Path]:
     """``make_run(name, **{dotted.key: value})``: a run dir with the good report, keys overridden

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import json
 import re
+import shutil
 from pathlib import Path
 
 import pytest
 
 from distillgates.config import load_config
-from distillgates.data.build import build_data
 from distillgates.model import Transformer, model_fingerprint, save_model
 from distillgates.project import EMBEDDED_CONFIG
 from distillgates.rundir import RunDir
@@ -48,11 +48,11 @@ def test_the_documented_quality_gate_passes_and_fails(own_gates, make_run, own_p
 
 
 @pytest.mark.integration  # live samples of a tiny student (~5 s)
-def test_the_documented_speed_gate_measures_live(own_gates, make_run, own_profile):
+def test_the_documented_speed_gate_measures_live(own_gates, make_run, own_profile, toy_data):
     cfg = load_config(EMBEDDED_CONFIG)
     student = Transformer(tiny_model_config(vocab_size=cfg.tokenizer.vocab_size, max_seq_len=512))
     run = make_run("live", **{"header.fingerprints.model_fingerprint": model_fingerprint(student)})  # its report
-    build_data(cfg, run / "data")  # the speed sampler's prompts
+    shutil.copytree(toy_data, run / "data", dirs_exist_ok=True)  # the speed sampler's prompts
     save_model(run / "student" / "model.pt", student)
     RunDir(run).contract.unlink()  # not exported: the PyTorch engine on every platform
     result = own_gates.runpytest("test_my_gates.py", "-m", "speed", f"--run-dir={run}", f"--hw-profile={own_profile}",

@@ -9,11 +9,11 @@ The gates' false alarms and power at +10% / +20% are measured by benchmarks/benc
 from __future__ import annotations
 
 import json
+import shutil
 
 import pytest
 
 from distillgates.config import load_config
-from distillgates.data.build import build_data
 from distillgates.model import Transformer, model_fingerprint, save_model
 from distillgates.project import EMBEDDED_CONFIG
 from distillgates.rundir import RunDir
@@ -26,11 +26,11 @@ pytestmark = pytest.mark.integration  # pytester sessions starting speed workers
 
 
 @pytest.fixture
-def live_run(make_run):
+def live_run(make_run, toy_data):
     cfg = load_config(EMBEDDED_CONFIG)
     student = Transformer(tiny_model_config(vocab_size=cfg.tokenizer.vocab_size, max_seq_len=512))
     run = make_run("live", **{"header.fingerprints.model_fingerprint": model_fingerprint(student)})  # its report
-    build_data(cfg, run / "data")
+    shutil.copytree(toy_data, run / "data", dirs_exist_ok=True)
     save_model(run / "student" / "model.pt", student)
     RunDir(run).contract.unlink()  # not exported: the workers measure the PyTorch engine on every platform
     return run
