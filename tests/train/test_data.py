@@ -12,10 +12,6 @@ from distillgates.train.data import build_row, collate
 WIDE = [256, 512]  # the tiny test tokenizer makes long rows: whole answers must fit
 
 
-def _decode(tok: Any, ids: list[int], positions: list[int]) -> str:
-    return tok.decode([ids[q + 1] for q in positions])  # position q predicts token q + 1
-
-
 def _ids(tok: Any) -> tuple[int, int, int]:
     return tok.pad_token_id or 0, tok.convert_tokens_to_ids("<|assistant|>"), tok.convert_tokens_to_ids("<|end|>")
 
