@@ -152,8 +152,12 @@ _TIMES = ("09:00", "10:30", "14:00", "16:15", "18:00")
 _DATES = ("2025-01-15", "2025-02-03", "2025-03-21", "2025-05-09", "2025-06-30", "2025-08-12", "2025-10-01",
           "2025-12-24")
 _OPERANDS = (3, 7, 12, 15, 24, 36, 48, 60, 75, 90)
-_EVENT_IDS = ("evt-012", "evt-047", "evt-105", "evt-133", "evt-208", "evt-256", "evt-314", "evt-377", "evt-420",
-              "evt-512", "evt-689", "evt-731")
+# Event ids are single tokens (letters and "_" stay one pre-token), like the weather conditions and titles the
+# answer copies from a tool result. As "evt-208" (tokens evt / - / 208) the copy needed the token after the
+# result's "-": some teacher trainings never found it (seed 0 at 2 threads on a Xeon: 1 answer in 12 right,
+# F1 lax 0.85), while as one token it is copied like the other result values (docs/benchmarks.md 11.5).
+_EVENT_IDS = ("evt_amber", "evt_birch", "evt_cedar", "evt_delta", "evt_ember", "evt_fjord", "evt_grove", "evt_heron",
+              "evt_iris", "evt_jade", "evt_kite", "evt_lotus")
 
 
 def _calendar(rng: random.Random, loc: str) -> ToolTurn:
