@@ -1,0 +1,104 @@
+"""When the toy teacher learns to copy the values that only a tool result holds, over its training steps.
+
+The toy's answers copy values the request never held from the tool result: the event id of a created calendar event,
+the weather condition, the best document's title. A teacher that never learns one of them fails every F1 gate on that
+tool, and so does its student (docs/benchmarks.md 11.4-11.5). This trains the toy teacher with the real recipe
+(:func:`distillgates.teacher.toy.train_toy_teacher`, the config's ``teacher.train``) and, every ``--every`` steps,
+measures on up to ``--items`` held-out items per value the teacher-forced probability of the value where the
+reference answer copies it (the product over the value's tokens at its last occurrence)::
+
+    OMP_NUM_THREADS=2 .venv/bin/python benchmarks/bench_teacher_copy.py --seed 0 --run-dir runs/toy --out /tmp/c0.json
+
+``--run-dir`` gives the data and tokenizer (``data.seed`` is the same for every seed, so any build's data serve);
+``--stop-at`` ends the training early (the schedule stays the full run's). The teacher is not saved.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from distillgates.config import load_config
+from distillgates.data.targets import encode_item
+from distillgates.io import atomic_write_json
+from distillgates.project import EMBEDDED_CONFIG
+from distillgates.rundir import RunDir
+from distillgates.teacher.toy import train_toy_teacher
+
+VALUES = {"event_id": "create_calendar_event", "condition": "get_weather", "top": "search_documents"}
+
+
+class _Stop(Exception):
+    pass
+
+
+def probes(run: RunDir, n: int) -> dict[str, list[tuple[list[int], list[int]]]]:
+    """Per value: (the reference up to the value's last occurrence, the value's tokens) of up to ``n`` eval items."""
+    tokenizer, out = run.tokenizer(), {}
+    for key, tool in VALUES.items():
+        rows = []
+        for item in run.items("eval"):
+            if len(rows) == n or len(item["fixtures"]) != 1 or item["fixtures"][0]["name"] != tool:
+                continue
+            ids = encode_item(tokenizer, item).input_ids
+            value = tokenizer(str(item["fixtures"][0]["result"][key]), add_special_tokens=False)["input_ids"]
+            at = [i for i in range(len(ids) - len(value) + 1) if ids[i : i + len(value)] == value]
+            rows.append((ids[: at[-1] + len(value)], value))
+        out[key] = rows
+    return out
+
+
+@torch.no_grad()
+def copy_probability(model: Any, rows: list[tuple[list[int], list[int]]]) -> float:
+    """Mean over the rows of the teacher-forced probability of the value's tokens at its last occurrence."""
+    total = 0.0
+    for ids, value in rows:
+        logp = model(torch.tensor([ids])).logits[0, -len(value) - 1 : -1].log_softmax(-1)  # (len(value), V)
+        total += float(logp[torch.arange(len(value)), torch.tensor(value)].sum().exp())
+    return total / len(rows)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--config", default=str(EMBEDDED_CONFIG))
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--run-dir", type=Path, default=Path("runs/toy"), help="a toy build: its data and tokenizer")
+    parser.add_argument("--every", type=int, default=100)
+    parser.add_argument("--items", type=int, default=60, help="held-out items per value")
+    parser.add_argument("--stop-at", type=int, default=None, help="the last step measured (default: the last)")
+    parser.add_argument("--out", type=Path, required=True, help="the measurements, as JSON")
+    args = parser.parse_args()
+    cfg, run = load_config(args.config), RunDir(args.run_dir)
+    cfg = dataclasses.replace(cfg, seed=args.seed)
+    rows, last = probes(run, args.items), args.stop_at or cfg.teacher.train.steps - 1
+    result: dict[str, Any] = {"seed": args.seed, "threads": torch.get_num_threads(), "steps": []}
+    start = time.perf_counter()
+
+    def on_step(step: int, model: torch.nn.Module) -> None:
+        if step % args.every and step != last:
+            return
+        model.eval()
+        point = {"step": step, "seconds": round(time.perf_counter() - start)}
+        point |= {key: round(copy_probability(model, value_rows), 3) for key, value_rows in rows.items()}
+        model.train()
+        result["steps"].append(point)
+        atomic_write_json(args.out, result)
+        print(point, flush=True)
+        if step == last:
+            raise _Stop
+
+    # --stop-at ends the training by raising from on_step: the measurements are written, the teacher is not wanted
+    with tempfile.TemporaryDirectory() as tmp, contextlib.suppress(_Stop):
+        train_toy_teacher(cfg, run.tokenizer(), run.items("train"), tmp, seed=args.seed, on_step=on_step)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
