@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import dataclasses
 import tempfile
 import time
 from pathlib import Path
@@ -45,7 +44,9 @@ def probes(run: RunDir, n: int) -> dict[str, list[tuple[list[int], list[int]]]]:
     for key, tool in VALUES.items():
         rows = []
         for item in run.items("eval"):
-            if len(rows) == n or len(item["fixtures"]) != 1 or item["fixtures"][0]["name"] != tool:
+            if len(rows) == n:
+                break
+            if len(item["fixtures"]) != 1 or item["fixtures"][0]["name"] != tool:
                 continue
             ids = encode_item(tokenizer, item).input_ids
             value = tokenizer(str(item["fixtures"][0]["result"][key]), add_special_tokens=False)["input_ids"]
@@ -76,7 +77,6 @@ def main() -> int:
     parser.add_argument("--out", type=Path, required=True, help="the measurements, as JSON")
     args = parser.parse_args()
     cfg, run = load_config(args.config), RunDir(args.run_dir)
-    cfg = dataclasses.replace(cfg, seed=args.seed)
     rows, last = probes(run, args.items), args.stop_at or cfg.teacher.train.steps - 1
     result: dict[str, Any] = {"seed": args.seed, "threads": torch.get_num_threads(), "steps": []}
     start = time.perf_counter()
