@@ -1,11 +1,13 @@
-"""When the toy teacher learns to copy the values that only a tool result holds, over its training steps.
+"""When the toy teacher learns to copy each value it must copy, over its training steps.
 
-The toy's answers copy values the request never held from the tool result: the event id of a created calendar event,
-the weather condition, the best document's title. A teacher that never learns one of them fails every F1 gate on that
-tool, and so does its student (docs/benchmarks.md 11.4-11.5). This trains the toy teacher with the real recipe
+The toy's answers copy values the request never held from the tool result (the event id of a created calendar event,
+the weather condition, the best document's title), and its calls copy argument values from the request (the event's
+date and time, the city). A teacher that never learns one of them fails every F1 gate on that tool, and so does its
+student (docs/benchmarks.md 11.4-11.5). This trains the toy teacher with the real recipe
 (:func:`distillgates.teacher.toy.train_toy_teacher`, the config's ``teacher.train``) and, every ``--every`` steps,
-measures on up to ``--items`` held-out items per value the teacher-forced probability of the value where the
-reference answer copies it (the product over the value's tokens at its last occurrence)::
+measures on up to ``--items`` held-out single-call items per value the teacher-forced probability of the value where
+the reference copies it (the product over the value's tokens: a result value at its last occurrence, in the answer;
+an argument value where the call writes it, after its key)::
 
     OMP_NUM_THREADS=2 .venv/bin/python benchmarks/bench_teacher_copy.py --seed 0 --run-dir runs/toy --out /tmp/c0.json
 
@@ -31,7 +33,10 @@ from distillgates.project import EMBEDDED_CONFIG
 from distillgates.rundir import RunDir
 from distillgates.teacher.toy import train_toy_teacher
 
-VALUES = {"event_id": "create_calendar_event", "condition": "get_weather", "top": "search_documents"}
+# value: (tool, "result" for a value of the tool result the answer copies, "argument" for one the call copies)
+VALUES = {"event_id": ("create_calendar_event", "result"), "condition": ("get_weather", "result"),
+          "top": ("search_documents", "result"), "time": ("create_calendar_event", "argument"),
+          "date": ("create_calendar_event", "argument"), "city": ("get_weather", "argument")}
 
 
 class _Stop(Exception):
@@ -41,16 +46,21 @@ class _Stop(Exception):
 def probes(run: RunDir, n: int) -> dict[str, list[tuple[list[int], list[int]]]]:
     """Per value: (the reference up to the value's last occurrence, the value's tokens) of up to ``n`` eval items."""
     tokenizer, out = run.tokenizer(), {}
-    for key, tool in VALUES.items():
+    after_key = tokenizer('"x":"', add_special_tokens=False)["input_ids"][-1]  # the token between a key and its value
+    for key, (tool, source) in VALUES.items():
         rows = []
         for item in run.items("eval"):
             if len(rows) == n:
                 break
             if len(item["fixtures"]) != 1 or item["fixtures"][0]["name"] != tool:
                 continue
+            values = item["fixtures"][0]["result"] if source == "result" else item["expected_calls"][0]["arguments"]
+            if key not in values:  # an optional argument the request did not give
+                continue
             ids = encode_item(tokenizer, item).input_ids
-            value = tokenizer(str(item["fixtures"][0]["result"][key]), add_special_tokens=False)["input_ids"]
-            at = [i for i in range(len(ids) - len(value) + 1) if ids[i : i + len(value)] == value]
+            value = tokenizer(str(values[key]), add_special_tokens=False)["input_ids"]
+            at = [i for i in range(len(ids) - len(value) + 1) if ids[i : i + len(value)] == value
+                  and (source == "result" or ids[i - 1] == after_key)]  # fmt: skip
             rows.append((ids[: at[-1] + len(value)], value))
         out[key] = rows
     return out
