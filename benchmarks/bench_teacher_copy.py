@@ -3,7 +3,7 @@
 The toy's answers copy values the request never held from the tool result (the event id of a created calendar event,
 the weather condition, the best document's title), and its calls copy argument values from the request (the event's
 date and time, the city). A teacher that never learns one of them fails every F1 gate on that tool, and so does its
-student (docs/benchmarks.md 11.4-11.5). This trains the toy teacher with the real recipe
+student (docs/benchmarks.md 11.4-11.6). This trains the toy teacher with the real recipe
 (:func:`distillgates.teacher.toy.train_toy_teacher`, the config's ``teacher.train``) and, every ``--every`` steps,
 measures on up to ``--items`` held-out single-call items per value the teacher-forced probability of the value where
 the reference copies it (the product over the value's tokens: a result value at its last occurrence, in the answer;
@@ -44,7 +44,7 @@ class _Stop(Exception):
 
 
 def probes(run: RunDir, n: int) -> dict[str, list[tuple[list[int], list[int]]]]:
-    """Per value: (the reference up to the value's last occurrence, the value's tokens) of up to ``n`` eval items."""
+    """Per value: (the reference up to the occurrence measured, the value's tokens) of up to ``n`` eval items."""
     tokenizer, out = run.tokenizer(), {}
     after_key = tokenizer('"x":"', add_special_tokens=False)["input_ids"][-1]  # the token between a key and its value
     for key, (tool, source) in VALUES.items():
