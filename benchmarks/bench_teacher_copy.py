@@ -12,7 +12,8 @@ an argument value where the call writes it, after its key)::
     OMP_NUM_THREADS=2 .venv/bin/python benchmarks/bench_teacher_copy.py --seed 0 --run-dir runs/toy --out /tmp/c0.json
 
 ``--run-dir`` gives the data and tokenizer (``data.seed`` is the same for every seed, so any build's data serve);
-``--stop-at`` ends the training early (the schedule stays the full run's). The teacher is not saved.
+``--stop-at`` ends the training early (the schedule stays the full run's). The teacher is not saved. ``--teacher``
+scores a built teacher (a run's ``teacher/``) once instead of training one.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from transformers import AutoModelForCausalLM
 
 from distillgates.config import load_config
 from distillgates.data.targets import encode_item
@@ -84,10 +86,17 @@ def main() -> int:
     parser.add_argument("--every", type=int, default=100)
     parser.add_argument("--items", type=int, default=60, help="held-out items per value")
     parser.add_argument("--stop-at", type=int, default=None, help="the last step measured (default: the last)")
+    parser.add_argument("--teacher", type=Path, default=None, help="score this built teacher instead of training")
     parser.add_argument("--out", type=Path, required=True, help="the measurements, as JSON")
     args = parser.parse_args()
     cfg, run = load_config(args.config), RunDir(args.run_dir)
     rows, last = probes(run, args.items), args.stop_at or cfg.teacher.train.steps - 1
+    if args.teacher is not None:
+        model = AutoModelForCausalLM.from_pretrained(args.teacher).eval()
+        scores = {"teacher": str(args.teacher)} | {key: round(copy_probability(model, r), 3) for key, r in rows.items()}
+        atomic_write_json(args.out, scores)
+        print(scores)
+        return 0
     result: dict[str, Any] = {"seed": args.seed, "threads": torch.get_num_threads(), "steps": []}
     start = time.perf_counter()
 
