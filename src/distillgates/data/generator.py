@@ -146,10 +146,6 @@ _EVENT_TITLES = {
     "en": ("Dentist", "Team sync", "Lunch with Sam", "Yoga", "Project review"),
     "de": ("Zahnarzt", "Teamrunde", "Mittagessen", "Yoga", "Projektreview"),
 }
-# Every calendar request gives a time. The call copies it from the request like the date, and a value the call copies
-# must recur often for a ~1M-parameter teacher to learn it: as an optional argument (60% of calendar requests, the
-# rarest value copied) one teacher in five never learned it (seed 3 on a Xeon: at chance from step 500 to the last,
-# while every other value was copied at >= 0.997; docs/benchmarks.md 11.6).
 _TIMES = ("09:00", "10:30", "14:00", "16:15", "18:00")
 # Small value pools: every value recurs often enough that the tokenizer gives it one token and a
 # ~1M-parameter model learns to copy it from the request within a CPU-minutes budget.
@@ -167,16 +163,16 @@ _EVENT_IDS = ("evt_amber", "evt_birch", "evt_cedar", "evt_delta", "evt_ember", "
 def _calendar(rng: random.Random, loc: str) -> ToolTurn:
     title = rng.choice(_EVENT_TITLES[loc])
     date = rng.choice(_DATES)
-    time = rng.choice(_TIMES)
+    time = rng.choice(_TIMES) if rng.random() < 0.6 else None
     event_id = rng.choice(_EVENT_IDS)
-    args: dict[str, Any] = {"title": title, "date": date, "time": time}
+    args: dict[str, Any] = {"title": title, "date": date} | ({"time": time} if time else {})
     if loc == "en":
         user = rng.choice((f"Create an event {title} on {date}", f"Add {title} to my calendar on {date}"))
-        user += f" at {time}."
+        user += f" at {time}." if time else "."
         terse, verbose = f"Created {event_id}.", f"Done! {title} is on your calendar for {date} as {event_id}."
     else:
         user = rng.choice((f"Erstelle einen Termin {title} am {date}", f"Trag {title} am {date} ein"))
-        user += f" um {time}."
+        user += f" um {time}." if time else "."
         terse, verbose = f"Erstellt: {event_id}.", f"Erledigt! {title} steht am {date} im Kalender als {event_id}."
     call = {"name": "create_calendar_event", "arguments": args}
     return ToolTurn(call, {"event_id": event_id, "status": "confirmed"}, user, terse, verbose, [event_id])
