@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import copy
 import json
-import re
 from pathlib import Path
 from typing import Any
 
@@ -68,7 +67,7 @@ def test_a_sampled_row_is_the_conversation_the_student_played(artifacts: dict[st
         rows, outs = sample_rows(recipe.model, tok, recipe.rows, on_policy, 0, step, cfg.shapes.lengths)
         sampled += rows
         outputs += outs
-    stop = "(?:" + "|".join(re.escape(tok.decode([i])) for i in fmt.stop_ids) + ")"
+    stop = "(?:" + "|".join(regex.escape(tok.decode([i])) for i in fmt.stop_ids) + ")"
     fed = 0
     for row, out, item in zip(sampled, outputs, artifacts["train"] * 6, strict=True):
         prompt = fmt.encode(fmt.prompt(eval_prompt_item(item)))
@@ -79,9 +78,9 @@ def test_a_sampled_row_is_the_conversation_the_student_played(artifacts: dict[st
                 results.append(turn["result"])
                 continue
             if expected:  # the conversation went on: the last turn stopped and its calls' results were fed
-                expected += stop + re.escape(fmt.tool_results_text(results))
+                expected += stop + regex.escape(fmt.tool_results_text(results))
                 fed += 1
-            expected, results = expected + re.escape(turn["text"]), []
+            expected, results = expected + regex.escape(turn["text"]), []
             turns.append(turn["tokens"])
         if row.ids[-1] in fmt.stop_ids:
             expected += stop
