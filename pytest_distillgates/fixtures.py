@@ -18,7 +18,7 @@ from distillgates.config import GatesConfig, load_config
 from distillgates.gates.references import ReferenceStore
 from distillgates.gates.session import GateSession, RunArtifacts
 from distillgates.gates.speed_ab import ArmFactory, ReferenceFactory, SpeedRounds, WorkerArms
-from distillgates.gates.stats import Interval, mean_interval, wilson_interval
+from distillgates.gates.stats import Interval, corrected_ratio, mean_interval, wilson_interval
 from distillgates.hardware import GatingPolicy, load_profiles
 from distillgates.rundir import RunArtifactError
 from pytest_distillgates.checklist import CHECKLIST_DIR
@@ -137,6 +137,30 @@ def item_interval(rows: list[dict[str, Any]], metric: str) -> Interval | None:
     if metric == "f1_lax_macro":
         return mean_interval([row["f1_lax"] for row in rows if row["f1_lax"] is not None])
     return wilson_interval(*_counts(rows, metric))
+
+
+def _ratio_terms(row: dict[str, Any], metric: str) -> tuple[float, float]:
+    """One item's (numerator, denominator) of a quality figure: the macro F1 is a ratio over eligible items too."""
+    if metric == "f1_lax_macro":
+        return (0.0, 0.0) if row["f1_lax"] is None else (float(row["f1_lax"]), 1.0)
+    hits, total = _RATES[metric]
+    return float(row[hits]), float(row[total]) if total else 1.0
+
+
+def corrected_figure(rows: list[dict[str, Any]], sampled: list[dict[str, Any]], metric: str) \
+        -> tuple[float | None, Interval | None]:
+    """A quality figure of what ships over every item of ``rows`` (the eval step's, from PyTorch): ``rows``' figure
+    corrected by the differences of ``sampled`` (the same items' rows from the shipped asset, a random sample of
+    ``rows``) from their ``rows`` (:func:`~distillgates.gates.stats.corrected_ratio`); ``rows``' own figure and interval
+    where the asset scores every sampled item as PyTorch does. ``(None, None)`` when a sampled item is not in
+    ``rows`` (the two come from different eval sets)."""
+    by_id = {row["id"]: row for row in rows}
+    if any(row["id"] not in by_id for row in sampled):
+        return None, None
+    y, x = zip(*(_ratio_terms(row, metric) for row in rows), strict=True) if rows else ((), ())
+    paired = [(_ratio_terms(row, metric), _ratio_terms(by_id[row["id"]], metric)) for row in sampled]
+    dy, dx = [a[0] - b[0] for a, b in paired], [a[1] - b[1] for a, b in paired]
+    return corrected_ratio(y, x, dy, dx, item_interval(rows, metric))
 
 
 @pytest.fixture(scope="session")

@@ -586,8 +586,9 @@ class ExportConfig:
     # 27 and later; needs the coreai extra); "both": the two, where the coreai extra is installed (else the asset is
     # recorded as skipped, with the reason, and the coreai gates skip saying so)
     target: str = "coreml"
-    # target both/coreai: the first drawn eval items decoded greedily through model.aimodel by Core AI's runtime (the
-    # coreai_eval step) and compared with the PyTorch engine's outputs; 0: not run. On Linux the runtime is a
+    # target both/coreai: drawn eval items (a seeded random sample of this many) decoded greedily through
+    # model.aimodel by Core AI's runtime (the coreai_eval step), compared with the PyTorch engine's outputs, and
+    # correcting the eval's figures for the coreai quality gates; 0: not run. On Linux the runtime is a
     # single-threaded reference implementation: size it for the machine
     coreai_eval_items: int = 32
     # Core AI runtime worker processes the coreai_eval step decodes those items in, in parallel (the Linux runtime

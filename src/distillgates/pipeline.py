@@ -27,6 +27,7 @@ import contextlib
 import dataclasses
 import functools
 import json
+import random
 import shutil
 import time
 from collections.abc import Callable
@@ -646,10 +647,11 @@ def coreai_eval_path(run: RunDir) -> Path:
 
 
 def step_coreai_eval(cfg: Config, run: RunDir) -> dict[str, Any]:
-    """The first ``export.coreai_eval_items`` drawn eval items decoded greedily through ``export/model.aimodel``
-    (Core AI's runtime, in ``export.coreai_eval_workers`` worker processes side by side: what ships), scored, and
-    compared output by output with the PyTorch engine's outputs of the eval step; the per-item scores give the gates
-    their intervals. ``{"skipped": reason}`` when there is no asset (target coreml, no coreai extra)."""
+    """``export.coreai_eval_items`` drawn eval items (a seeded random sample) decoded greedily through
+    ``export/model.aimodel`` (Core AI's runtime, in ``export.coreai_eval_workers`` worker processes side by side: what
+    ships), scored, and compared output by output with the PyTorch engine's outputs of the eval step; the coreai
+    quality gates correct the eval's figures by the per-item scores' differences from PyTorch's. ``{"skipped":
+    reason}`` when there is no asset (target coreml, no coreai extra)."""
     from concurrent.futures import ThreadPoolExecutor
 
     from distillgates.data.dataset import drawn_items
@@ -670,7 +672,11 @@ def step_coreai_eval(cfg: Config, run: RunDir) -> dict[str, Any]:
         return measured
     run.verify_packages()  # the asset the export wrote and measured
     tokenizer = run.tokenizer()
-    items = drawn_items(run.items("eval"))[: cfg.export.coreai_eval_items]
+    drawn = drawn_items(run.items("eval"))
+    # a seeded random sample in eval order: the coreai gates correct the eval's figures by it (an eval file given in
+    # some order, e.g. by tool, would bias a prefix)
+    keep = set(random.Random(cfg.seed).sample(range(len(drawn)), min(cfg.export.coreai_eval_items, len(drawn))))
+    items = [item for i, item in enumerate(drawn) if i in keep]
     pytorch = {o["id"]: o for o in read_outputs(run.eval_outputs)}
 
     def decode(shard: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], list[ItemScore]]:

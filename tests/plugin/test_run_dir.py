@@ -162,8 +162,16 @@ VIOLATIONS = [
     ("coreai_outputs_differ", {"gate_inputs.coreai_eval.identical": 27}, "coreai_parity",
      ["test_coreai_outputs_equal_pytorch"],
      "coreai.outputs_identical = 0.84375 violates >= 0.9 (n=32, 95% CI [0.6825, 0.9314])"),
-    ("coreai_worse_quality", {"gate_inputs.coreai_eval.student.fixture_hit_rate": 0.9}, "coreai_parity",
-     ["test_coreai_quality[fixture_hit_rate]"], "coreai.fixture_hit_rate = 0.9 violates >= 0.95 (n=32, 95% CI ["),
+    # 8 of the 32 items the asset decoded miss their fixture where PyTorch hit: 360 - 8 * 360 / 32 hits of 360
+    ("coreai_worse_quality", {"gate_inputs.coreai_eval.item_scores": [
+        {**row, "fixture_hits": 0 if i < 8 else 1} for i, row in enumerate(good_item_scores()[:32])]},
+     "coreai_parity", ["test_coreai_quality[fixture_hit_rate]"],
+     "coreai.fixture_hit_rate = 0.75 violates >= 0.95 (n=360, 95% CI ["),
+    # the asset decodes items that are not the eval step's: no figure
+    ("coreai_other_items", {"gate_inputs.coreai_eval.item_scores": [
+        {**row, "id": f"other-{i}"} for i, row in enumerate(good_item_scores()[:32])]}, "coreai_parity",
+     [f"test_coreai_quality[{m}]" for m in ("f1_lax_macro", "tool_selection", "json_validity", "fixture_hit_rate")],
+     "coreai.fixture_hit_rate FAILED: measured None"),
     ("prompt_cache_slow", {"gate_inputs.prompt_cache.ttft_hit_ms": [9.0, 9.5, 10.0]}, "prompt_cache",
      ["test_ttft_reduction"], "prompt_cache.ttft_reduction"),
     ("prompt_cache_misses", {"gate_inputs.prompt_cache.hit_rate": 0.5}, "prompt_cache", ["test_hit_rate"], "0.5"),
@@ -214,6 +222,28 @@ def test_top_up_items_are_not_in_the_quality_figures(pytester, gates_project, ma
     checks = {g["name"]: g for g in json.loads((pytester.path / "gates.json").read_text())["gates"]}
     assert checks["tool_selection"]["n"] == 360 and checks["fixture_hit_rate"]["n"] == 360
     assert checks["f1_lax_macro"]["n"] == 360 and checks["f1_lax_macro"]["ci"][1] < 1.0
+
+
+def test_the_coreai_quality_gates_do_not_decide_on_their_sample_alone(pytester, gates_project, make_run, own_profile):
+    """CI's build of 2026-12-04: the asset decoded its 32 sampled items exactly as PyTorch, two of them with a fixture
+    miss (and one an invalid call) that PyTorch's 360 items hold too: 28 of 30 sampled calls hit (0.933, under 0.95),
+    358 of 360 over the eval. The figure of what ships is the eval's: the gate passes with the eval's n and interval;
+    the asset losing one more hit than PyTorch on the sample moves it down by 360 / 32 calls."""
+    gates_project()
+    rows = [{**row, "fixture_hits": 0 if i in (3, 17) else 1, "calls_valid": 0 if i == 5 else 1}
+            for i, row in enumerate(good_item_scores())]
+    sample = [{**row, "f1_lax": 1.0, "f1_strict": 1.0} for row in rows[:32]]  # the good run's sample F1s
+    run = make_run("same", item_scores=rows, **{"gate_inputs.coreai_eval.item_scores": sample})
+    common = [f"--hw-profile={own_profile}", "-k", "coreai_quality", "--gate-report=gates.json"]
+    pytester.runpytest("gates/test_coreai_parity.py", f"--run-dir={run}", *common).assert_outcomes(passed=4)
+    checks = {g["name"]: g for g in json.loads((pytester.path / "gates.json").read_text())["gates"]}
+    assert checks["coreai.fixture_hit_rate"]["measured"] == 358 / 360 and checks["coreai.fixture_hit_rate"]["n"] == 360
+    assert checks["coreai.json_validity"]["measured"] == 359 / 360
+    worse = [{**row, "fixture_hits": 0} if i == 9 else row for i, row in enumerate(sample)]
+    run = make_run("worse", item_scores=rows, **{"gate_inputs.coreai_eval.item_scores": worse})
+    pytester.runpytest("gates/test_coreai_parity.py", f"--run-dir={run}", *common).assert_outcomes(passed=4)
+    checks = {g["name"]: g for g in json.loads((pytester.path / "gates.json").read_text())["gates"]}
+    assert checks["coreai.fixture_hit_rate"]["measured"] == pytest.approx((358 - 360 / 32) / 360)
 
 
 @pytest.mark.parametrize(("changes", "gate_file", "expected", "fragment"), [v[1:] for v in VIOLATIONS],

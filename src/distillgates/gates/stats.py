@@ -448,3 +448,35 @@ def rate_quantile_interval(rates: Sequence[float], quantile: float, alpha: float
         confidence_level=1.0 - alpha)
     low, high = float(ci.low), float(ci.high)
     return Interval(int(array.size), 0.0 if np.isnan(low) else low, 1.0 if np.isnan(high) else high)
+
+
+def corrected_ratio(
+    y: Sequence[float], x: Sequence[float], dy: Sequence[float], dx: Sequence[float], base: Interval | None,
+    alpha: float = 0.05,
+) -> tuple[float | None, Interval | None]:
+    """A ratio measured on a random sample only (the costly measurement), estimated over all ``N`` items: the cheap
+    measurement's ``sum(y) / sum(x)`` over the ``N`` items, corrected by the costly-minus-cheap differences ``dy``,
+    ``dx`` of the ``n`` sampled items (the difference estimator of survey sampling; the mean of prediction-powered
+    inference, Angelopoulos et al. 2023): ``(sum(y) + N/n sum(dy)) / (sum(x) + N/n sum(dx))``.
+    Unbiased for the costly ratio over the ``N`` items (to first order in the ratio), and as precise as the cheap one
+    where the two agree on the sample.
+
+    The interval: ``base`` (the cheap ratio's own, e.g. Wilson), moved to the estimate and widened in quadrature by
+    the correction's t interval (the delta method over the sample's differences); ``base`` itself when every
+    difference is 0. Clipped to [0, 1] (rates, F1). ``(None, None)`` when the estimated denominator is not positive;
+    the interval is None without ``base`` or with fewer than 2 sampled items."""
+    y_, x_, dy_, dx_ = (np.asarray(v, dtype=np.float64) for v in (y, x, dy, dx))
+    scale = y_.size / dy_.size if dy_.size else 0.0
+    total = float(x_.sum() + scale * dx_.sum())
+    if total <= 0.0:
+        return None, None
+    estimate = float(y_.sum() + scale * dy_.sum()) / total
+    clip = min(max(estimate, 0.0), 1.0)
+    if base is None or dy_.size < 2 or x_.sum() <= 0.0:
+        return clip, None
+    cheap = float(y_.sum() / x_.sum())
+    spread = float(np.std(dy_ - estimate * dx_, ddof=1))  # linearized differences of the ratio
+    half = float(stats.t.ppf(1.0 - alpha / 2, dy_.size - 1)) * y_.size / total * spread / math.sqrt(dy_.size)
+    low = estimate - math.hypot(cheap - base.low, half)
+    high = estimate + math.hypot(base.high - cheap, half)
+    return clip, Interval(base.n, min(max(low, 0.0), 1.0), min(max(high, 0.0), 1.0))
