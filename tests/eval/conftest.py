@@ -32,7 +32,6 @@ def tiny_run(tmp_path_factory: pytest.TempPathFactory, eval_items: list[dict[str
     write_dataset(root / "eval.jsonl", items, tokenizer_fingerprint(tok), seed=0)
     torch.manual_seed(0)
     # one layer, two heads: test_constrained_runner_emits_only_valid_calls steers these weights by hand
-    # (with the default's four heads a constrained string argument repeats until the 64-token budget ends mid-call)
     cfg = tiny_model_config(vocab_size=len(tok), n_layers=1, n_heads=2, n_kv_heads=1, max_seq_len=384)
     save_model(root / "model.pt", Transformer(cfg))
     return {"root": root, "tokenizer": tok, "items": items, "model": root / "model.pt"}

@@ -53,8 +53,11 @@ def test_engine_hf_and_http_runners_agree(tiny_run: dict[str, Any], hf_dir: Path
 
 
 def test_constrained_runner_emits_only_valid_calls(tiny_run: dict[str, Any]) -> None:
-    """A model that always wants ``<|tool_call|>`` next: unconstrained, no call it emits is valid;
-    under constrained decoding every call parses and matches its tool's schema."""
+    """A model that always wants ``<|tool_call|>`` next, and then ``"``: unconstrained, no call it emits is valid;
+    under constrained decoding every call parses and matches its tool's schema. The ``"`` ends each string where the
+    constraint allows it, and one call per item in 160 tokens leaves room for the ones it cannot shorten (a date's
+    pattern, keys spelled byte by byte): the call fits whatever the data and the tokenizer's merges (with 64 tokens
+    and two calls, a change of the toy's data cut them off mid-call, 2026-12-04)."""
     from distillgates.eval.evaluate import evaluate
     from distillgates.eval.runners import runner_fingerprint_of
 
@@ -66,10 +69,11 @@ def test_constrained_runner_emits_only_valid_calls(tiny_run: dict[str, Any]) -> 
             layer.mlp.down_proj.weight[0] = 0.0
         model.embed.weight[:, 0] = 1.0
         model.embed.weight[tok.convert_tokens_to_ids("<|tool_call|>"), 0] = 200.0
-    runners = {c: EngineRunner(TorchEngine(model), tok, model_fingerprint(model), 64, constrained=c)
+        model.embed.weight[tok.convert_tokens_to_ids('"'), 0] = 100.0
+    runners = {c: EngineRunner(TorchEngine(model), tok, model_fingerprint(model), 160, constrained=c)
                for c in (False, True)}  # fmt: skip
-    free = evaluate(runners[False], items, tok, max_calls=2)
-    constrained = evaluate(runners[True], items, tok, max_calls=2)  # (more would run out of context mid-call)
+    free = evaluate(runners[False], items, tok, max_calls=1)
+    constrained = evaluate(runners[True], items, tok, max_calls=1)
     assert free["json_validity"] == 0.0
     assert constrained["json_validity"] == 1.0
     assert free["fingerprints"]["runner_fingerprint"] != constrained["fingerprints"]["runner_fingerprint"]
@@ -103,6 +107,7 @@ def test_constrained_decoding_uses_the_items_own_tools_and_falls_back_explicitly
             layer.mlp.down_proj.weight[0] = 0.0
         model.embed.weight[:, 0] = 1.0
         model.embed.weight[tok.convert_tokens_to_ids("<|tool_call|>"), 0] = 200.0
+        model.embed.weight[tok.convert_tokens_to_ids('"'), 0] = 100.0
     # one call per item and room for a 64-character string argument (the bound of a free string)
     runner = EngineRunner(TorchEngine(model), tok, model_fingerprint(model), 200, constrained=True)
     metrics, outputs, _ = evaluate(runner, items[:2], tok, max_calls=1, return_outputs=True)
