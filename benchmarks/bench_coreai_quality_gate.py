@@ -71,9 +71,9 @@ def main() -> None:
         sample = [asset[i] for i in sorted(rng.choice(len(asset), args.items, replace=False))]
         figures = {"sample": item_figures(sample),
                    "corrected": {m: corrected_figure(rows, sample, m)[0] for m in QUALITY}}
-        for rule, measured in figures.items():
+        for rule, figure in figures.items():
             failed = [m for m, field in QUALITY.items()
-                      if measured[m] is not None and measured[m] < getattr(thresholds, field)]
+                      if figure[m] is not None and figure[m] < getattr(thresholds, field)]
             any_fail[rule] += bool(failed)
             for metric in failed:
                 fails[rule][metric] += 1
