@@ -463,8 +463,8 @@ def corrected_ratio(
 
     The interval: ``base`` (the cheap ratio's own, e.g. Wilson), moved to the estimate and widened in quadrature by
     the correction's t interval (the delta method over the sample's differences); ``base`` itself when every
-    difference is 0. Clipped to [0, 1] (rates, F1). ``(None, None)`` when the estimated denominator is not positive;
-    the interval is None without ``base`` or with fewer than 2 sampled items."""
+    difference is 0. Estimate and interval are clipped to [0, 1] (rates, F1). ``(None, None)`` when the estimated
+    denominator is not positive; the interval is None without ``base`` or with fewer than 2 sampled items."""
     y_, x_, dy_, dx_ = (np.asarray(v, dtype=np.float64) for v in (y, x, dy, dx))
     scale = y_.size / dy_.size if dy_.size else 0.0
     total = float(x_.sum() + scale * dx_.sum())
