@@ -37,17 +37,19 @@ from pytest_distillgates.fixtures import corrected_figure, item_figures
 def decode_every_item(run_dir: Path, config: Path, work: Path) -> tuple[list[dict], dict]:
     """(PyTorch's drawn rows, the coreai_eval step's figures of every drawn item), decoded in a copy of the run."""
     copy = RunDir(work / "run")
-    if not coreai_eval_path(copy).exists() or json.loads(coreai_eval_path(copy).read_text()).get("sampled") != "all":
+    path = coreai_eval_path(copy)
+    measured = json.loads(path.read_text()) if path.exists() else {}
+    if measured.get("sampled") != "all":
         shutil.rmtree(copy.root, ignore_errors=True)
         shutil.copytree(run_dir, copy.root)
         cfg, _ = load_run(config, copy.root)
         every = len(drawn_items(copy.items("eval")))
         step_coreai_eval(dataclasses.replace(cfg, export=dataclasses.replace(cfg.export, coreai_eval_items=every)),
                          copy)
-        measured = json.loads(coreai_eval_path(copy).read_text())
-        atomic_write_json(coreai_eval_path(copy), {**measured, "sampled": "all"})
-    rows = [row for row in copy.student_item_scores() if not row.get("top_up")]
-    return rows, json.loads(coreai_eval_path(copy).read_text())
+        measured = {**json.loads(path.read_text()), "sampled": "all"}
+        atomic_write_json(path, measured)
+    rows = [row for row in copy.student_item_scores() if not row.get("top_up")]  # the drawn items, as the gates'
+    return rows, measured
 
 
 def main() -> None:
