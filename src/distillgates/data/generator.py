@@ -17,7 +17,9 @@ answer is grounded only in the results the model received (docs/metrics.md), and
 model copies a result value reliably only once it has seen that value often (measured on the toy
 student: a received value copied 0.33 of the time when training results never held it, 0.30 at 1-4
 times, 0.78 at 5-19, 0.93 at 20+). So every result value is drawn from a pool small enough that each
-value recurs 20+ times in 4000 training items (about 750 calls a tool).
+value recurs 20+ times in 4000 training items (about 750 calls a tool). The pools a value is *copied* from (the
+requested time, the result's condition and event id) are also large enough that the pool's prior is no place for
+training to settle: 1 in 20 to 24, not 1 in 5 (docs/benchmarks.md 11.9).
 """
 
 from __future__ import annotations
@@ -64,8 +66,9 @@ def _text(value: Any) -> str:
 # Per-tool generators: (rng, locale) -> ToolTurn
 
 _CONDITIONS = {
-    "en": ("sunny", "cloudy", "rainy", "windy", "snowy"),
-    "de": ("sonnig", "bewölkt", "regnerisch", "windig", "verschneit"),
+    "en": ("sunny", "cloudy", "rainy", "windy", "snowy", "foggy", "stormy", "hazy", "humid", "clear", "icy", "mild"),
+    "de": ("sonnig", "bewölkt", "regnerisch", "windig", "verschneit", "neblig", "stürmisch", "diesig", "schwül", "klar",
+           "eisig", "mild"),
 }
 
 
@@ -146,9 +149,13 @@ _EVENT_TITLES = {
     "en": ("Dentist", "Team sync", "Lunch with Sam", "Yoga", "Project review"),
     "de": ("Zahnarzt", "Teamrunde", "Mittagessen", "Yoga", "Projektreview"),
 }
-_TIMES = ("09:00", "10:30", "14:00", "16:15", "18:00")
-# Small value pools: every value recurs often enough that the tokenizer gives it one token and a
-# ~1M-parameter model learns to copy it from the request within a CPU-minutes budget.
+_TIMES = ("07:30", "08:00", "08:45", "09:00", "09:15", "10:00", "10:30", "11:00", "11:45", "12:00", "12:30", "13:00",
+          "14:00", "14:30", "15:00", "15:45", "16:15", "17:00", "17:30", "18:00")
+# Value pools: small enough that every value recurs often enough for the tokenizer to give it one token, large
+# enough that guessing from the pool pays little. With 5 times and 5 conditions a from-scratch teacher could settle on
+# the pool's prior for one of them (1 in 5) and never learn to copy it (seed 3 on a Xeon: the time, seed 3 on an AMD
+# EPYC: the condition); with 20 times, 12 conditions and 24 event ids every traced seed copies every value by step
+# 2500 (docs/benchmarks.md 11.9). Dates and operands stay few: they were always copied.
 _DATES = ("2025-01-15", "2025-02-03", "2025-03-21", "2025-05-09", "2025-06-30", "2025-08-12", "2025-10-01",
           "2025-12-24")
 _OPERANDS = (3, 7, 12, 15, 24, 36, 48, 60, 75, 90)
@@ -157,7 +164,8 @@ _OPERANDS = (3, 7, 12, 15, 24, 36, 48, 60, 75, 90)
 # result's "-": some teacher trainings never found it (seed 0 at 2 threads on a Xeon: 1 answer in 12 right,
 # F1 lax 0.85), while as one token it is copied like the other result values (docs/benchmarks.md 11.5).
 _EVENT_IDS = ("evt_amber", "evt_birch", "evt_cedar", "evt_delta", "evt_ember", "evt_fjord", "evt_grove", "evt_heron",
-              "evt_iris", "evt_jade", "evt_kite", "evt_lotus")
+              "evt_iris", "evt_jade", "evt_kite", "evt_lotus", "evt_maple", "evt_noble", "evt_oasis", "evt_pearl",
+              "evt_quartz", "evt_raven", "evt_sage", "evt_tulip", "evt_umber", "evt_viola", "evt_willow", "evt_yarrow")
 
 
 def _calendar(rng: random.Random, loc: str) -> ToolTurn:
