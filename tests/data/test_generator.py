@@ -5,9 +5,11 @@ from __future__ import annotations
 import json
 from collections import Counter
 
+from distillgates.config import load_config
 from distillgates.data.chat import parse_transcript, render_conversation
 from distillgates.data.generator import KINDS, generate_item, generate_items
 from distillgates.data.tools import validate_call
+from distillgates.project import EMBEDDED_CONFIG
 from distillgates.tokenizer import train_tokenizer
 
 
@@ -81,8 +83,8 @@ def test_verbose_share_sets_the_style_mix():
 
 def test_every_tool_result_value_recurs_often_enough_to_be_copied():
     # integration F1 is grounded only in received results, and the toy's ~1M-parameter models copy a
-    # result value reliably once training holds it 20+ times (generator docstring): the toy's 4000 items do
-    items = generate_items(0, 4000, verbose_share=0.8)
+    # result value reliably once training holds it 20+ times (generator docstring): the toy's training items do
+    items = generate_items(0, load_config(EMBEDDED_CONFIG).data.n_train, verbose_share=0.8)
     counts = Counter(
         (fixture["name"], key, json.dumps(value))
         for item in items for fixture in item["fixtures"] for key, value in fixture["result"].items()
