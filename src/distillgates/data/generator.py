@@ -18,8 +18,8 @@ model copies a result value reliably only once it has seen that value often (mea
 student: a received value copied 0.33 of the time when training results never held it, 0.30 at 1-4
 times, 0.78 at 5-19, 0.93 at 20+). So every result value is drawn from a pool small enough that each
 value recurs 20+ times in 4000 training items (about 750 calls a tool). The pools a value is *copied* from (the
-requested time, the result's condition and event id) are also large enough that the pool's prior is no place for
-training to settle: 1 in 20 to 24, not 1 in 5 (docs/benchmarks.md 11.9).
+requested time, the result's condition and event id) are also large enough that the pool's prior is a poor place
+for training to settle: 1 in 12 to 24, not 1 in 5 (docs/benchmarks.md 11.9).
 """
 
 from __future__ import annotations
@@ -154,8 +154,9 @@ _TIMES = ("07:30", "08:00", "08:45", "09:00", "09:15", "10:00", "10:30", "11:00"
 # Value pools: small enough that every value recurs often enough for the tokenizer to give it one token, large
 # enough that guessing from the pool pays little. With 5 times and 5 conditions a from-scratch teacher could settle on
 # the pool's prior for one of them (1 in 5) and never learn to copy it (seed 3 on a Xeon: the time, seed 3 on an AMD
-# EPYC: the condition); with 20 times, 12 conditions and 24 event ids every traced seed copies every value by step
-# 2500 (docs/benchmarks.md 11.9). Dates and operands stay few: they were always copied.
+# EPYC: the condition); with 20 times, 12 conditions and 24 event ids the four traced seeds copy every value by step
+# 2500, and one final teacher in five lags on the condition (0.78) while its student copies it (docs/benchmarks.md
+# 11.9). Dates and operands stay few: they were always copied.
 _DATES = ("2025-01-15", "2025-02-03", "2025-03-21", "2025-05-09", "2025-06-30", "2025-08-12", "2025-10-01",
           "2025-12-24")
 _OPERANDS = (3, 7, 12, 15, 24, 36, 48, 60, 75, 90)
