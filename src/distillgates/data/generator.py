@@ -17,9 +17,9 @@ answer is grounded only in the results the model received (docs/metrics.md), and
 model copies a result value reliably only once it has seen that value often (measured on the toy
 student: a received value copied 0.33 of the time when training results never held it, 0.30 at 1-4
 times, 0.78 at 5-19, 0.93 at 20+). So every result value is drawn from a pool small enough that each
-value recurs 20+ times in 4000 training items (about 750 calls a tool). The pools a value is *copied* from (the
-requested time, the result's condition and event id) are also large enough that the pool's prior is a poor place
-for training to settle: 1 in 12 to 24, not 1 in 5 (docs/benchmarks.md 11.9).
+value recurs 20+ times in the toy's training items (16000, about 3000 calls a tool; tests/data/test_generator.py).
+The pools a value is *copied* from (the requested time, the result's condition and event id) are also large enough
+that the pool's prior is a poor place for training to settle: 1 in 12 to 24, not 1 in 5 (docs/benchmarks.md 11.9).
 """
 
 from __future__ import annotations
