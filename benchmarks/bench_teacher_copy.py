@@ -38,7 +38,8 @@ from distillgates.teacher.toy import train_toy_teacher
 # value: (tool, "result" for a value of the tool result the answer copies, "argument" for one the call copies)
 VALUES = {"event_id": ("create_calendar_event", "result"), "condition": ("get_weather", "result"),
           "top": ("search_documents", "result"), "time": ("create_calendar_event", "argument"),
-          "date": ("create_calendar_event", "argument"), "city": ("get_weather", "argument")}
+          "date": ("create_calendar_event", "argument"), "city": ("get_weather", "argument"),
+          "a": ("calculate", "argument"), "b": ("calculate", "argument")}
 
 
 class _Stop(Exception):
@@ -48,7 +49,9 @@ class _Stop(Exception):
 def probes(run: RunDir, n: int) -> dict[str, list[tuple[list[int], list[int]]]]:
     """Per value: (the reference up to the occurrence measured, the value's tokens) of up to ``n`` eval items."""
     tokenizer, out = run.tokenizer(), {}
-    after_key = tokenizer('"x":"', add_special_tokens=False)["input_ids"][-1]  # the token between a key and its value
+    # the token between a key and its value: a string's, a number's
+    after_key = {tokenizer('"x":"', add_special_tokens=False)["input_ids"][-1],
+                 tokenizer('"x":1', add_special_tokens=False)["input_ids"][-2]}
     for key, (tool, source) in VALUES.items():
         rows = []
         for item in run.items("eval"):
@@ -62,7 +65,7 @@ def probes(run: RunDir, n: int) -> dict[str, list[tuple[list[int], list[int]]]]:
             ids = encode_item(tokenizer, item).input_ids
             value = tokenizer(str(values[key]), add_special_tokens=False)["input_ids"]
             at = [i for i in range(len(ids) - len(value) + 1) if ids[i : i + len(value)] == value
-                  and (source == "result" or ids[i - 1] == after_key)]  # fmt: skip
+                  and (source == "result" or ids[i - 1] in after_key)]  # fmt: skip
             rows.append((ids[: at[-1] + len(value)], value))
         out[key] = rows
     return out
