@@ -224,14 +224,23 @@ def _encode(text: str) -> list[int]:
     return [ord(c) % V for c in text]
 
 
-def test_early_tool_target_prefers_valid_teacher_call_and_falls_back_to_json_prior() -> None:
-    teacher_ok = '<|tool_call|>{"name":"get_weather","arguments":{"city":"Berlin"}}<|end|>'
-    target = losses.early_tool_target(ITEM, teacher_ok, _encode, first_n=8)
-    assert target is not None and target.source == "teacher" and len(target.ids) == 8
+def test_early_tool_target_prefers_the_teachers_right_call_and_falls_back_to_the_json_prior() -> None:
+    reference = _encode('<|tool_call|>{"name":"get_weather","arguments":{"city":"Paris"}}')
+    teacher_ok = '<|tool_call|>{"name":"get_weather","arguments":{"city":"paris"}}<|end|>'  # lax: case-folded
+    target = losses.early_tool_target(ITEM, teacher_ok, _encode, first_n=200)
+    assert target is not None and target.source == "teacher" and target.ids != reference
+    assert len(losses.early_tool_target(ITEM, teacher_ok, _encode, first_n=8).ids) == 8
     bad_schema = '<|tool_call|>{"name":"get_weather","arguments":{"town":"Paris"}}<|end|>'
     fallback = losses.early_tool_target(ITEM, bad_schema, _encode, first_n=200)
-    assert fallback is not None and fallback.source == "json_prior"
-    assert fallback.ids == _encode('<|tool_call|>{"name":"get_weather","arguments":{"city":"Paris"}}')
+    assert fallback is not None and fallback.source == "json_prior" and fallback.ids == reference
+    # a valid call with a wrong value would teach the first tokens away from the reference the CE teaches
+    wrong = '<|tool_call|>{"name":"get_weather","arguments":{"city":"Berlin"}}<|end|>'
+    fallback = losses.early_tool_target(ITEM, wrong, _encode, first_n=200)
+    assert fallback is not None and fallback.source == "json_prior" and fallback.ids == reference
+    # with no reference call, the teacher's valid call is the only target there is
+    no_reference = {**ITEM, "expected_calls": []}
+    assert losses.early_tool_target(no_reference, wrong, _encode, 200).source == "teacher"  # type: ignore[union-attr]
+    assert losses.early_tool_target(no_reference, bad_schema, _encode, 200) is None
     assert losses.early_tool_target({**ITEM, "tool_should_be_used": False}, teacher_ok, _encode, 8) is None
 
 

@@ -37,8 +37,8 @@ Design choices:
 - **Early tool-call loss** is CE toward a tool-call prefix (``<|tool_call|>{json}``) placed
   right after ``<|assistant|>``, over the first N completion tokens, only for rows with
   ``tool_should_be_used``, scaled by a ramp ``0 -> weight`` over the first K epochs. The
-  target is the teacher's own tool call when it passes the shared validator, else the
-  reference call (the JSON prior fallback); see :func:`early_tool_target`.
+  target is the teacher's own tool call when it passes the shared validator and the scorer counts it
+  right, else the reference call (the JSON prior fallback); see :func:`early_tool_target`.
 
 - **Large vocabularies** (32k-152k): :func:`position_stats` computes what the recipe needs per
   position (CE, early-tool CE, stop probability, KD divergence) ``chunk`` positions at a time and
@@ -458,25 +458,32 @@ def early_tool_target(
 ) -> EarlyToolTarget | None:
     """The tool-call prefix the early-tool loss pulls toward (first ``first_n`` tokens).
 
-    The teacher's first call is used when it parses and passes the shared validator; otherwise
-    the reference's first expected call (the JSON prior). ``None`` when the item should not
-    use a tool or no valid call exists. Calls are parsed and written in chat format ``fmt`` (default:
-    the toy's, where the target is ``<|tool_call|>{json}``).
+    The teacher's first call is used when it parses, passes the shared validator and is right: the
+    scorer's lax :func:`match_call` accepts it for the reference's first expected call, or the item has
+    none. Otherwise the reference's first expected call (the JSON prior): a teacher's wrong call (an
+    operand swapped) would pull the first tokens away from the reference the CE teaches at the same
+    positions. ``None`` when the item should not use a tool or no valid call exists. Calls are parsed and
+    written in chat format ``fmt`` (default: the toy's, where the target is ``<|tool_call|>{json}``).
     """
     from distillgates.data.chat import toy_chat_format
     from distillgates.data.tools import item_tools, validate_call
+    from distillgates.eval.matching import match_call
 
     if not item.get("tool_should_be_used"):
         return None
     fmt = fmt or toy_chat_format()
     tools = item_tools(item)
+    expected = list(item.get("expected_calls") or [])
+    reference = expected[0] if expected and not validate_call(expected[0], tools) else None
     if teacher_text is not None:
         calls, _ = fmt.parse_transcript(teacher_text)
-        if calls and calls[0] is not None and not validate_call(calls[0], tools):
-            return EarlyToolTarget(list(encode(fmt.call_text(calls[0])))[:first_n], "teacher")
-    expected = list(item.get("expected_calls") or [])
-    if expected and not validate_call(expected[0], tools):
-        return EarlyToolTarget(list(encode(fmt.call_text(expected[0])))[:first_n], "json_prior")
+        call = calls[0] if calls else None
+        if call is not None and not validate_call(call, tools) and (reference is None or match_call(
+                call, reference, True, tools, (item.get("argument_alternatives") or [{}])[0],
+                (item.get("optional_arguments") or [()])[0]) is None):
+            return EarlyToolTarget(list(encode(fmt.call_text(call)))[:first_n], "teacher")
+    if reference is not None:
+        return EarlyToolTarget(list(encode(fmt.call_text(reference)))[:first_n], "json_prior")
     return None
 
 
