@@ -13,7 +13,9 @@ an argument value where the call writes it, after its key)::
 
 ``--run-dir`` gives the data and tokenizer (``data.seed`` is the same for every seed, so any build's data serve);
 ``--stop-at`` ends the training early (the schedule stays the full run's). The teacher is not saved. ``--teacher``
-scores a built teacher (a run's ``teacher/``) once instead of training one.
+scores a built teacher (a run's ``teacher/``) once instead of training one; with ``--without-preamble`` the rows lose
+the text before the call, as the student's training rows do (``train.length.mask_excess``): score a student's
+``student/hf`` so, in the context it decodes in.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ from distillgates.io import atomic_write_json
 from distillgates.project import EMBEDDED_CONFIG
 from distillgates.rundir import RunDir
 from distillgates.teacher.toy import train_toy_teacher
+from distillgates.train.data import without_preamble
 
 # value: (tool, "result" for a value of the tool result the answer copies, "argument" for one the call copies)
 VALUES = {"event_id": ("create_calendar_event", "result"), "condition": ("get_weather", "result"),
@@ -46,7 +49,7 @@ class _Stop(Exception):
     pass
 
 
-def probes(run: RunDir, n: int) -> dict[str, list[tuple[list[int], list[int]]]]:
+def probes(run: RunDir, n: int, preamble: bool = True) -> dict[str, list[tuple[list[int], list[int]]]]:
     """Per value: (the reference up to the occurrence measured, the value's tokens) of up to ``n`` eval items."""
     tokenizer, out = run.tokenizer(), {}
     # the token between a key and its value: a string's, a number's
@@ -62,7 +65,7 @@ def probes(run: RunDir, n: int) -> dict[str, list[tuple[list[int], list[int]]]]:
             values = item["fixtures"][0]["result"] if source == "result" else item["expected_calls"][0]["arguments"]
             if key not in values:  # an optional argument the request did not give
                 continue
-            ids = encode_item(tokenizer, item).input_ids
+            ids = encode_item(tokenizer, item if preamble else without_preamble(item)).input_ids
             value = tokenizer(str(values[key]), add_special_tokens=False)["input_ids"]
             at = [i for i in range(len(ids) - len(value) + 1) if ids[i : i + len(value)] == value
                   and (source == "result" or ids[i - 1] in after_key)]  # fmt: skip
@@ -89,14 +92,16 @@ def main() -> int:
     parser.add_argument("--every", type=int, default=100)
     parser.add_argument("--items", type=int, default=60, help="held-out items per value")
     parser.add_argument("--stop-at", type=int, default=None, help="the last step measured (default: the last)")
-    parser.add_argument("--teacher", type=Path, default=None, help="score this built teacher instead of training")
+    parser.add_argument("--teacher", type=Path, default=None, help="score this model (teacher/, student/hf)")
+    parser.add_argument("--without-preamble", action="store_true", help="rows as the student trains on: no preamble")
     parser.add_argument("--out", type=Path, required=True, help="the measurements, as JSON")
     args = parser.parse_args()
     cfg, run = load_config(args.config), RunDir(args.run_dir)
-    rows, last = probes(run, args.items), args.stop_at or cfg.teacher.train.steps - 1
+    rows, last = probes(run, args.items, not args.without_preamble), args.stop_at or cfg.teacher.train.steps - 1
     if args.teacher is not None:
         model = AutoModelForCausalLM.from_pretrained(args.teacher).eval()
-        scores = {"teacher": str(args.teacher)} | {key: round(copy_probability(model, r), 3) for key, r in rows.items()}
+        scores = {"model": str(args.teacher), "preamble": not args.without_preamble}
+        scores |= {key: round(copy_probability(model, r), 3) for key, r in rows.items()}
         atomic_write_json(args.out, scores)
         print(scores)
         return 0
