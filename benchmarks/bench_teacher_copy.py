@@ -7,7 +7,7 @@ student (docs/benchmarks.md 11.4-11.6). This trains the toy teacher with the rea
 (:func:`distillgates.teacher.toy.train_toy_teacher`, the config's ``teacher.train``) and, every ``--every`` steps,
 measures on up to ``--items`` held-out single-call items per value the teacher-forced probability of the value where
 the reference copies it (the product over the value's tokens: a result value at its last occurrence, in the answer;
-an argument value where the call writes it, after its key)::
+an argument value where the call first writes it, after its key)::
 
     OMP_NUM_THREADS=2 .venv/bin/python benchmarks/bench_teacher_copy.py --seed 0 --run-dir runs/toy --out /tmp/c0.json
 
@@ -56,7 +56,7 @@ def probes(run: RunDir, n: int, preamble: bool = True) -> dict[str, list[tuple[l
     after_key = {tokenizer('"x":"', add_special_tokens=False)["input_ids"][-1],
                  tokenizer('"x":1', add_special_tokens=False)["input_ids"][-2]}
     for key, (tool, source) in VALUES.items():
-        rows = []
+        rows: list[tuple[list[int], list[int]]] = []
         for item in run.items("eval"):
             if len(rows) == n:
                 break
@@ -67,9 +67,10 @@ def probes(run: RunDir, n: int, preamble: bool = True) -> dict[str, list[tuple[l
                 continue
             ids = encode_item(tokenizer, item if preamble else without_preamble(item)).input_ids
             value = tokenizer(str(values[key]), add_special_tokens=False)["input_ids"]
-            at = [i for i in range(len(ids) - len(value) + 1) if ids[i : i + len(value)] == value
-                  and (source == "result" or ids[i - 1] in after_key)]  # fmt: skip
-            rows.append((ids[: at[-1] + len(value)], value))
+            found = [i for i in range(len(ids) - len(value) + 1) if ids[i : i + len(value)] == value
+                      and (source == "result" or ids[i - 1] in after_key)]  # fmt: skip
+            at = found[-1] if source == "result" else found[0]  # an argument's first: the result may repeat it (12-6=6)
+            rows.append((ids[: at + len(value)], value))
         out[key] = rows
     return out
 
@@ -112,7 +113,7 @@ def main() -> int:
         if step % args.every and step != last:
             return
         model.eval()
-        point = {"step": step, "seconds": round(time.perf_counter() - start)}
+        point: dict[str, Any] = {"step": step, "seconds": round(time.perf_counter() - start)}
         point |= {key: round(copy_probability(model, value_rows), 3) for key, value_rows in rows.items()}
         model.train()
         result["steps"].append(point)
