@@ -415,11 +415,10 @@ def coverage_met(item: Mapping[str, Any], calls: Sequence[Mapping[str, Any] | No
     Items without expected calls and integration fields are always covered.
     """
     from distillgates.data.tools import item_tools, validate_call
-    from distillgates.eval.matching import match_call, normalize_text, value_text
+    from distillgates.eval.matching import call_leniency, match_call, normalize_text, value_text
 
     expected = list(item.get("expected_calls") or [])
-    alternatives = list(item.get("argument_alternatives") or [{} for _ in expected])
-    optional = [set(names) for names in item.get("optional_arguments") or [[] for _ in expected]]
+    alternatives, optional = call_leniency(item)
     tools = item_tools(item)
     if len(calls) < len(expected):
         return False
@@ -467,7 +466,7 @@ def early_tool_target(
     """
     from distillgates.data.chat import toy_chat_format
     from distillgates.data.tools import item_tools, validate_call
-    from distillgates.eval.matching import match_call
+    from distillgates.eval.matching import call_leniency, match_call
 
     if not item.get("tool_should_be_used"):
         return None
@@ -478,9 +477,9 @@ def early_tool_target(
     if teacher_text is not None:
         calls, _ = fmt.parse_transcript(teacher_text)
         call = calls[0] if calls else None
-        if call is not None and not validate_call(call, tools) and (reference is None or match_call(
-                call, reference, True, tools, (item.get("argument_alternatives") or [{}])[0],
-                (item.get("optional_arguments") or [()])[0]) is None):
+        alternatives, optional = call_leniency(item)
+        if call is not None and not validate_call(call, tools) and (
+                reference is None or match_call(call, reference, True, tools, alternatives[0], optional[0]) is None):
             return EarlyToolTarget(list(encode(fmt.call_text(call)))[:first_n], "teacher")
     if reference is not None:
         return EarlyToolTarget(list(encode(fmt.call_text(reference)))[:first_n], "json_prior")

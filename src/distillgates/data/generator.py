@@ -156,7 +156,8 @@ _TIMES = ("07:30", "08:00", "08:45", "09:00", "09:15", "10:00", "10:30", "11:00"
 # the pool's prior for one of them (1 in 5) and never learn to copy it (seed 3 on a Xeon: the time, seed 3 on an AMD
 # EPYC: the condition); with 20 times, 12 conditions and 24 event ids the four traced seeds copy every value by step
 # 2500, and one final teacher in five lags on the condition (0.78) while its student copies it (docs/benchmarks.md
-# 11.9). Dates and operands stay few: they were always copied.
+# 11.9). Dates and operands stay few: dates were always copied, and wider operands made some answers state a result
+# from the pool instead of copying the tool's (docs/benchmarks.md 11.10).
 _DATES = ("2025-01-15", "2025-02-03", "2025-03-21", "2025-05-09", "2025-06-30", "2025-08-12", "2025-10-01",
           "2025-12-24")
 _OPERANDS = (3, 7, 12, 15, 24, 36, 48, 60, 75, 90)

@@ -160,6 +160,14 @@ def value_matches(value: Any, candidates: Sequence[Any], lax: bool, schema: Mapp
     return any(values_equal_strict(value, candidate) for candidate in candidates)
 
 
+def call_leniency(item: Mapping[str, Any]) -> tuple[list[Mapping[str, Sequence[Any]]], list[set[str]]]:
+    """Per expected call of ``item``: its ``argument_alternatives`` and its ``optional_arguments`` (as sets), empty
+    where the item gives none: the ``alternatives`` and ``optional`` of :func:`match_call`."""
+    expected = item.get("expected_calls") or []
+    alternatives = list(item.get("argument_alternatives") or [{} for _ in expected])
+    return alternatives, [set(names) for names in item.get("optional_arguments") or [[] for _ in expected]]
+
+
 def match_call(
     predicted: Mapping[str, Any] | None,
     expected: Mapping[str, Any],

@@ -68,6 +68,7 @@ from distillgates.data.dataset import TOP_UP
 from distillgates.data.tools import canonical_call, item_tools, tools_by_name, validate_call
 from distillgates.eval.matching import (
     NUMBER,
+    call_leniency,
     leaves,
     match_call,
     normalize_text,
@@ -225,8 +226,7 @@ def score_item(
     privacy = privacy or PrivacyConfig()
     tools = item_tools(item)
     expected = list(item.get("expected_calls", []))
-    alternatives = list(item.get("argument_alternatives") or [{} for _ in expected])
-    optional = [set(names) for names in item.get("optional_arguments") or [[] for _ in expected]]
+    alternatives, optional = call_leniency(item)
     locale = str(item.get("locale", "en"))
     calls = list(output.get("calls", []))
     groups = item.get("parallel_calls") or []
