@@ -160,3 +160,29 @@ def test_short_topk_rows_are_padded_not_dropped(artifacts: dict[str, Any]) -> No
     assert batch.kd_ids[0, s + 1, 0] == 8 and batch.kd_logprobs[0, s + 1, 0] == -0.1
     assert batch.kd_logprobs[0, s + 1, 1:].tolist() == [-math.inf, -math.inf]
     assert batch.kd_mask[0, s : s + 3].tolist() == [1.0, 1.0, 0.0]
+
+
+def test_no_kd_where_the_teacher_departs_from_a_call_or_a_fact(artifacts: dict[str, Any], items) -> None:
+    """A teacher that writes a wrong operand: KD on the call up to it, not at it (its distribution there would teach
+    the wrong value the reference's CE contradicts); a departure in plain text keeps its KD position."""
+    from distillgates.data.targets import encode_item
+
+    tok = artifacts["tokenizer"]
+    item = next(i for i in items if i["kind"] == "single" and i["style"] == "terse"
+                and i["expected_calls"][0]["name"] == "calculate" and len(encode_item(tok, i).input_ids) <= WIDE[-1])
+    enc = encode_item(tok, item)
+    completion = enc.input_ids[enc.prompt_len :]
+    at = next(j for j in range(enc.prompt_len, len(enc.input_ids)) if enc.masks["arguments"][j]) - enc.prompt_len
+    wrong = list(completion)
+    wrong[at] = next(t for t in tok.encode("7 9", add_special_tokens=False) if t != completion[at])
+    record = {"completion_ids": wrong, "topk_ids": [[t] for t in wrong],
+              "topk_logprobs": [[0.0] for _ in wrong], "completion_text": tok.decode(wrong), "finish": "stop"}
+    row = build_row(item, tok, WIDE, kd=record, mask_excess=True)
+    assert row.kd_ids == record["topk_ids"][:at]  # up to the operand, not the teacher's wrong one
+    control = next(i for i in items if i["kind"] == "control" and len(encode_item(tok, i).input_ids) <= WIDE[-1])
+    enc = encode_item(tok, control)
+    said = list(enc.input_ids[enc.prompt_len :])
+    said[1] = next(t for t in tok.encode("maybe so", add_special_tokens=False) if t != said[1])
+    record = {"completion_ids": said, "topk_ids": [[t] for t in said],
+              "topk_logprobs": [[0.0] for _ in said], "completion_text": tok.decode(said), "finish": "stop"}
+    assert build_row(control, tok, WIDE, kd=record, mask_excess=True).kd_ids == record["topk_ids"][:2]

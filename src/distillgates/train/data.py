@@ -211,6 +211,8 @@ def build_row(
         if strip and agree < len(completion) and agree < len(ref_ids) and ref_ids[agree] == end \
                 and end not in ref_ids[agree + 1 :]:
             n = min(n, agree)  # the answer's end, where the filler was cut: the teacher's next token is no target
+        if agree < len(completion) and p + agree - 1 in process:
+            n = min(n, agree)  # the teacher departs at a call or fact token: the reference is the truth there
         row.kd_ids = [list(r) for r in topk_ids[:n]]
         row.kd_logprobs = [list(r) for r in topk_lps[:n]]
         teacher_text = kd.get("completion_text")
