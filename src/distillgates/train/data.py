@@ -11,7 +11,9 @@ Offline KD records carry the teacher's top-k log-probs for *its own* completion.
 of that completion is conditioned on ``prompt + completion[:i]``, which equals our row's
 prefix exactly while the completion agrees with the reference; KD is applied there and
 masked after the first disagreement (teacher-forced on a different prefix the teacher's
-distribution would be a different one).
+distribution would be a different one). The disagreement's own position keeps KD (its prefix is
+still right) unless the reference's token there is a call or a fact (a process span): there the
+teacher's distribution favours its own value, the one the reference's CE contradicts.
 
 A KD set built without log-probs (``teacher.api.logprobs: false``; its header says
 ``"logprobs": false``) has no top-k to match: training uses *sequence-level* KD instead. The row of
