@@ -16,6 +16,12 @@ def _ids(tok: Any) -> tuple[int, int, int]:
     return tok.pad_token_id or 0, tok.convert_tokens_to_ids("<|assistant|>"), tok.convert_tokens_to_ids("<|end|>")
 
 
+def _record(tok: Any, completion: list[int]) -> dict[str, Any]:
+    """A finished KD record whose teacher said ``completion``, each token its own top-1."""
+    return {"completion_ids": completion, "topk_ids": [[t] for t in completion],
+            "topk_logprobs": [[0.0] for _ in completion], "completion_text": tok.decode(completion), "finish": "stop"}
+
+
 @pytest.fixture(scope="module")
 def items() -> list[dict[str, Any]]:
     return generate_items(0, 60, split="train")
@@ -89,8 +95,7 @@ def test_no_kd_where_the_filler_was_cut(artifacts: dict[str, Any], items) -> Non
                 and len(encode_item(tok, i).input_ids) <= WIDE[-1])
     said = encode_item(tok, without_preamble(item))  # the teacher, filler and all (no preamble to cut)
     completion = said.input_ids[said.prompt_len :]
-    record = {"completion_ids": completion, "topk_ids": [[t] for t in completion],
-              "topk_logprobs": [[0.0] for _ in completion], "completion_text": tok.decode(completion), "finish": "stop"}
+    record = _record(tok, completion)
     row = build_row(item, tok, WIDE, kd=record, mask_excess=True)
     answer_end = max(j for j, t in enumerate(row.ids) if t == end) - row.prompt_len  # the row's <|end|> after the facts
     assert completion[answer_end] != end  # the teacher's filler where the row ends the turn
@@ -175,14 +180,12 @@ def test_no_kd_where_the_teacher_departs_from_a_call_or_a_fact(artifacts: dict[s
     at = next(j for j in range(enc.prompt_len, len(enc.input_ids)) if enc.masks["arguments"][j]) - enc.prompt_len
     wrong = list(completion)
     wrong[at] = next(t for t in tok.encode("7 9", add_special_tokens=False) if t != completion[at])
-    record = {"completion_ids": wrong, "topk_ids": [[t] for t in wrong],
-              "topk_logprobs": [[0.0] for _ in wrong], "completion_text": tok.decode(wrong), "finish": "stop"}
+    record = _record(tok, wrong)
     row = build_row(item, tok, WIDE, kd=record, mask_excess=True)
     assert row.kd_ids == record["topk_ids"][:at]  # up to the operand, not the teacher's wrong one
     control = next(i for i in items if i["kind"] == "control" and len(encode_item(tok, i).input_ids) <= WIDE[-1])
     enc = encode_item(tok, control)
     said = list(enc.input_ids[enc.prompt_len :])
     said[1] = next(t for t in tok.encode("maybe so", add_special_tokens=False) if t != said[1])
-    record = {"completion_ids": said, "topk_ids": [[t] for t in said],
-              "topk_logprobs": [[0.0] for _ in said], "completion_text": tok.decode(said), "finish": "stop"}
+    record = _record(tok, said)
     assert build_row(control, tok, WIDE, kd=record, mask_excess=True).kd_ids == record["topk_ids"][:2]
