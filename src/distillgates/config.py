@@ -540,7 +540,7 @@ class TrainConfig:
     loss_chunk: int = 0
     # "scratch"; "teacher": start from the local teacher's embeddings and its most influential
     # layers (the student must have the teacher's width; see distillgates/train/init.py); or
-    # "hf:<dir>": a local Hugging Face checkpoint (Llama/SmolLM, Mistral, Qwen2/2.5, Qwen3; not yet Gemma 3) whose
+    # "hf:<dir>": a local Hugging Face checkpoint (Llama/SmolLM, Mistral, Qwen2/2.5, Qwen3, Gemma 3) whose
     # architecture becomes the model's (see distillgates/hf.py); "gguf:<file>": a GGUF file of one, dequantised
     init_from: str = "scratch"
     init_layers: list[int] | None = None  # teacher layers to keep (None: by block influence)

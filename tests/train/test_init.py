@@ -102,53 +102,64 @@ def test_recipe_without_a_local_teacher_says_so(artifacts: dict[str, Any], tmp_p
                       train_items=artifacts["train"], eval_items=artifacts["eval"], progress=False, device="cpu")
 
 
-def _save_qwen2(path: Path, vocab: int, tokenizer: Any) -> Any:
-    """A tiny random Qwen2 (q/k/v biases) checkpoint with ``tokenizer`` saved beside it."""
-    from transformers import Qwen2Config, Qwen2ForCausalLM
+def _save_hf(family: str, path: Path, vocab: int, tokenizer: Any) -> Any:
+    """A tiny random checkpoint with ``tokenizer`` saved beside it: Qwen2 (q/k/v biases) or Gemma 3 (a sliding layer
+    with a window shorter than the rows, a global one, sandwich norms, q/k norm, scaled embeddings)."""
+    import transformers
 
     torch.manual_seed(3)
-    hf = Qwen2ForCausalLM(Qwen2Config(vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32768,
-                                      tie_word_embeddings=True)).eval()  # fmt: skip
-    hf.save_pretrained(path)
+    common = dict(vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, max_position_embeddings=32768, tie_word_embeddings=True)  # fmt: skip
+    if family == "qwen2":
+        hf = transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**common))
+    else:
+        hf = transformers.Gemma3ForCausalLM(transformers.Gemma3TextConfig(
+            **common, head_dim=8, layer_types=["sliding_attention", "full_attention"], sliding_window=16,
+            query_pre_attn_scalar=8))  # fmt: skip
+    hf.eval().save_pretrained(path)
     tokenizer.save_pretrained(path)
     return hf
 
 
+@pytest.mark.parametrize("family", ["qwen2", "gemma3_text"])
 @pytest.mark.parametrize("role", ["student", "drafter"])
 def test_recipe_starts_from_a_hf_checkpoint_and_saves_hf_format(
-    artifacts: dict[str, Any], tmp_path: Path, role: str
+    artifacts: dict[str, Any], tmp_path: Path, role: str, family: str
 ) -> None:
     torch.set_num_threads(1)
     tok = artifacts["tokenizer"]
-    hf = _save_qwen2(tmp_path / "qwen2", len(tok), tok)
-    cfg = artifacts["make_config"](len(tok), steps=3, lr=1e-9, warmup_steps=1, init_from=f"hf:{tmp_path / 'qwen2'}")
+    hf = _save_hf(family, tmp_path / "ckpt", len(tok), tok)
+    cfg = artifacts["make_config"](len(tok), steps=3, lr=1e-9, warmup_steps=1, init_from=f"hf:{tmp_path / 'ckpt'}")
     if role == "drafter":  # drafter_train.init_from, the student's train section untouched
         cfg.drafter_train, cfg.train = cfg.train, dataclasses.replace(cfg.train, init_from="scratch")
     else:
         cfg.student = None  # the checkpoint is the architecture
     path = train_student(cfg, role, tmp_path, kd_path=artifacts["kd_path"], tokenizer=tok,
                          train_items=artifacts["train"], eval_items=artifacts["eval"], progress=False, device="cpu")
-    assert json.loads((tmp_path / role / "init.json").read_text()) == {"from": f"hf:{tmp_path / 'qwen2'}"}
+    assert json.loads((tmp_path / role / "init.json").read_text()) == {"from": f"hf:{tmp_path / 'ckpt'}"}
     student = load_model(path)
-    assert student.config.attention_bias and student.config.max_seq_len == max(cfg.shapes.lengths)  # not 32768
-    # lr 1e-9: three steps leave the checkpoint's weights (biases included) where they were
-    torch.testing.assert_close(student.layers[1].attn.k_proj.bias, hf.model.layers[1].self_attn.k_proj.bias,
-                               atol=1e-5, rtol=0)  # fmt: skip
+    assert student.config.max_seq_len == max(cfg.shapes.lengths)  # not 32768
+    if family == "qwen2":  # lr 1e-9: three steps leave the checkpoint's weights (biases included) where they were
+        assert student.config.attention_bias
+        torch.testing.assert_close(student.layers[1].attn.k_proj.bias, hf.model.layers[1].self_attn.k_proj.bias,
+                                   atol=1e-5, rtol=0)  # fmt: skip
+    else:
+        assert student.config.gemma_features() and student.config.sliding_window == 16
     from transformers import AutoModelForCausalLM
 
     saved = AutoModelForCausalLM.from_pretrained(tmp_path / role / "hf", local_files_only=True)
-    assert saved.config.model_type == "qwen2"
-    ids = torch.randint(0, len(tok), (1, 10))
+    assert saved.config.model_type == family
+    ids = torch.randint(0, len(tok), (1, 40))  # longer than the Gemma checkpoint's window
     with torch.no_grad():
         torch.testing.assert_close(saved(ids).logits, student(ids), atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(student(ids), hf(ids).logits, atol=1e-3, rtol=0)  # three steps at lr 1e-9
 
 
 def test_hf_init_refuses_another_tokenizer_naming_both_sizes(artifacts: dict[str, Any], tmp_path: Path) -> None:
     from distillgates.tokenizer import train_tokenizer
 
     other = train_tokenizer(["an unrelated corpus of words"] * 8, vocab_size=300, min_frequency=1)
-    _save_qwen2(tmp_path / "qwen2", len(artifacts["tokenizer"]), other)
+    _save_hf("qwen2", tmp_path / "qwen2", len(artifacts["tokenizer"]), other)
     cfg = artifacts["make_config"](len(artifacts["tokenizer"]), steps=3, init_from=f"hf:{tmp_path / 'qwen2'}")
     cfg.student = None
     with pytest.raises(ValueError, match=rf"the run's tokenizer \({len(artifacts['tokenizer'])} tokens\) does not "
@@ -161,7 +172,7 @@ def test_hf_init_refuses_a_model_section_that_disagrees(artifacts: dict[str, Any
     tok = artifacts["tokenizer"]
     from distillgates.hf import model_config_from_hf
 
-    hf = _save_qwen2(tmp_path / "qwen2", len(tok), tok)
+    hf = _save_hf("qwen2", tmp_path / "qwen2", len(tok), tok)
     cfg = artifacts["make_config"](len(tok), steps=3, init_from=f"hf:{tmp_path / 'qwen2'}")
     cfg.student = dataclasses.replace(model_config_from_hf(hf.config, max(cfg.shapes.lengths)), n_layers=3)
     with pytest.raises(ValueError, match="the model section sets n_layers = 3, the checkpoint has 2"):
