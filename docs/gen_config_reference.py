@@ -75,7 +75,8 @@ MEANINGS = {
     "TrainConfig.process_weight": "weight of the process loss on tool-name/argument/integration spans",
     "TrainConfig.ckpt_every": "checkpoint every N steps (resume is automatic)",
     "TrainConfig.eval_every": "validation (CE per shape, speed proxies) every N steps (0: off)",
-    "TrainConfig.log_every": "write a train_log.jsonl line every N steps",
+    "TrainConfig.log_every": "train_log.jsonl has a line per step (losses, lr, grad norm, its wall seconds step_s); "
+                             "the throughput tokens_per_s every N steps",
     "TrainConfig.fsdp": "under torchrun: FSDP2 fully_shard instead of DDP",
     "ExportConfig.compute_units": "Core ML compute units: ALL, CPU_ONLY, CPU_AND_GPU, CPU_AND_NE",
     "SpeedConfig.n_prompts": "eval prompts measured (the first N)",

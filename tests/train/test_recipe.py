@@ -49,7 +49,7 @@ def test_training_lowers_validation_loss(artifacts: dict[str, Any], tmp_path: Pa
         assert after[shape] < before[shape] - 0.3, (before, after)
     steps = [r for r in _log(tmp_path / "train_log.jsonl") if "total" in r]
     assert [r["step"] for r in steps] == list(range(1, 13))
-    assert all(r["kd"] > 0 and r["ce"] > 0 for r in steps)
+    assert all(r["kd"] > 0 and r["ce"] > 0 and r["step_s"] > 0 for r in steps)  # each step's wall seconds
     assert any(r["early_tool"] > 0 for r in steps) and steps[0]["early_tool_weight"] == 0.0
 
 

@@ -547,6 +547,7 @@ class Recipe:
         tokens, t0 = 0, time.perf_counter()
         self.model.train()
         while self.step < last:
+            step_t0 = time.perf_counter()
             if qat_start is not None and self.step >= qat_start and self.qat is None:
                 self._start_qat()
                 self._wrap()
@@ -579,7 +580,7 @@ class Recipe:
             if self.dist.main:
                 record = {"step": self.step, "lr": lr, "grad_norm": float(grad_norm),
                           "qat": self.qat is not None, "on_policy": micro[0].on_policy, "shape": micro[0].shape,
-                          **logged}
+                          "step_s": round(time.perf_counter() - step_t0, 4), **logged}  # wall seconds, sampling too
                 if self.step % cfg.log_every == 0 or self.step == last or self.step == 1:
                     record["tokens_per_s"] = tokens / max(time.perf_counter() - t0, 1e-9)
                 with open(self.log_path, "a") as f:
