@@ -9,6 +9,7 @@ own; ``--threads`` torch threads each):
 - ``on<share>b<beta>`` (e.g. ``on25b50``): the same recipe with ``train.on_policy`` {share, beta}: that share of
   the steps trains on the student's own sampled conversations (tools answered by the fixtures), scored by the
   local teacher.
+- ``teacher``: no training: the run's teacher scored by the same eval (the figure a student is held to).
 - ``trl``: TRL's ``DistillationTrainer`` (on-policy on every step, generalized JSD ``--trl-beta``), from the same
   student initialisation (the recipe's ``init_from: teacher`` layers), the same teacher, the training items'
   prompts (the eval's rendering, each item's tools in its system prompt), the recipe's batch, peak LR, warmup and
@@ -16,11 +17,14 @@ own; ``--threads`` torch threads each):
   per prompt (its tool loop runs Python callables; the fixtures answer per item), and has no CE, latency losses
   or QAT.
 
-The on-policy and TRL arms first time runs of ``--calib-steps`` and twice as many steps (their start-up and
-seconds per step), then train ``(B - start-up) / (seconds per step)`` steps, so every arm gets the same wall
-time, schedule included. Every student is
-scored by the project's eval (:func:`distillgates.eval.evaluate.evaluate`, PyTorch engine, greedy) on the whole
-eval split: F1 lax and tool selection with their 95% intervals, median tokens out, TTFA p50 (tokens).
+Every arm gets the budget's wall time, schedule included. An on-policy arm first trains ``2 * --calib-steps``
+steps of its own recipe and reads each step's wall seconds from its training log (``step_s``): the mean on-policy
+step and the start-up (the run's wall time less its steps); the mean off-policy step comes from the off arm's log
+(its whole run: every shape of the schedule, QAT included). It then trains the most steps whose predicted time fits
+the budget, each step costed by its kind (the recipe's own on-policy draw). The TRL arm (every step alike) times
+runs of ``--calib-steps`` and twice as many steps (its start-up and seconds per step). Every student is scored by
+the project's eval (:func:`distillgates.eval.evaluate.evaluate`, PyTorch engine, greedy) on the whole eval split:
+F1 lax and tool selection with their 95% intervals, median tokens out, TTFA p50 (tokens).
 
 Usage (from the repository root)::
 
@@ -37,6 +41,7 @@ import json
 import platform
 import resource
 import shutil
+import statistics
 import subprocess
 import sys
 import time
@@ -52,7 +57,7 @@ from distillgates.rundir import RunDir
 def arm_config(cfg: Config, arm: str, steps: int | None = None) -> Config:
     if steps is not None:  # a shorter budget than the config's: every arm's schedule fits it
         cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, steps=steps))
-    if arm in ("off", "trl"):
+    if arm in ("off", "trl", "teacher"):
         return cfg
     share, beta = (int(x) / 100 for x in arm.removeprefix("on").split("b"))
     on_policy = dataclasses.replace(cfg.train.on_policy, share=share, beta=beta,
@@ -129,7 +134,8 @@ def train_trl(cfg: Config, run: RunDir, steps: int, beta: float) -> float:
     return seconds
 
 
-def evaluate_student(cfg: Config, run: RunDir) -> dict[str, Any]:
+def evaluate_student(cfg: Config, run: RunDir, engine: Any = None) -> dict[str, Any]:
+    """The eval step's figures of the arm's student (or of ``engine``: the teacher's runner) on every eval item."""
     from distillgates.eval.broker import FixturePolicy
     from distillgates.eval.evaluate import evaluate
     from distillgates.eval.scorer import item_f1
@@ -138,8 +144,8 @@ def evaluate_student(cfg: Config, run: RunDir) -> dict[str, Any]:
 
     items = run.items("eval")
     quality, _, scores = evaluate(
-        TorchEngine(run.load_model()), items, run.tokenizer(), lengths=cfg.shapes.lengths, max_calls=cfg.eval.max_calls,
-        max_new_tokens=cfg.eval.max_new_tokens, return_outputs=True, progress=False,
+        engine or TorchEngine(run.load_model()), items, run.tokenizer(), lengths=cfg.shapes.lengths,
+        max_calls=cfg.eval.max_calls, max_new_tokens=cfg.eval.max_new_tokens, return_outputs=True, progress=False,
         policy=FixturePolicy(cfg.eval.missing_fixture, cfg.eval.mock_result), privacy=cfg.eval.privacy,
     )  # fmt: skip
     f1 = mean_interval([item_f1(s, strict=False) for s in scores if s.eligible])
@@ -151,25 +157,76 @@ def evaluate_student(cfg: Config, run: RunDir) -> dict[str, Any]:
             "tool_selection_ci": [round(sel.low, 4), round(sel.high, 4)] if sel else None}  # fmt: skip
 
 
+def step_log(run: RunDir) -> list[dict[str, Any]]:
+    """The training steps of a run's student (``train_log.jsonl``: each with its wall seconds ``step_s``)."""
+    path = run.model_dir("student") / "train_log.jsonl"
+    if not path.is_file():
+        raise SystemExit(f"{path}: no training log (the off arm runs first: its log gives QAT's step cost)")
+    return [r for r in map(json.loads, path.read_text().splitlines()) if "step_s" in r]
+
+
+def _mean(xs: list[float], what: str) -> float:
+    if not xs:
+        raise SystemExit(f"calibration: no {what} step timed (raise --calib-steps)")
+    return statistics.fmean(xs)
+
+
+def step_times(wall: float, calib: list[dict[str, Any]], off: list[dict[str, Any]]) -> dict[str, float]:
+    """Mean seconds of a step of each kind (means: a step's time depends on its shape, and the budget is a sum): an
+    off-policy step from the off arm's whole run (the same data, model and shape schedule, its QAT steps included),
+    an on-policy step from the arm's short run, and the start-up (that run's wall time less its steps)."""
+    t_off = _mean([r["step_s"] for r in off], "off-policy")
+    t_on = _mean([r["step_s"] for r in calib if r["on_policy"]], "on-policy")
+    startup = max(wall - sum(r["step_s"] for r in calib), 0.0)
+    return {"off_step_s": round(t_off, 3), "on_step_s": round(t_on, 3), "startup_s": round(startup, 1)}
+
+
+def steps_for_budget(cfg: Config, budget: float, timing: dict[str, float]) -> int:
+    """The most steps whose predicted wall time fits ``budget``: the start-up plus each step's mean cost by its kind
+    (on-policy or not: :func:`~distillgates.train.on_policy.on_policy_step`, the recipe's own draw)."""
+    from distillgates.train.on_policy import on_policy_step
+
+    t = cfg.train
+
+    def predicted(n: int) -> float:
+        on = sum(on_policy_step(t.seed, s, t.on_policy.share) for s in range(n))
+        return timing["startup_s"] + on * timing["on_step_s"] + (n - on) * timing["off_step_s"]
+
+    n = t.warmup_steps + 1
+    while predicted(n + 1) <= budget:
+        n += 1
+    return n
+
+
 def run_arm(args: argparse.Namespace) -> None:
     """One arm in this process: calibrate (unless ``off``), train to the budget, evaluate; JSON on stdout."""
     torch.set_num_threads(args.threads)
     cfg = arm_config(load_config(args.config), args.arm, args.off_steps)
     src = RunDir(args.run_dir)
     result: dict[str, Any] = {"arm": args.arm}
+    if args.arm == "teacher":  # the reference the students are held to: the run's teacher, no training
+        from distillgates.teacher.check import teacher_runner
+
+        result.update(evaluate_student(cfg, src, teacher_runner(cfg, src, src.tokenizer())))
+        result["peak_rss_mb"] = round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)
+        print("RESULT " + json.dumps(result), flush=True)
+        return
     steps = None
-    if args.arm != "off":  # start-up and seconds per step from two short runs of the same schedule
+    if args.arm == "trl":  # start-up and seconds per step from two short runs (every TRL step is alike)
         def timed(n: int) -> float:
-            calib = work_dir(src, args.work / f"{args.arm}-calib{n}")
-            if args.arm == "trl":
-                return train_trl(cfg, calib, n, args.trl_beta)
-            return train_ours(cfg, calib, None, max_steps=n)
+            return train_trl(cfg, work_dir(src, args.work / f"trl-calib{n}"), n, args.trl_beta)
 
         short, long = timed(args.calib_steps), timed(2 * args.calib_steps)
         per_step = (long - short) / args.calib_steps if long > short else long / (2 * args.calib_steps)
         startup = max(short - args.calib_steps * per_step, 0.0)
         steps = max(cfg.train.warmup_steps + 1, round((args.budget - startup) / per_step))
         result.update(calib_seconds_per_step=round(per_step, 3), calib_startup_seconds=round(startup, 1))
+    elif args.arm != "off":  # the recipe's own step times, by kind, from one short run and the off arm's log
+        calib = work_dir(src, args.work / f"{args.arm}-calib")
+        wall = train_ours(cfg, calib, None, max_steps=2 * args.calib_steps)
+        timing = step_times(wall, step_log(calib), step_log(RunDir(args.work / "off")))
+        steps = steps_for_budget(cfg, args.budget, timing)
+        result.update(calib=timing)
     run = work_dir(src, args.work / args.arm)
     seconds = train_trl(cfg, run, steps or 0, args.trl_beta) if args.arm == "trl" else train_ours(cfg, run, steps)
     result.update(steps=steps or cfg.train.steps, train_seconds=round(seconds, 1))
@@ -191,11 +248,12 @@ def main() -> None:
     parser.add_argument("--off-steps", type=int, default=None,
                         help="the off arm's steps (default: the config's train.steps); its wall time is the budget")
     parser.add_argument("--arm", default=None, help=argparse.SUPPRESS)  # a child process: one arm
-    parser.add_argument("--budget", type=float, default=0.0, help=argparse.SUPPRESS)
+    parser.add_argument("--budget", type=float, default=0.0,
+                        help="seconds: the off arm's train_seconds, when it ran before in --work (its log stays there)")
     args = parser.parse_args()
     if args.arm:
         return run_arm(args)
-    results, budget = [], 0.0
+    results, budget = [], args.budget
     for arm in args.arms.split(","):
         cmd = [sys.executable, __file__, str(args.run_dir), str(args.config), "--arm", arm, "--budget", str(budget),
                "--calib-steps", str(args.calib_steps), "--trl-beta", str(args.trl_beta), "--threads",
@@ -206,7 +264,7 @@ def main() -> None:
         if line is None:
             raise SystemExit(f"arm {arm} failed:\n{out.stdout[-3000:]}\n{out.stderr[-3000:]}")
         result = json.loads(line.removeprefix("RESULT "))
-        budget = budget or result["train_seconds"]
+        budget = budget or result.get("train_seconds", 0.0)
         results.append(result)
         print(json.dumps(result), flush=True)
     report = {"config": str(args.config), "off_steps": args.off_steps, "budget_seconds": budget,
