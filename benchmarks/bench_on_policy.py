@@ -161,7 +161,7 @@ def step_log(run: RunDir) -> list[dict[str, Any]]:
     """The training steps of a run's student (``train_log.jsonl``: each with its wall seconds ``step_s``)."""
     path = run.model_dir("student") / "train_log.jsonl"
     if not path.is_file():
-        raise SystemExit(f"{path}: no training log (the off arm runs first: its log gives QAT's step cost)")
+        raise SystemExit(f"{path}: no training log (run the off arm first in --work: its log prices off-policy steps)")
     return [r for r in map(json.loads, path.read_text().splitlines()) if "step_s" in r]
 
 
