@@ -207,10 +207,7 @@ def run_arm(args: argparse.Namespace) -> None:
     if args.arm == "teacher":  # the reference the students are held to: the run's teacher, no training
         from distillgates.teacher.check import teacher_runner
 
-        result.update(evaluate_student(cfg, src, teacher_runner(cfg, src, src.tokenizer())))
-        result["peak_rss_mb"] = round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)
-        print("RESULT " + json.dumps(result), flush=True)
-        return
+        return _report({**result, **evaluate_student(cfg, src, teacher_runner(cfg, src, src.tokenizer()))})
     steps = None
     if args.arm == "trl":  # start-up and seconds per step from two short runs (every TRL step is alike)
         def timed(n: int) -> float:
@@ -230,7 +227,11 @@ def run_arm(args: argparse.Namespace) -> None:
     run = work_dir(src, args.work / args.arm)
     seconds = train_trl(cfg, run, steps or 0, args.trl_beta) if args.arm == "trl" else train_ours(cfg, run, steps)
     result.update(steps=steps or cfg.train.steps, train_seconds=round(seconds, 1))
-    result.update(evaluate_student(cfg, run))
+    _report({**result, **evaluate_student(cfg, run)})
+
+
+def _report(result: dict[str, Any]) -> None:
+    """The arm's result line on stdout (the driver reads it), with this process's peak RSS."""
     result["peak_rss_mb"] = round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)
     print("RESULT " + json.dumps(result), flush=True)
 
