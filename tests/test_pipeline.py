@@ -156,7 +156,7 @@ def test_an_on_policy_student_step_scores_its_samples_with_the_runs_teacher(tiny
     train_role(cfg, RunDir(run_dir), "student")
     log = [json.loads(line) for line in (run_dir / "student" / "train_log.jsonl").read_text().splitlines()]
     drawn = [r["on_policy"] for r in log if "total" in r]
-    assert drawn == [on_policy_step(cfg.train.seed, step, 0.5) for step in range(cfg.train.steps)] and any(drawn)
+    assert drawn == [on_policy_step(cfg.train, step) for step in range(cfg.train.steps)] and any(drawn)
 
 @pytest.mark.integration
 def test_eval_batch_size_reruns_only_eval_with_the_same_outputs(tiny_run: tuple[Path, Path], tmp_path: Path) -> None:

@@ -477,10 +477,15 @@ class OnPolicyConfig:
     top_p: float = 1.0
     max_new_tokens: int = 64  # per sampled assistant turn
     max_turns: int = 4  # tool calls per sampled conversation
+    # on-policy steps are drawn from step int(start_fraction * train.steps) on: an off-policy phase first (0: from
+    # the first step)
+    start_fraction: float = 0.0
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.share <= 1.0:
             raise ValueError(f"share must be in [0, 1], got {self.share}")
+        if not 0.0 <= self.start_fraction < 1.0:
+            raise ValueError(f"start_fraction must be in [0, 1), got {self.start_fraction}")
         if not 0.0 <= self.beta <= 1.0:
             raise ValueError(f"beta must be in [0, 1], got {self.beta}")
         if self.temperature <= 0 or not 0.0 < self.top_p <= 1.0:

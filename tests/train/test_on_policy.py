@@ -24,12 +24,25 @@ from distillgates.train.recipe import Recipe
 from .conftest import SHAPES
 
 
+def _drawn(seed: int, share: float, start_fraction: float = 0.0, steps: int = 2000) -> list[bool]:
+    cfg = TrainConfig(steps=steps, seed=seed, on_policy=OnPolicyConfig(share=share, start_fraction=start_fraction))
+    return [on_policy_step(cfg, step) for step in range(steps)]
+
+
 def test_on_policy_steps_are_a_seeded_share() -> None:
-    drawn = [on_policy_step(0, step, 0.25) for step in range(2000)]
-    assert drawn == [on_policy_step(0, step, 0.25) for step in range(2000)]  # a pure function: resume samples alike
+    drawn = _drawn(0, 0.25)
+    assert drawn == _drawn(0, 0.25)  # a pure function: resume samples alike
     assert 0.22 < sum(drawn) / len(drawn) < 0.28
-    assert drawn != [on_policy_step(1, step, 0.25) for step in range(2000)]
-    assert not any(on_policy_step(0, s, 0.0) for s in range(100)) and all(on_policy_step(0, s, 1.0) for s in range(100))
+    assert drawn != _drawn(1, 0.25)
+    assert not any(_drawn(0, 0.0)) and all(_drawn(0, 1.0))
+
+
+def test_on_policy_steps_start_after_the_off_policy_phase() -> None:
+    late = _drawn(0, 0.25, start_fraction=0.5)
+    assert not any(late[:1000]) and late[1000:] == _drawn(0, 0.25)[1000:]  # the same draw, from the start on
+    assert _drawn(0, 1.0, start_fraction=0.75) == [False] * 1500 + [True] * 500
+    with pytest.raises(ValueError, match="start_fraction"):
+        OnPolicyConfig(start_fraction=1.0)
 
 
 @pytest.mark.parametrize("beta", [0.0, 0.1, 0.5, 0.9, 1.0])
@@ -186,15 +199,16 @@ def test_on_policy_steps_train_the_students_samples_toward_the_teacher(artifacts
     assert all("length" in r and "early_tool" in r for r in log)  # the latency losses read the samples
 
 
-def test_a_share_mixes_reference_and_sampled_steps(artifacts: dict[str, Any], tmp_path: Path) -> None:
+def test_a_share_mixes_reference_and_sampled_steps_after_the_off_policy_phase(artifacts: dict[str, Any],
+                                                                             tmp_path: Path) -> None:
     torch.set_num_threads(1)
-    recipe = _recipe(artifacts, tmp_path, _teacher(artifacts), steps=8,
-                     **{**ON_POLICY, "on_policy": {**ON_POLICY["on_policy"], "share": 0.5}})  # fmt: skip
+    on_policy = {**ON_POLICY["on_policy"], "share": 0.5, "start_fraction": 0.5}
+    recipe = _recipe(artifacts, tmp_path, _teacher(artifacts), steps=8, **{**ON_POLICY, "on_policy": on_policy})
     recipe.setup()
     recipe.train()
     log = [json.loads(line) for line in (tmp_path / "train_log.jsonl").read_text().splitlines()]
-    assert [r["on_policy"] for r in log] == [on_policy_step(0, s, 0.5) for s in range(8)]
-    assert {r["on_policy"] for r in log} == {True, False}
+    assert [r["on_policy"] for r in log] == [on_policy_step(recipe.cfg, s) for s in range(8)]
+    assert not any(r["on_policy"] for r in log[:4]) and {r["on_policy"] for r in log[4:]} == {True, False}
     assert all(("ce" in r) != r["on_policy"] for r in log)
 
 

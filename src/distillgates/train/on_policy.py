@@ -1,9 +1,10 @@
 """On-policy distillation (``train.on_policy``): the student's own conversations as training rows.
 
 On a share of the steps (:func:`on_policy_step`: a pure function of seed and step, so a resumed run samples
-where an uninterrupted one does) the student plays each conversation of its batch from the prompt, as the
-eval plays it: the item's tools in the system prompt, every call validated and answered by the item's
-fixtures, at most ``max_turns`` calls; the batch's conversations are decoded together
+where an uninterrupted one does; none before ``start_fraction`` of the steps, an off-policy phase first) the
+student plays each conversation of its batch from the prompt, as the eval plays it: the item's tools in the
+system prompt, every call validated and answered by the item's fixtures, at most ``max_turns`` calls; the
+batch's conversations are decoded together
 (:func:`distillgates.eval.runners.play_batched`, the batched eval's loop). It samples at
 ``temperature``/``top_p`` with a seed drawn from (seed, step, item, turn), on the PyTorch engine over a
 copy of the weights of that step (during late QAT: the float weights the QAT graph fake-quantizes). The row
@@ -29,18 +30,20 @@ from typing import Any
 
 import torch
 
-from distillgates.config import OnPolicyConfig
+from distillgates.config import OnPolicyConfig, TrainConfig
 from distillgates.eval.runners import play_batched
 from distillgates.model import Transformer
 from distillgates.runtime.base import make_generator, sample_token
 from distillgates.train.data import Row, shape_for
 
 
-def on_policy_step(seed: int, step: int, share: float) -> bool:
-    """Whether step ``step`` trains on the student's samples (drawn once per (seed, step))."""
-    if share <= 0.0:
+def on_policy_step(cfg: TrainConfig, step: int) -> bool:
+    """Whether step ``step`` trains on the student's samples: drawn once per (seed, step) with probability
+    ``on_policy.share``, from step ``int(on_policy.start_fraction * steps)`` on (before it: the off-policy phase)."""
+    share = cfg.on_policy.share
+    if share <= 0.0 or step < int(cfg.on_policy.start_fraction * cfg.steps):
         return False
-    return share >= 1.0 or random.Random(f"on-policy:{seed}:{step}").random() < share
+    return share >= 1.0 or random.Random(f"on-policy:{cfg.seed}:{step}").random() < share
 
 
 def sample_seed(seed: int, step: int, item_id: str) -> int:

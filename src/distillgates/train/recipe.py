@@ -527,7 +527,7 @@ class Recipe:
         chunks = self.cfg.grad_accum * self.dist.world
         size = len(indices) // chunks
         mine = [indices[(a * self.dist.world + self.dist.rank) * size :][:size] for a in range(self.cfg.grad_accum)]
-        on_policy = on_policy_step(self.cfg.seed, step, self.cfg.on_policy.share)
+        on_policy = on_policy_step(self.cfg, step)
         batches = []
         for idx in mine:
             rows = [self.rows[i] for i in idx]
