@@ -6,9 +6,10 @@ own; ``--threads`` torch threads each):
 
 - ``off``: the config's student recipe as it is (off-policy: CE on the references + top-k KD on the teacher's
   own tokens + the latency losses, late QAT). Its wall time is the budget ``B`` of the other arms.
-- ``on<share>b<beta>`` (e.g. ``on25b50``): the same recipe with ``train.on_policy`` {share, beta}: that share of
-  the steps trains on the student's own sampled conversations (tools answered by the fixtures), scored by the
-  local teacher.
+- ``on<share>b<beta>[s<start>]`` (percent; e.g. ``on25b50``, ``on50b50s50``): the same recipe with
+  ``train.on_policy`` {share, beta, start_fraction}: that share of the steps (from ``start`` of them on: an
+  off-policy phase first) trains on the student's own sampled conversations (tools answered by the fixtures),
+  scored by the local teacher.
 - ``teacher``: no training: the run's teacher scored by the same eval (the figure a student is held to).
 - ``trl``: TRL's ``DistillationTrainer`` (on-policy on every step, generalized JSD ``--trl-beta``), from the same
   student initialisation (the recipe's ``init_from: teacher`` layers), the same teacher, the training items'
@@ -17,14 +18,16 @@ own; ``--threads`` torch threads each):
   per prompt (its tool loop runs Python callables; the fixtures answer per item), and has no CE, latency losses
   or QAT.
 
-Every arm gets the budget's wall time, schedule included. An on-policy arm first trains ``2 * --calib-steps``
-steps of its own recipe and reads each step's wall seconds from its training log (``step_s``): the mean on-policy
-step and the start-up (the run's wall time less its steps); the mean off-policy step comes from the off arm's log
-(its whole run: every shape of the schedule, QAT included). It then trains the most steps whose predicted time fits
-the budget, each step costed by its kind (the recipe's own on-policy draw). The TRL arm (every step alike) times
-runs of ``--calib-steps`` and twice as many steps (its start-up and seconds per step). Every student is scored by
-the project's eval (:func:`distillgates.eval.evaluate.evaluate`, PyTorch engine, greedy) on the whole eval split:
-F1 lax and tool selection with their 95% intervals, median tokens out, TTFA p50 (tokens).
+Every arm gets the budget's wall time, schedule included, priced from measured step times: an off-policy step
+and the start-up and finish from the off arm's log (``train_log.jsonl``'s ``step_s``: its whole run, every shape of
+the schedule, QAT included; the start-up is its wall time less its steps); an on-policy step from ``--calib-steps``
+steps sampled by the off arm's trained student (a trained student calls tools, and its conversations, with their
+tool results and turns, are longer and dearer to sample than an untrained one's: priced on an untrained student,
+the on-policy arm of 14.1 overran its budget by 43%). An on-policy arm then trains the most steps whose predicted
+time fits the budget, each step costed by its kind (the recipe's own on-policy draw). The TRL arm (every step
+samples) times ``--calib-steps`` steps of its own (start-up: that run's wall time less its steps). Every student
+is scored by the project's eval (:func:`distillgates.eval.evaluate.evaluate`, PyTorch engine, greedy) on the whole
+eval split: F1 lax and tool selection with their 95% intervals, median tokens out, TTFA p50 (tokens).
 
 Usage (from the repository root)::
 
@@ -39,6 +42,7 @@ import argparse
 import dataclasses
 import json
 import platform
+import re
 import resource
 import shutil
 import statistics
@@ -59,8 +63,11 @@ def arm_config(cfg: Config, arm: str, steps: int | None = None) -> Config:
         cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, steps=steps))
     if arm in ("off", "trl", "teacher"):
         return cfg
-    share, beta = (int(x) / 100 for x in arm.removeprefix("on").split("b"))
-    on_policy = dataclasses.replace(cfg.train.on_policy, share=share, beta=beta,
+    match = re.fullmatch(r"on(\d+)b(\d+)(?:s(\d+))?", arm)
+    if match is None:
+        raise SystemExit(f"unknown arm {arm!r}: off, teacher, trl or on<share>b<beta>[s<start>] (percent)")
+    share, beta, start = (int(x or 0) / 100 for x in match.groups())
+    on_policy = dataclasses.replace(cfg.train.on_policy, share=share, beta=beta, start_fraction=start,
                                     max_new_tokens=cfg.train.length.max_new_tokens, max_turns=cfg.eval.max_calls)
     return dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, on_policy=on_policy))
 
@@ -100,10 +107,25 @@ def student_init(cfg: Config, run: RunDir, out: Path) -> Path:
     return save_hf(recipe.model, out / "init_hf", tok)
 
 
-def train_trl(cfg: Config, run: RunDir, steps: int, beta: float) -> float:
+def train_trl(cfg: Config, run: RunDir, steps: int, beta: float) -> tuple[float, list[float]]:
+    """TRL's trainer for ``steps`` steps from the recipe's initial student: the wall seconds, and each step's (from
+    the end of the one before; the first from the start of training)."""
     from datasets import Dataset
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM, TrainerCallback
     from trl import DistillationConfig, DistillationTrainer
+
+    class StepClock(TrainerCallback):  # type: ignore[misc]
+        def __init__(self) -> None:
+            self.seconds: list[float] = []
+            self.last = 0.0
+
+        def on_train_begin(self, *args: Any, **kwargs: Any) -> None:
+            self.last = time.perf_counter()
+
+        def on_step_end(self, *args: Any, **kwargs: Any) -> None:
+            now = time.perf_counter()
+            self.seconds.append(now - self.last)
+            self.last = now
 
     from distillgates.data.chat import chat_format
     from distillgates.eval.runners import eval_prompt_item
@@ -125,13 +147,14 @@ def train_trl(cfg: Config, run: RunDir, steps: int, beta: float) -> float:
         max_completion_length=t.length.max_new_tokens, temperature=1.0, beta=beta, use_cpu=True, bf16=False,
         gradient_checkpointing=False, report_to="none", logging_steps=10, save_strategy="no", seed=t.seed,
     )  # fmt: skip
+    clock = StepClock()
     trainer = DistillationTrainer(model=student, teacher_model=teacher, args=args, processing_class=tok,
-                                  train_dataset=Dataset.from_dict({"prompt": prompts}))  # fmt: skip
+                                  train_dataset=Dataset.from_dict({"prompt": prompts}), callbacks=[clock])  # fmt: skip
     trainer.train()
-    seconds = time.perf_counter() - start
     run.model_dir("student").mkdir(parents=True, exist_ok=True)
-    save_model(run.model_dir("student") / "model.pt", from_hf(trainer.model.eval(), cfg.student.max_seq_len))
-    return seconds
+    trained = from_hf(student.eval(), cfg.student.max_seq_len)  # the trainer trains the model in place
+    save_model(run.model_dir("student") / "model.pt", trained)
+    return time.perf_counter() - start, clock.seconds
 
 
 def evaluate_student(cfg: Config, run: RunDir, engine: Any = None) -> dict[str, Any]:
@@ -171,13 +194,14 @@ def _mean(xs: list[float], what: str) -> float:
     return statistics.fmean(xs)
 
 
-def step_times(wall: float, calib: list[dict[str, Any]], off: list[dict[str, Any]]) -> dict[str, float]:
+def step_times(budget: float, off: list[dict[str, Any]], calib: list[dict[str, Any]]) -> dict[str, float]:
     """Mean seconds of a step of each kind (means: a step's time depends on its shape, and the budget is a sum): an
     off-policy step from the off arm's whole run (the same data, model and shape schedule, its QAT steps included),
-    an on-policy step from the arm's short run, and the start-up (that run's wall time less its steps)."""
+    and its start-up and finish (its wall time, the budget, less its steps); an on-policy step from the calibration
+    run (the off arm's trained student sampling: its conversations are as long as a trained student's)."""
     t_off = _mean([r["step_s"] for r in off], "off-policy")
     t_on = _mean([r["step_s"] for r in calib if r["on_policy"]], "on-policy")
-    startup = max(wall - sum(r["step_s"] for r in calib), 0.0)
+    startup = max(budget - sum(r["step_s"] for r in off), 0.0)
     return {"off_step_s": round(t_off, 3), "on_step_s": round(t_on, 3), "startup_s": round(startup, 1)}
 
 
@@ -186,13 +210,12 @@ def steps_for_budget(cfg: Config, budget: float, timing: dict[str, float]) -> in
     (on-policy or not: :func:`~distillgates.train.on_policy.on_policy_step`, the recipe's own draw)."""
     from distillgates.train.on_policy import on_policy_step
 
-    t = cfg.train
-
     def predicted(n: int) -> float:
-        on = sum(on_policy_step(t.seed, s, t.on_policy.share) for s in range(n))
+        t = dataclasses.replace(cfg.train, steps=n)  # the off-policy phase scales with the steps
+        on = sum(on_policy_step(t, s) for s in range(n))
         return timing["startup_s"] + on * timing["on_step_s"] + (n - on) * timing["off_step_s"]
 
-    n = t.warmup_steps + 1
+    n = cfg.train.warmup_steps + 1
     while predicted(n + 1) <= budget:
         n += 1
     return n
@@ -209,23 +232,24 @@ def run_arm(args: argparse.Namespace) -> None:
 
         return _report({**result, **evaluate_student(cfg, src, teacher_runner(cfg, src, src.tokenizer()))})
     steps = None
-    if args.arm == "trl":  # start-up and seconds per step from two short runs (every TRL step is alike)
-        def timed(n: int) -> float:
-            return train_trl(cfg, work_dir(src, args.work / f"trl-calib{n}"), n, args.trl_beta)
-
-        short, long = timed(args.calib_steps), timed(2 * args.calib_steps)
-        per_step = (long - short) / args.calib_steps if long > short else long / (2 * args.calib_steps)
-        startup = max(short - args.calib_steps * per_step, 0.0)
-        steps = max(cfg.train.warmup_steps + 1, round((args.budget - startup) / per_step))
-        result.update(calib_seconds_per_step=round(per_step, 3), calib_startup_seconds=round(startup, 1))
-    elif args.arm != "off":  # the recipe's own step times, by kind, from one short run and the off arm's log
+    if args.arm == "trl":  # start-up and mean step from one short run (every TRL step samples)
+        wall, step_s = train_trl(cfg, work_dir(src, args.work / "trl-calib"), args.calib_steps, args.trl_beta)
+        per_step = _mean(step_s, "TRL")
+        startup = max(wall - sum(step_s), 0.0)
+        steps = max(cfg.train.warmup_steps + 1, int((args.budget - startup) / per_step))
+        result.update(calib={"on_step_s": round(per_step, 3), "startup_s": round(startup, 1)})
+    elif args.arm != "off":  # the recipe's own step times, by kind: the off arm's log and a short on-policy run
+        off = RunDir(args.work / "off")
+        calib_train = dataclasses.replace(cfg.train, init_from=f"hf:{off.hf_model_dir('student')}",
+                                          on_policy=dataclasses.replace(cfg.train.on_policy, share=1.0,
+                                                                        start_fraction=0.0))  # fmt: skip
         calib = work_dir(src, args.work / f"{args.arm}-calib")
-        wall = train_ours(cfg, calib, None, max_steps=2 * args.calib_steps)
-        timing = step_times(wall, step_log(calib), step_log(RunDir(args.work / "off")))
+        train_ours(dataclasses.replace(cfg, train=calib_train), calib, None, max_steps=args.calib_steps)
+        timing = step_times(args.budget, step_log(off), step_log(calib))
         steps = steps_for_budget(cfg, args.budget, timing)
         result.update(calib=timing)
     run = work_dir(src, args.work / args.arm)
-    seconds = train_trl(cfg, run, steps or 0, args.trl_beta) if args.arm == "trl" else train_ours(cfg, run, steps)
+    seconds = train_trl(cfg, run, steps or 0, args.trl_beta)[0] if args.arm == "trl" else train_ours(cfg, run, steps)
     result.update(steps=steps or cfg.train.steps, train_seconds=round(seconds, 1))
     _report({**result, **evaluate_student(cfg, run)})
 
