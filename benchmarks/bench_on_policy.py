@@ -41,7 +41,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import platform
 import re
 import resource
 import shutil
@@ -55,6 +54,7 @@ from typing import Any
 import torch
 
 from distillgates.config import Config, load_config
+from distillgates.pipeline import machine_identity
 from distillgates.rundir import RunDir
 
 
@@ -294,7 +294,7 @@ def main() -> None:
         print(json.dumps(result), flush=True)
     report = {"config": str(args.config), "off_steps": args.off_steps, "budget_seconds": budget,
               "threads": args.threads,
-              "machine": f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} threads available",
+              "machine": machine_identity(),
               "torch": torch.__version__, "arms": results}  # fmt: skip
     if args.out:
         args.out.write_text(json.dumps(report, indent=2) + "\n")
