@@ -114,6 +114,11 @@ def train_trl(cfg: Config, run: RunDir, steps: int, beta: float) -> tuple[float,
     from transformers import AutoModelForCausalLM, TrainerCallback
     from trl import DistillationConfig, DistillationTrainer
 
+    from distillgates.data.chat import chat_format
+    from distillgates.eval.runners import eval_prompt_item
+    from distillgates.hf import from_hf
+    from distillgates.model import save_model
+
     class StepClock(TrainerCallback):  # type: ignore[misc]
         def __init__(self) -> None:
             self.seconds: list[float] = []
@@ -126,11 +131,6 @@ def train_trl(cfg: Config, run: RunDir, steps: int, beta: float) -> tuple[float,
             now = time.perf_counter()
             self.seconds.append(now - self.last)
             self.last = now
-
-    from distillgates.data.chat import chat_format
-    from distillgates.eval.runners import eval_prompt_item
-    from distillgates.hf import from_hf
-    from distillgates.model import save_model
 
     tok = run.tokenizer()
     fmt = chat_format(tok)
