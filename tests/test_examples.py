@@ -10,6 +10,7 @@ import pytest
 
 from distillgates.config import load_config
 from distillgates.data.openai_format import read_items
+from distillgates.pipeline import Pipeline
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "own-data"
 
@@ -53,6 +54,8 @@ def test_smollm2_example_config_prunes_the_real_checkpoint(smollm2_gguf, tmp_pat
     for model in (cfg.student, cfg.drafter):
         assert (model.vocab_size, model.d_model, model.n_heads, model.n_kv_heads) == (49152, 576, 9, 3)
         assert model.norm_eps == 9.999999747378752e-06 and model.max_seq_len == max(cfg.shapes.lengths)
+    (tmp_path / "examples" / "own-data").symlink_to(EXAMPLE)
+    Pipeline(cfg, tmp_path / "run").run(["data"])  # its eval budget holds every held-out reference (the step checks)
 
 
 @pytest.mark.integration
@@ -75,3 +78,5 @@ def test_gemma3_example_config_prunes_the_real_checkpoint(gemma3_gguf, gemma3_di
         assert model.sliding_window == 512 and model.query_pre_attn_scalar == 256
         assert model.max_seq_len == max(cfg.shapes.lengths) <= model.sliding_window  # no ring at these shapes
     assert cfg.export.compute_precision == "fp16" and cfg.export.fp16_scaling == "auto"
+    (tmp_path / "examples" / "own-data").symlink_to(EXAMPLE)
+    Pipeline(cfg, tmp_path / "run").run(["data"])  # its eval budget holds every held-out reference (the step checks)

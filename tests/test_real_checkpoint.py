@@ -188,7 +188,7 @@ def test_the_shipped_instruct_model_is_refused_before_kd_and_a_lora_finetune_is_
             tokenizer: {{path: {smollm2_gguf}, chat_template: chatml}}
             data: {{source: jsonl, path: {tmp_path / "rows.jsonl"}, eval_fraction: 0.25}}
             shapes: {{lengths: [512], mix: [1.0]}}
-            eval: {{max_new_tokens: 48, privacy: {{allow: [create_ticket.reporter]}}}}
+            eval: {{max_new_tokens: 64, privacy: {{allow: [create_ticket.reporter]}}}}
             """) + teacher)  # fmt: skip
         return load_config(path)
 

@@ -728,8 +728,10 @@ class PrivacyConfig:
 class EvalConfig:
     """How the pipeline's eval step runs the student (and a local teacher), and what the scorer counts."""
 
-    max_new_tokens: int = 96  # per assistant turn
-    max_calls: int = 4  # tool calls allowed per item
+    # tokens per assistant turn: the data and eval steps refuse one shorter than a held-out reference's turn in the
+    # run's tokenizer (such an item fails whatever the model does)
+    max_new_tokens: int = 96
+    max_calls: int = 4  # tool calls allowed per item (refused, as above, below a held-out reference's calls)
     # the student decodes tool calls with the runtime's constrained JSON decoding (runtime/constrained.py),
     # as a deployment that turns it on would: every call that ends within the turn's token budget and the
     # context then parses and matches its tool's schema (part of the student's runner fingerprint)

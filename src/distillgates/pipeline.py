@@ -421,8 +421,11 @@ def preflight(cfg: Config) -> None:
 
 def step_data(cfg: Config, run: RunDir) -> dict[str, Any]:
     from distillgates.data.build import SKIPPED_ROWS, build_data
+    from distillgates.eval.evaluate import check_eval_budget
 
     built = build_data(cfg, run.data_dir)
+    # the eval's budget against the held-out references, here (seconds in) rather than after training
+    check_eval_budget(run.items("eval"), run.tokenizer(), cfg.eval.max_new_tokens, cfg.eval.max_calls)
     summary: dict[str, Any] = {
         "tokenizer_fingerprint": built.tokenizer_fingerprint,
         "dataset_sha256": built.dataset_sha256,
@@ -602,7 +605,7 @@ def step_eval(cfg: Config, run: RunDir) -> dict[str, Any]:
     from distillgates.data.dataset import drawn_items
     from distillgates.data.fingerprints import dataset_sha256
     from distillgates.eval.broker import FixturePolicy
-    from distillgates.eval.evaluate import evaluate, sharded_determinism
+    from distillgates.eval.evaluate import check_eval_budget, evaluate, sharded_determinism
     from distillgates.eval.scorer import item_rows, summarize
     from distillgates.eval.sharding import outputs_sha256, write_outputs
     from distillgates.hardware import torch_threads
@@ -610,6 +613,7 @@ def step_eval(cfg: Config, run: RunDir) -> dict[str, Any]:
     from distillgates.teacher.check import teacher_runner
 
     tokenizer, items = run.tokenizer(), run.items("eval")
+    check_eval_budget(items, tokenizer, cfg.eval.max_new_tokens, cfg.eval.max_calls)  # eval may have changed since data
     drawn = drawn_items(items)  # the figures' items; data.eval_min_per_shape's top-up only powers the drift gates
     eval_sha = dataset_sha256(run.dataset("eval"))
     teacher = teacher_runner(cfg, run, tokenizer)

@@ -61,6 +61,33 @@ def item_lengths(items: Sequence[Mapping[str, Any]], tokenizer: Any) -> dict[str
     return {str(i["id"]): len(fmt.encode(fmt.conversation(i))) for i in items}
 
 
+def check_eval_budget(items: Sequence[Mapping[str, Any]], tokenizer: Any, max_new_tokens: int, max_calls: int) -> None:
+    """Refuse an eval budget that cuts a reference: an item whose reference has a turn longer than ``max_new_tokens``
+    tokens (its stop token included, in ``tokenizer``'s chat format) or more than ``max_calls`` calls scores as a
+    failure whatever the model does, which understates every model's figures alike.
+
+    Raises:
+        ValueError: naming the setting, how many items it cuts, the longest and its item.
+    """
+    from distillgates.eval.runners import reference_output
+
+    if not items:
+        return
+    need: dict[str, list[tuple[int, str]]] = {"eval.max_new_tokens": [], "eval.max_calls": []}
+    for item in items:
+        out = reference_output(item, tokenizer)
+        need["eval.max_new_tokens"].append((max(t["tokens"] for t in out["turns"] if t["role"] == "assistant"),
+                                            str(item["id"])))  # fmt: skip
+        need["eval.max_calls"].append((len(out["calls"]), str(item["id"])))
+    for (field, needs), limit in zip(need.items(), (max_new_tokens, max_calls), strict=True):
+        longest, item_id = max(needs)
+        if longest > limit:
+            what = "tokens in a turn (this tokenizer, its stop token included)" if "tokens" in field else "calls"
+            raise ValueError(f"{field} {limit} cuts the reference of {sum(n > limit for n, _ in needs)} of "
+                             f"{len(items)} eval items, which then fail whatever the model does (the longest: "
+                             f"{item_id}, {longest} {what}): set {field} to at least {longest}")
+
+
 @overload
 def evaluate(
     engine_or_runner: Any,
