@@ -28,6 +28,8 @@ time fits the budget, each step costed by its kind (the recipe's own on-policy d
 samples) times ``--calib-steps`` steps of its own (start-up: that run's wall time less its steps). Every student
 is scored by the project's eval (:func:`distillgates.eval.evaluate.evaluate`, PyTorch engine, greedy) on the whole
 eval split: F1 lax and tool selection with their 95% intervals, median tokens out, TTFA p50 (tokens).
+``--eval-only`` trains nothing: it scores the arms' students already in ``--work`` again, with the config's eval
+settings as they are now (e.g. after ``eval.max_new_tokens`` changed).
 
 Usage (from the repository root)::
 
@@ -231,6 +233,11 @@ def run_arm(args: argparse.Namespace) -> None:
         from distillgates.teacher.check import teacher_runner
 
         return _report({**result, **evaluate_student(cfg, src, teacher_runner(cfg, src, src.tokenizer()))})
+    if args.eval_only:  # the arm's student as trained before in --work, scored again (e.g. after an eval change)
+        run = RunDir(args.work / args.arm)
+        if not run.model_path().is_file():
+            raise SystemExit(f"--eval-only: no student of arm {args.arm} in {run.root} (train it first)")
+        return _report({**result, "eval_only": True, **evaluate_student(cfg, run)})
     steps = None
     if args.arm == "trl":  # start-up and mean step from one short run (every TRL step samples)
         wall, step_s = train_trl(cfg, work_dir(src, args.work / "trl-calib"), args.calib_steps, args.trl_beta)
@@ -272,6 +279,8 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=None)
     parser.add_argument("--off-steps", type=int, default=None,
                         help="the off arm's steps (default: the config's train.steps); its wall time is the budget")
+    parser.add_argument("--eval-only", action="store_true",
+                        help="score the arms' students trained before in --work again (the config's eval settings)")
     parser.add_argument("--arm", default=None, help=argparse.SUPPRESS)  # a child process: one arm
     parser.add_argument("--budget", type=float, default=0.0,
                         help="seconds: the off arm's train_seconds, when it ran before in --work (its log stays there)")
@@ -284,6 +293,7 @@ def main() -> None:
                "--calib-steps", str(args.calib_steps), "--trl-beta", str(args.trl_beta), "--threads",
                str(args.threads), "--work", str(args.work)]  # fmt: skip
         cmd += ["--off-steps", str(args.off_steps)] if args.off_steps else []
+        cmd += ["--eval-only"] if args.eval_only else []
         out = subprocess.run(cmd, capture_output=True, text=True, check=False)
         line = next((ln for ln in out.stdout.splitlines() if ln.startswith("RESULT ")), None)
         if line is None:
@@ -293,6 +303,7 @@ def main() -> None:
         results.append(result)
         print(json.dumps(result), flush=True)
     report = {"config": str(args.config), "off_steps": args.off_steps, "budget_seconds": budget,
+              "eval_only": args.eval_only, "eval_max_new_tokens": load_config(args.config).eval.max_new_tokens,
               "threads": args.threads,
               "machine": machine_identity(),
               "torch": torch.__version__, "arms": results}  # fmt: skip
