@@ -10,7 +10,9 @@ import pytest
 
 from distillgates.config import load_config
 from distillgates.data.openai_format import read_items
+from distillgates.eval.evaluate import check_eval_budget
 from distillgates.pipeline import Pipeline
+from distillgates.rundir import RunDir
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "own-data"
 
@@ -55,7 +57,9 @@ def test_smollm2_example_config_prunes_the_real_checkpoint(smollm2_gguf, tmp_pat
         assert (model.vocab_size, model.d_model, model.n_heads, model.n_kv_heads) == (49152, 576, 9, 3)
         assert model.norm_eps == 9.999999747378752e-06 and model.max_seq_len == max(cfg.shapes.lengths)
     (tmp_path / "examples" / "own-data").symlink_to(EXAMPLE)
-    Pipeline(cfg, tmp_path / "run").run(["data"])  # its eval budget holds every held-out reference (the step checks)
+    Pipeline(cfg, tmp_path / "run").run(["data"])
+    run = RunDir(tmp_path / "run")  # its eval budget holds every held-out reference (as the check step requires)
+    check_eval_budget(run.items("eval"), run.tokenizer(), cfg.eval.max_new_tokens, cfg.eval.max_calls)
 
 
 @pytest.mark.integration
@@ -79,4 +83,6 @@ def test_gemma3_example_config_prunes_the_real_checkpoint(gemma3_gguf, gemma3_di
         assert model.max_seq_len == max(cfg.shapes.lengths) <= model.sliding_window  # no ring at these shapes
     assert cfg.export.compute_precision == "fp16" and cfg.export.fp16_scaling == "auto"
     (tmp_path / "examples" / "own-data").symlink_to(EXAMPLE)
-    Pipeline(cfg, tmp_path / "run").run(["data"])  # its eval budget holds every held-out reference (the step checks)
+    Pipeline(cfg, tmp_path / "run").run(["data"])
+    run = RunDir(tmp_path / "run")  # its eval budget holds every held-out reference (as the check step requires)
+    check_eval_budget(run.items("eval"), run.tokenizer(), cfg.eval.max_new_tokens, cfg.eval.max_calls)

@@ -484,13 +484,13 @@ def test_data_step_on_own_files_reruns_on_their_content_and_a_bad_row_keeps_the_
     assert {p.name: p.read_bytes() for p in (run / "data").glob("*.jsonl")} == before  # nothing lost
 
 
-def test_an_eval_budget_that_cuts_a_reference_is_refused_by_the_data_and_eval_steps(tmp_path: Path) -> None:
+def test_an_eval_budget_that_cuts_a_reference_is_refused_by_the_check_and_eval_steps(tmp_path: Path) -> None:
     from distillgates.eval.runners import reference_output
     from distillgates.pipeline import step_eval
 
     cfg = load_config(own_data_config(tmp_path))
     run = tmp_path / "run"
-    Pipeline(cfg, run).run(["data"])  # the default budget (96 tokens, 4 calls) holds every reference
+    Pipeline(cfg, run).run(["data", "teacher", "check"])  # the default budget (96 tokens, 4 calls) holds them all
     items, tok = RunDir(run).items("eval"), RunDir(run).tokenizer()
     turns = [[t["tokens"] for t in reference_output(i, tok)["turns"] if t["role"] == "assistant"] for i in items]
     longest = max(map(max, turns))
@@ -500,17 +500,17 @@ def test_an_eval_budget_that_cuts_a_reference_is_refused_by_the_data_and_eval_st
               rf"then fail whatever the model does \(the longest: [-\w]+, {longest} tokens in a turn .*\): set " \
               rf"eval\.max_new_tokens to at least {longest}"  # fmt: skip
     with pytest.raises(ValueError, match=refusal):
-        Pipeline(short, tmp_path / "short").run(["data"])
-    with pytest.raises(ValueError, match=refusal):  # the budget lowered after the data step: the eval step refuses
+        Pipeline(short, run).run(["check"])
+    with pytest.raises(ValueError, match=refusal):  # the eval step checks again (e.g. a budget lowered since)
         step_eval(short, RunDir(run))
     calls = max(len(reference_output(i, tok)["calls"]) for i in items)
     one_call = dataclasses.replace(cfg, eval=dataclasses.replace(cfg.eval, max_calls=calls - 1))
     with pytest.raises(ValueError, match=rf"eval\.max_calls {calls - 1} cuts the reference of \d+ of {len(items)} "
                        rf"eval items, .*\(the longest: [-\w]+, {calls} calls\): set eval\.max_calls to at least "
                        rf"{calls}"):  # fmt: skip
-        Pipeline(one_call, tmp_path / "one_call").run(["data"])
+        Pipeline(one_call, run).run(["check"])
     exact = dataclasses.replace(cfg, eval=dataclasses.replace(cfg.eval, max_new_tokens=longest, max_calls=calls))
-    Pipeline(exact, tmp_path / "exact").run(["data"])  # the longest reference fits exactly: accepted
+    Pipeline(exact, run).run(["check"])  # the longest reference fits exactly: accepted
 
 
 @pytest.mark.integration  # the tiny end-to-end run on the ticketing/file-search data (~50 s each)

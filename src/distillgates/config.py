@@ -728,7 +728,7 @@ class PrivacyConfig:
 class EvalConfig:
     """How the pipeline's eval step runs the student (and a local teacher), and what the scorer counts."""
 
-    # tokens per assistant turn: the data and eval steps refuse one shorter than a held-out reference's turn in the
+    # tokens per assistant turn: the check and eval steps refuse one shorter than a held-out reference's turn in the
     # run's tokenizer (such an item fails whatever the model does)
     max_new_tokens: int = 96
     max_calls: int = 4  # tool calls allowed per item (refused, as above, below a held-out reference's calls)

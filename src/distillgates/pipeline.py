@@ -421,11 +421,8 @@ def preflight(cfg: Config) -> None:
 
 def step_data(cfg: Config, run: RunDir) -> dict[str, Any]:
     from distillgates.data.build import SKIPPED_ROWS, build_data
-    from distillgates.eval.evaluate import check_eval_budget
 
     built = build_data(cfg, run.data_dir)
-    # the eval's budget against the held-out references, here (seconds in) rather than after training
-    check_eval_budget(run.items("eval"), run.tokenizer(), cfg.eval.max_new_tokens, cfg.eval.max_calls)
     summary: dict[str, Any] = {
         "tokenizer_fingerprint": built.tokenizer_fingerprint,
         "dataset_sha256": built.dataset_sha256,
@@ -462,8 +459,11 @@ def step_teacher(cfg: Config, run: RunDir) -> dict[str, Any]:
 
 
 def step_check(cfg: Config, run: RunDir) -> dict[str, Any]:
+    from distillgates.eval.evaluate import check_eval_budget
     from distillgates.teacher.check import check_teacher
 
+    # the eval's budget against every held-out reference: before KD and training (the eval step checks it again)
+    check_eval_budget(run.items("eval"), run.tokenizer(), cfg.eval.max_new_tokens, cfg.eval.max_calls)
     return check_teacher(cfg, run)
 
 
@@ -613,7 +613,7 @@ def step_eval(cfg: Config, run: RunDir) -> dict[str, Any]:
     from distillgates.teacher.check import teacher_runner
 
     tokenizer, items = run.tokenizer(), run.items("eval")
-    check_eval_budget(items, tokenizer, cfg.eval.max_new_tokens, cfg.eval.max_calls)  # eval may have changed since data
+    check_eval_budget(items, tokenizer, cfg.eval.max_new_tokens, cfg.eval.max_calls)  # as the check step did
     drawn = drawn_items(items)  # the figures' items; data.eval_min_per_shape's top-up only powers the drift gates
     eval_sha = dataset_sha256(run.dataset("eval"))
     teacher = teacher_runner(cfg, run, tokenizer)
