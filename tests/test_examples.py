@@ -17,6 +17,15 @@ from distillgates.rundir import RunDir
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "own-data"
 
 
+def _check_eval_budget(cfg, tmp_path):  # type: ignore[no-untyped-def]
+    """The example's data step (in ``tmp_path``, the working directory) on its checkpoint's tokenizer: its eval budget
+    holds every held-out reference, as the check step requires."""
+    (tmp_path / "examples" / "own-data").symlink_to(EXAMPLE)
+    Pipeline(cfg, tmp_path / "run").run(["data"])
+    run = RunDir(tmp_path / "run")
+    check_eval_budget(run.items("eval"), run.tokenizer(), cfg.eval.max_new_tokens, cfg.eval.max_calls)
+
+
 def test_own_data_example_config_and_data():
     cfg = load_config(EXAMPLE / "config.yaml")
     assert cfg.data.source == "jsonl"
@@ -56,10 +65,7 @@ def test_smollm2_example_config_prunes_the_real_checkpoint(smollm2_gguf, tmp_pat
     for model in (cfg.student, cfg.drafter):
         assert (model.vocab_size, model.d_model, model.n_heads, model.n_kv_heads) == (49152, 576, 9, 3)
         assert model.norm_eps == 9.999999747378752e-06 and model.max_seq_len == max(cfg.shapes.lengths)
-    (tmp_path / "examples" / "own-data").symlink_to(EXAMPLE)
-    Pipeline(cfg, tmp_path / "run").run(["data"])
-    run = RunDir(tmp_path / "run")  # its eval budget holds every held-out reference (as the check step requires)
-    check_eval_budget(run.items("eval"), run.tokenizer(), cfg.eval.max_new_tokens, cfg.eval.max_calls)
+    _check_eval_budget(cfg, tmp_path)
 
 
 @pytest.mark.integration
@@ -82,7 +88,4 @@ def test_gemma3_example_config_prunes_the_real_checkpoint(gemma3_gguf, gemma3_di
         assert model.sliding_window == 512 and model.query_pre_attn_scalar == 256
         assert model.max_seq_len == max(cfg.shapes.lengths) <= model.sliding_window  # no ring at these shapes
     assert cfg.export.compute_precision == "fp16" and cfg.export.fp16_scaling == "auto"
-    (tmp_path / "examples" / "own-data").symlink_to(EXAMPLE)
-    Pipeline(cfg, tmp_path / "run").run(["data"])
-    run = RunDir(tmp_path / "run")  # its eval budget holds every held-out reference (as the check step requires)
-    check_eval_budget(run.items("eval"), run.tokenizer(), cfg.eval.max_new_tokens, cfg.eval.max_calls)
+    _check_eval_budget(cfg, tmp_path)

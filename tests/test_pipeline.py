@@ -492,7 +492,8 @@ def test_an_eval_budget_that_cuts_a_reference_is_refused_by_the_check_and_eval_s
     run = tmp_path / "run"
     Pipeline(cfg, run).run(["data", "teacher", "check"])  # the default budget (96 tokens, 4 calls) holds them all
     items, tok = RunDir(run).items("eval"), RunDir(run).tokenizer()
-    turns = [[t["tokens"] for t in reference_output(i, tok)["turns"] if t["role"] == "assistant"] for i in items]
+    refs = [reference_output(i, tok) for i in items]
+    turns = [[t["tokens"] for t in ref["turns"] if t["role"] == "assistant"] for ref in refs]
     longest = max(map(max, turns))
     cut = sum(longest in item for item in turns)
     short = dataclasses.replace(cfg, eval=dataclasses.replace(cfg.eval, max_new_tokens=longest - 1))
@@ -503,7 +504,7 @@ def test_an_eval_budget_that_cuts_a_reference_is_refused_by_the_check_and_eval_s
         Pipeline(short, run).run(["check"])
     with pytest.raises(ValueError, match=refusal):  # the eval step checks again (e.g. a budget lowered since)
         step_eval(short, RunDir(run))
-    calls = max(len(reference_output(i, tok)["calls"]) for i in items)
+    calls = max(len(ref["calls"]) for ref in refs)
     one_call = dataclasses.replace(cfg, eval=dataclasses.replace(cfg.eval, max_calls=calls - 1))
     with pytest.raises(ValueError, match=rf"eval\.max_calls {calls - 1} cuts the reference of \d+ of {len(items)} "
                        rf"eval items, .*\(the longest: [-\w]+, {calls} calls\): set eval\.max_calls to at least "

@@ -73,19 +73,18 @@ def check_eval_budget(items: Sequence[Mapping[str, Any]], tokenizer: Any, max_ne
 
     if not items:
         return
-    need: dict[str, list[tuple[int, str]]] = {"eval.max_new_tokens": [], "eval.max_calls": []}
-    for item in items:
-        out = reference_output(item, tokenizer)
-        need["eval.max_new_tokens"].append((max(t["tokens"] for t in out["turns"] if t["role"] == "assistant"),
-                                            str(item["id"])))  # fmt: skip
-        need["eval.max_calls"].append((len(out["calls"]), str(item["id"])))
-    for (field, needs), limit in zip(need.items(), (max_new_tokens, max_calls), strict=True):
+    refs = [(reference_output(item, tokenizer), str(item["id"])) for item in items]
+    turns = [(max(t["tokens"] for t in out["turns"] if t["role"] == "assistant"), item_id) for out, item_id in refs]
+    calls = [(len(out["calls"]), item_id) for out, item_id in refs]
+    for field, limit, needs, unit in (
+        ("eval.max_new_tokens", max_new_tokens, turns, "tokens in a turn (this tokenizer, its stop token included)"),
+        ("eval.max_calls", max_calls, calls, "calls"),
+    ):
         longest, item_id = max(needs)
         if longest > limit:
-            what = "tokens in a turn (this tokenizer, its stop token included)" if "tokens" in field else "calls"
             raise ValueError(f"{field} {limit} cuts the reference of {sum(n > limit for n, _ in needs)} of "
                              f"{len(items)} eval items, which then fail whatever the model does (the longest: "
-                             f"{item_id}, {longest} {what}): set {field} to at least {longest}")
+                             f"{item_id}, {longest} {unit}): set {field} to at least {longest}")
 
 
 @overload
