@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+import subprocess
 import sys
 from pathlib import Path
 
@@ -19,6 +20,7 @@ from distillgates.hardware import (
     hardware_header,
     load_profiles,
     match_profile,
+    peak_rss_bytes,
     profile_key,
     select_profile,
 )
@@ -256,3 +258,14 @@ def test_hardware_header_keys():
 
 def test_default_profiles_path_is_shipped():
     assert DEFAULT_PROFILES_PATH.is_file()
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="VmHWM and ru_maxrss's inheritance are Linux's")
+def test_a_worker_process_reports_its_own_memory_peak_not_its_parents():
+    """The speed worker is started by a pipeline process that may hold many GiB (the Gemma 3 example's: 19 GiB).
+    Linux's ``ru_maxrss`` keeps the parent's peak across fork and exec: with it, the worker reported 16.3 GiB."""
+    ballast = b"\x01" * (768 * 2**20)  # touched pages, resident in this process
+    assert peak_rss_bytes() >= len(ballast)
+    child = "from distillgates.hardware import peak_rss_bytes; print(peak_rss_bytes())"
+    out = subprocess.run([sys.executable, "-c", child], capture_output=True, text=True, check=True, timeout=120)
+    assert int(out.stdout) < 256 * 2**20, (int(out.stdout), len(ballast))

@@ -100,7 +100,8 @@ def test_qat_probe_of_an_identical_copy_is_one_at_135m(smollm2):
 
 
 _PROBE_MEMORY = """
-import copy, json, resource, sys, torch
+import copy, json, sys, torch
+from distillgates.hardware import peak_rss_bytes
 from distillgates.hf import load_hf
 from distillgates.train.qat import probe
 model = load_hf(sys.argv[1], max_seq_len=256)
@@ -108,9 +109,9 @@ twin = copy.deepcopy(model)
 batches = [torch.randint(0, model.config.vocab_size, (8, 256)) for _ in range(2)]
 with torch.no_grad():
     model(batches[0][:1]); twin(batches[0][:1])  # one row's forward: what the probe may hold at a time
-before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+before = peak_rss_bytes()
 probe(model, twin, batches)
-after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+after = peak_rss_bytes()
 print(json.dumps({"before": before, "after": after}))
 """
 

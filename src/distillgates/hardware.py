@@ -24,10 +24,11 @@ import importlib.metadata
 import os
 import platform
 import re
+import resource
 import subprocess
 import sys
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -99,6 +100,24 @@ class SpeedTargets:
         lengths = [s.length for s in self.shapes]
         if len(set(lengths)) != len(lengths):
             raise ValueError(f"shapes: each length once, got {lengths}")
+
+
+def reset_peak_rss() -> None:
+    """Start a memory peak (a pipeline step's): Linux resets the process's peak resident set (``VmHWM``) when 5 is
+    written to ``/proc/self/clear_refs``; elsewhere the peak stays the process's so far."""
+    with suppress(OSError):
+        Path("/proc/self/clear_refs").write_text("5")
+
+
+def peak_rss_bytes() -> int:
+    """Peak resident memory of this process: Linux ``VmHWM`` (since :func:`reset_peak_rss`, or since the process's
+    ``exec``), elsewhere ``ru_maxrss`` (bytes on macOS). Not Linux's ``ru_maxrss``: it keeps the peak across ``fork``
+    and ``exec``, so a worker process started by a pipeline holding 19 GiB would report 19 GiB of its own."""
+    with suppress(OSError, StopIteration, ValueError):
+        status = Path("/proc/self/status").read_text().splitlines()
+        return int(next(line for line in status if line.startswith("VmHWM:")).split()[1]) * 1024
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return int(peak if sys.platform == "darwin" else peak * 1024)
 
 
 def _positive(**values: float | None) -> None:

@@ -23,7 +23,6 @@ resumes at the first unfinished step (training and the KD set continue from thei
 from __future__ import annotations
 
 import argparse
-import contextlib
 import dataclasses
 import functools
 import json
@@ -42,6 +41,7 @@ from rich.console import Console
 from distillgates.codeversion import step_code
 from distillgates.config import Config, TrainConfig, load_config, sha256_json, to_dict
 from distillgates.devices import resolve_device
+from distillgates.hardware import peak_rss_bytes, reset_peak_rss
 from distillgates.io import atomic_write_json, sha256_file
 from distillgates.project import Project
 from distillgates.rundir import RunDir
@@ -272,26 +272,6 @@ class Pipeline:
                     )
                 self.run_step(step)
         return self.manifest
-
-
-def reset_peak_rss() -> None:
-    """Start a step's memory peak: Linux resets the process's peak resident set (``VmHWM``) when 5 is written to
-    ``/proc/self/clear_refs``; elsewhere the peak stays the process's so far."""
-    with contextlib.suppress(OSError):
-        Path("/proc/self/clear_refs").write_text("5")
-
-
-def peak_rss_bytes() -> int:
-    """Peak resident memory of this process since :func:`reset_peak_rss` (Linux ``VmHWM``), else its whole
-    life's (``ru_maxrss``: KiB on Linux, bytes on macOS)."""
-    import resource
-    import sys
-
-    with contextlib.suppress(OSError, StopIteration, ValueError):
-        status = Path("/proc/self/status").read_text().splitlines()
-        return int(next(line for line in status if line.startswith("VmHWM:")).split()[1]) * 1024
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return int(peak if sys.platform == "darwin" else peak * 1024)
 
 
 def set_threads(cfg: Config) -> None:

@@ -14,8 +14,9 @@ Definitions (DESIGN.md "Speed metrics"), per prompt at batch 1 after warm-up:
   compiles (the fused decoder's one-row step for models over 16 MiB: a minute or more at SmolLM2-135M on 2 cores).
 - ``per_shape``: TTFT and TPS per enumerated prefill shape, with a prompt that takes that shape
   (:func:`measure_shapes`), decoded without stopping.
-- ``peak_memory_bytes``: the measuring process's peak resident set size, ``resource.getrusage(
-  RUSAGE_SELF).ru_maxrss`` (KiB on Linux, bytes on macOS), model and framework included. The
+- ``peak_memory_bytes``: the measuring process's peak resident set size
+  (:func:`distillgates.hardware.peak_rss_bytes`: Linux ``VmHWM``, which starts at the process's ``exec``;
+  ``ru_maxrss`` elsewhere), model and framework included. The
   pipeline measures in a speed worker process of its own (:func:`distillgates.gates.speed_ab.report_speed`),
   so this is the engine's process (model, tokenizer, engine), not the pipeline's.
 """
@@ -23,8 +24,6 @@ Definitions (DESIGN.md "Speed metrics"), per prompt at batch 1 after warm-up:
 from __future__ import annotations
 
 import json
-import resource
-import sys
 import time
 from collections.abc import Callable, Mapping, Sequence
 from importlib import resources
@@ -38,7 +37,7 @@ import torch
 from distillgates.config import ModelConfig, SpeedConfig
 from distillgates.data.chat import ChatFormat, chat_format, toy_chat_format
 from distillgates.data.tools import validate_call
-from distillgates.hardware import torch_threads
+from distillgates.hardware import peak_rss_bytes, torch_threads
 from distillgates.io import atomic_write_json
 from distillgates.runtime.base import EngineBase
 from distillgates.runtime.prompt_cache import PromptCache, PromptCachedEngine
@@ -63,12 +62,6 @@ def kv_bytes(cfg: ModelConfig, seq_len: int, bytes_per_elem: int) -> dict[str, i
         "layers": cfg.n_layers, "kv_heads": cfg.n_kv_heads, "head_dim": int(cfg.head_dim or 0), "seq_len": seq_len,
         "bytes_per_elem": bytes_per_elem, "bytes": cfg.kv_cache_bytes(seq_len, bytes_per_elem),
     }  # fmt: skip
-
-
-def peak_memory_bytes() -> int:
-    """Peak RSS of this process (``ru_maxrss``: KiB on Linux, bytes on macOS)."""
-    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return int(rss if sys.platform == "darwin" else rss * 1024)
 
 
 def first_valid_call(texts: Sequence[str], tools: Sequence[Mapping[str, Any]] | None = None,
@@ -212,8 +205,9 @@ def measure_speed(
         "kv_bytes": kv_bytes(model_config, model_config.max_seq_len, kv_bytes_per_elem),
         "warmup": cfg.warmup,
         "threads": torch.get_num_threads(),
-        "peak_memory_bytes": peak_memory_bytes(),
-        "peak_memory_source": "resource.getrusage(RUSAGE_SELF).ru_maxrss of the measuring process",
+        "peak_memory_bytes": peak_rss_bytes(),
+        "peak_memory_source": "peak resident set of the measuring process (distillgates.hardware.peak_rss_bytes: "
+                              "Linux VmHWM, ru_maxrss elsewhere)",
         **({"per_shape": per_shape} if per_shape else {}),
     }
 
