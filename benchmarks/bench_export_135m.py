@@ -10,7 +10,7 @@ lints, ANE op lint, parity of the weights read back from each function). Records
   ``export_cpu_s``, the process's CPU time over it (user + system): on a shared core the wall time
   includes waiting for other processes, the CPU time does not;
 - ``rss_before_export_mib`` / ``peak_rss_mib``: resident memory after building the model, and the
-  process's peak (``ru_maxrss``) at the end, which is the export's peak;
+  process's peak (``distillgates.hardware.peak_rss_bytes``) at the end, which is the export's peak;
 - ``seconds``: wall time per export phase (``ExportResult.seconds``: torch.export, conversion,
   compression, the multifunction save, read back, parity, lints);
 - the functions' outputs (a vocabulary of 49152 > 16384 is exported as three LM-head chunks), the
@@ -37,8 +37,6 @@ from __future__ import annotations
 import argparse
 import json
 import platform
-import resource
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -63,8 +61,9 @@ def _rss_mib() -> float:
 
 
 def _peak_rss_mib() -> float:
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return peak / 2**20 if sys.platform == "darwin" else peak / 1024  # bytes on macOS, KiB on Linux
+    from distillgates.hardware import peak_rss_bytes
+
+    return peak_rss_bytes() / 2**20
 
 
 def _size_mib(path: Path) -> float:

@@ -45,12 +45,14 @@ def arm(chunk: int, batch: int, items: int, threads: int) -> dict[str, float]:
     from distillgates.config import ModelConfig, load_config
     from distillgates.data.chat import render_conversation
     from distillgates.data.generator import generate_items
+    from distillgates.hardware import peak_rss_bytes, reset_peak_rss
     from distillgates.model import Transformer
+    from distillgates.project import EMBEDDED_CONFIG
     from distillgates.tokenizer import train_tokenizer
     from distillgates.train.recipe import Recipe
 
     torch.set_num_threads(threads)
-    cfg = load_config(Path(__file__).resolve().parents[1] / "configs" / "toy.yaml")
+    cfg = load_config(EMBEDDED_CONFIG)  # the toy config the package ships
     cfg.train.qat.enabled, cfg.train.init_from = False, "scratch"  # random weights: no pruned teacher
     cfg.train.eval_every = cfg.train.ckpt_every = 0
     cfg.train.batch_size, cfg.train.loss_chunk = batch, chunk
@@ -68,11 +70,11 @@ def arm(chunk: int, batch: int, items: int, threads: int) -> dict[str, float]:
         recipe.setup()
         recipe.train()  # step 1: AdamW state allocated
         before = _status_kib("VmRSS")
-        Path("/proc/self/clear_refs").write_text("5")  # reset VmHWM (the peak) to the current RSS
+        reset_peak_rss()  # the peak from here: VmHWM reset to the current RSS
         recipe.max_steps = 3
         recipe.train()
-        step_peak = _status_kib("VmHWM") - before
-    return {"chunk": chunk, "step_peak_mib": step_peak / 1024, "process_peak_mib": _status_kib("VmHWM") / 1024,
+        step_peak = peak_rss_bytes() / 1024 - before
+    return {"chunk": chunk, "step_peak_mib": step_peak / 1024, "process_peak_mib": peak_rss_bytes() / 2**20,
             "rss_before_steps_mib": before / 1024}
 
 

@@ -44,7 +44,6 @@ import argparse
 import dataclasses
 import json
 import re
-import resource
 import shutil
 import statistics
 import subprocess
@@ -263,7 +262,9 @@ def run_arm(args: argparse.Namespace) -> None:
 
 def _report(result: dict[str, Any]) -> None:
     """The arm's result line on stdout (the driver reads it), with this process's peak RSS."""
-    result["peak_rss_mb"] = round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)
+    from distillgates.hardware import peak_rss_bytes
+
+    result["peak_rss_mb"] = round(peak_rss_bytes() / 2**20)
     print("RESULT " + json.dumps(result), flush=True)
 
 
