@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import pytest
 import torch
@@ -332,6 +333,96 @@ def test_chunked_position_stats_equal_the_losses_and_their_gradients(chunk: int,
         grads.append((torch.stack([v.detach() for v in values]), logits.grad))
     torch.testing.assert_close(grads[1][0], grads[0][0], atol=1e-6, rtol=1e-5)
     torch.testing.assert_close(grads[1][1], grads[0][1], atol=1e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize("chunk", [1, 4, 64])
+@pytest.mark.parametrize("kind", losses.KD_KINDS)
+@pytest.mark.parametrize("temperature", [1.0, 2.0])
+def test_the_chunked_head_gives_the_losses_and_gradients_of_its_logits(chunk: int, kind: str,
+                                                                       temperature: float) -> None:  # fmt: skip
+    """Hidden states and the head's weight in (``head=``): the values of the losses of ``hidden @ head.T``, and the
+    gradients of both the hidden states and the weight; ``pred`` is the logits' argmax."""
+    g = torch.Generator().manual_seed(3)
+    targets, early = torch.randint(0, V, (2, 5), generator=g), torch.randint(0, V, (2, 5), generator=g)
+    lps, ids = _logits(seed=4).log_softmax(-1).topk(4, dim=-1)
+    mask = torch.ones(2, 5)
+    mask[1, 3:] = 0
+    out = []
+    for split in (False, True):
+        hidden = torch.randn(2, 5, 7, generator=torch.Generator().manual_seed(5)).requires_grad_(True)
+        weight = torch.randn(V, 7, generator=torch.Generator().manual_seed(6)).requires_grad_(True)
+        if split:
+            stats = losses.position_stats(hidden, targets, chunk, head=weight, early_targets=early, stop_ids=[END],
+                                          topk_ids=ids, topk_logprobs=lps, kind=kind, temperature=temperature,
+                                          argmax=True)  # fmt: skip
+            values = [losses.masked_mean(stats[name], mask) for name in ("nll", "early_nll", "stop_prob", "kd")]
+            assert torch.equal(stats["pred"].long(), (hidden @ weight.T).argmax(-1))
+        else:
+            values = _unchunked(hidden @ weight.T, targets, early, ids, lps, mask, kind, temperature)
+        sum(values).backward()
+        out.append((torch.stack([v.detach() for v in values]), hidden.grad, weight.grad))
+    for split, whole in zip(out[1], out[0]):
+        torch.testing.assert_close(split, whole, atol=1e-6, rtol=1e-5)
+
+
+def test_the_chunked_head_under_bf16_autocast_keeps_each_gradient_in_its_tensors_dtype() -> None:
+    """Hidden states in bf16 (what CUDA autocast gives) and the fp32 weight: the chunk's logits are computed in bf16,
+    as autocast computes a linear, the losses in fp32; the gradients come back in bf16 and fp32, close to fp32's."""
+    g = torch.Generator().manual_seed(7)
+    hidden, weight = torch.randn(2, 5, 8, generator=g), torch.randn(V, 8, generator=g)
+    targets = torch.randint(0, V, (2, 5), generator=g)
+    out = []
+    for dtype in (torch.float32, torch.bfloat16):
+        h, w = hidden.to(dtype).detach().requires_grad_(True), weight.clone().requires_grad_(True)
+        nll = losses.position_stats(h, targets, 3, head=w)["nll"]
+        nll.sum().backward()
+        assert nll.dtype == torch.float32 and h.grad is not None and w.grad is not None
+        assert h.grad.dtype == dtype and w.grad.dtype == torch.float32
+        out.append((nll.detach(), h.grad.float(), w.grad))
+    for low, full in zip(out[1], out[0]):
+        torch.testing.assert_close(low, full, atol=0.1, rtol=0.05)
+
+
+def _largest_tensor(fn: Any) -> int:
+    """The most elements of any tensor an aten op makes while ``fn()`` runs (forward and backward)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Largest(TorchDispatchMode):
+        numel = 0
+
+        def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+            out = func(*args, **(kwargs or {}))
+            for t in out if isinstance(out, (tuple, list)) else (out,):
+                if isinstance(t, torch.Tensor):
+                    Largest.numel = max(Largest.numel, t.numel())
+            return out
+
+    with Largest():
+        fn()
+    return Largest.numel
+
+
+@pytest.mark.parametrize("split", [True, False], ids=["head-in-the-loss", "logits-first"])
+def test_the_chunked_head_never_makes_a_tensor_of_every_positions_logits(split: bool) -> None:
+    """With ``head=``, no op in forward or backward makes a ``(B, T, V)``-sized tensor: the largest is one chunk's
+    logits or the weight's gradient. Computing the logits first (the violation) does."""
+    B, T, d, vocab, chunk = 2, 8, 4, 1000, 4
+    hidden, weight = torch.randn(B, T, d, requires_grad=True), torch.randn(vocab, d, requires_grad=True)
+    targets = torch.randint(0, vocab, (B, T))
+
+    def step() -> None:
+        if split:
+            stats = losses.position_stats(hidden, targets, chunk, head=weight, stop_ids=[1], argmax=True)
+        else:
+            stats = losses.position_stats(hidden @ weight.T, targets, chunk, stop_ids=[1])
+        (stats["nll"].sum() + stats["stop_prob"].sum()).backward()
+
+    largest = _largest_tensor(step)
+    assert hidden.grad is not None and weight.grad is not None
+    if split:
+        assert largest == max(chunk, d) * vocab, largest
+    else:
+        assert largest == B * T * vocab
 
 
 def test_chunked_dense_kd_equals_kd_loss_dense() -> None:

@@ -40,12 +40,15 @@ Design choices:
   target is the teacher's own tool call when it passes the shared validator and the scorer counts it
   right, else the reference call (the JSON prior fallback); see :func:`early_tool_target`.
 
-- **Large vocabularies** (32k-152k): :func:`position_stats` computes what the recipe needs per
-  position (CE, early-tool CE, stop probability, KD divergence) ``chunk`` positions at a time and
-  recomputes each chunk in backward, writing its gradient into one logits-sized buffer. So no
-  ``(B, T, V)`` fp32 log-softmax is kept, and backward allocates no full-size temporaries (slicing
-  or gather backward would: each makes a zero-filled tensor of the whole input); the values equal
-  the unchunked losses within float rounding.
+- **Large vocabularies** (32k-262k): :func:`position_stats` computes what the recipe needs per
+  position (CE, early-tool CE, stop probability, KD divergence, the argmax) ``chunk`` positions at a
+  time and recomputes each chunk in backward. Given the final hidden states and the LM head's weight
+  (``head``), it applies the head itself, chunk by chunk, so the ``(B, T, V)`` logits never exist,
+  neither their gradient (the chunked cross-entropy of Liger's fused linear CE and of Apple's Cut
+  Cross-Entropy, here for every per-position loss): the price is the head's matmul once more
+  in backward. Given logits instead, it writes their gradient into one logits-sized buffer. Either
+  way backward allocates no full-size temporaries (slicing or gather backward would: each makes a
+  zero-filled tensor of the whole input); the values equal the unchunked losses within float rounding.
 
 References: Hinton et al. 2015 (T^2); Agarwal et al. 2024 (GKD: reverse KL/JSD); torchtune
 ``ForwardKLLoss``; the inference-speed plan (seeds) for the length and early-tool losses.
@@ -177,10 +180,11 @@ def kd_loss_topk(
 
 
 def position_stats(
-    logits: Tensor,
+    x: Tensor,
     targets: Tensor,
     chunk: int,
     *,
+    head: Tensor | None = None,
     early_targets: Tensor | None = None,
     stop_ids: Sequence[int] = (),
     topk_ids: Tensor | None = None,
@@ -189,42 +193,47 @@ def position_stats(
     kind: str = "forward",
     temperature: float = 1.0,
     beta: float = 0.5,
+    argmax: bool = False,
 ) -> dict[str, Tensor]:
     """Per-position values over the vocabulary, ``chunk`` positions at a time (module docstring).
 
-    Each chunk's fp32 log-softmax is recomputed in backward instead of being kept, so peak memory
-    holds the logits, their gradient and one chunk, not several ``(B, T, V)`` fp32 copies.
+    Each chunk's logits (with ``head``) and fp32 log-softmax are recomputed in backward instead of
+    being kept: peak memory holds one chunk's, not several ``(B, T, V)`` fp32 tensors.
 
     Args:
-        logits: ``(B, T, V)`` student logits (any float dtype; computed in fp32 per chunk).
+        x: ``(B, T, V)`` student logits, or with ``head`` its final hidden states ``(B, T, d)`` (any
+            float dtype; each chunk's logits are computed in it, the losses in fp32).
         targets: ``(B, T)`` next tokens.
         chunk: positions (rows of ``B * T``) per chunk.
+        head: ``(V, d)`` LM head weight: ``x`` are hidden states and the logits ``x @ head.T`` exist one chunk
+            at a time (it receives its gradient too).
         early_targets: ``(B, T)`` early-tool targets (:func:`early_tool_loss`), optional.
         stop_ids: end-of-turn ids (:func:`stop_probability`), optional.
         topk_ids, topk_logprobs: ``(B, T, k)`` sparse teacher (:func:`kd_loss_topk`), or
         teacher_logits: ``(B, T, V)`` dense teacher (:func:`kd_loss_dense`).
+        argmax: also the student's most likely token per position (``pred``, as float, no gradient).
 
     Returns:
         ``(B, T)`` tensors: ``nll``, and where asked ``early_nll``, ``stop_prob``, ``kd`` (divergence
-        times ``T^2``; its masked mean is the KD loss).
+        times ``T^2``; its masked mean is the KD loss), ``pred``.
     """
     if chunk <= 0:
         raise ValueError(f"chunk must be > 0, got {chunk}")
-    B, T, _ = logits.shape
+    B, T = targets.shape
     names = ["nll"] + ["early_nll"] * (early_targets is not None) + ["stop_prob"] * bool(stop_ids)
-    names += ["kd"] * (topk_ids is not None or teacher_logits is not None)
+    names += ["kd"] * (topk_ids is not None or teacher_logits is not None) + ["pred"] * argmax
     stop = list(stop_ids)
 
-    def stats(x: Tensor, target: Tensor, early: Tensor | None, ids: Tensor | None, lps: Tensor | None,
+    def stats(logits: Tensor, target: Tensor, early: Tensor | None, ids: Tensor | None, lps: Tensor | None,
               teacher: Tensor | None) -> Tensor:  # fmt: skip
-        lp = F.log_softmax(x.float(), dim=-1)  # (n, V)
+        lp = F.log_softmax(logits.float(), dim=-1)  # (n, V)
         out = [-lp.gather(-1, target[:, None])[:, 0]]
         if early is not None:
             out.append(-lp.gather(-1, early[:, None])[:, 0])
         if stop:
             out.append(lp[:, stop].exp().sum(-1))
         if ids is not None or teacher is not None:
-            s = lp if temperature == 1.0 else F.log_softmax(x.float() / temperature, dim=-1)  # (n, V)
+            s = lp if temperature == 1.0 else F.log_softmax(logits.float() / temperature, dim=-1)  # (n, V)
             if teacher is not None:
                 t = F.log_softmax(teacher.float() / temperature, dim=-1)  # (n, V)
             else:
@@ -233,39 +242,53 @@ def position_stats(
                 if temperature != 1.0:
                     t = F.log_softmax(t / temperature, dim=-1)
             out.append(divergence(t, s, kind, beta) * temperature**2)
+        if argmax:
+            out.append(lp.detach().argmax(-1).float())  # exact below 2**24 ids
         return torch.stack(out, dim=-1)  # (n, len(names))
 
-    def rows(x: Tensor | None) -> Tensor | None:
-        return None if x is None else x.reshape(B * T, *x.shape[2:])
+    def rows(t: Tensor | None) -> Tensor | None:
+        return None if t is None else t.reshape(B * T, *t.shape[2:])
 
-    flat = [rows(t) for t in (logits, targets, early_targets, topk_ids, topk_logprobs, teacher_logits)]
-    table = _ChunkedRows.apply(stats, chunk, *flat).view(B, T, len(names))
+    flat = [rows(t) for t in (targets, early_targets, topk_ids, topk_logprobs, teacher_logits)]
+    table = _ChunkedRows.apply(stats, chunk, rows(x), head, *flat).view(B, T, len(names))
     return {name: table[..., i] for i, name in enumerate(names)}
 
 
 class _ChunkedRows(torch.autograd.Function):
-    """``fn`` over row chunks of ``(rows, ...)`` tensors; backward recomputes chunk by chunk (see
-    :func:`position_stats`) and returns the first tensor's gradient in one buffer (the others get none)."""
+    """``fn(logits, *aux)`` over row chunks of the logits and of the ``(rows, ...)`` tensors ``aux``; the logits are
+    ``x``, or with a head weight ``w`` the chunk's ``x @ w.T``. Backward recomputes chunk by chunk (see
+    :func:`position_stats`) and returns the gradients of ``x`` and ``w``, each in one buffer (the others get none)."""
 
     @staticmethod
-    def forward(ctx: Any, fn: Any, chunk: int, x: Tensor, *aux: Tensor | None) -> Tensor:
+    def forward(ctx: Any, fn: Any, chunk: int, x: Tensor, w: Tensor | None, *aux: Tensor | None) -> Tensor:
         ctx.fn, ctx.chunk = fn, chunk
-        ctx.save_for_backward(x, *aux)
+        ctx.save_for_backward(x, w, *aux)
         with torch.no_grad():
-            return torch.cat([fn(*_rows(start, chunk, x, *aux)) for start in range(0, x.shape[0], chunk)])
+            return torch.cat([fn(_logits(x[start : start + chunk], w), *_rows(start, chunk, *aux))
+                              for start in range(0, x.shape[0], chunk)])  # fmt: skip
 
     @staticmethod
     def backward(ctx: Any, grad_out: Tensor) -> tuple[Tensor | None, ...]:
-        x, *aux = ctx.saved_tensors
-        grad = torch.empty_like(x)  # (rows, V): the one full-size tensor of backward
+        x, w, *aux = ctx.saved_tensors
+        grad = torch.empty_like(x)  # (rows, V) logits or (rows, d) hidden states
+        grad_w = torch.zeros_like(w) if w is not None and ctx.needs_input_grad[3] else None
         for start in range(0, x.shape[0], ctx.chunk):
-            part, *part_aux = _rows(start, ctx.chunk, x, *aux)
+            part = x[start : start + ctx.chunk]
             with torch.enable_grad():
-                part = part.detach().requires_grad_(True)
-                (grad[start : start + ctx.chunk],) = torch.autograd.grad(
-                    ctx.fn(part, *part_aux), part, grad_out[start : start + ctx.chunk]
-                )
-        return None, None, grad, *[None] * len(aux)
+                logits = _logits(part, w).detach().requires_grad_(True)  # (n, V)
+                (g,) = torch.autograd.grad(ctx.fn(logits, *_rows(start, ctx.chunk, *aux)), logits,
+                                           grad_out[start : start + ctx.chunk])  # fmt: skip
+            if w is None:
+                grad[start : start + ctx.chunk] = g
+                continue
+            grad[start : start + ctx.chunk] = g @ w.to(g.dtype)  # (n, d)
+            if grad_w is not None:
+                grad_w.addmm_(g.t().to(grad_w.dtype), part.to(grad_w.dtype))  # in place: no (V, d) temporary
+        return None, None, grad, grad_w, *[None] * len(aux)
+
+
+def _logits(x: Tensor, w: Tensor | None) -> Tensor:
+    return x if w is None else F.linear(x, w.to(x.dtype))  # (n, V): in the hidden states' dtype, as autocast would
 
 
 def _rows(start: int, chunk: int, *tensors: Tensor | None) -> list[Any]:

@@ -321,9 +321,11 @@ class Transformer(nn.Module):
 
     def forward(
         self, idx: Tensor, input_pos: Tensor | None = None, attention_mask: Tensor | None = None,
-        last_only: bool = False,
-    ) -> Tensor:  # fmt: skip
-        """Logits ``(B, T, V)``, or ``(B, 1, V)`` for the last position with ``last_only``.
+        last_only: bool = False, split_head: bool = False,
+    ) -> Tensor | tuple[Tensor, Tensor]:  # fmt: skip
+        """Logits ``(B, T, V)``, or ``(B, 1, V)`` for the last position with ``last_only``; with ``split_head``
+        the final hidden states ``(B, T, d)`` and the LM head's weight ``(V, d)`` instead, for a loss that applies
+        the head itself a chunk at a time (:func:`distillgates.losses.position_stats`).
 
         Args:
             idx: token ids ``(B, T)``.
@@ -348,6 +350,8 @@ class Transformer(nn.Module):
                 x = layer(x, cos, sin, mask, input_pos)
         if last_only:
             x = x[:, -1:]  # (B, 1, d)
+        if split_head:
+            return self.norm(x), self.lm_head.weight
         return self.lm_head(self.norm(x))  # (B, T, V)
 
 

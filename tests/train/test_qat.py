@@ -95,3 +95,30 @@ def test_the_traced_training_forward_computes_gemma3_features() -> None:
     assert torch.equal(TrainForward(model)(idx), model(idx))
     out, want = QAT(model)(idx), model(idx)  # int8 fake-quantized weights: close, not equal
     assert torch.nn.functional.cosine_similarity(out.flatten(), want.flatten(), dim=0) > 0.999
+
+
+@pytest.mark.parametrize("int4_block", [None, BLOCK], ids=["int8", "int4"])
+def test_the_split_head_training_forward_is_the_graph_before_its_head(int4_block: int | None) -> None:
+    """``train.loss_chunk``'s training forward: the final hidden states and the head's grid weight, whose product is
+    the QAT graph's logits; the gradients of every weight (the tied head's through its grid) are the graph's."""
+    torch.manual_seed(0)
+    model = Transformer(tiny_model_config(vocab_size=64))
+    qat = QAT(model, int4_block=int4_block)
+    split = qat.training_forward(split_head=True)
+    idx = torch.randint(0, 64, (2, 9))
+    grads = []
+    for logits_of in (lambda: qat.training_forward()(idx), lambda: torch.nn.functional.linear(*split(idx))):
+        model.zero_grad()
+        logits = logits_of()
+        (logits.square().mean() + logits.logsumexp(-1).mean()).backward()
+        grads.append((logits.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}))
+    (whole, whole_grads), (parts, part_grads) = grads
+    torch.testing.assert_close(parts, whole, atol=1e-6, rtol=1e-6)
+    assert part_grads.keys() == whole_grads.keys() and "embed.weight" in part_grads  # tied head: embed.weight
+    for name, grad in part_grads.items():
+        torch.testing.assert_close(grad, whole_grads[name], atol=1e-6, rtol=1e-5, msg=name)
+    hidden, head = split(idx)
+    assert hidden.shape == (2, 9, model.config.d_model) and head.shape == model.lm_head.weight.shape
+    assert not torch.equal(head, model.lm_head.weight)  # the grid's values, not the float weight
+    final, _ = qat.finalize()
+    torch.testing.assert_close(final.lm_head.weight, head.detach())  # the graph keeps its head: finalize snaps it

@@ -379,16 +379,20 @@ def test_resume_after_sigkill_is_bit_exact(artifacts: dict[str, Any], tmp_path: 
 @pytest.mark.integration  # torchrun processes (~10-20 s each)
 @pytest.mark.skipif(shutil.which("torchrun") is None and not (Path(sys.executable).parent / "torchrun").exists(),
                     reason="torchrun not installed")
-@pytest.mark.parametrize("fsdp", [False, True], ids=["ddp", "fsdp"])
-def test_torchrun_two_processes_match_one(artifacts: dict[str, Any], tmp_path: Path, fsdp: bool) -> None:
+@pytest.mark.parametrize(("fsdp", "loss_chunk"), [(False, 0), (True, 0), (False, 5), (True, 5)],
+                         ids=["ddp", "fsdp", "ddp-chunked-head", "fsdp-chunked-head"])
+def test_torchrun_two_processes_match_one(artifacts: dict[str, Any], tmp_path: Path, fsdp: bool,
+                                          loss_chunk: int) -> None:  # fmt: skip
     """2 ranks x 2 rows == 1 process with 2 accumulation steps of 2 rows (same global batch of 4),
-    under DDP and under FSDP2 (``fully_shard``, gloo on CPU)."""
+    under DDP and under FSDP2 (``fully_shard``, gloo on CPU); with ``train.loss_chunk`` the LM head's weight leaves
+    the wrapped forward (the loss applies it) and still gets its gradient reduced."""
     root = str(artifacts["root"])
     torchrun = str(Path(sys.executable).parent / "torchrun")
-    one = _run([sys.executable, *RUN_TINY, root, str(tmp_path / "one"), json.dumps({"steps": 4, "grad_accum": 2})])
+    one = _run([sys.executable, *RUN_TINY, root, str(tmp_path / "one"),
+                json.dumps({"steps": 4, "grad_accum": 2, "loss_chunk": loss_chunk})])  # fmt: skip
     assert one.returncode == 0, one.stderr[-3000:]
     two = _run([torchrun, "--standalone", "--nproc_per_node=2", *RUN_TINY, root, str(tmp_path / "two"),
-                json.dumps({"steps": 4, "grad_accum": 1, "fsdp": fsdp, "ckpt_every": 2})])
+                json.dumps({"steps": 4, "grad_accum": 1, "fsdp": fsdp, "ckpt_every": 2, "loss_chunk": loss_chunk})])
     assert two.returncode == 0, two.stderr[-3000:]
     l1 = [r["total"] for r in _log(tmp_path / "one" / "student" / "train_log.jsonl") if "total" in r]
     l2 = [r["total"] for r in _log(tmp_path / "two" / "student" / "train_log.jsonl") if "total" in r]
@@ -426,23 +430,34 @@ def test_fsdp_resume_continues_like_an_uninterrupted_run(artifacts: dict[str, An
     assert steps == [1, 2, 3, 4]
 
 
-def test_chunked_losses_equal_the_unchunked_step(artifacts: dict[str, Any], tmp_path: Path) -> None:
-    """``train.loss_chunk``: the same loss components and gradients as the whole-batch path (float tolerance)."""
+@pytest.mark.parametrize("qat", [False, True], ids=["float", "qat-int8"])
+@pytest.mark.parametrize("exempt", [False, True], ids=["length", "length-exempt-when-covered"])
+def test_chunked_losses_equal_the_unchunked_step(artifacts: dict[str, Any], tmp_path: Path, qat: bool,
+                                                 exempt: bool) -> None:  # fmt: skip
+    """``train.loss_chunk`` (the head applied chunk by chunk inside the losses): the same loss components and
+    gradients as the whole-batch path (float tolerance), in float and under QAT, whose head weight is on the grid;
+    the length penalty's exemption reads the same teacher-forced argmax. Validation's CE too."""
     torch.set_num_threads(1)
     results = []
     for chunk in (0, 7):
         recipe = _recipe(artifacts, tmp_path / str(chunk), steps=4, loss_chunk=chunk,
-                         length={"weight": 0.5, "hinge": 0.0, "exempt_when_covered": False})  # fmt: skip
+                         length={"weight": 0.5, "hinge": 0.0, "exempt_when_covered": exempt})  # fmt: skip
         recipe.setup()
+        if qat:
+            recipe._start_qat()
+            recipe._wrap()
         batch = recipe._micro_batches(0)[0]
         total, parts = recipe.compute_loss(batch, epoch=1.0)
         total.backward()
-        results.append((parts, recipe.model.layers[0].attn.q_proj.weight.grad.clone()))
-    (plain, plain_grad), (chunked, chunked_grad) = results
+        grads = {n: recipe.model.get_parameter(n).grad.clone() for n in ("layers.0.attn.q_proj.weight", "embed.weight")}
+        results.append((parts, grads, recipe.validate()["val"]["ce_by_shape"]))
+    (plain, plain_grads, plain_val), (chunked, chunked_grads, chunked_val) = results
     assert set(plain) == set(chunked) and {"ce", "process", "kd", "length", "early_tool"} <= set(plain)
     for name, value in plain.items():
         assert chunked[name] == pytest.approx(value, rel=1e-5, abs=1e-6), name
-    torch.testing.assert_close(chunked_grad, plain_grad, atol=1e-6, rtol=1e-4)
+    for name, grad in plain_grads.items():  # embed.weight: the tied head's gradient too
+        torch.testing.assert_close(chunked_grads[name], grad, atol=1e-6, rtol=1e-4, msg=name)
+    assert chunked_val == pytest.approx(plain_val, rel=1e-5)
 
 
 def test_the_recipe_refuses_what_it_cannot_train(artifacts: dict[str, Any], tmp_path: Path) -> None:

@@ -61,13 +61,14 @@ def _causal(table: Tensor, n: int) -> Tensor:
 
 
 class TrainForward(nn.Module):
-    """The no-cache training forward of a Transformer, fx-traceable (module docstring)."""
+    """The no-cache training forward of a Transformer, fx-traceable (module docstring); ``split_head``: the final
+    hidden states and the head's weight instead of the logits (``Transformer.forward``'s ``split_head``)."""
 
-    def __init__(self, model: Transformer) -> None:
+    def __init__(self, model: Transformer, split_head: bool = False) -> None:
         super().__init__()
-        self.model = model
+        self.model, self.split_head = model, split_head
 
-    def forward(self, idx: Tensor) -> Tensor:
+    def forward(self, idx: Tensor) -> Tensor | tuple[Tensor, Tensor]:
         m = self.model
         T = idx.shape[1]
         inputs = {False: (_rope_rows(m.rope_cos, T), _rope_rows(m.rope_sin, T), _causal(m.causal_mask, T))}
@@ -77,6 +78,8 @@ class TrainForward(nn.Module):
         x = m.embed_tokens(idx)  # (B, T, d)
         for i, layer in enumerate(m.layers):
             x = layer(x, *inputs[m.config.sliding(i)], None)
+        if self.split_head:
+            return m.norm(x), m.lm_head.weight
         return m.lm_head(m.norm(x))  # (B, T, V)
 
 
@@ -101,11 +104,11 @@ def quantizer_config() -> Any:
 class Int4Graph(nn.Module):
     """:class:`TrainForward` with every exported linear weight fake-quantized to the export's int4 per-block grid."""
 
-    def __init__(self, model: Transformer, block_size: int) -> None:
+    def __init__(self, model: Transformer, block_size: int, split_head: bool = False) -> None:
         from distillgates.export.grid import quantized_weights
 
         super().__init__()
-        self.model, self.block_size = TrainForward(model), block_size
+        self.model, self.block_size = TrainForward(model, split_head), block_size
         self.names = list(quantized_weights(self.model))  # model.layers.0.attn.q_proj.weight, ...
         if "model.lm_head.weight" not in self.names:  # a tied head: the embedding's matrix, trained on the grid too
             self.names.append("model.lm_head.weight")
@@ -116,8 +119,24 @@ class Int4Graph(nn.Module):
 
         return {name: fake_quantize_int4(self.model.get_parameter(name), self.block_size) for name in self.names}
 
-    def forward(self, idx: Tensor) -> Tensor:
-        return cast(Tensor, torch.func.functional_call(self.model, self.snapped(), (idx,)))
+    def forward(self, idx: Tensor) -> Tensor | tuple[Tensor, Tensor]:
+        return cast("Tensor | tuple[Tensor, Tensor]", torch.func.functional_call(self.model, self.snapped(), (idx,)))
+
+
+def split_head_graph(graph: torch.fx.GraphModule) -> torch.fx.GraphModule:
+    """The prepared int8 graph stopped before its LM head: ``idx -> (final hidden states, the head's fake-quantized
+    weight)``, what the head computes from (``F.linear(x, weight_fake_quant(weight))``). It shares every module
+    (parameters, observers) with ``graph``, which keeps the head for ``finalize``."""
+    g = copy.deepcopy(graph.graph)
+    out = next(n for n in g.nodes if n.op == "output")
+    head = out.args[0]
+    if not (isinstance(head, torch.fx.Node) and head.op == "call_module" and head.target == "model.lm_head"):
+        raise RuntimeError(f"the QAT graph does not end in its LM head (its output is {head})")
+    with g.inserting_before(out):
+        grid = g.call_module("model.lm_head.weight_fake_quant", (g.get_attr("model.lm_head.weight"),))
+    out.args = ((head.args[0], grid),)
+    g.erase_node(head)
+    return torch.fx.GraphModule(graph, g)
 
 
 class QAT:
@@ -145,7 +164,16 @@ class QAT:
         self.ema = {k: v.detach().clone() for k, v in model.named_parameters()} if ema > 0 else None
 
     def __call__(self, idx: Tensor) -> Tensor:
-        return self.graph(idx)
+        return cast(Tensor, self.graph(idx))
+
+    def training_forward(self, split_head: bool = False) -> nn.Module:
+        """The module a training step calls: ``idx -> logits``, or with ``split_head`` ``idx -> (final hidden states,
+        the head's weight on the grid)`` (``train.loss_chunk``: the loss applies the head a chunk at a time)."""
+        if not split_head:
+            return self.graph
+        if isinstance(self.graph, Int4Graph):
+            return Int4Graph(self.model, self.graph.block_size, split_head=True)
+        return split_head_graph(cast(torch.fx.GraphModule, self.graph))
 
     @torch.no_grad()
     def step(self) -> None:

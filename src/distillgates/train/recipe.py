@@ -39,12 +39,12 @@ import random
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import torch
 import torch.distributed as dist
-from torch import Tensor
+from torch import Tensor, nn
 from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
 
 from distillgates import losses
@@ -263,6 +263,7 @@ class Recipe:
         elif self.dist.main:
             self.out_dir.mkdir(parents=True, exist_ok=True)
             atomic_write_text(self.log_path, "")
+        self.init_teacher = None  # its layers are copied: a Gemma 3 270M teacher is 1 GiB the steps do not need
         self._wrap()
 
     def _teacher_layers(self) -> dict[str, Any]:
@@ -289,8 +290,12 @@ class Recipe:
             atomic_write_json(self.out_dir / "init.json", init)
 
     def _wrap(self) -> None:
-        """The module the training forward calls: QAT graph or model, under DDP/FSDP if distributed."""
-        module: Any = self.qat.graph if self.qat is not None else self.model
+        """The module the training forward calls: QAT graph or model, under DDP/FSDP if distributed; with
+        ``train.loss_chunk`` it returns the final hidden states and the head's weight (:meth:`compute_loss`)."""
+        split = bool(self.cfg.loss_chunk)
+        module: Any = self.qat.training_forward(split) if self.qat is not None else self.model
+        if split and self.qat is None:
+            module = _HeadSplit(module)
         if self.dist.world > 1 and not self.cfg.fsdp:  # FSDP sharded the model at setup
             from torch.nn.parallel import DistributedDataParallel
 
@@ -388,17 +393,19 @@ class Recipe:
 
     # ------------------------------------------------------------------ losses
 
-    def _forward(self, input_ids: Tensor) -> Tensor:
+    def _forward(self, input_ids: Tensor) -> Any:
+        """Logits ``(R, L, V)``; with ``train.loss_chunk`` the final hidden states and the head's weight
+        (:meth:`_wrap`)."""
         dtype = autocast_dtype(self.device, self.cfg.mixed_precision)
         if dtype is None:
             return self.forward_module(input_ids)
         with torch.autocast(torch.device(self.device).type, dtype=dtype):
             return self.forward_module(input_ids)
 
-    def _needs_length_penalty(self, logits: Tensor, batch: Batch) -> Tensor:
-        """Per row: the student's teacher-forced prediction misses required args/evidence."""
+    def _needs_length_penalty(self, pred: Tensor, batch: Batch) -> Tensor:
+        """Per row: the student's teacher-forced prediction ``pred (R, L)`` misses required args/evidence."""
         fmt = chat_format(self.tokenizer)
-        pred = logits.argmax(-1).cpu()  # (R, L)
+        pred = pred.long().cpu()  # (R, L)
         out = torch.zeros(pred.shape[0], dtype=torch.bool)
         for i, item in enumerate(batch.items):
             turns: list[list[int]] = []
@@ -411,8 +418,9 @@ class Recipe:
             out[i] = not losses.coverage_met(item, calls, answer)
         return out
 
-    def _position_stats(self, logits: Tensor, batch: Batch, input_ids: Tensor) -> dict[str, Tensor]:
-        """What :meth:`compute_loss` needs per position, ``train.loss_chunk`` positions at a time."""
+    def _position_stats(self, hidden: Tensor, head: Tensor, batch: Batch, input_ids: Tensor) -> dict[str, Tensor]:
+        """What :meth:`compute_loss` needs per position, ``train.loss_chunk`` positions at a time, from the final
+        hidden states ``(R, L, d)`` and the head's weight ``(V, d)``: no ``(R, L, V)`` logits."""
         cfg, dev = self.cfg, self.device
         teacher = topk_ids = topk_logprobs = None
         if cfg.kd.weight > 0 and self._dense_teacher(batch):
@@ -422,11 +430,12 @@ class Recipe:
             topk_ids, topk_logprobs = batch.kd_ids.to(dev), batch.kd_logprobs.to(dev)
         kind, beta = self._divergence(batch)
         return losses.position_stats(
-            logits, batch.targets.to(dev), cfg.loss_chunk,
+            hidden, batch.targets.to(dev), cfg.loss_chunk, head=head,
             early_targets=batch.early_targets.to(dev) if cfg.early_tool.weight > 0 else None,
             stop_ids=[self.end_id] if cfg.length.weight > 0 else (),
             topk_ids=topk_ids, topk_logprobs=topk_logprobs, teacher_logits=teacher,
             kind=kind, temperature=cfg.kd.temperature, beta=beta,
+            argmax=cfg.length.weight > 0 and cfg.length.exempt_when_covered,
         )  # fmt: skip
 
     def _dense_teacher(self, batch: Batch) -> bool:
@@ -443,18 +452,18 @@ class Recipe:
         ``log_softmax`` over the vocabulary is computed once and shared by CE, process,
         early-tool and the stop probability; KD at temperature T needs its own. With
         ``train.loss_chunk`` all of them come from :func:`distillgates.losses.position_stats`
-        (chunked over positions: no full-vocabulary fp32 log-softmax is kept).
+        (chunked over positions, the LM head too: no ``(R, L, V)`` logits nor their fp32 log-softmax).
         """
         cfg = self.cfg
         dev = self.device
         input_ids = batch.input_ids.to(dev)
-        logits = self._forward(input_ids)  # (R, L, V)
         per_pos: dict[str, Tensor] = {}
         if cfg.loss_chunk:
-            per_pos = self._position_stats(logits, batch, input_ids)
+            hidden, head = self._forward(input_ids)  # (R, L, d), (V, d)
+            per_pos = self._position_stats(hidden, head, batch, input_ids)
             nll = per_pos["nll"]  # (R, L)
         else:
-            logits = logits.float()
+            logits = self._forward(input_ids).float()  # (R, L, V)
             log_probs = logits.log_softmax(-1)  # (R, L, V)
             nll = losses.token_nll(log_probs, batch.targets.to(dev))  # (R, L)
         comp: dict[str, Tensor] = {}
@@ -478,13 +487,13 @@ class Recipe:
                     cfg.kd.kind, cfg.kd.temperature,
                 )
             else:
-                comp["kd"] = logits.sum() * 0.0  # no KD record in this batch
+                comp["kd"] = nll.sum() * 0.0  # no KD record in this batch
         if cfg.length.weight > 0:
             target_len, grad_mask = batch.teacher_len, None
             if cfg.length.target == "evidence":
                 target_len, grad_mask = evidence_targets(batch)
             if cfg.length.exempt_when_covered:
-                needs = self._needs_length_penalty(logits.detach(), batch)
+                needs = self._needs_length_penalty(per_pos["pred"] if per_pos else logits.detach().argmax(-1), batch)
             else:
                 needs = torch.ones(batch.input_ids.shape[0], dtype=torch.bool)
             comp["length"], expected_len = losses.length_loss(
@@ -611,8 +620,13 @@ class Recipe:
             group = [r for r in rows if r.shape == shape]
             for b in range(0, len(group), 16):
                 batch = collate(group[b : b + 16], self.pad_id, self.assistant_id, self.end_id)
-                logits = model(batch.input_ids.to(self.device)).float()
-                ce = losses.ce_loss(logits, batch.targets.to(self.device), batch.ce_mask.to(self.device))
+                ids, targets, mask = (t.to(self.device) for t in (batch.input_ids, batch.targets, batch.ce_mask))
+                if self.cfg.loss_chunk:  # the head a chunk at a time, as in training
+                    hidden, head = model(ids, split_head=True)
+                    nll = losses.position_stats(hidden, targets, self.cfg.loss_chunk, head=head)["nll"]
+                    ce = losses.masked_mean(nll, mask)
+                else:
+                    ce = losses.ce_loss(model(ids).float(), targets, mask)
                 by_shape.setdefault(str(shape), []).append(float(ce))
         result: dict[str, Any] = {
             "step": self.step,
@@ -648,6 +662,8 @@ class Recipe:
     def cleanup(self) -> Path:
         """Finalize QAT (+ probe), save the final model (config travels with weights) and its Hugging Face
         copy with the run's tokenizer (``hf/``: ``from_pretrained`` works on it)."""
+        self.optimizer.zero_grad(set_to_none=True)  # training is over: the gradients and AdamW's state (three
+        self.optimizer.state.clear()  # times the weights) go before the copies below (QAT finalize, probe, hf/)
         self._take_ema()  # no QAT: the saved weights are the average
         final = self.model
         extra: dict[str, Any] = {"train_config": to_dict(self.cfg), "steps": self.step}
@@ -696,6 +712,17 @@ def evidence_targets(batch: Batch) -> tuple[Tensor, Tensor]:
     return target, grad_mask
 
 
+class _HeadSplit(nn.Module):
+    """``idx -> (final hidden states, head weight)`` of a model (``train.loss_chunk``; what DDP and FSDP then wrap)."""
+
+    def __init__(self, model: Transformer) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, idx: Tensor) -> tuple[Tensor, Tensor]:
+        return cast("tuple[Tensor, Tensor]", self.model(idx, split_head=True))
+
+
 class _null:
     def __enter__(self) -> None:
         return None
@@ -727,6 +754,27 @@ def train_student(
     run_dir: str | Path | RunDir,
     kd_path: str | Path | None = None,
     teacher: Any = None,
+    **options: Any,
+) -> Path:
+    """Distill ``role`` ("student" or "drafter") into ``<run_dir>/<role>/model.pt``: the :class:`Recipe` of
+    :func:`build_recipe` (same arguments) set up, trained and saved. Resumes from ``<role>/checkpoint.pt`` when
+    present.
+
+    Returns:
+        the path of the saved model.
+    """
+    recipe = build_recipe(cfg, role, run_dir, kd_path, teacher, **options)
+    recipe.setup()
+    recipe.train()
+    return recipe.cleanup()
+
+
+def build_recipe(
+    cfg: Config,
+    role: str,
+    run_dir: str | Path | RunDir,
+    kd_path: str | Path | None = None,
+    teacher: Any = None,
     *,
     tokenizer: Any = None,
     train_items: list[dict[str, Any]] | None = None,
@@ -734,15 +782,12 @@ def train_student(
     max_steps: int | None = None,
     progress: bool = True,
     device: str = "auto",
-) -> Path:
-    """Distill ``role`` ("student" or "drafter") into ``<run_dir>/<role>/model.pt``.
+) -> Recipe:
+    """The :class:`Recipe` that distills ``role`` ("student" or "drafter") into ``<run_dir>/<role>/``, not yet set up.
 
     Reads the tokenizer, the datasets and the offline KD set from the run directory
     (:class:`~distillgates.rundir.RunDir`) unless given; ``teacher`` (online mode) is a
-    ``LocalTeacher``/HF model/callable returning logits. Resumes from ``<role>/checkpoint.pt`` when present.
-
-    Returns:
-        the path of the saved model.
+    ``LocalTeacher``/HF model/callable returning logits.
     """
     if role not in ("student", "drafter"):
         raise ValueError(f"role must be 'student' or 'drafter', got {role!r}")
@@ -770,16 +815,13 @@ def train_student(
 
         check_vocabulary(teacher.path, tokenizer, f"train.teacher_mode 'online' ({teacher.path})")
     teacher_fn = _teacher_fn(teacher) if teacher is not None else None
-    recipe = Recipe(
+    return Recipe(
         train_cfg, model_cfg, cfg.shapes, tokenizer, train_items, eval_items, run.model_dir(role),
         kd_records=kd_records, teacher=teacher_fn, device=device, max_steps=max_steps, progress=progress,
         speed_prompts=min(cfg.speed.n_prompts, 4),
         init_teacher=_init_teacher(cfg, run, tokenizer) if train_cfg.init_from == "teacher" else None,
         init_model=init_model, qat_int4_block=cfg.student_qat_int4_block if role == "student" else None,
     )
-    recipe.setup()
-    recipe.train()
-    return recipe.cleanup()
 
 
 def _init_teacher(cfg: Config, run: RunDir, tokenizer: Any) -> Transformer:
@@ -847,4 +889,4 @@ def main(argv: list[str] | None = None) -> int:
     return int(args.func(args))
 
 
-__all__ = ["Recipe", "Row", "add_parser", "main", "run", "train_student"]
+__all__ = ["Recipe", "Row", "add_parser", "build_recipe", "main", "run", "train_student"]
