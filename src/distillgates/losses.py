@@ -263,8 +263,9 @@ class _ChunkedRows(torch.autograd.Function):
     def forward(ctx: Any, fn: Any, chunk: int, x: Tensor, w: Tensor | None, *aux: Tensor | None) -> Tensor:
         ctx.fn, ctx.chunk = fn, chunk
         ctx.save_for_backward(x, w, *aux)
+        head = _head(x, w)
         with torch.no_grad():
-            return torch.cat([fn(_logits(x[start : start + chunk], w), *_rows(start, chunk, *aux))
+            return torch.cat([fn(_logits(x[start : start + chunk], head), *_rows(start, chunk, *aux))
                               for start in range(0, x.shape[0], chunk)])  # fmt: skip
 
     @staticmethod
@@ -272,23 +273,29 @@ class _ChunkedRows(torch.autograd.Function):
         x, w, *aux = ctx.saved_tensors
         grad = torch.empty_like(x)  # (rows, V) logits or (rows, d) hidden states
         grad_w = torch.zeros_like(w) if w is not None and ctx.needs_input_grad[3] else None
+        head = _head(x, w)
         for start in range(0, x.shape[0], ctx.chunk):
             part = x[start : start + ctx.chunk]
             with torch.enable_grad():
-                logits = _logits(part, w).detach().requires_grad_(True)  # (n, V)
+                logits = _logits(part, head).detach().requires_grad_(True)  # (n, V)
                 (g,) = torch.autograd.grad(ctx.fn(logits, *_rows(start, ctx.chunk, *aux)), logits,
                                            grad_out[start : start + ctx.chunk])  # fmt: skip
-            if w is None:
+            if head is None:
                 grad[start : start + ctx.chunk] = g
                 continue
-            grad[start : start + ctx.chunk] = g @ w.to(g.dtype)  # (n, d)
+            grad[start : start + ctx.chunk] = g @ head  # (n, d)
             if grad_w is not None:
                 grad_w.addmm_(g.t().to(grad_w.dtype), part.to(grad_w.dtype))  # in place: no (V, d) temporary
         return None, None, grad, grad_w, *[None] * len(aux)
 
 
-def _logits(x: Tensor, w: Tensor | None) -> Tensor:
-    return x if w is None else F.linear(x, w.to(x.dtype))  # (n, V): in the hidden states' dtype, as autocast would
+def _head(x: Tensor, w: Tensor | None) -> Tensor | None:
+    """The head weight in the hidden states' dtype (bf16 under autocast, as autocast computes a linear), cast once."""
+    return None if w is None else w.detach().to(x.dtype)
+
+
+def _logits(x: Tensor, head: Tensor | None) -> Tensor:
+    return x if head is None else F.linear(x, head)  # (n, V)
 
 
 def _rows(start: int, chunk: int, *tensors: Tensor | None) -> list[Any]:
