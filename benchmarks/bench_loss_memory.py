@@ -15,8 +15,9 @@ process's peak memory cannot be shared), alternating arms for ``--repeats`` roun
     .venv/bin/python benchmarks/bench_loss_memory.py [--chunk 128] [--batch 4] [--repeats 2]
 
 With ``--run-dir RUN --config CONFIG`` the arms are the student step of a finished run (its data, KD set and
-teacher, linked into a temporary run directory; the config's model, batch, shapes and QAT schedule), built as
-``distillgates student`` builds it (:func:`~distillgates.train.recipe.build_recipe`), ``--steps`` steps each;
+teacher, linked into a temporary run directory; the config's model, batch, shapes, QAT schedule and teacher mode:
+an online config loads the teacher that scores each batch), built as ``distillgates student`` builds it
+(:func:`~distillgates.train.recipe.build_recipe`), ``--steps`` steps each;
 per arm the process's peak in setup (the teacher loaded, the student pruned from it), in the steps (the peak
 reset after setup) and in cleanup (QAT finalize and probe, ``model.pt``, ``hf/``), and the mean step seconds:
 
@@ -96,6 +97,8 @@ def run_arm(chunk: int, run_dir: Path, config: Path, steps: int, qat_from: int |
     """One arm on a finished run's student step (module docstring), in this process."""
     from distillgates.config import load_config
     from distillgates.hardware import peak_rss_bytes, reset_peak_rss
+    from distillgates.pipeline import scoring_teacher
+    from distillgates.rundir import RunDir
     from distillgates.train.recipe import build_recipe
 
     torch.set_num_threads(threads)
@@ -107,7 +110,8 @@ def run_arm(chunk: int, run_dir: Path, config: Path, steps: int, qat_from: int |
         for name in ("data", "kd", "teacher", "cache"):  # the run's inputs; the student step writes student/
             if (run_dir / name).exists():
                 (Path(tmp) / name).symlink_to((run_dir / name).resolve())
-        recipe = build_recipe(cfg, "student", tmp, max_steps=steps, progress=False)
+        teacher = scoring_teacher(cfg, RunDir(tmp), "student")  # online / on-policy configs: the teacher's forward
+        recipe = build_recipe(cfg, "student", tmp, teacher=teacher, max_steps=steps, progress=False)
         reset_peak_rss()
         recipe.setup()
         setup_peak = peak_rss_bytes()

@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import random
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -111,6 +112,26 @@ def tiny_model_config(**overrides: object) -> ModelConfig:
 def assert_close(actual: torch.Tensor, expected: torch.Tensor, atol: float = 1e-5, rtol: float = 1e-5) -> None:
     __tracebackhide__ = True
     torch.testing.assert_close(actual, expected, atol=atol, rtol=rtol)
+
+
+def largest_tensor(fn: Callable[[], object], last_dim: int | None = None) -> int:
+    """The most elements of any tensor an aten op makes while ``fn()`` runs (forward and backward), among those whose
+    last dimension is ``last_dim`` if given (a vocabulary: logits, not attention scores)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Largest(TorchDispatchMode):
+        numel = 0
+
+        def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+            out = func(*args, **(kwargs or {}))
+            for t in out if isinstance(out, (tuple, list)) else (out,):
+                if isinstance(t, torch.Tensor) and (last_dim is None or (t.dim() and t.shape[-1] == last_dim)):
+                    Largest.numel = max(Largest.numel, t.numel())
+            return out
+
+    with Largest():
+        fn()
+    return Largest.numel
 
 
 # --------------------------------------------------------------------------------------

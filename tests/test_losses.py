@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import math
-from typing import Any
 
 import pytest
 import torch
@@ -12,6 +11,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from distillgates import losses
+
+from .conftest import largest_tensor
 
 V = 11
 ASSISTANT, END, TOOL_CALL = 5, 8, 6
@@ -383,44 +384,28 @@ def test_the_chunked_head_under_bf16_autocast_keeps_each_gradient_in_its_tensors
         torch.testing.assert_close(low, full, atol=0.1, rtol=0.05)
 
 
-def _largest_tensor(fn: Any) -> int:
-    """The most elements of any tensor an aten op makes while ``fn()`` runs (forward and backward)."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    class Largest(TorchDispatchMode):
-        numel = 0
-
-        def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-            out = func(*args, **(kwargs or {}))
-            for t in out if isinstance(out, (tuple, list)) else (out,):
-                if isinstance(t, torch.Tensor):
-                    Largest.numel = max(Largest.numel, t.numel())
-            return out
-
-    with Largest():
-        fn()
-    return Largest.numel
-
-
 @pytest.mark.parametrize("split", [True, False], ids=["head-in-the-loss", "logits-first"])
 def test_the_chunked_head_never_makes_a_tensor_of_every_positions_logits(split: bool) -> None:
-    """With ``head=``, no op in forward or backward makes a ``(B, T, V)``-sized tensor: the largest is one chunk's
-    logits or the weight's gradient. Computing the logits first (the violation) does."""
+    """With ``head=`` and ``teacher_head=``, no op in forward or backward makes a ``(B, T, V)``-sized tensor: the
+    largest is one chunk's logits or a weight. Computing the logits first (the violation) does."""
     B, T, d, vocab, chunk = 2, 8, 4, 1000, 4
     hidden, weight = torch.randn(B, T, d, requires_grad=True), torch.randn(vocab, d, requires_grad=True)
+    t_hidden, t_weight = torch.randn(B, T, d + 1), torch.randn(vocab, d + 1)
     targets = torch.randint(0, vocab, (B, T))
 
     def step() -> None:
         if split:
-            stats = losses.position_stats(hidden, targets, chunk, head=weight, stop_ids=[1], argmax=True)
+            stats = losses.position_stats(hidden, targets, chunk, head=weight, stop_ids=[1], argmax=True,
+                                          teacher_logits=t_hidden, teacher_head=t_weight)  # fmt: skip
         else:
-            stats = losses.position_stats(hidden @ weight.T, targets, chunk, stop_ids=[1])
-        (stats["nll"].sum() + stats["stop_prob"].sum()).backward()
+            stats = losses.position_stats(hidden @ weight.T, targets, chunk, stop_ids=[1],
+                                          teacher_logits=t_hidden @ t_weight.T)  # fmt: skip
+        (stats["nll"].sum() + stats["stop_prob"].sum() + stats["kd"].sum()).backward()
 
-    largest = _largest_tensor(step)
+    largest = largest_tensor(step)
     assert hidden.grad is not None and weight.grad is not None
     if split:
-        assert largest == max(chunk, d) * vocab, largest
+        assert largest == max(chunk, d + 1) * vocab, largest  # one chunk's logits, or a weight (a view, a gradient)
     else:
         assert largest == B * T * vocab
 
@@ -432,6 +417,28 @@ def test_chunked_dense_kd_equals_kd_loss_dense() -> None:
                                   temperature=2.0)  # fmt: skip
     assert set(stats) == {"nll", "kd"}
     torch.testing.assert_close(losses.masked_mean(stats["kd"], mask), losses.kd_loss_dense(s, t, mask, "jsd", 2.0))
+
+
+@pytest.mark.parametrize("kind", losses.KD_KINDS)
+def test_the_chunked_teacher_head_gives_the_dense_teachers_kd(kind: str) -> None:
+    """The teacher's final hidden states and head weight in (``teacher_head=``): the KD values and the student's
+    gradients of the teacher's logits ``hidden @ head.T`` given whole."""
+    s_hidden = torch.randn(2, 5, 7, generator=torch.Generator().manual_seed(5))
+    s_weight = torch.randn(V, 7, generator=torch.Generator().manual_seed(6))
+    t_hidden = torch.randn(2, 5, 9, generator=torch.Generator().manual_seed(7))
+    t_weight = torch.randn(V, 9, generator=torch.Generator().manual_seed(8)) * 2
+    out = []
+    for split in (False, True):
+        hidden, weight = s_hidden.clone().requires_grad_(True), s_weight.clone().requires_grad_(True)
+        teacher = {"teacher_logits": t_hidden, "teacher_head": t_weight} if split else {
+            "teacher_logits": t_hidden @ t_weight.T}
+        kd = losses.position_stats(hidden, torch.zeros(2, 5, dtype=torch.long), 3, head=weight, kind=kind,
+                                   temperature=2.0, beta=0.3, **teacher)["kd"]  # fmt: skip
+        kd.sum().backward()
+        out.append((kd.detach(), hidden.grad, weight.grad))
+    assert float(out[0][0].sum()) > 0
+    for split_value, whole in zip(out[1], out[0]):
+        torch.testing.assert_close(split_value, whole, atol=1e-6, rtol=1e-5)
 
 
 def test_chunked_stats_keep_no_full_vocabulary_tensor_for_backward() -> None:

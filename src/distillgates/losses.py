@@ -190,6 +190,7 @@ def position_stats(
     topk_ids: Tensor | None = None,
     topk_logprobs: Tensor | None = None,
     teacher_logits: Tensor | None = None,
+    teacher_head: Tensor | None = None,
     kind: str = "forward",
     temperature: float = 1.0,
     beta: float = 0.5,
@@ -210,7 +211,9 @@ def position_stats(
         early_targets: ``(B, T)`` early-tool targets (:func:`early_tool_loss`), optional.
         stop_ids: end-of-turn ids (:func:`stop_probability`), optional.
         topk_ids, topk_logprobs: ``(B, T, k)`` sparse teacher (:func:`kd_loss_topk`), or
-        teacher_logits: ``(B, T, V)`` dense teacher (:func:`kd_loss_dense`).
+        teacher_logits: ``(B, T, V)`` dense teacher (:func:`kd_loss_dense`), or with ``teacher_head`` the
+            teacher's final hidden states ``(B, T, d_t)``: its logits ``teacher_logits @ teacher_head.T`` (no
+            gradient) exist one chunk at a time too.
         argmax: also the student's most likely token per position (``pred``, as float, no gradient).
 
     Returns:
@@ -223,6 +226,7 @@ def position_stats(
     names = ["nll"] + ["early_nll"] * (early_targets is not None) + ["stop_prob"] * bool(stop_ids)
     names += ["kd"] * (topk_ids is not None or teacher_logits is not None) + ["pred"] * argmax
     stop = list(stop_ids)
+    t_head = None if teacher_logits is None else _head(teacher_logits, teacher_head)
 
     def stats(logits: Tensor, target: Tensor, early: Tensor | None, ids: Tensor | None, lps: Tensor | None,
               teacher: Tensor | None) -> Tensor:  # fmt: skip
@@ -235,7 +239,7 @@ def position_stats(
         if ids is not None or teacher is not None:
             s = lp if temperature == 1.0 else F.log_softmax(logits.float() / temperature, dim=-1)  # (n, V)
             if teacher is not None:
-                t = F.log_softmax(teacher.float() / temperature, dim=-1)  # (n, V)
+                t = F.log_softmax(_logits(teacher, t_head).float() / temperature, dim=-1)  # (n, V)
             else:
                 assert ids is not None and lps is not None
                 t, s = topk_pair(s, ids, lps)  # (n, k+1) each

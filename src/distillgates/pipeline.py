@@ -475,16 +475,20 @@ def step_kd(cfg: Config, run: RunDir) -> dict[str, Any]:
     return {"records": result.n_done, "tokens": result.spent_tokens, "status": result.status}
 
 
+def scoring_teacher(cfg: Config, run: RunDir, role: str) -> Any:
+    """The run's local teacher where it scores the role's batches (``teacher_mode: online``, on-policy), else None."""
+    train_cfg = cfg.train_section(role)
+    if train_cfg.teacher_mode != "online" and train_cfg.on_policy.share <= 0:
+        return None
+    from distillgates.teacher.local import LocalTeacher
+
+    return LocalTeacher(run.teacher_model_dir(cfg), device=resolve_device(cfg.device))
+
+
 def train_role(cfg: Config, run: RunDir, role: str) -> dict[str, Any]:
     from distillgates.train.recipe import train_student
 
-    train_cfg = cfg.train_section(role)
-    teacher = None
-    if train_cfg.teacher_mode == "online" or train_cfg.on_policy.share > 0:  # the teacher scores the batches
-        from distillgates.teacher.local import LocalTeacher
-
-        teacher = LocalTeacher(run.teacher_model_dir(cfg), device=resolve_device(cfg.device))
-    path = train_student(cfg, role, run, teacher=teacher, device=cfg.device)
+    path = train_student(cfg, role, run, teacher=scoring_teacher(cfg, run, role), device=cfg.device)
     summary: dict[str, Any] = {"model": str(path)}
     probe = run.optional_json(run.qat_probe(role))
     if probe is not None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import os
 import re
@@ -21,6 +22,8 @@ from distillgates.model import Transformer, load_model
 from distillgates.teacher.kd import KDSetError
 from distillgates.train.data import read_kd_set
 from distillgates.train.recipe import Recipe, train_student
+
+from ..conftest import largest_tensor
 
 REPO = Path(__file__).parents[2]
 RUN_TINY = ["-m", "tests.train.run_tiny"]  # a module run from REPO: it imports the test conftests
@@ -295,6 +298,77 @@ def test_online_teacher_and_bf16_autocast(artifacts: dict[str, Any], tmp_path: P
     assert isinstance(load_model(path), Transformer)
     log = [r for r in _log(tmp_path / "student" / "train_log.jsonl") if "total" in r]
     assert len(log) == 3 and all(r["kd"] > 0 for r in log)
+
+
+@pytest.mark.parametrize("kind", ["transformer", "hf"])
+def test_the_chunked_step_applies_an_online_teachers_head_a_chunk_at_a_time(artifacts: dict[str, Any],
+                                                                            tmp_path: Path, kind: str) -> None:
+    """Online KD with ``train.loss_chunk``: the teacher (a Transformer, or an HF checkpoint through LocalTeacher)
+    gives its final hidden states and head weight, so neither its ``(R, L, V)`` logits nor the student's exist (no
+    op makes a tensor over the vocabulary of more than a few chunks' rows), with the unchunked step's loss and
+    gradients."""
+    from distillgates.hf import save_hf
+    from distillgates.teacher.local import LocalTeacher
+
+    torch.set_num_threads(1)
+    tok = artifacts["tokenizer"]
+    vocab = len(tok)
+    cfg = artifacts["make_config"](vocab)
+    torch.manual_seed(123)  # a teacher that differs from the student's seed-0 init, so KD is not 0
+    teacher: Any = Transformer(cfg.student).eval()
+    if kind == "hf":
+        teacher = LocalTeacher(save_hf(teacher, tmp_path / "teacher", tok), tokenizer=tok)
+    results = []
+    for chunk in (0, 7):
+        cfg = artifacts["make_config"](vocab, teacher_mode="online", loss_chunk=chunk)
+        recipe = Recipe(cfg.train, cfg.student, cfg.shapes, tok, artifacts["train"], artifacts["eval"],
+                        tmp_path / str(chunk), teacher=teacher, device="cpu", progress=False, speed_prompts=0)
+        recipe.setup()
+        batch = recipe._micro_batches(0)[0]
+        parts: dict[str, float] = {}
+        largest = largest_tensor(functools.partial(_loss_backward, recipe, batch, parts), last_dim=vocab)
+        rows = batch.input_ids.numel()  # R * L
+        if chunk:  # one chunk's logits, or a head weight (d, V)
+            assert largest <= max(chunk, cfg.student.d_model) * vocab < rows * vocab, (largest, rows * vocab)
+        else:
+            assert largest >= rows * vocab, (largest, rows * vocab)
+        results.append((parts, recipe.model.get_parameter("embed.weight").grad.clone()))
+    (plain, plain_grad), (chunked, chunked_grad) = results
+    assert plain["kd"] > 0 and set(plain) == set(chunked)
+    for name, value in plain.items():
+        assert chunked[name] == pytest.approx(value, rel=1e-5, abs=1e-6), name
+    torch.testing.assert_close(chunked_grad, plain_grad, atol=1e-6, rtol=1e-4)
+
+
+def _loss_backward(recipe: Recipe, batch: Any, parts: dict[str, float]) -> None:
+    total, logged = recipe.compute_loss(batch, epoch=1.0)
+    total.backward()
+    parts.update(logged)
+
+
+def test_an_hf_teacher_whose_logits_are_not_hidden_times_head_gives_its_logits() -> None:
+    """An HF model whose logits are transformed after its head (Gemma 2's softcapping): teacher_fn's split is refused
+    and it gives the logits themselves; without the softcap it splits, and the product equals the logits."""
+    from transformers import Gemma2Config, Gemma2ForCausalLM
+
+    from distillgates.train.recipe import teacher_fn
+
+    ids = torch.randint(0, 64, (2, 6))
+    for cap in (None, 3.0):
+        torch.manual_seed(0)
+        config = Gemma2Config(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                              num_attention_heads=2, num_key_value_heads=1, head_dim=8, final_logit_softcapping=cap)
+        model = Gemma2ForCausalLM(config).eval()
+        with torch.no_grad():
+            model.lm_head.weight.mul_(50.0)  # logits past the cap
+            logits = model(input_ids=ids).logits
+            out = teacher_fn(model, split_head=True)(ids)
+        if cap is None:
+            hidden, head = out
+            torch.testing.assert_close(hidden @ head.T, logits, atol=1e-4, rtol=1e-4)
+        else:
+            assert isinstance(out, torch.Tensor)
+            torch.testing.assert_close(out, logits)
 
 
 def test_bad_kd_record_names_file_line_field(artifacts: dict[str, Any], tmp_path: Path) -> None:

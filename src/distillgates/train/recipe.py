@@ -146,7 +146,9 @@ class Recipe:
         train_items, eval_items: dataset items.
         out_dir: where checkpoints, the log, the model and the QAT probe go.
         kd_records: offline KD records by item id (``teacher_mode: offline``).
-        teacher: a callable ``input_ids (B, T) -> logits (B, T, V)`` (``teacher_mode: online``).
+        teacher: what scores the batches (``teacher_mode: online``, on-policy): a
+            :class:`~distillgates.teacher.local.LocalTeacher`, an HF causal LM, a :class:`Transformer` or a callable
+            ``input_ids (B, T) -> logits (B, T, V)`` (:func:`teacher_fn`).
         init_teacher: the teacher as a :class:`Transformer` (``init_from: teacher``).
         init_model: the pretrained model itself (``init_from: hf:<dir>``), trained in place; its
             config must be ``model_cfg``.
@@ -178,7 +180,8 @@ class Recipe:
         self.cfg, self.model_cfg, self.shapes = train_cfg, model_cfg, shapes
         self.tokenizer, self.train_items, self.eval_items = tokenizer, train_items, eval_items
         self.out_dir = Path(out_dir)
-        self.kd_records, self.teacher = kd_records, teacher
+        self.kd_records = kd_records
+        self.teacher: Any = None if teacher is None else teacher_fn(teacher, split_head=bool(train_cfg.loss_chunk))
         self.device = resolve_device(device)
         self.max_steps = max_steps
         self.progress = progress
@@ -423,9 +426,12 @@ class Recipe:
         hidden states ``(R, L, d)`` and the head's weight ``(V, d)``: no ``(R, L, V)`` logits."""
         cfg, dev = self.cfg, self.device
         teacher = topk_ids = topk_logprobs = None
+        teacher_head = None
         if cfg.kd.weight > 0 and self._dense_teacher(batch):
             with torch.no_grad():
-                teacher = self.teacher(input_ids)  # (R, L, V), cast to fp32 per chunk
+                teacher = self.teacher(input_ids)  # (R, L, V) logits, cast to fp32 per chunk, or (hidden, head)
+            if isinstance(teacher, tuple):
+                teacher, teacher_head = teacher
         elif cfg.kd.weight > 0 and batch.kd_ids is not None and batch.kd_logprobs is not None:
             topk_ids, topk_logprobs = batch.kd_ids.to(dev), batch.kd_logprobs.to(dev)
         kind, beta = self._divergence(batch)
@@ -433,7 +439,7 @@ class Recipe:
             hidden, batch.targets.to(dev), cfg.loss_chunk, head=head,
             early_targets=batch.early_targets.to(dev) if cfg.early_tool.weight > 0 else None,
             stop_ids=[self.end_id] if cfg.length.weight > 0 else (),
-            topk_ids=topk_ids, topk_logprobs=topk_logprobs, teacher_logits=teacher,
+            topk_ids=topk_ids, topk_logprobs=topk_logprobs, teacher_logits=teacher, teacher_head=teacher_head,
             kind=kind, temperature=cfg.kd.temperature, beta=beta,
             argmax=cfg.length.weight > 0 and cfg.length.exempt_when_covered,
         )  # fmt: skip
@@ -814,10 +820,9 @@ def build_recipe(
         from distillgates.train.init import check_vocabulary
 
         check_vocabulary(teacher.path, tokenizer, f"train.teacher_mode 'online' ({teacher.path})")
-    teacher_fn = _teacher_fn(teacher) if teacher is not None else None
     return Recipe(
         train_cfg, model_cfg, cfg.shapes, tokenizer, train_items, eval_items, run.model_dir(role),
-        kd_records=kd_records, teacher=teacher_fn, device=device, max_steps=max_steps, progress=progress,
+        kd_records=kd_records, teacher=teacher, device=device, max_steps=max_steps, progress=progress,
         speed_prompts=min(cfg.speed.n_prompts, 4),
         init_teacher=_init_teacher(cfg, run, tokenizer) if train_cfg.init_from == "teacher" else None,
         init_model=init_model, qat_int4_block=cfg.student_qat_int4_block if role == "student" else None,
@@ -841,13 +846,48 @@ def _init_teacher(cfg: Config, run: RunDir, tokenizer: Any) -> Transformer:
     return from_hf(AutoModelForCausalLM.from_pretrained(path).float())
 
 
-def _teacher_fn(teacher: Any) -> Any:
-    """``input_ids -> logits`` for a LocalTeacher (``.logits``), an HF model or a Transformer."""
-    if hasattr(teacher, "logits") and callable(teacher.logits):
-        return teacher.logits
-    if isinstance(teacher, Transformer):
-        return lambda ids: teacher.eval()(ids)
-    return lambda ids: teacher.eval()(input_ids=ids).logits
+def teacher_fn(teacher: Any, split_head: bool = False) -> Any:
+    """``input_ids (B, T) -> logits (B, T, V)`` of a LocalTeacher (its HF model), an HF causal LM, a
+    :class:`Transformer` or such a callable (returned as is).
+
+    With ``split_head`` (``train.loss_chunk``): ``input_ids -> (final hidden states (B, T, d), head weight (V, d))``
+    where the teacher's logits are their product, so :func:`~distillgates.losses.position_stats` applies the
+    teacher's head a chunk at a time too (a Gemma 3 teacher's logits of an 8 x 512 batch are 4 GiB in fp32). A
+    Transformer always splits; an HF model when its logits were checked to be its base model's last hidden state
+    times its output embedding (not so under logit softcapping or scaling: it then gives its logits).
+    """
+    from transformers import PreTrainedModel
+
+    from distillgates.teacher.local import LocalTeacher
+
+    model = teacher.model if isinstance(teacher, LocalTeacher) else teacher
+    if isinstance(model, Transformer):
+        model.eval()
+        return (lambda ids: model(ids, split_head=True)) if split_head else (lambda ids: model(ids))
+    if isinstance(model, PreTrainedModel):
+        model.eval()
+        device = model.device
+        if split_head and (split := _hf_split_head(model)) is not None:
+            return split
+        return lambda ids: model(input_ids=ids.to(device), use_cache=False).logits
+    return teacher
+
+
+def _hf_split_head(model: Any) -> Any:
+    """``input_ids -> (last hidden state, output embedding weight)`` of an HF causal LM, or None where its logits
+    are not their product (checked on 8 tokens: softcapping, a scale, a bias)."""
+    base, head, device = model.base_model, model.get_output_embeddings(), model.device
+    if base is model or not isinstance(head, nn.Linear) or head.bias is not None:
+        return None
+
+    def split(ids: Tensor) -> tuple[Tensor, Tensor]:
+        return base(input_ids=ids.to(device), use_cache=False).last_hidden_state, head.weight
+
+    probe = torch.arange(8, device=device)[None] % head.weight.shape[0]  # (1, 8)
+    with torch.no_grad():
+        hidden, weight = split(probe)
+        logits = model(input_ids=probe, use_cache=False).logits
+    return split if torch.allclose(hidden @ weight.T, logits, rtol=1e-4, atol=1e-4) else None
 
 
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
@@ -889,4 +929,4 @@ def main(argv: list[str] | None = None) -> int:
     return int(args.func(args))
 
 
-__all__ = ["Recipe", "Row", "add_parser", "build_recipe", "main", "run", "train_student"]
+__all__ = ["Recipe", "Row", "add_parser", "build_recipe", "main", "run", "teacher_fn", "train_student"]
