@@ -80,7 +80,7 @@ def test_gemma3_example_config_prunes_the_real_checkpoint(gemma3_gguf, gemma3_di
     cfg = load_config(example / "config.yaml")
     assert cfg.tokenizer.chat_template == "gemma" and cfg.teacher is not None and cfg.teacher.finetune is not None
     assert cfg.student is not None and cfg.drafter is not None
-    assert (cfg.student.n_layers, cfg.drafter.n_layers) == (6, 2)
+    assert (cfg.student.n_layers, cfg.drafter.n_layers) == (9, 2)
     for model in (cfg.student, cfg.drafter):
         assert (model.vocab_size, model.d_model, model.n_heads, model.n_kv_heads, model.head_dim) == (262144, 640, 4, 1,
                                                                                                       256)
