@@ -83,29 +83,26 @@ def work_dir(src: RunDir, path: Path) -> RunDir:
 
 
 def train_ours(cfg: Config, run: RunDir, steps: int | None, max_steps: int | None = None) -> float:
-    from distillgates.teacher.local import LocalTeacher
+    from distillgates.pipeline import scoring_teacher
     from distillgates.train.recipe import train_student
 
     if steps is not None:
         cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, steps=steps))
-    teacher = LocalTeacher(run.teacher_model_dir(cfg)) if cfg.train.on_policy.share > 0 else None
     start = time.perf_counter()
-    train_student(cfg, "student", run, teacher=teacher, progress=False, device="cpu", max_steps=max_steps)
+    train_student(cfg, "student", run, teacher=scoring_teacher(cfg, run, "student"), progress=False, device="cpu",
+                  max_steps=max_steps)
     return time.perf_counter() - start
 
 
-def student_init(cfg: Config, run: RunDir, out: Path) -> Path:
-    """The recipe's initial student (``init_from: teacher``: the same layers) in Hugging Face format."""
+def student_init(cfg: Config, run: RunDir) -> Path:
+    """The recipe's initial student (``init_from: teacher``: the same layers) in Hugging Face format, in the arm's
+    run dir (whose student is never trained by the recipe: TRL's arm)."""
     from distillgates.hf import save_hf
-    from distillgates.train.data import read_kd_set
-    from distillgates.train.recipe import Recipe, _init_teacher
+    from distillgates.train.recipe import build_recipe
 
-    tok = run.tokenizer()
-    recipe = Recipe(cfg.train, cfg.student, cfg.shapes, tok, run.items("train"), [], out / "init",
-                    kd_records=read_kd_set(run.kd_set, tok), device="cpu", progress=False,
-                    init_teacher=_init_teacher(cfg, run, tok))  # fmt: skip
+    recipe = build_recipe(cfg, "student", run, device="cpu", progress=False)
     recipe.setup()
-    return save_hf(recipe.model, out / "init_hf", tok)
+    return save_hf(recipe.model, run.root / "init_hf", recipe.tokenizer)
 
 
 def train_trl(cfg: Config, run: RunDir, steps: int, beta: float) -> tuple[float, list[float]]:
@@ -136,7 +133,7 @@ def train_trl(cfg: Config, run: RunDir, steps: int, beta: float) -> tuple[float,
     tok = run.tokenizer()
     fmt = chat_format(tok)
     start = time.perf_counter()
-    student = AutoModelForCausalLM.from_pretrained(student_init(cfg, run, run.root), dtype=torch.float32)
+    student = AutoModelForCausalLM.from_pretrained(student_init(cfg, run), dtype=torch.float32)
     student.generation_config.eos_token_id = list(fmt.stop_ids)  # a turn ends on the format's stop ids
     teacher = AutoModelForCausalLM.from_pretrained(run.teacher_model_dir(cfg), dtype=torch.float32)
     prompts = [fmt.prompt(eval_prompt_item(item)) for item in run.items("train")]
