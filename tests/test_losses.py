@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import functools
 import math
+from typing import Any
 
 import pytest
 import torch
@@ -364,6 +366,44 @@ def test_the_chunked_head_gives_the_losses_and_gradients_of_its_logits(chunk: in
         out.append((torch.stack([v.detach() for v in values]), hidden.grad, weight.grad))
     for split, whole in zip(out[1], out[0]):
         torch.testing.assert_close(split, whole, atol=1e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize("head", [True, False], ids=["head-in-the-loss", "logits"])
+def test_positions_limit_the_stats_to_the_positions_read(head: bool) -> None:
+    """``positions=``: the values there are the whole computation's (the KD too) and the others 0; the gradients of
+    the hidden states and the weight are those of the losses over those positions; only their logits exist (one
+    chunk as large as the batch makes a logits tensor of the selected rows, not of every position)."""
+    B, T, d, chunk = 2, 6, 2, 12  # d small: the weights (V, d) are smaller than the selected logits
+    g = torch.Generator().manual_seed(11)
+    targets = torch.randint(0, V, (B, T), generator=g)
+    t_hidden, t_weight = torch.randn(B, T, d + 1, generator=g), torch.randn(V, d + 1, generator=g)
+    positions = torch.zeros(B, T, dtype=torch.bool)
+    positions[0, 2:5] = positions[1, 4] = True
+    names = ("nll", "stop_prob", "kd")
+    out = []
+    for select in (None, positions):
+        hidden = torch.randn(B, T, d, generator=torch.Generator().manual_seed(12)).requires_grad_(True)
+        weight = torch.randn(V, d, generator=torch.Generator().manual_seed(13)).requires_grad_(True)
+        stats: dict[str, torch.Tensor] = {}
+        step = functools.partial(_stats_backward, stats, hidden if head else hidden @ weight.T, targets, chunk,
+                                 head=weight if head else None, stop_ids=[END], teacher_logits=t_hidden,
+                                 teacher_head=t_weight, positions=select, read=positions, names=names)  # fmt: skip
+        largest = largest_tensor(step, last_dim=V)
+        if head:
+            assert largest == (B * T if select is None else int(positions.sum())) * V, largest
+        if select is not None:
+            for name in names:
+                assert torch.equal(stats[name][~positions], torch.zeros(int((~positions).sum())))
+        out.append((torch.stack([stats[n][positions] for n in names]), hidden.grad, weight.grad))
+    for part, whole in zip(out[1], out[0]):
+        torch.testing.assert_close(part, whole, atol=1e-6, rtol=1e-5)
+
+
+def _stats_backward(stats: dict[str, torch.Tensor], *args: Any, read: torch.Tensor, names: tuple[str, ...],
+                    **kwargs: Any) -> None:  # fmt: skip
+    """``position_stats(*args, **kwargs)`` into ``stats``, and backward of their sum over the positions ``read``."""
+    stats.update(losses.position_stats(*args, **kwargs))
+    sum(stats[name][read].sum() for name in names).backward()
 
 
 def test_the_chunked_head_under_bf16_autocast_keeps_each_gradient_in_its_tensors_dtype() -> None:

@@ -541,8 +541,8 @@ class TrainConfig:
     log_every: int = 10
     fsdp: bool = False
     # positions per chunk of the LM head and the vocabulary-sized losses (losses.position_stats: the (B, T, V)
-    # logits never exist, the student's nor an online teacher's, each chunk's are recomputed in backward; for
-    # 32k-262k vocabularies); 0: the whole micro-batch's logits at once
+    # logits never exist, the student's nor an online teacher's, each chunk's are recomputed in backward, and only
+    # the positions a loss reads meet the head; for 32k-262k vocabularies); 0: the whole micro-batch's logits at once
     loss_chunk: int = 0
     # "scratch"; "teacher": start from the local teacher's embeddings and its most influential
     # layers (the student must have the teacher's width; see distillgates/train/init.py); or

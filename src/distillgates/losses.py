@@ -46,7 +46,9 @@ Design choices:
   (``head``), it applies the head itself, chunk by chunk, so the ``(B, T, V)`` logits never exist,
   neither their gradient (the chunked cross-entropy of Liger's fused linear CE and of Apple's Cut
   Cross-Entropy, here for every per-position loss): the price is the head's matmul once more
-  in backward. Given logits instead, it writes their gradient into one logits-sized buffer. Either
+  in backward. Given the positions the losses read (``positions``: a training row's assistant turns), it computes
+  theirs alone: a row's prompt and padding never meet the head. Given logits instead, it writes their gradient into
+  one logits-sized buffer. Either
   way backward allocates no full-size temporaries (slicing or gather backward would: each makes a
   zero-filled tensor of the whole input); the values equal the unchunked losses within float rounding.
 
@@ -195,6 +197,7 @@ def position_stats(
     temperature: float = 1.0,
     beta: float = 0.5,
     argmax: bool = False,
+    positions: Tensor | None = None,
 ) -> dict[str, Tensor]:
     """Per-position values over the vocabulary, ``chunk`` positions at a time (module docstring).
 
@@ -215,6 +218,9 @@ def position_stats(
             teacher's final hidden states ``(B, T, d_t)``: its logits ``teacher_logits @ teacher_head.T`` (no
             gradient) exist one chunk at a time too.
         argmax: also the student's most likely token per position (``pred``, as float, no gradient).
+        positions: ``(B, T)`` bool, the positions whose values are read (a loss's mask): only their logits are
+            computed, and the others' values are 0. A training row's prompt (system prompt, tool schemas) and
+            padding, most of its positions, then never meet the head.
 
     Returns:
         ``(B, T)`` tensors: ``nll``, and where asked ``early_nll``, ``stop_prob``, ``kd`` (divergence
@@ -253,8 +259,15 @@ def position_stats(
     def rows(t: Tensor | None) -> Tensor | None:
         return None if t is None else t.reshape(B * T, *t.shape[2:])
 
-    flat = [rows(t) for t in (targets, early_targets, topk_ids, topk_logprobs, teacher_logits)]
-    table = _ChunkedRows.apply(stats, chunk, rows(x), head, *flat).view(B, T, len(names))
+    flat = [rows(t) for t in (x, targets, early_targets, topk_ids, topk_logprobs, teacher_logits)]
+    # none read (a batch without assistant tokens): every position, so the losses keep a graph
+    index = None if positions is None or not positions.any() else positions.reshape(-1).nonzero()[:, 0]
+    if index is not None:  # the rows a loss reads (a gather: its backward's zero-filled buffer is x's size)
+        flat = [None if t is None else t[index] for t in flat]
+    table = _ChunkedRows.apply(stats, chunk, flat[0], head, *flat[1:])
+    if index is not None:
+        table = table.new_zeros(B * T, len(names)).index_copy(0, index, table)
+    table = table.view(B, T, len(names))
     return {name: table[..., i] for i, name in enumerate(names)}
 
 

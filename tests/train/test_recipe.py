@@ -534,6 +534,22 @@ def test_chunked_losses_equal_the_unchunked_step(artifacts: dict[str, Any], tmp_
     assert chunked_val == pytest.approx(plain_val, rel=1e-5)
 
 
+def test_the_chunked_step_applies_the_head_only_where_a_loss_reads(artifacts: dict[str, Any],
+                                                                    tmp_path: Path) -> None:  # fmt: skip
+    """The chunked step computes its per-position values at the assistant turns' positions and the early-tool
+    loss's alone (each loss's mask lies in them): a row's prompt and its padding, most of a batch, get none."""
+    torch.set_num_threads(1)
+    recipe = _recipe(artifacts, tmp_path, steps=4, loss_chunk=7, length={"weight": 0.5, "hinge": 0.0})
+    recipe.setup()
+    batch = recipe._micro_batches(0)[0]
+    hidden, head = recipe._forward(batch.input_ids)
+    stats = recipe._position_stats(hidden, head, batch, batch.input_ids)
+    read = batch.turn_mask | (batch.early_mask > 0)
+    assert float(read.float().mean()) < 0.5 and set(stats) >= {"nll", "early_nll", "stop_prob", "kd"}
+    for name in ("nll", "early_nll", "stop_prob"):
+        assert bool((stats[name][~read] == 0).all()) and bool((stats[name][read] > 0).all()), name
+
+
 def test_the_recipe_refuses_what_it_cannot_train(artifacts: dict[str, Any], tmp_path: Path) -> None:
     """Each refusal names the setting: a missing KD set or teacher, an init it cannot build, a batch it cannot split,
     a KD set of other items, a checkpoint of another model, an unknown role."""

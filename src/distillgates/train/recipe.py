@@ -442,6 +442,7 @@ class Recipe:
             topk_ids=topk_ids, topk_logprobs=topk_logprobs, teacher_logits=teacher, teacher_head=teacher_head,
             kind=kind, temperature=cfg.kd.temperature, beta=beta,
             argmax=cfg.length.weight > 0 and cfg.length.exempt_when_covered,
+            positions=(batch.turn_mask | (batch.early_mask > 0)).to(dev),  # every loss reads these alone
         )  # fmt: skip
 
     def _dense_teacher(self, batch: Batch) -> bool:
@@ -629,7 +630,8 @@ class Recipe:
                 ids, targets, mask = (t.to(self.device) for t in (batch.input_ids, batch.targets, batch.ce_mask))
                 if self.cfg.loss_chunk:  # the head a chunk at a time, as in training
                     hidden, head = model(ids, split_head=True)
-                    nll = losses.position_stats(hidden, targets, self.cfg.loss_chunk, head=head)["nll"]
+                    nll = losses.position_stats(hidden, targets, self.cfg.loss_chunk, head=head,
+                                                positions=mask > 0)["nll"]  # fmt: skip
                     ce = losses.masked_mean(nll, mask)
                 else:
                     ce = losses.ce_loss(model(ids).float(), targets, mask)
