@@ -30,15 +30,10 @@ from distillgates.rundir import RunDir
 
 def load(path: Path) -> Any:
     """A ``model.pt`` of the recipe, or a Hugging Face model directory, as a :class:`Transformer`."""
+    from distillgates.hf import load_hf
     from distillgates.model import load_model
 
-    if path.is_dir():
-        from transformers import AutoModelForCausalLM
-
-        from distillgates.hf import from_hf
-
-        return from_hf(AutoModelForCausalLM.from_pretrained(path).float())
-    return load_model(path)
+    return load_hf(path) if path.is_dir() else load_model(path)
 
 
 @torch.no_grad()

@@ -46,11 +46,12 @@ Design choices:
   (``head``), it applies the head itself, chunk by chunk, so the ``(B, T, V)`` logits never exist,
   neither their gradient (the chunked cross-entropy of Liger's fused linear CE and of Apple's Cut
   Cross-Entropy, here for every per-position loss): the price is the head's matmul once more
-  in backward. Given the positions the losses read (``positions``: a training row's assistant turns), it computes
-  theirs alone: a row's prompt and padding never meet the head. Given logits instead, it writes their gradient into
-  one logits-sized buffer. Either
-  way backward allocates no full-size temporaries (slicing or gather backward would: each makes a
+  in backward. Given logits instead, it writes their gradient into one logits-sized buffer. Either
+  way backward allocates no other full-size temporaries (slicing backward would: each slice makes a
   zero-filled tensor of the whole input); the values equal the unchunked losses within float rounding.
+  Given the positions the losses read (``positions``: a training row's assistant turns), it computes
+  theirs alone, so a row's prompt and padding never meet the head; their rows are gathered once (the
+  gather's backward makes the one input-sized buffer).
 
 References: Hinton et al. 2015 (T^2); Agarwal et al. 2024 (GKD: reverse KL/JSD); torchtune
 ``ForwardKLLoss``; the inference-speed plan (seeds) for the length and early-tool losses.
