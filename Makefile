@@ -47,7 +47,7 @@ run: setup
 # CI's 90 minutes.
 test: setup
 	$(BIN)/ruff check .
-	$(BIN)/mypy src/distillgates
+	$(BIN)/mypy src/distillgates pytest_distillgates
 	rm -f .coverage .coverage.*
 	COVERAGE_FILE=$(CURDIR)/.coverage $(BIN)/python -m pytest -q -n 2 --dist loadfile --cov --cov-report= --durations=30 tests
 	$(BIN)/python tools/coverage_floor.py --line $(COVERAGE_LINE_MIN) --branch $(COVERAGE_BRANCH_MIN)
@@ -63,7 +63,7 @@ gates: setup
 
 lint: setup
 	$(BIN)/ruff check .
-	$(BIN)/mypy src/distillgates
+	$(BIN)/mypy src/distillgates pytest_distillgates
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache .coverage .coverage.*
