@@ -669,9 +669,11 @@ class SpeedConfig:
     # process (macOS 27: Core AI's OS framework; off macOS refused, its reference runtime times nothing real)
     engine: str = "torch"
     # speculative speedup: fresh speed worker processes, each measuring plain and speculative decoding interleaved;
-    # the speedup's interval is over these processes (K - 1 degrees of freedom)
-    speculative_workers: int = 6
-    speculative_samples: int = 16  # TPS samples per process and decoding mode (after a warm-up block of each)
+    # the speedup's interval is over these processes (K - 1 degrees of freedom). 8 x 32: the toy's TTFT gate (true
+    # ratio ~1.0, minimum 0.9) came out inconclusive in 3 of 12 decisions at 6 x 16 (a process slow for ~10 of its 16
+    # samples moves its median), in 0 of 10 at 8 x 32 (2-core Xeon and EPYC VMs; docs/gates.md)
+    speculative_workers: int = 8
+    speculative_samples: int = 32  # TPS samples per process and decoding mode (after a warm-up block of each)
     # eval prompts decoded speculatively, untimed: identical output, acceptance, the per-item rollback rate's p95
     speculative_items: int = 32
 
