@@ -46,8 +46,10 @@ run: setup
 # worker processes or the single-threaded Core AI runtime), under coverage (in process and in every Python child
 # process: [tool.coverage.run] in pyproject.toml) with a floor on lines and on branches (tools/coverage_floor.py;
 # the planning documents' >= 80% and >= 90%), then the acceptance checklist
-# (pytest_distillgates/checklist/, shipped with the plugin) on runs/toy (built once, ~30 min on a 2-core VM, unless
-# `make run` made it), its quality, latency and drift gated against baselines blessed from another build (the toy's
+# (pytest_distillgates/checklist/, shipped with the plugin) on runs/toy: its steps before speed are built beside
+# tests/ (~32 min alone on the 2-core EPYC VM; nothing is rebuilt after `make run`), which leave a core idle much of
+# the time; the speed step runs after tests/, alone, as the checklist's build. Its quality, latency and drift are gated
+# against baselines blessed from another build (the toy's
 # --seed 1: baselines/common/), so every run gates a student other than the blessed one, as on another machine (issue
 # #40). A second student (--student-seed 1) ran here until 2026-12-02: ~15 min more on CI's slower machine kind,
 # where make test had reached 74 min without it. --durations lists the 30 slowest tests: make test must stay inside
