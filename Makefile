@@ -14,11 +14,14 @@ export COREAI_WHEEL := import platform, sys; m = platform.machine(); v = sys.ver
 
 .PHONY: setup run test unit gates lint clean
 
-# The toy's steps before its speed step: make test builds them beside tests/ (below), its OpenMP threads waiting
-# passively (OMP_WAIT_POLICY only says how an idle thread waits: the same threads, the same results). Measured beside
-# tests/train, test_losses.py, test_model.py (pytest -n 2, 206 s alone) on the 2-core AMD EPYC VM, 2026-12-07: toy
-# teacher steps at 21% of their speed alone and those tests 1.39x slower with libgomp's default spinning, 47% and
-# 1.16x with passive waits; alone, passive waits cost the teacher 30% (3.25 against 4.60 steps/s)
+# The toy's steps before its speed step: make test builds them beside tests/ (below). The OpenMP threads of both wait
+# passively (OMP_WAIT_POLICY only says how an idle thread waits: the same threads, the same results); with libgomp's
+# default a thread spins for the others of its process while they wait for a core the other processes hold. Measured
+# on the 2-core AMD EPYC VM, 2026-12-07: beside tests/train, test_losses.py, test_model.py (pytest -n 2, 206 s alone)
+# the toy teacher's steps ran at 21% of their speed alone and those tests 1.39x slower with the default, 47% and 1.16x
+# with the build's waits passive; two of test_real_checkpoint.py's QAT-probe processes (36 s alone) beside the
+# teacher took 174 s with the default, 115 s passive, the teacher's steps 1.36 and 1.92 a second. Alone, passive waits
+# cost the teacher 30% (3.25 against 4.60 steps/s): the checklist's speed step, after tests/, keeps the default
 TOY_STEPS := data teacher check kd student drafter export eval coreai_eval
 
 $(BIN)/.installed: pyproject.toml
@@ -59,7 +62,8 @@ test: setup
 	$(BIN)/mypy src/distillgates pytest_distillgates
 	rm -f .coverage .coverage.*
 	mkdir -p runs
-	OMP_WAIT_POLICY=PASSIVE setsid -w sh -c 'for step in $(TOY_STEPS); do $(BIN)/distillgates $$step || exit 1; done' >runs/toy-build.log 2>&1 & \
+	export OMP_WAIT_POLICY=PASSIVE; \
+	setsid -w sh -c 'for step in $(TOY_STEPS); do $(BIN)/distillgates $$step || exit 1; done' >runs/toy-build.log 2>&1 & \
 	build=$$!; trap 'kill -TERM -$$build 2>/dev/null' EXIT; \
 	COVERAGE_FILE=$(CURDIR)/.coverage $(BIN)/python -m pytest -q -n 2 --dist loadfile --cov --cov-report= \
 	  --durations=30 tests || exit 1; \

