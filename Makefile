@@ -65,8 +65,8 @@ test: setup
 	export OMP_WAIT_POLICY=PASSIVE; \
 	setsid -w sh -c 'for step in $(TOY_STEPS); do $(BIN)/distillgates $$step || exit 1; done' >runs/toy-build.log 2>&1 & \
 	build=$$!; trap 'kill -TERM -$$build 2>/dev/null' EXIT; \
-	COVERAGE_FILE=$(CURDIR)/.coverage $(BIN)/python -m pytest -q -n 2 --dist loadfile --cov --cov-report= \
-	  --durations=30 tests || exit 1; \
+	COVERAGE_FILE=$(CURDIR)/.coverage $(BIN)/python -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder --cov \
+	  --cov-report= --durations=30 tests || exit 1; \
 	wait $$build || { tail -n 40 runs/toy-build.log; echo "the toy's build failed: runs/toy-build.log"; exit 1; }; \
 	trap - EXIT
 	$(BIN)/python tools/coverage_floor.py --line $(COVERAGE_LINE_MIN) --branch $(COVERAGE_BRANCH_MIN)

@@ -16,8 +16,9 @@ from distillgates.config import ModelConfig
 from distillgates.hardware import torch_threads
 
 # The slowest test files, slowest first (the durations of CI's run of stop 68, 2-core runner; make test prints the 30
-# slowest tests). pytest-xdist's loadfile hands the files to its workers in collection order: these start first, so
-# the run ends on short files on both workers instead of one worker's Gemma 3 run (the longest-first schedule).
+# slowest tests). pytest-xdist's loadfile with --no-loadscope-reorder (make test) hands the files to its workers in
+# collection order: these start first, so the run ends on short files on both workers instead of one worker's Gemma 3
+# run (the longest-first schedule; xdist's default order is the files' number of tests).
 SLOWEST_FILES = ("test_pipeline.py", "test_real_checkpoint.py", "test_real_gemma3.py", "export/test_coreai.py",
                  "export/test_roundtrip.py", "export/test_export.py", "test_install.py", "export/test_int4.py",
                  "train/test_recipe.py", "plugin/test_speed_live.py", "teacher/test_kd.py",
