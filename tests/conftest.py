@@ -15,8 +15,8 @@ import torch
 from distillgates.config import ModelConfig
 from distillgates.hardware import torch_threads
 
-# The slowest test files, slowest first (the durations of CI's run of stop 68, 2-core runner; make test prints the 30
-# slowest tests). pytest-xdist's loadfile with --no-loadscope-reorder (make test) hands the files to its workers in
+# The slowest test files, slowest first (make test's 30 slowest tests on a fresh clone, 2-core AMD EPYC VM,
+# 2026-12-07). pytest-xdist's loadfile with --no-loadscope-reorder (make test) hands the files to its workers in
 # collection order: these start first, so the run ends on short files on both workers instead of one worker's Gemma 3
 # run (the longest-first schedule; xdist's default order is the files' number of tests).
 SLOWEST_FILES = ("test_pipeline.py", "test_real_checkpoint.py", "test_real_gemma3.py", "export/test_coreai.py",
