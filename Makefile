@@ -55,20 +55,22 @@ run: setup
 # against baselines blessed from another build (the toy's
 # --seed 1: baselines/common/), so every run gates a student other than the blessed one, as on another machine (issue
 # #40). A second student (--student-seed 1) ran here until 2026-12-02: ~15 min more on CI's slower machine kind,
-# where make test had reached 74 min without it. --durations lists the 30 slowest tests: make test must stay inside
-# CI's 90 minutes.
+# where make test had reached 74 min without it. --durations lists the 30 slowest tests, and make test prints how long
+# tests/ and the toy's build beside them took: make test must stay inside CI's 90 minutes.
 test: setup
 	$(BIN)/ruff check .
 	$(BIN)/mypy src/distillgates pytest_distillgates
 	rm -f .coverage .coverage.*
 	mkdir -p runs
-	export OMP_WAIT_POLICY=PASSIVE; \
-	setsid -w sh -c 'for step in $(TOY_STEPS); do $(BIN)/distillgates $$step || exit 1; done' >runs/toy-build.log 2>&1 & \
+	export OMP_WAIT_POLICY=PASSIVE; start=$$(date +%s); \
+	setsid -w sh -c 'for step in $(TOY_STEPS); do $(BIN)/distillgates $$step || exit 1; done; \
+	  echo "make test: the toy'"'"'s build beside tests/ took $$(( $$(date +%s) - '$$start' )) s"' >runs/toy-build.log 2>&1 & \
 	build=$$!; trap 'kill -TERM -$$build 2>/dev/null' EXIT; \
 	COVERAGE_FILE=$(CURDIR)/.coverage $(BIN)/python -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder --cov \
 	  --cov-report= --durations=30 tests || exit 1; \
+	echo "make test: tests/ took $$(( $$(date +%s) - start )) s"; \
 	wait $$build || { tail -n 40 runs/toy-build.log; echo "the toy's build failed: runs/toy-build.log"; exit 1; }; \
-	trap - EXIT
+	trap - EXIT; tail -n 1 runs/toy-build.log
 	$(BIN)/python tools/coverage_floor.py --line $(COVERAGE_LINE_MIN) --branch $(COVERAGE_BRANCH_MIN)
 	$(BIN)/python -m pytest -q pytest_distillgates/checklist
 

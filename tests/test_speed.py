@@ -15,6 +15,7 @@ from distillgates.runtime.torch_engine import TorchEngine
 from distillgates.speed import (
     first_valid_call,
     kv_bytes,
+    measure_paired,
     measure_prompt_cache,
     measure_shapes,
     measure_speculative,
@@ -195,6 +196,35 @@ def test_prompt_cache_and_speculative_gate_inputs(tokenizer, model):
         speed_report(HARDWARE, speed, cache, {**spec, "speedup": 1.2})
     timed = {**spec, "speedup": 1.2, "tps_plain": [[100.0] * 8] * 3, "tps_speculative": [[120.0] * 8] * 3}
     validate_report(speed_report(HARDWARE, speed, cache, timed))
+
+
+def test_paired_speed_decodes_every_prompt_with_both_engines_back_to_back(tokenizer, model):
+    """The speculative speedup's samples: one untimed generation of each, then every prompt by both in turn, each
+    first on every other prompt (AB BA AB BA), so each follows each as often."""
+    order: list[tuple[str, int]] = []
+
+    class Recorded:
+        def __init__(self, name: str, engine) -> None:
+            self.name, self.engine = name, engine
+
+        def generate(self, ids, **kwargs):
+            order.append((self.name, len(ids)))
+            yield from self.engine.generate(ids, **kwargs)
+
+    engine = TorchEngine(model)
+    prompts = ["a", "a b", "a b c", "a b c d"]
+    lengths = [len(tokenizer.encode(p, add_special_tokens=False)) for p in prompts]
+    assert len(set(lengths)) == 4
+    got = measure_paired({"plain": Recorded("plain", engine), "speculative": Recorded("speculative", engine)},
+                         tokenizer, prompts, max_new_tokens=4)
+    assert order == [("plain", lengths[0]), ("speculative", lengths[0]),  # untimed
+                     ("plain", lengths[0]), ("speculative", lengths[0]), ("speculative", lengths[1]),
+                     ("plain", lengths[1]), ("plain", lengths[2]), ("speculative", lengths[2]),
+                     ("speculative", lengths[3]), ("plain", lengths[3])]
+    assert [len(got[name]["ttft_ms"]) for name in ("plain", "speculative")] == [4, 4]
+    assert all(t > 0 for name in got for t in got[name]["ttft_ms"])
+    with pytest.raises(ValueError, match="two engines"):
+        measure_paired({"plain": engine}, tokenizer, prompts, max_new_tokens=4)
 
 
 @pytest.mark.parametrize(("field", "value", "message"), [

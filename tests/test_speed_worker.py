@@ -19,20 +19,21 @@ def test_serve_answers_measure_requests_after_the_protocol_line():
         asked.append((n, mode))
         if mode != "plain" and n > 4:
             raise ValueError("no drafter: start the worker with --drafter")
-        return {"ttft_ms": [1.0] * n, "tps": [100.0] * n}
+        samples = {"ttft_ms": [1.0] * n, "tps": [100.0] * n}
+        return {"plain": samples, "speculative": samples} if mode == "paired" else samples
 
-    requests = ("measure 3\nmeasure-speculative 2\nmeasure-speculative 5\nreport {\"speed\": {\"warmup\": 1}}\n"
-                "measure-drafter 1\nhello\nquit\nmeasure 9\n")
+    requests = ("measure 3\nmeasure-paired 2\nmeasure-paired 5\nreport {\"speed\": {\"warmup\": 1}}\n"
+                "measure-drafter 1\nmeasure-speculative 1\nquit\nmeasure 9\n")
     serve(sampler, "torch", io.StringIO(requests), out, reporter=lambda request: request)
     lines = [json.loads(line) for line in out.getvalue().splitlines()]
     assert lines[0] == {"protocol": PROTOCOL, "version": PROTOCOL_VERSION, "backend": "torch"}
     assert lines[1] == {"ttft_ms": [1.0] * 3, "tps": [100.0] * 3}
-    assert lines[2] == {"ttft_ms": [1.0] * 2, "tps": [100.0] * 2}
+    assert lines[2] == {mode: {"ttft_ms": [1.0] * 2, "tps": [100.0] * 2} for mode in ("plain", "speculative")}
     assert "ValueError: no drafter" in lines[3]["error"]  # answered, and the worker serves on
     assert lines[4] == {"speed": {"warmup": 1}}
     assert lines[5] == {"ttft_ms": [1.0], "tps": [100.0]}
-    assert "unknown request 'hello'" in lines[6]["error"]
-    assert asked == [(3, "plain"), (2, "speculative"), (5, "speculative"), (1, "drafter")]
+    assert "unknown request 'measure-speculative 1'" in lines[6]["error"]
+    assert asked == [(3, "plain"), (2, "paired"), (5, "paired"), (1, "drafter")]
     assert len(lines) == 7  # nothing after quit
 
 

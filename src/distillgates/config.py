@@ -668,12 +668,12 @@ class SpeedConfig:
     # "torch"; "coreml": export/model.mlpackage (macOS); "coreai": export/model.aimodel in the speed worker's own
     # process (macOS 27: Core AI's OS framework; off macOS refused, its reference runtime times nothing real)
     engine: str = "torch"
-    # speculative speedup: fresh speed worker processes, each measuring plain and speculative decoding interleaved;
-    # the speedup's interval is over these processes (K - 1 degrees of freedom). 8 x 32: the toy's TTFT gate (true
-    # ratio ~1.0, minimum 0.9) came out inconclusive in 3 of 12 decisions at 6 x 16 (a process slow for ~10 of its 16
-    # samples moves its median), in 0 of 10 at 8 x 32 (2-core Xeon and EPYC VMs; docs/gates.md)
+    # speculative speedup: fresh speed worker processes, each decoding every prompt plainly and speculatively back to
+    # back; the speedup's interval is over these processes (K - 1 degrees of freedom). 8 x 32: the toy's TTFT gate
+    # (true ratio ~1.0, minimum 0.9) with the modes in blocks of 8 came out inconclusive in 3 of 12 decisions at
+    # 6 x 16, in 0 of 10 at 8 x 32, and at 8 x 32 on CI (docs/gates.md)
     speculative_workers: int = 8
-    speculative_samples: int = 32  # TPS samples per process and decoding mode (after a warm-up block of each)
+    speculative_samples: int = 32  # prompts per process, each decoded in both modes (then the drafter alone as often)
     # eval prompts decoded speculatively, untimed: identical output, acceptance, the per-item rollback rate's p95
     speculative_items: int = 32
 

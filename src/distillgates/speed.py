@@ -212,6 +212,30 @@ def measure_speed(
     }
 
 
+def measure_paired(
+    engines: Mapping[str, EngineBase | SpeculativeDecoder], tokenizer: Any, prompts: Sequence[str], *,
+    max_new_tokens: int, stop_ids: Sequence[int] = (),
+) -> dict[str, dict[str, list[float]]]:  # fmt: skip
+    """TTFT and TPS samples of two engines on the same prompts, each prompt decoded by both back to back, each engine
+    first on every other prompt (AB BA AB ...: each follows each as often, so a slow stretch of the machine, and the
+    caches the previous generation left, fall on both alike), after one untimed generation of each (the first
+    decode of a process compiles). ``{name: {"ttft_ms": [...], "tps": [...]}}``: one TTFT sample per prompt; a
+    generation of fewer than two tokens has no TPS sample."""
+    names = list(engines)
+    if len(names) != 2 or not prompts:
+        raise ValueError(f"measure_paired needs two engines and a prompt, got {names} and {len(prompts)} prompts")
+    for name in names:
+        _one_run(engines[name], tokenizer, prompts[0], max_new_tokens, stop_ids)
+    out: dict[str, dict[str, list[float]]] = {name: {"ttft_ms": [], "tps": []} for name in names}
+    for i, prompt in enumerate(prompts):
+        for name in (names if i % 2 == 0 else names[::-1]):
+            run = _one_run(engines[name], tokenizer, prompt, max_new_tokens, stop_ids)
+            out[name]["ttft_ms"].append(run["tokenizer_ms"] + run["first_step_ms"])
+            if run["tps"] is not None:
+                out[name]["tps"].append(run["tps"])
+    return out
+
+
 def _cache_elem_size(engine: EngineBase | SpeculativeDecoder) -> int:
     inner = getattr(engine, "engine", engine)  # PromptCachedEngine wraps a TorchEngine
     if isinstance(inner, TorchEngine):
@@ -276,8 +300,8 @@ def measure_speculative(
 ) -> dict[str, Any]:
     """gate_inputs.speculative without the speedup: identical greedy output and the acceptance statistics.
 
-    Nothing here is timed: the speedup is measured in speed worker processes, each decoding plainly and
-    speculatively interleaved (:func:`distillgates.gates.speed_ab.speculative_speedup`), never in this process.
+    Nothing here is timed: the speedup is measured in speed worker processes, each decoding every prompt plainly
+    and speculatively back to back (:func:`distillgates.gates.speed_ab.speculative_speedup`), never in this process.
     """
     decoder = SpeculativeDecoder(worker, drafter, k=k)
     identical = True

@@ -14,9 +14,12 @@ Protocol (line-based JSON on stdin/stdout, ``PROTOCOL_VERSION``): the worker fir
 line ``measure N`` is answered by one line ``{"ttft_ms": [...], "tps": [...]}`` (N generations at
 batch 1 after the worker's warm-up, prompts rotating; a generation of fewer than two tokens has
 no TPS sample), and ``quit`` (or end of input) ends it. Errors are answered as ``{"error": ...}``.
-Requests the speed gates never send (so a blessed commit's worker need not know them):
-``measure-speculative N`` (a worker started with ``--drafter``: the same, decoding speculatively
-with that drafter), ``measure-drafter N`` (the same, the drafter decoding alone) and
+Requests the speed gates never send (so a blessed commit's worker need not know them), for a worker
+started with ``--drafter``: ``measure-paired N``, answered by ``{"plain": {"ttft_ms": [...], "tps": [...]},
+"speculative": {...}}`` (N generations of each, plain and speculative decoding with that drafter, after one untimed
+generation of each: every prompt is decoded by both back to back, each first on every other prompt, so a slow
+stretch of the machine and the caches the previous generation left fall on both alike), ``measure-drafter N``
+(as ``measure N``, the drafter decoding alone) and
 ``report {"speed": SpeedConfig fields, "shapes": [lengths]}`` (the speed report's ``speed`` section,
 :func:`distillgates.speed.measure_speed` on the run's eval prompts with their tools, and per enumerated prefill
 shape; its ``peak_memory_bytes`` is this process's: model, tokenizer and engine, not the pipeline's).
@@ -44,9 +47,12 @@ METRICS = ("ttft_ms", "tps")
 N_PROMPTS = 8  # eval prompts measured, in rotation
 MAX_NEW_TOKENS = 32
 
-Sampler = Callable[[int, str], dict[str, list[float]]]  # (n generations, mode) -> samples per metric
-# request -> decoding mode: the student alone, speculatively with the --drafter, the drafter alone
-MODES = {"measure": "plain", "measure-speculative": "speculative", "measure-drafter": "drafter"}
+# (n generations, mode) -> samples per metric; for "paired", samples per metric of each of PAIRED
+Sampler = Callable[[int, str], dict[str, Any]]
+# request -> decoding mode: the student alone, the student alone and speculatively with the --drafter in pairs, the
+# drafter alone
+MODES = {"measure": "plain", "measure-paired": "paired", "measure-drafter": "drafter"}
+PAIRED = ("plain", "speculative")
 COREAI_NOT_TIMED = ("speed.engine coreai needs macOS 27 (Core AI's OS framework): Core AI's Linux runtime is a "
                     "single-threaded reference implementation, an oracle of what the asset computes, and what it times "
                     "is no device's speed (use speed.engine torch here)")
@@ -75,7 +81,7 @@ def speed_sampler(run_dir: Path, model_path: Path, export_dir: Path | None = Non
     from distillgates.rundir import RunDir
     from distillgates.runtime.speculative import SpeculativeDecoder
     from distillgates.runtime.torch_engine import TorchEngine
-    from distillgates.speed import measure_speed
+    from distillgates.speed import measure_paired, measure_speed
 
     torch.set_num_threads(1)  # shared CI cores: one thread gives the least noisy samples
     if export_dir is not None and drafter_path is not None:
@@ -108,17 +114,23 @@ def speed_sampler(run_dir: Path, model_path: Path, export_dir: Path | None = Non
     calls = [0]  # successive requests rotate the prompts, so small requests still cover them all
     engines: dict[str, Any] = {"plain": engine}  # the drafter's built at the first request that needs it
 
-    def sample(n: int, mode: str = "plain") -> dict[str, list[float]]:
+    def engine_of(mode: str) -> Any:
         if mode not in engines:
             if drafter_path is None:
                 raise ValueError(f"no drafter: start the worker with --drafter to measure {mode} decoding")
             drafter = TorchEngine(load_model(drafter_path))
             engines.update(drafter=drafter, speculative=SpeculativeDecoder(engine, drafter))
+        return engines[mode]
+
+    def sample(n: int, mode: str = "plain") -> dict[str, Any]:
         start = calls[0] % len(prompts)
         calls[0] += 1
-        rotated = (prompts[start:] + prompts[:start]) * math.ceil(n / len(prompts))
+        chosen = ((prompts[start:] + prompts[:start]) * math.ceil(n / len(prompts)))[:n]
+        if mode == "paired":
+            return measure_paired({each: engine_of(each) for each in PAIRED}, tokenizer, chosen,
+                                  max_new_tokens=MAX_NEW_TOKENS, stop_ids=stop_ids)
         cfg = SpeedConfig(n_prompts=n, warmup=1, repeats=1, max_new_tokens=MAX_NEW_TOKENS)
-        result = measure_speed(engines[mode], tokenizer, rotated[:n], cfg, model_config=model.config,
+        result = measure_speed(engine_of(mode), tokenizer, chosen, cfg, model_config=model.config,
                                stop_ids=stop_ids, backend=backend)
         return {metric: result[metric]["samples"] for metric in METRICS}
 
@@ -137,8 +149,8 @@ def speed_sampler(run_dir: Path, model_path: Path, export_dir: Path | None = Non
 
 
 def serve(sampler: Sampler, backend: str, stdin: IO[str], stdout: IO[str], reporter: Reporter | None = None) -> None:
-    """Answer ``measure N`` (``measure-speculative N``, ``report {...}``) requests until ``quit`` or end of input
-    (see the module docstring)."""
+    """Answer ``measure N`` (``measure-paired N``, ``measure-drafter N``, ``report {...}``) requests until ``quit``
+    or end of input (see the module docstring)."""
     print(json.dumps({"protocol": PROTOCOL, "version": PROTOCOL_VERSION, "backend": backend}), file=stdout,
           flush=True)
     for line in stdin:
@@ -166,7 +178,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--engine", choices=("coreml", "coreai"), default="coreml",
                         help="with --export-dir: its Core ML package, or its Core AI asset (macOS 27)")
     parser.add_argument("--drafter", type=Path, default=None,
-                        help="drafter checkpoint: also answer 'measure-speculative N' and 'measure-drafter N'")
+                        help="drafter checkpoint: also answer 'measure-paired N' and 'measure-drafter N'")
     args = parser.parse_args(argv)
     sampler, backend, reporter = speed_sampler(args.run_dir, args.model, args.export_dir, args.drafter, args.engine)
     serve(sampler, backend, sys.stdin, sys.stdout, reporter)
@@ -251,10 +263,18 @@ class SpeedWorker:
         return answer
 
     def measure(self, n: int, mode: str = "plain") -> dict[str, list[float]]:
-        """``n`` samples per metric (``mode``: speculatively with the worker's ``--drafter``, or the drafter alone)."""
+        """``n`` samples per metric (``mode`` ``drafter``: the worker's ``--drafter`` decoding alone)."""
         request = f"{next(r for r, m in MODES.items() if m == mode)} {n}"
+        return self._samples(request, self._ask(request))
+
+    def measure_paired(self, n: int) -> dict[str, dict[str, list[float]]]:
+        """``n`` samples per metric of each of :data:`PAIRED`, decoding every prompt with each (``measure-paired``)."""
+        request = f"measure-paired {n}"
         answer = self._ask(request)
-        if any(not isinstance(answer.get(m), list) for m in METRICS):
+        return {mode: self._samples(request, answer.get(mode)) for mode in PAIRED}
+
+    def _samples(self, request: str, answer: Any) -> dict[str, list[float]]:
+        if not isinstance(answer, dict) or any(not isinstance(answer.get(m), list) for m in METRICS):
             raise WorkerError(f"{self.name} speed worker failed {request!r}: {answer!r}")
         return {metric: [float(s) for s in answer[metric]] for metric in METRICS}
 

@@ -26,8 +26,7 @@ instead of running every look for the other gates. Run such a gate alone to deci
 
 The pipeline's speed step measures in speed workers too (the end of this module): the speed report's
 ``speed`` section in one fresh worker (:func:`report_speed`), and the speculative speedup in fresh workers
-that each decode plainly and speculatively, interleaved with :func:`measure_interleaved` as a pair of arms
-is (:func:`speculative_speedup`).
+that each decode every prompt plainly and speculatively, back to back (:func:`speculative_speedup`).
 """
 
 from __future__ import annotations
@@ -314,38 +313,27 @@ def report_speed(run: RunDir, speed_config: dict[str, Any], export_dir: Path | N
         worker.close()
 
 
-class _Decoding:
-    """One decoding mode (plain, speculative, the drafter alone) of a speed worker process, as an :class:`Arm`."""
-
-    def __init__(self, worker: SpeedWorker, mode: str) -> None:
-        self.worker, self.mode = worker, mode
-
-    def measure(self, n: int) -> dict[str, list[float]]:
-        return self.worker.measure(n, self.mode)
-
-    def close(self) -> None:  # the process has one owner: speculative_speedup
-        pass
-
-
 def speculative_speedup(run: RunDir, *, workers: int, samples: int) -> dict[str, list[list[float]]]:
     """TPS and TTFT samples of plain and of speculative decoding of the run's student (with the run's drafter), and
-    of the drafter alone, per fresh speed worker process. Each process measures the three interleaved
-    (:func:`measure_interleaved`, after a warm-up block of each), so its lasting speed offset cancels in its ratios;
-    the processes are the replicates of :func:`distillgates.gates.stats.compare_speedup`. One process at a time,
-    started when its turn comes: nothing loads while one measures, and the memory is one process's, whatever the
-    model's size and ``workers``."""
+    of the drafter alone, per fresh speed worker process. Each process decodes every prompt plainly and
+    speculatively back to back, each mode first on every other prompt (``measure-paired``: a slow stretch of the
+    machine, and the caches the previous generation left, fall on both modes alike, so they cancel in the process's
+    ratios; the processes are the replicates of :func:`distillgates.gates.stats.compare_speedup`), then the
+    drafter alone. One process at a time, started when its turn comes: nothing loads while one measures, and the
+    memory is one process's, whatever the model's size and ``workers``."""
     model, drafter = run.require(run.model_path()), run.require(run.model_path("drafter"))
     args = [*_worker_args(run, model, None), "--drafter", str(drafter.absolute())]
     cpu = max(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None
-    modes = ("plain", "speculative", "drafter")
-    out: dict[str, list[list[float]]] = {f"{metric}_{mode}": [] for metric in ("tps", "ttft") for mode in modes}
+    out: dict[str, list[list[float]]] = {f"{metric}_{mode}": [] for metric in ("tps", "ttft")
+                                         for mode in ("plain", "speculative", "drafter")}
     for _ in range(workers):
-        worker = _Lazy("speculative", PACKAGE_DIR.parent, args, cpu=cpu)
+        worker = SpeedWorker("speculative", PACKAGE_DIR.parent, args, cpu=cpu)
         try:
-            got = measure_interleaved([_Decoding(worker, mode) for mode in modes], samples)
+            worker.handshake()
+            got = {**worker.measure_paired(samples), "drafter": worker.measure(samples, "drafter")}
         finally:
             worker.close()
-        for mode, samples_of in zip(modes, got, strict=True):
+        for mode, samples_of in got.items():
             out[f"tps_{mode}"].append(samples_of["tps"])
             out[f"ttft_{mode}"].append(samples_of["ttft_ms"])
     return out
