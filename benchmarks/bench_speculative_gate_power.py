@@ -52,12 +52,12 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=6)
     parser.add_argument("--noise", action="store_true", help="a busy loop in stretches on the workers' CPU")
     args = parser.parse_args()
-    if args.noise:  # the CPU speculative_speedup pins its workers to
-        noise = subprocess.Popen([sys.executable, "-c", NOISE % max(os.sched_getaffinity(0))])
+    # on the CPU speculative_speedup pins its workers to
+    noise = subprocess.Popen([sys.executable, "-c", NOISE % max(os.sched_getaffinity(0))]) if args.noise else None
     try:
         decide(args)
     finally:
-        if args.noise:
+        if noise is not None:
             noise.kill()
 
 

@@ -91,6 +91,7 @@ def _one_run(
     sample: dict[str, Any] = {
         "tokenizer_ms": (encoded - start) * 1e3,
         "first_step_ms": (stamps[0] - encoded) * 1e3,
+        "ttft_ms": (stamps[0] - start) * 1e3,
         "tps": (len(tokens) - 1) / (stamps[-1] - stamps[0]) if len(tokens) > 1 and stamps[-1] > stamps[0] else None,
     }
     texts = [tokenizer.decode(tokens[: i + 1], skip_special_tokens=False) for i in range(len(tokens))]
@@ -186,7 +187,6 @@ def measure_speed(
         per_shape = measure_shapes(engine, tokenizer.encode(chosen[0], add_special_tokens=False), shapes,
                                    max_seq_len=model_config.max_seq_len, max_new_tokens=cfg.max_new_tokens,
                                    repeats=cfg.repeats)
-    ttft = [r["tokenizer_ms"] + r["first_step_ms"] for r in runs]
     if kv_bytes_per_elem is None:
         kv_bytes_per_elem = 2 if backend != "torch" else _cache_elem_size(engine)
     return {
@@ -196,7 +196,7 @@ def measure_speed(
         "n_prompts": len(chosen),
         "repeats": cfg.repeats,
         "max_new_tokens": cfg.max_new_tokens,
-        "ttft_ms": percentiles(ttft),
+        "ttft_ms": collect("ttft_ms"),
         "tokenizer_ms": collect("tokenizer_ms"),
         "first_step_ms": collect("first_step_ms"),
         "tps": collect("tps"),
@@ -230,7 +230,7 @@ def measure_paired(
     for i, prompt in enumerate(prompts):
         for name in (names if i % 2 == 0 else names[::-1]):
             run = _one_run(engines[name], tokenizer, prompt, max_new_tokens, stop_ids)
-            out[name]["ttft_ms"].append(run["tokenizer_ms"] + run["first_step_ms"])
+            out[name]["ttft_ms"].append(run["ttft_ms"])
             if run["tps"] is not None:
                 out[name]["tps"].append(run["tps"])
     return out
